@@ -1,0 +1,31 @@
+"""Engine configuration: what the llm model's config.pbtxt parameters and the CLI can set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: Path
+    device: str = Field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    block_size: int = 16
+    # Pool size: num_kv_blocks wins; otherwise kv_cache_memory_mb; otherwise (CUDA) a fraction
+    # of the free device memory.
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory_mb: Optional[int] = None
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None
+    seed: int = 0
+    sampling_defaults: Literal["model", "openai"] = "model"
+
+    def torch_dtype(self) -> Optional[torch.dtype]:
+        return getattr(torch, self.dtype) if self.dtype else None

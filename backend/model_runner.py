@@ -1,0 +1,271 @@
+"""A torch forward pass for Llama/Qwen2/Qwen3-family decoders over a paged KV cache.
+
+One step runs a ragged batch: each sequence contributes a chunk of new tokens (a prefill chunk
+or one decode token) on top of the context already in the cache. Projections and MLPs run on
+the packed tokens; attention gathers each sequence's blocks through its block table and runs
+one batched SDPA per layer, so there is no Python loop over sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_model_dir(cls, model_path: str | Path) -> "ModelConfig":
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            # Qwen2 always has q/k/v biases; Llama-style configs say so explicitly.
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope scaling type '{kind}'")
+    return inv_freq.float()
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@dataclass
+class BatchInput:
+    """A step's ragged batch, already laid out as tensors."""
+
+    input_ids: torch.Tensor  # [T] packed new tokens
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] (padded with 0)
+    query_index: torch.Tensor  # [T] flat index b * max_q + i into the padded query layout
+    query_positions: torch.Tensor  # [B, max_q] position of each padded query (-1 for padding)
+    max_q: int
+    logits_index: torch.Tensor  # [S] packed index of each token whose logits are needed
+
+
+class ModelRunner:
+    """Owns the weights and the KV cache tensors; runs one forward step."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        num_blocks: int,
+        block_size: int,
+        device: str | torch.device = "cpu",
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        self.config = ModelConfig.from_model_dir(model_path)
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self._load_weights(Path(model_path))
+        c = self.config
+        cache_shape = (c.num_layers, num_blocks * block_size, c.num_kv_heads, c.head_dim)
+        self.k_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
+        self.inv_freq = _rope_inv_freq(c).to(self.device)
+
+    # ---------------------------------------------------------------- weights
+    def _load_weights(self, path: Path) -> None:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        raw: dict[str, torch.Tensor] = {}
+        for f in files:
+            raw.update(load_file(str(f)))
+        c = self.config
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return raw.pop(name).to(device=self.device, dtype=self.dtype)
+            except KeyError:
+                raise ValueError(f"weight '{name}' missing from {path}") from None
+
+        self.embed = take("model.embed_tokens.weight")
+        self.final_norm = take("model.norm.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in raw else take("lm_head.weight")
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            # q, k, v and gate, up are fused so each becomes one matmul.
+            layer = {
+                "in_norm": take(p + "input_layernorm.weight"),
+                "post_norm": take(p + "post_attention_layernorm.weight"),
+                "qkv": torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                "o": take(p + "self_attn.o_proj.weight"),
+                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                "down": take(p + "mlp.down_proj.weight"),
+            }
+            if c.attention_bias:
+                layer["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            if c.qk_norm:
+                layer["q_norm"] = take(p + "self_attn.q_norm.weight")
+                layer["k_norm"] = take(p + "self_attn.k_norm.weight")
+            self.layers.append(layer)
+        raw.pop("lm_head.weight", None)
+        leftovers = [k for k in raw if "rotary_emb" not in k]
+        if leftovers:
+            raise ValueError(f"unexpected weights in {path}: {leftovers[:5]}")
+
+    # ---------------------------------------------------------------- inputs
+    def prepare(self, chunks: list[tuple[list[int], int, list[int], bool]]) -> BatchInput:
+        """Lay out a step. Each chunk is (new token ids, start position, block table, wants logits)."""
+        bs = self.block_size
+        max_q = max(len(ids) for ids, _, _, _ in chunks)
+        max_blocks = max(len(table) for _, _, table, _ in chunks)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_index: list[int] = []
+        logits_index: list[int] = []
+        tables = torch.zeros((len(chunks), max_blocks), dtype=torch.long)
+        qpos = torch.full((len(chunks), max_q), -1, dtype=torch.long)
+        for b, (ids, start, table, wants_logits) in enumerate(chunks):
+            n = len(ids)
+            pos = range(start, start + n)
+            input_ids.extend(ids)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            query_index.extend(range(b * max_q, b * max_q + n))
+            tables[b, : len(table)] = torch.tensor(table, dtype=torch.long)
+            qpos[b, :n] = torch.arange(start, start + n)
+            if wants_logits:
+                logits_index.append(len(input_ids) - 1)
+        dev = self.device
+        return BatchInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=tables.to(dev),
+            query_index=torch.tensor(query_index, dtype=torch.long, device=dev),
+            query_positions=qpos.to(dev),
+            max_q=max_q,
+            logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
+        )
+
+    # ---------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(self, batch: BatchInput) -> torch.Tensor:
+        """Runs the step, writes the new K/V into the cache, returns float32 logits [S, vocab]."""
+        c = self.config
+        num_seqs = batch.block_tables.shape[0]
+        max_k = batch.block_tables.shape[1] * self.block_size
+        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(self.dtype)[:, None, :]
+        sin = emb.sin().to(self.dtype)[:, None, :]
+        # Key j of sequence b is visible to query i iff j <= position(i). Padding queries see key 0
+        # only, so their (discarded) rows stay finite.
+        key_pos = torch.arange(max_k, device=self.device)
+        qpos = batch.query_positions.clamp(min=0)
+        mask = (key_pos[None, None, :] <= qpos[:, :, None])[:, None]  # [B, 1, max_q, max_k]
+        flat_blocks = batch.block_tables.reshape(-1)
+        slot_base = torch.arange(self.block_size, device=self.device)
+        gather_slots = (flat_blocks[:, None] * self.block_size + slot_base[None, :]).reshape(num_seqs, max_k)
+
+        h = self.embed[batch.input_ids]
+        q_size = c.num_heads * c.head_dim
+        kv_size = c.num_kv_heads * c.head_dim
+        for li, layer in enumerate(self.layers):
+            x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
+            qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(-1, c.num_heads, c.head_dim)
+            k = k.view(-1, c.num_kv_heads, c.head_dim)
+            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = _rms_norm(q, layer["q_norm"], c.rms_norm_eps)
+                k = _rms_norm(k, layer["k_norm"], c.rms_norm_eps)
+            q = _rotate(q, cos, sin)
+            k = _rotate(k, cos, sin)
+            self.k_cache[li].index_copy_(0, batch.slot_mapping, k)
+            self.v_cache[li].index_copy_(0, batch.slot_mapping, v)
+            keys = self.k_cache[li][gather_slots]  # [B, max_k, kvh, d]
+            values = self.v_cache[li][gather_slots]
+            qp = q.new_zeros((num_seqs * batch.max_q, c.num_heads, c.head_dim))
+            qp.index_copy_(0, batch.query_index, q)
+            qp = qp.view(num_seqs, batch.max_q, c.num_heads, c.head_dim).transpose(1, 2)
+            attn = F.scaled_dot_product_attention(
+                qp, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
+            )
+            attn = attn.transpose(1, 2).reshape(num_seqs * batch.max_q, q_size)[batch.query_index]
+            h = h + F.linear(attn, layer["o"])
+            x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
+            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer["down"])
+        h = _rms_norm(h[batch.logits_index], self.final_norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

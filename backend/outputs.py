@@ -1,0 +1,199 @@
+"""Turning sampled tokens into what a request sees: stop checks and released text windows.
+
+Text is released to the client only once it cannot turn out to be the start of a stop string,
+so a stop string is never half-streamed and then retracted. Release works in whole engine steps:
+each response carries the token window postprocessing decodes (see docs/ARCHITECTURE.md), and
+a window always ends on a step boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from backend.detokenizer import IncrementalDetokenizer
+from backend.sequence import FinishReason, Sequence
+
+
+@dataclass
+class RequestOutput:
+    """One response's worth of a request's progress."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # Detokenization window: all_ids[window_start : window_start + len(window_ids)], of which
+    # the first prefix_len tokens were already released. Text = decode delta minus `trim` chars.
+    window_ids: list[int]
+    window_start: int
+    prefix_len: int
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[str | int] = None
+    trim: int = 0
+    error: Optional[str] = None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def merge(self, later: "RequestOutput") -> "RequestOutput":
+        """One output covering self then `later` (for non-streaming or coalesced responses)."""
+        if not self.window_ids:
+            window, start, prefix_len = later.window_ids, later.window_start, later.prefix_len
+        elif not later.window_ids:
+            window, start, prefix_len = self.window_ids, self.window_start, self.prefix_len
+        else:
+            # later's window starts inside self's (at most at its end), so the two overlap.
+            end = self.window_start + len(self.window_ids)
+            window = self.window_ids + later.window_ids[end - later.window_start :]
+            start, prefix_len = self.window_start, self.prefix_len
+        return replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            window_ids=window,
+            window_start=start,
+            prefix_len=prefix_len,
+            text=self.text + later.text,
+        )
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+
+
+@dataclass
+class _Step:
+    text: str
+    window_ids: list[int]
+    window_start: int
+    prefix_len: int
+
+
+@dataclass
+class OutputState:
+    """Per-sequence detokenizer and the steps whose text is not released yet."""
+
+    detok: IncrementalDetokenizer
+    stops: list[str]
+    eos_ids: frozenset[int]
+    pending: list[_Step] = field(default_factory=list)
+    released_tail: str = ""  # last few released chars, enough to match a stop across the boundary
+    pending_new_ids: list[int] = field(default_factory=list)
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stops), default=0)
+
+    def on_tokens(self, seq: Sequence, new_ids: list[int]) -> Optional[RequestOutput]:
+        """Feed the step's tokens (already appended to seq); returns the output to send, if any."""
+        delta = self.detok.push(new_ids)
+        total = seq.num_tokens
+        self.pending.append(_Step(delta.text, list(delta.window_ids), total - len(delta.window_ids), delta.prefix_len))
+        self.pending_new_ids.extend(new_ids)
+        params = seq.params
+
+        last = new_ids[-1]
+        if seq.finish_reason is None:
+            if last in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, last
+            elif last in self.eos_ids and not params.ignore_eos:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, last
+            elif seq.num_output_tokens >= seq.max_new_tokens:
+                seq.finish_reason = FinishReason.LENGTH
+
+        trim = 0
+        if self.stops:
+            pending_text = "".join(s.text for s in self.pending)
+            hay = self.released_tail + pending_text
+            hit = _find_stop(hay, self.stops, start=max(0, len(self.released_tail) - self.max_stop_len + 1))
+            if hit is not None:
+                pos, stop = hit
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+                keep = pos - len(self.released_tail) + (len(stop) if params.no_stop_trim else 0)
+                trim = len(pending_text) - max(keep, 0)
+
+        if seq.finish_reason is not None:
+            return self._release(seq, len(self.pending), trim=trim, final=True)
+        if not self.stops:
+            return self._release(seq, len(self.pending))
+        # Hold back steps whose text could still grow into a stop string.
+        pending_text = "".join(s.text for s in self.pending)
+        hold = _longest_stop_prefix_suffix(self.released_tail + pending_text, self.stops)
+        safe = len(pending_text) - hold
+        n, acc = 0, 0
+        for step in self.pending:
+            if acc + len(step.text) > safe:
+                break
+            acc += len(step.text)
+            n += 1
+        return self._release(seq, n)
+
+    def _release(self, seq: Sequence, n: int, trim: int = 0, final: bool = False) -> RequestOutput:
+        steps, self.pending = self.pending[:n], self.pending[n:]
+        text = "".join(s.text for s in steps)
+        if final:
+            flushed = self.detok.finish()
+            text += flushed
+            if steps:
+                steps[-1] = replace(steps[-1], text=steps[-1].text + flushed)
+        if trim:
+            text = text[: len(text) - trim] if trim <= len(text) else ""
+        if steps:
+            first = steps[0]
+            end = steps[-1].window_start + len(steps[-1].window_ids)
+            window = seq.token_ids[first.window_start : end]
+            start, prefix_len = first.window_start, first.prefix_len
+        else:
+            # Nothing released: an empty-delta window (the released prefix alone).
+            start, prefix_len, window = seq.num_tokens, 0, []
+        if self.max_stop_len:
+            self.released_tail = (self.released_tail + text)[-self.max_stop_len :]
+        new_ids, self.pending_new_ids = self.pending_new_ids, []
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            window_ids=window,
+            window_start=start,
+            prefix_len=prefix_len,
+            text=text,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            finish_reason=seq.finish_reason.value if final and seq.finish_reason else None,
+            stop_reason=seq.stop_reason if final else None,
+            trim=trim,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def close(self, seq: Sequence, error: Optional[str] = None) -> RequestOutput:
+        """Final output for a sequence ended outside a step (length 0, cancel, error)."""
+        out = self._release(seq, len(self.pending), final=True)
+        out.finish_reason = (seq.finish_reason or FinishReason.ABORT).value
+        out.error = error
+        return out
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> Optional[tuple[int, str]]:
+    best: Optional[tuple[int, str]] = None
+    for s in stops:
+        pos = text.find(s, start)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, s)
+    return best
+
+
+def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

@@ -1,0 +1,105 @@
+"""The llm model's tensor contract, on numpy arrays so it is testable without a Triton server.
+
+Inputs follow what users of Triton LLM ensembles know (TensorRT-LLM / vLLM backend names);
+`sampling_parameters` is a JSON object of SGLang sampling parameters, and the scalar tensors,
+when present, override it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import numpy as np
+
+from backend.outputs import RequestOutput
+from backend.sampling_params import SamplingParams, SamplingParamsError
+
+# Scalar input tensor -> SGLang sampling parameter name.
+SCALAR_INPUTS: dict[str, str] = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "random_seed": "seed",
+}
+LLM_INPUTS = ("input_ids", "stream", "stop_words", "sampling_parameters", *SCALAR_INPUTS)
+
+
+def _scalar(arr: np.ndarray) -> Any:
+    value = arr.reshape(-1)
+    if value.size != 1:
+        raise SamplingParamsError(f"expected a single value, got shape {list(arr.shape)}")
+    item = value[0]
+    return item.decode() if isinstance(item, bytes) else item.item()
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def parse_llm_inputs(arrays: dict[str, np.ndarray]) -> tuple[list[int], dict[str, Any], bool]:
+    """(prompt ids, raw sampling parameters, stream) from the llm model's input tensors."""
+    if "input_ids" not in arrays:
+        raise SamplingParamsError("input 'input_ids' is required")
+    ids = arrays["input_ids"].reshape(-1).astype(np.int64).tolist()
+    raw: dict[str, Any] = {}
+    if "sampling_parameters" in arrays:
+        text = _scalar(arrays["sampling_parameters"])
+        if text:
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise SamplingParamsError(f"sampling_parameters is not valid JSON: {exc}") from None
+            if not isinstance(raw, dict):
+                raise SamplingParamsError("sampling_parameters must be a JSON object")
+    for tensor, name in SCALAR_INPUTS.items():
+        if tensor in arrays:
+            raw[name] = _scalar(arrays[tensor])
+    if "stop_words" in arrays:
+        words = [_text(w) for w in arrays["stop_words"].reshape(-1) if _text(w)]
+        if words:
+            raw["stop"] = words
+    stream = bool(_scalar(arrays["stream"])) if "stream" in arrays else bool(raw.pop("stream", False))
+    raw.pop("stream", None)
+    return ids, raw, stream
+
+
+def llm_output_arrays(out: RequestOutput, params: SamplingParams) -> dict[str, np.ndarray]:
+    meta: dict[str, Any] = {"stop_reason": out.stop_reason, "num_preemptions": out.num_preemptions}
+    return {
+        "output_ids": np.asarray(out.new_token_ids, dtype=np.int32),
+        "detok_ids": np.asarray(out.window_ids, dtype=np.int32),
+        "detok_prefix_len": np.asarray([out.prefix_len], dtype=np.int32),
+        "detok_trim": np.asarray([out.trim], dtype=np.int32),
+        "skip_special_tokens": np.asarray([params.skip_special_tokens], dtype=bool),
+        "spaces_between_special_tokens": np.asarray([params.spaces_between_special_tokens], dtype=bool),
+        "finish_reason": np.asarray([out.finish_reason or ""], dtype=object),
+        "meta_info": np.asarray([json.dumps(meta)], dtype=object),
+        "prompt_tokens": np.asarray([out.prompt_tokens], dtype=np.int32),
+        "completion_tokens": np.asarray([out.completion_tokens], dtype=np.int32),
+    }
+
+
+def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict[str, Any]:
+    """EngineConfig fields from config.pbtxt parameters; env LLM_<NAME> wins; 'auto' means default."""
+    fields = {
+        "device": str,
+        "dtype": str,
+        "block_size": int,
+        "num_kv_blocks": int,
+        "kv_cache_memory_mb": int,
+        "max_num_seqs": int,
+        "max_num_batched_tokens": int,
+        "max_model_len": int,
+        "sampling_defaults": str,
+        "seed": int,
+    }
+    out: dict[str, Any] = {}
+    for name, cast in fields.items():
+        value: Optional[str] = env.get(f"LLM_{name.upper()}", params.get(name))
+        if value is None or value == "" or value == "auto":
+            continue
+        out[name] = cast(value)
+    return out

@@ -1,0 +1,156 @@
+"""Start and stop a real tritonserver on this repository's model_repository/.
+
+Used by the serve command, the integration tests and the benchmarks, so all three run the
+server the same way: the binary from the nvidia-pytriton wheel, the Python backend stub for this
+interpreter, this interpreter's site-packages visible to the models.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def triton_home() -> Path:
+    import pytriton
+
+    return Path(pytriton.__file__).parent / "tritonserver"
+
+
+def server_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    site = sysconfig.get_paths()["purelib"]
+    env = dict(os.environ)
+    libdir = sysconfig.get_config_var("LIBDIR")
+    env["LD_LIBRARY_PATH"] = ":".join(
+        p for p in (libdir, str(Path(site) / "nvidia_pytriton.libs"), env.get("LD_LIBRARY_PATH")) if p
+    )
+    env["PYTHONPATH"] = ":".join(p for p in (str(REPO_ROOT), site, env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+class LocalTritonServer:
+    def __init__(
+        self,
+        model_repository: Path = REPO_ROOT / "model_repository",
+        http_port: Optional[int] = None,
+        grpc_port: Optional[int] = None,
+        metrics_port: Optional[int] = None,
+        env: Optional[dict[str, str]] = None,
+        log_file: Optional[Path] = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.model_repository = Path(model_repository)
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.env = env or {}
+        self.log_file = log_file
+        self.extra_args = extra_args
+        self.process: Optional[subprocess.Popen] = None
+        self._log_handle = None
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        home = triton_home()
+        return [
+            str(home / "bin" / "tritonserver"),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={home / 'backends'}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true",
+            "--log-verbose=0",
+            *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 300.0) -> "LocalTritonServer":
+        stub = triton_home() / "backends" / "python" / "triton_python_backend_stub"
+        if not stub.exists():
+            raise RuntimeError(f"{stub} is missing: run scripts/setup.sh first")
+        out = None
+        if self.log_file is not None:
+            self._log_handle = open(self.log_file, "ab")
+            out = self._log_handle
+        self.process = subprocess.Popen(
+            self.command(),
+            env=server_env(self.env),
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            start_new_session=True,
+        )
+        self.wait_ready(timeout)
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} (see its log)")
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.process = None
+        if self._log_handle is not None:
+            self._log_handle.close()
+            self._log_handle = None
+
+    def __enter__(self) -> "LocalTritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":  # pragma: no cover - convenience: python -m client.local_server
+    srv = LocalTritonServer(http_port=8000, grpc_port=8001, metrics_port=8002)
+    print(" ".join(srv.command()), file=sys.stderr)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Sets up the environment, builds the demo model if missing, and serves it on the real
+# tritonserver (and the OpenAI/SGLang frontend when it is present).
+#   scripts/serve.sh [--model-path DIR] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
+#                    [--frontend-port 9000] [--no-frontend]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL_PATH=${LLM_MODEL_PATH:-models/demo}
+HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002 FRONTEND_PORT=9000 FRONTEND=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model-path) MODEL_PATH=$2; shift 2 ;;
+    --http-port) HTTP_PORT=$2; shift 2 ;;
+    --grpc-port) GRPC_PORT=$2; shift 2 ;;
+    --metrics-port) METRICS_PORT=$2; shift 2 ;;
+    --frontend-port) FRONTEND_PORT=$2; shift 2 ;;
+    --no-frontend) FRONTEND=0; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+scripts/setup.sh
+if [ "$MODEL_PATH" = "models/demo" ] && [ ! -f models/demo/config.json ]; then
+  .venv/bin/python -m backend.demo_model --out models/demo
+fi
+export LLM_MODEL_PATH="$(cd "$MODEL_PATH" && pwd)"
+# shellcheck source=scripts/env.sh
+. scripts/env.sh
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait; }
+trap cleanup EXIT INT TERM
+tritonserver --model-repository="$PWD/model_repository" --backend-directory="$TRITON_HOME/backends" \
+  --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" --metrics-port="$METRICS_PORT" &
+pids+=($!)
+if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
+  until curl -sf "localhost:$HTTP_PORT/v2/health/ready" >/dev/null; do sleep 1; done
+  .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" --port "$FRONTEND_PORT" \
+    --tokenizer-path "$LLM_MODEL_PATH" &
+  pids+=($!)
+fi
+wait -n "${pids[@]}"

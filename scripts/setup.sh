@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates .venv with the pinned dependencies and puts the Python-backend stub where tritonserver
+# looks for it. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import tritonclient, torch, transformers, xgrammar, fastapi, openai" 2>/dev/null \
+   || ! cmp -s requirements.txt .venv/.requirements.installed; then
+  echo "[setup] installing pinned requirements (first run takes a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r requirements.txt -c constraints.txt
+  cp requirements.txt .venv/.requirements.installed
+fi
+# The stub must match the interpreter whose site-packages the models import from.
+.venv/bin/python - <<'PY'
+import os, shutil, sys, sysconfig
+import pytriton
+root = os.path.join(os.path.dirname(pytriton.__file__), "tritonserver")
+ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+src = os.path.join(root, "python_backend_stubs", ver, "triton_python_backend_stub")
+dst = os.path.join(root, "backends", "python", "triton_python_backend_stub")
+if not os.path.exists(dst) or os.path.getsize(dst) != os.path.getsize(src):
+    shutil.copy2(src, dst)
+    print(f"[setup] installed the Python {ver} backend stub")
+PY
+echo "[setup] environment ready"

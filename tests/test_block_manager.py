@@ -1,0 +1,78 @@
+import pytest
+
+from backend.block_manager import BlockManager
+from backend.sampling_params import SamplingParams
+from backend.scheduler import Scheduler
+from backend.sequence import FinishReason, Sequence, SequenceStatus
+
+
+def _seq(n_prompt: int, max_new: int = 8) -> Sequence:
+    return Sequence(request_id=f"r{n_prompt}-{id(object())}", token_ids=list(range(1, n_prompt + 1)),
+                    params=SamplingParams(), max_new_tokens=max_new)
+
+
+def test_allocate_grows_by_blocks_and_frees_all():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = _seq(5)
+    bm.allocate(s, 5)
+    assert len(s.block_table) == 2 and bm.num_free_blocks == 6
+    bm.allocate(s, 8)  # still fits in 2 blocks
+    assert len(s.block_table) == 2
+    bm.allocate(s, 9)
+    assert len(s.block_table) == 3
+    bm.free(s)
+    assert s.block_table == [] and bm.num_free_blocks == 8
+
+
+def test_allocation_failure_and_double_free_are_errors():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    s = _seq(4)
+    assert not bm.can_allocate(s, 9)
+    with pytest.raises(RuntimeError):
+        bm.allocate(s, 9)
+    bm.allocate(s, 4)
+    other = _seq(3)
+    other.block_table = list(s.block_table)
+    with pytest.raises(RuntimeError):
+        bm.free(other)
+
+
+def test_scheduler_respects_token_budget_with_chunked_prefill():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10)
+    long, short = _seq(25), _seq(3)
+    sched.add(long)
+    sched.add(short)
+    step = sched.schedule()
+    assert [(s.seq is long, s.num_new_tokens) for s in step] == [(True, 10)]
+    assert not step[0].samples  # a partial prefill draws no token
+    long.num_computed_tokens += 10
+    step = sched.schedule()
+    assert [s.num_new_tokens for s in step] == [10]
+    long.num_computed_tokens += 10
+    step = sched.schedule()
+    # The rest of the long prompt (5) and the whole short prompt (3) share the step.
+    assert sorted(s.num_new_tokens for s in step) == [3, 5]
+    assert all(s.samples for s in step)
+
+
+def test_scheduler_preempts_newest_when_pool_runs_dry():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _seq(4), _seq(4)
+    sched.add(a)
+    sched.add(b)
+    for item in sched.schedule():
+        item.seq.num_computed_tokens += item.num_new_tokens
+    assert bm.num_free_blocks == 2
+    # Both grow past their first block, then past their second: b must give way to a.
+    for s in (a, b):
+        s.token_ids += [7] * 5
+    step = sched.schedule()
+    assert [s.seq for s in step] == [a]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert sched.num_preemptions == 1 and sched.waiting[0] is b
+    sched.finish(a, FinishReason.STOP)
+    assert bm.num_free_blocks == 4
+    sched.finish(b, FinishReason.ABORT)
+    assert bm.num_free_blocks == 4 and not sched.has_work()
