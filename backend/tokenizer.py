@@ -1,0 +1,247 @@
+"""Loading a Hugging Face tokenizer and turning requests (text, chat messages, ids) into prompt ids.
+
+Used by the preprocessing model, the engine and the OpenAI frontend, so all of them render chat
+templates and tokenize exactly the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+# Keys apply_chat_template owns; letting chat_template_kwargs set them would change what the
+# call returns (tokens, tensors, dicts) instead of what the template renders.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def load_tokenizer(model_path: str | Path) -> Any:
+    """The model directory's tokenizer (AutoTokenizer, local files only, no remote code)."""
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model directory {path} does not exist (build the demo model with "
+            f"`python -m backend.demo_model --out models/demo`, or set LLM_MODEL_PATH)"
+        )
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+
+
+def _load_json(value: Any, what: str) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        value = value.decode("utf-8")
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    return value
+
+
+def _content_text(content: Any, index: int) -> str:
+    """OpenAI message content (string, None or list of parts) as the string templates expect."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ValueError(f"messages[{index}].content: unsupported content part {kind!r} (only text)")
+        # Same joining as vLLM's "string" content format.
+        return "\n".join(texts)
+    raise ValueError(f"messages[{index}].content must be a string, null or a list of text parts")
+
+
+def _tool_calls(calls: Any, index: int) -> list[dict]:
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{index}].tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        if not isinstance(call, Mapping):
+            raise ValueError(f"messages[{index}].tool_calls[{j}] must be an object")
+        call = dict(call)
+        fn = call.get("function")
+        if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+            # OpenAI sends arguments as a JSON string; templates (Qwen's `arguments | tojson`)
+            # expect an object, or they would render a doubly-encoded string. vLLM does the same.
+            try:
+                call["function"] = {**fn, "arguments": json.loads(fn["arguments"])}
+            except json.JSONDecodeError:
+                pass
+        out.append(call)
+    return out
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Validate OpenAI chat messages (list or JSON string) and shape them for chat templates.
+
+    Unknown roles and extra keys pass through: templates decide what they mean.
+    """
+    messages = _load_json(messages, "messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty JSON list of message objects")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        m = dict(msg)
+        m["content"] = _content_text(msg.get("content"), i)
+        if m.get("tool_calls") is not None:
+            m["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        else:
+            m.pop("tool_calls", None)
+        out.append(m)
+    return out
+
+
+def normalize_tools(tools: Any) -> Optional[list[dict]]:
+    """OpenAI tool definitions (list or JSON string) or None; an empty list means no tools."""
+    tools = _load_json(tools, "tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise ValueError("tools must be a JSON list of tool objects")
+    return [dict(t) for t in tools] or None
+
+
+def _template_kwargs(kwargs: Any) -> dict[str, Any]:
+    kwargs = _load_json(kwargs, "chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise ValueError("chat_template_kwargs must be a JSON object")
+    bad = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}")
+    return dict(kwargs)
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Any,
+    tools: Any = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: Any = None,
+    chat_template: Optional[str] = None,
+    continue_final_message: bool = False,
+) -> str:
+    """The prompt text for chat `messages` rendered with the model's (or the given) chat template.
+
+    `messages`, `tools` and `chat_template_kwargs` may be Python objects or JSON strings.
+    Raises ValueError for malformed input or a template error.
+    """
+    from jinja2 import TemplateError
+
+    conversation = normalize_messages(messages)
+    tool_list = normalize_tools(tools)
+    extra = _template_kwargs(chat_template_kwargs)
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    if continue_final_message and conversation[-1]["role"] != "assistant":
+        raise ValueError("continue_final_message needs a final assistant message")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model has no chat template; send a prompt instead of messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tools=tool_list,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **extra,
+        )
+    except TemplateError as exc:  # includes raise_exception() calls inside templates
+        raise ValueError(f"chat template error: {exc}") from None
+    if not isinstance(text, str):  # pragma: no cover - tokenize=False always returns text
+        raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+    return text
+
+
+def _present(value: Any) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, (str, bytes, list, tuple)):
+        return len(value) > 0
+    size = getattr(value, "size", None)  # numpy arrays
+    return bool(size) if size is not None else True
+
+
+def encode_prompt(
+    tokenizer: Any,
+    *,
+    text: Optional[str] = None,
+    messages: Any = None,
+    input_ids: Optional[Sequence[int]] = None,
+    tools: Any = None,
+    chat_template_kwargs: Any = None,
+    add_generation_prompt: bool = True,
+    chat_template: Optional[str] = None,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """Prompt token ids from exactly one of `text`, chat `messages` or `input_ids`.
+
+    Empty values count as absent. Raw text gets the tokenizer's own special tokens (a BOS for
+    Llama-style models, nothing for Qwen); a rendered chat template already contains them.
+    `tools`, `chat_template_kwargs`, `add_generation_prompt` only apply to `messages`.
+    """
+    given = [name for name, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids)) if _present(v)]
+    if len(given) != 1:
+        raise ValueError(
+            "exactly one of text_input, messages, input_ids is required"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
+    if _present(input_ids):
+        ids = [int(i) for i in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
+        limit = len(tokenizer)
+        bad = [i for i in ids if i < 0 or i >= limit]
+        if bad:
+            raise ValueError(f"input_ids out of range [0, {limit}): {bad[:5]}")
+        return ids
+    if _present(messages):
+        prompt = render_chat(
+            tokenizer,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            chat_template=chat_template,
+            continue_final_message=continue_final_message,
+        )
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        if isinstance(text, (bytes, bytearray)):
+            text = text.decode("utf-8")
+        ids = tokenizer.encode(text, add_special_tokens=True)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return list(ids)

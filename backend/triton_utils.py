@@ -1,0 +1,138 @@
+"""Helpers shared by the Triton models: paths, config parameters, and the pre/postprocessing
+tensor contracts on numpy arrays (so they are testable without a Triton server).
+
+No import of triton_python_backend_utils here: the model.py files own that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from backend.detokenizer import decode_delta
+from backend.tokenizer import encode_prompt
+
+MODEL_PATH_ENV = "LLM_MODEL_PATH"
+DEFAULT_MODEL_PATH = "models/demo"
+
+PREPROCESSING_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "input_ids")
+POSTPROCESSING_INPUTS = (
+    "output_ids",
+    "detok_ids",
+    "detok_prefix_len",
+    "detok_trim",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "finish_reason",
+    "meta_info",
+    "prompt_tokens",
+    "completion_tokens",
+)
+
+
+def repo_root() -> Path:
+    """The repository root (this file is backend/triton_utils.py)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def resolve_path(value: str | Path) -> Path:
+    """An absolute path; relative paths are taken from the repository root, not the cwd
+    (tritonserver's cwd is wherever it was started)."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else repo_root() / path
+
+
+def config_parameters(args: Mapping[str, Any]) -> dict[str, str]:
+    """The `parameters` of a model's config.pbtxt as {key: string_value}, from initialize(args)."""
+    config = args["model_config"]
+    if isinstance(config, str):
+        config = json.loads(config)
+    return {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+
+
+def model_path_from_config(args: Mapping[str, Any], env: Optional[Mapping[str, str]] = None) -> Path:
+    """The HF model directory: $LLM_MODEL_PATH, else the `model_path` parameter, else models/demo."""
+    env = os.environ if env is None else env
+    value = env.get(MODEL_PATH_ENV) or config_parameters(args).get("model_path") or DEFAULT_MODEL_PATH
+    return resolve_path(value)
+
+
+# ---- numpy views of Triton tensors -------------------------------------------------------
+
+
+def _scalar(arrays: Mapping[str, np.ndarray], name: str) -> Any:
+    """The single element of a [1] tensor, or None when absent/empty; bytes -> str."""
+    arr = arrays.get(name)
+    if arr is None:
+        return None
+    flat = np.asarray(arr).reshape(-1)
+    if flat.size == 0:
+        return None
+    if flat.size != 1:
+        raise ValueError(f"input '{name}' must hold one element, got shape {list(np.shape(arr))}")
+    item = flat[0]
+    if isinstance(item, (bytes, bytearray)):
+        try:
+            return item.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"input '{name}' is not valid UTF-8") from None
+    return item.item() if isinstance(item, np.generic) else item
+
+
+def _ids(arrays: Mapping[str, np.ndarray], name: str) -> Optional[np.ndarray]:
+    arr = arrays.get(name)
+    return None if arr is None else np.asarray(arr).reshape(-1)
+
+
+def preprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """preprocessing: {text_input | messages (+tools, ...) | input_ids} -> {prompt_ids}."""
+    agp = _scalar(arrays, "add_generation_prompt")
+    ids = encode_prompt(
+        tokenizer,
+        text=_scalar(arrays, "text_input"),
+        messages=_scalar(arrays, "messages"),
+        input_ids=_ids(arrays, "input_ids"),
+        tools=_scalar(arrays, "tools") or None,
+        chat_template_kwargs=_scalar(arrays, "chat_template_kwargs") or None,
+        add_generation_prompt=True if agp is None else bool(agp),
+    )
+    return {"prompt_ids": np.asarray(ids, dtype=np.int32)}
+
+
+def postprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """postprocessing: one llm response -> the ensemble outputs (all always present).
+
+    A non-empty finish_reason marks the last response: its window is decoded with final=True,
+    so text held back for an incomplete character is flushed.
+    """
+    window = _ids(arrays, "detok_ids")
+    prefix_len = _scalar(arrays, "detok_prefix_len")
+    if window is None or prefix_len is None:
+        raise ValueError("inputs 'detok_ids' and 'detok_prefix_len' are required")
+    finish_reason = _scalar(arrays, "finish_reason") or ""
+    skip = _scalar(arrays, "skip_special_tokens")
+    spaces = _scalar(arrays, "spaces_between_special_tokens")
+    text = decode_delta(
+        tokenizer,
+        window,
+        int(prefix_len),
+        skip_special_tokens=True if skip is None else bool(skip),
+        spaces_between_special_tokens=True if spaces is None else bool(spaces),
+        final=bool(finish_reason),
+    )
+    trim = int(_scalar(arrays, "detok_trim") or 0)
+    if trim > 0:  # a matched stop string at the end of this response's text
+        text = text[: max(len(text) - trim, 0)]
+    output_ids = _ids(arrays, "output_ids")
+    return {
+        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+        "output_ids": (output_ids if output_ids is not None else np.zeros(0)).astype(np.int32),
+        "finish_reason": np.array([finish_reason.encode("utf-8")], dtype=np.object_),
+        "meta_info": np.array([(_scalar(arrays, "meta_info") or "{}").encode("utf-8")], dtype=np.object_),
+        "prompt_tokens": np.array([int(_scalar(arrays, "prompt_tokens") or 0)], dtype=np.int32),
+        "completion_tokens": np.array([int(_scalar(arrays, "completion_tokens") or 0)], dtype=np.int32),
+    }

@@ -1,0 +1,103 @@
+"""Shared fixtures. `demo_model_path` builds models/demo (once, if missing or stale)."""
+
+from __future__ import annotations
+
+import fcntl
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+DEMO_MODEL_DIR = REPO_ROOT / "models" / "demo"
+
+
+def ensure_demo_model(path: Path = DEMO_MODEL_DIR, seed: int = 0) -> Path:
+    """Build the demo model into `path` unless a current build is already there."""
+    from backend.demo_model import build_demo_model, is_current
+
+    if is_current(path, seed):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Parallel test processes (or a server test next to a unit test run) must not build twice.
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_current(path, seed):
+            build_demo_model(path, seed=seed)
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_model_path() -> Path:
+    """Path of the demo HF model directory (models/demo under the repository)."""
+    return ensure_demo_model()
+
+
+class _FakeTensor:
+    def __init__(self, name: str, array) -> None:
+        self._name, self._array = name, array
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+class _FakeTritonError(Exception):
+    INTERNAL, INVALID_ARG = "INTERNAL", "INVALID_ARG"
+
+    def __init__(self, message: str, code: str = "INTERNAL") -> None:
+        super().__init__(message)
+        self._message, self._code = message, code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> str:
+        return self._code
+
+
+class _FakeResponse:
+    def __init__(self, output_tensors=None, error=None) -> None:
+        self.output_tensors, self.error = list(output_tensors or []), error
+
+    def outputs(self) -> dict:
+        return {t.name(): t.as_numpy() for t in self.output_tensors}
+
+
+class FakeRequest:
+    """A Triton request holding numpy inputs, for driving model.py files without a server."""
+
+    def __init__(self, **inputs) -> None:
+        self.inputs = {k: _FakeTensor(k, v) for k, v in inputs.items()}
+
+
+@pytest.fixture
+def fake_pb_utils(monkeypatch):
+    """A minimal `triton_python_backend_utils` (Tensor, InferenceResponse, TritonError, Logger,
+    get_input_tensor_by_name), installed in sys.modules so model.py files import it."""
+    import types
+
+    mod = types.ModuleType("triton_python_backend_utils")
+    mod.Tensor = _FakeTensor
+    mod.TritonError = _FakeTritonError
+    mod.InferenceResponse = _FakeResponse
+    mod.Logger = types.SimpleNamespace(log_info=lambda msg: None, log_warn=lambda msg: None, log_error=lambda msg: None)
+    mod.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", mod)
+    return mod
+
+
+def load_triton_model(name: str):
+    """Import model_repository/<name>/1/model.py as a fresh module (needs fake_pb_utils)."""
+    import importlib.util
+
+    path = REPO_ROOT / "model_repository" / name / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location(f"_triton_model_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,230 @@
+"""Incremental detokenization: engine side (IncrementalDetokenizer) and the stateless
+postprocessing side (decode_delta over the shipped window) must both reproduce decode(all)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from backend.detokenizer import IncrementalDetokenizer, decode_delta
+from backend.tokenizer import load_tokenizer
+from backend.triton_utils import postprocess_arrays
+from conftest import FakeRequest, load_triton_model
+
+TEXTS = [
+    "Hello world, how are you doing today? Fine, thanks.",
+    "  spaces   everywhere\n\n\tand tabs  ",
+    "你好，世界！人工智能正在改变我们的生活。",
+    "東京は日本の首都です。こんにちは",
+    "emoji 😀🎉 mixed 👍🏽 ZWJ 👨‍👩‍👧 flags 🇯🇵 🦄🫠",
+    'Tool: <tool_call>\n{"name": "f", "arguments": {"城市": "北京"}}\n</tool_call> done<|im_end|>',
+    "ǅ ꙮ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 — “quotes” … naïve café",
+]
+PROMPT = "<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model_path):
+    return load_tokenizer(demo_model_path)
+
+
+def _incomplete(tok, token_id: int) -> bool:
+    return tok.decode([token_id]).endswith("\ufffd")
+
+
+def _stream(tok, prompt_ids, output_ids, chunks, skip):
+    """Run the engine side and, per push, the postprocessing side; return both texts."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip)
+    engine, post, held = [], [], 0
+    i = 0
+    for n in chunks:
+        new = output_ids[i : i + n]
+        i += n
+        final = i >= len(output_ids)
+        delta = detok.push(new)
+        text = delta.text + (detok.finish() if final else "")
+        held += delta.text == ""
+        # Postprocessing sees only the window (as an INT32 tensor) and the final flag.
+        window = np.asarray(delta.window_ids, dtype=np.int32)
+        assert delta.window_ids == detok.all_ids[delta.window_start :]
+        post.append(decode_delta(tok, window, delta.prefix_len, skip_special_tokens=skip, final=final))
+        engine.append(text)
+    assert engine == post
+    assert "".join(engine) == detok.text
+    return "".join(engine), held
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_token_at_a_time(tok, text, skip):
+    prompt_ids = tok.encode(PROMPT, add_special_tokens=False)
+    output_ids = tok.encode(text, add_special_tokens=False)
+    got, _ = _stream(tok, prompt_ids, output_ids, [1] * len(output_ids), skip)
+    assert got == tok.decode(output_ids, skip_special_tokens=skip)
+
+
+def test_split_multibyte_characters_are_held_back(tok):
+    # Prove the hard case happens: tokens that end inside a UTF-8 character.
+    for text in TEXTS[2:5]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert any(_incomplete(tok, i) for i in ids), f"no split character in {text!r}"
+        got, held = _stream(tok, [], ids, [1] * len(ids), skip=True)
+        assert held > 0 and got == text and "\ufffd" not in got
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_random_chunks_and_random_tokens(tok, skip):
+    rng = random.Random(1234)
+    partial = [i for i in range(len(tok)) if "\ufffd" in tok.decode([i])]
+    prompt_ids = tok.encode(PROMPT, add_special_tokens=False)
+    for _ in range(200):
+        # Random ids, biased to partial-character tokens: also invalid UTF-8 byte soup.
+        ids = [rng.choice(partial) if rng.random() < 0.5 else rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        chunks = []
+        while sum(chunks) < len(ids):
+            chunks.append(rng.randint(1, 4))
+        got, _ = _stream(tok, prompt_ids, ids, chunks, skip)
+        assert got == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_special_tokens_between_text(tok):
+    ids = tok.encode("Hi<|im_end|><|endoftext|> there 你", add_special_tokens=False)
+    assert _stream(tok, [], ids, [1] * len(ids), skip=True)[0] == "Hi there 你"
+    assert _stream(tok, [], ids, [1] * len(ids), skip=False)[0] == "Hi<|im_end|><|endoftext|> there 你"
+
+
+def test_truncated_character_is_flushed_by_finish(tok):
+    ids = tok.encode("ok 😀", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tok, [])
+    released = "".join(detok.push([i]).text for i in ids[:cut])
+    assert released.startswith("ok") and "\ufffd" not in released
+    tail = detok.finish()
+    assert tail.endswith("\ufffd") and detok.text == tok.decode(ids[:cut])
+    assert detok.finish() == ""  # idempotent
+
+
+def test_aggregated_windows_equal_concatenated_pushes(tok):
+    rng = random.Random(7)
+    partial = [i for i in range(len(tok)) if "\ufffd" in tok.decode([i])]
+    for trial in range(200):
+        text = TEXTS[trial % len(TEXTS)]
+        ids = tok.encode(text, add_special_tokens=False)
+        if trial % 2:
+            ids = [rng.choice(partial) for _ in range(rng.randrange(1, 20))] + ids
+        detok = IncrementalDetokenizer(tok, tok.encode(PROMPT, add_special_tokens=False))
+        mark, texts, responses = detok.mark(), [], []
+        i = 0
+        while i < len(ids):
+            n = rng.randint(1, 3)
+            texts.append(detok.push(ids[i : i + n]).text)
+            i += n
+            final = i >= len(ids)
+            if final:
+                texts.append(detok.finish())
+            if final or rng.random() < 0.3:  # close a response covering several pushes
+                window, prefix_len = detok.window_since(mark, final=final)
+                got = decode_delta(tok, window, prefix_len, final=final)
+                assert got == "".join(texts)
+                responses.append(got)
+                mark, texts = detok.mark(), []
+        assert "".join(responses) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_merging_pushes_with_delta_offsets(tok):
+    # The engine's view: merge per-push deltas p..q via window_start / read_offset.
+    ids = tok.encode("ab 你好 😀 cd 世界🎉", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT, add_special_tokens=False))
+    deltas = [detok.push([i]) for i in ids]
+    assert any(d.text == "" for d in deltas[:-1])  # some pushes held back half a character
+    for p in range(len(deltas)):
+        for q in range(p, len(deltas)):
+            window = detok.all_ids[deltas[p].window_start : deltas[q].read_offset]
+            want = "".join(d.text for d in deltas[p : q + 1])
+            assert decode_delta(tok, window, deltas[p].prefix_len) == want
+
+
+def test_window_stays_small(tok):
+    ids = tok.encode(" ".join(TEXTS) * 5, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT, add_special_tokens=False))
+    biggest = max(len(detok.push([i]).window_ids) for i in ids)
+    assert biggest <= 8  # a few tokens, never the whole output
+
+
+def test_initial_window_uses_last_prompt_tokens(tok):
+    prompt = tok.encode("one two three four five six seven", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    delta = detok.push(tok.encode(" eight", add_special_tokens=False))
+    assert delta.window_start == len(prompt) - 5 and delta.prefix_len == 5
+    assert delta.text == " eight"
+    assert IncrementalDetokenizer(tok, [1, 2]).push([3]).prefix_len == 2
+
+
+def test_decode_delta_validates_prefix_len(tok):
+    with pytest.raises(ValueError, match="prefix_len"):
+        decode_delta(tok, [1, 2], 3)
+    assert decode_delta(tok, [1, 2], 2) == ""
+    assert decode_delta(tok, [], 0, final=True) == ""
+
+
+def _post(**arrays):
+    return {k: (np.array([v.encode()], dtype=object) if isinstance(v, str) else np.asarray(v)) for k, v in arrays.items()}
+
+
+def test_postprocess_arrays(tok):
+    window = tok.encode("Hello world STOP", add_special_tokens=False)
+    prefix = len(tok.encode("Hello", add_special_tokens=False))
+    out = postprocess_arrays(tok, _post(detok_ids=np.array(window, np.int32), detok_prefix_len=np.array([prefix], np.int32)))
+    assert out["text_output"][0].decode() == " world STOP"
+    # Defaults for absent pass-through inputs: the ensemble's outputs are always present.
+    assert out["output_ids"].dtype == np.int32 and out["output_ids"].size == 0
+    assert out["finish_reason"][0] == b"" and out["meta_info"][0] == b"{}"
+    assert out["prompt_tokens"].tolist() == [0] and out["completion_tokens"].tolist() == [0]
+
+    out = postprocess_arrays(
+        tok,
+        _post(
+            detok_ids=np.array(window, np.int32),
+            detok_prefix_len=np.array([prefix], np.int32),
+            detok_trim=np.array([5], np.int32),
+            output_ids=np.array([7, 8], np.int32),
+            finish_reason="stop",
+            meta_info=json.dumps({"stop_reason": "STOP"}),
+            prompt_tokens=np.array([3], np.int32),
+            completion_tokens=np.array([9], np.int32),
+            skip_special_tokens=np.array([True]),
+        ),
+    )
+    assert out["text_output"][0].decode() == " world"
+    assert out["output_ids"].tolist() == [7, 8] and out["finish_reason"][0] == b"stop"
+    assert json.loads(out["meta_info"][0]) == {"stop_reason": "STOP"}
+    assert (out["prompt_tokens"][0], out["completion_tokens"][0]) == (3, 9)
+
+
+def test_postprocess_final_flag_flushes_partial_character(tok):
+    ids = tok.encode("a😀", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    window = np.array(ids[:cut], np.int32)
+    assert postprocess_arrays(tok, _post(detok_ids=window, detok_prefix_len=np.array([0], np.int32)))["text_output"][0] == b""
+    final = postprocess_arrays(tok, _post(detok_ids=window, detok_prefix_len=np.array([0], np.int32), finish_reason="length"))
+    assert final["text_output"][0].decode().endswith("\ufffd")
+
+
+def test_postprocessing_model_py(fake_pb_utils, demo_model_path, monkeypatch, tok):
+    monkeypatch.setenv("LLM_MODEL_PATH", str(demo_model_path))
+    model = load_triton_model("postprocessing").TritonPythonModel()
+    model.initialize({"model_config": json.dumps({"parameters": {"model_path": {"string_value": "models/demo"}}})})
+    ids = tok.encode("Hi there", add_special_tokens=False)
+    good = FakeRequest(**_post(detok_ids=np.array(ids, np.int32), detok_prefix_len=np.array([1], np.int32)))
+    bad = FakeRequest(**_post(detok_ids=np.array(ids, np.int32), detok_prefix_len=np.array([99], np.int32)))
+    missing = FakeRequest(**_post(output_ids=np.array([1], np.int32)))
+    responses = model.execute([good, bad, missing])
+    assert responses[0].error is None
+    outs = responses[0].outputs()
+    assert outs["text_output"][0].decode() == tok.decode(ids[1:])
+    assert set(outs) == {"text_output", "output_ids", "finish_reason", "meta_info", "prompt_tokens", "completion_tokens"}
+    assert "prefix_len 99" in responses[1].error.message() and responses[1].error.code() == "INVALID_ARG"
+    assert "required" in responses[2].error.message()

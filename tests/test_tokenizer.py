@@ -1,0 +1,222 @@
+"""Chat template rendering (Qwen2.5 format), prompt encoding, preprocessing adapter, paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backend.tokenizer import encode_prompt, load_tokenizer, render_chat
+from backend.triton_utils import model_path_from_config, preprocess_arrays, repo_root
+from conftest import FakeRequest, load_triton_model
+
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOLS_BLOCK = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    + json.dumps(WEATHER_TOOL)
+    + "\n"
+    + json.dumps({"type": "function", "function": {"name": "noop", "parameters": {}}})
+    + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+)
+TOOLS = [WEATHER_TOOL, {"type": "function", "function": {"name": "noop", "parameters": {}}}]
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model_path):
+    return load_tokenizer(demo_model_path)
+
+
+def test_load_tokenizer_missing_dir_is_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python -m backend.demo_model"):
+        load_tokenizer(tmp_path / "nope")
+
+
+def test_plain_chat_default_system(tok):
+    got = render_chat(tok, [{"role": "user", "content": "Hi there"}])
+    assert got == (
+        f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_system_and_multi_turn_without_generation_prompt(tok):
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "你好 😀"},
+    ]
+    got = render_chat(tok, json.dumps(msgs), add_generation_prompt=False)
+    assert got == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n1+1?<|im_end|>\n"
+        "<|im_start|>assistant\n2<|im_end|>\n"
+        "<|im_start|>user\n你好 😀<|im_end|>\n"
+    )
+
+
+def test_tools_with_default_system(tok):
+    got = render_chat(tok, [{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS)
+    assert got == (
+        f"<|im_start|>system\n{QWEN_SYSTEM}{TOOLS_BLOCK}"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_tool_call_round_trip(tok):
+    msgs = [
+        {"role": "system", "content": "You check weather."},
+        {"role": "user", "content": "Paris and 東京?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                # OpenAI sends arguments as a JSON string; it is rendered as an object.
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "東京"}}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": '{"temp": 21}'},
+        {"role": "tool", "tool_call_id": "b", "content": '{"temp": 18}'},
+        {"role": "assistant", "content": "Thinking.", "tool_calls": [{"function": {"name": "noop", "arguments": "{}"}}]},
+        {"role": "tool", "content": "done"},
+    ]
+    got = render_chat(tok, msgs, tools=json.dumps(TOOLS))
+    assert got == (
+        f"<|im_start|>system\nYou check weather.{TOOLS_BLOCK}"
+        "<|im_start|>user\nParis and 東京?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n{\"temp\": 21}\n</tool_response>\n"
+        "<tool_response>\n{\"temp\": 18}\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nThinking.\n"
+        '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\ndone\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_content_parts_and_continue_final_message(tok):
+    msgs = [
+        {"role": "user", "content": [{"type": "text", "text": "line one"}, {"type": "text", "text": "line two"}]},
+        {"role": "assistant", "content": "Once upon"},
+    ]
+    got = render_chat(tok, msgs, add_generation_prompt=False, continue_final_message=True)
+    assert got.endswith("<|im_start|>user\nline one\nline two<|im_end|>\n<|im_start|>assistant\nOnce upon")
+
+
+def test_chat_template_kwargs_and_custom_template(tok):
+    template = "{% for m in messages %}[{{ m.role }}|{{ greeting }}]{{ m.content }}{% endfor %}"
+    got = render_chat(tok, [{"role": "user", "content": "x"}], chat_template=template, chat_template_kwargs='{"greeting": "hey"}')
+    assert got == "[user|hey]x"
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ("not json", "not valid JSON"),
+        ('{"role": "user"}', "non-empty JSON list"),
+        ([], "non-empty JSON list"),
+        (["hello"], r"messages\[0\] must be an object"),
+        ([{"content": "x"}], r"messages\[0\].role"),
+        ([{"role": "user", "content": 5}], r"messages\[0\].content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "unsupported content part 'image_url'"),
+        ([{"role": "assistant", "content": "", "tool_calls": "x"}], "tool_calls must be a list"),
+    ],
+)
+def test_bad_messages_raise_value_error(tok, messages, match):
+    with pytest.raises(ValueError, match=match):
+        render_chat(tok, messages)
+
+
+def test_other_bad_inputs(tok):
+    user = [{"role": "user", "content": "x"}]
+    with pytest.raises(ValueError, match="tools must be"):
+        render_chat(tok, user, tools='{"a": 1}')
+    with pytest.raises(ValueError, match="may not set tokenize"):
+        render_chat(tok, user, chat_template_kwargs={"tokenize": True})
+    with pytest.raises(ValueError, match="chat_template_kwargs must be a JSON object"):
+        render_chat(tok, user, chat_template_kwargs="[1]")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        render_chat(tok, user, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat template error: boom"):
+        render_chat(tok, user, chat_template="{{ raise_exception('boom') }}")
+    # Unknown roles pass through to the template (Qwen's drops them).
+    got = render_chat(tok, [{"role": "critic", "content": "meh"}])
+    assert got == f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_encode_prompt_sources(tok):
+    chat = encode_prompt(tok, messages=[{"role": "user", "content": "Hi"}])
+    assert chat == tok.encode(render_chat(tok, [{"role": "user", "content": "Hi"}]), add_special_tokens=False)
+    assert chat[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert tok.decode(encode_prompt(tok, text="Hello world")) == "Hello world"
+    assert encode_prompt(tok, input_ids=np.array([5, 6, 7], dtype=np.int32)) == [5, 6, 7]
+    # Empty values count as absent.
+    assert encode_prompt(tok, text="", messages=None, input_ids=[9]) == [9]
+    with pytest.raises(ValueError, match="exactly one of text_input, messages, input_ids is required$"):
+        encode_prompt(tok)
+    with pytest.raises(ValueError, match=r"\(got text_input, input_ids\)"):
+        encode_prompt(tok, text="a", input_ids=[1])
+    with pytest.raises(ValueError, match="out of range"):
+        encode_prompt(tok, input_ids=[1, len(tok)])
+
+
+def test_preprocess_arrays(tok):
+    msgs = json.dumps([{"role": "user", "content": "Weather?"}])
+    out = preprocess_arrays(
+        tok,
+        {
+            "messages": np.array([msgs.encode()], dtype=object),
+            "tools": np.array([json.dumps(TOOLS).encode()], dtype=object),
+            "add_generation_prompt": np.array([False]),
+        },
+    )
+    ids = out["prompt_ids"]
+    assert ids.dtype == np.int32 and ids.ndim == 1
+    text = tok.decode(ids.tolist())
+    assert "# Tools" in text and not text.endswith("<|im_start|>assistant\n")
+    text_only = preprocess_arrays(tok, {"text_input": np.array(["Hi".encode()], dtype=object)})
+    assert tok.decode(text_only["prompt_ids"].tolist()) == "Hi"
+
+
+def test_model_path_from_config(tmp_path):
+    args = {"model_config": json.dumps({"parameters": {"model_path": {"string_value": "models/other"}}})}
+    assert model_path_from_config(args, env={}) == repo_root() / "models" / "other"
+    assert model_path_from_config({"model_config": "{}"}, env={}) == repo_root() / "models" / "demo"
+    assert model_path_from_config(args, env={"LLM_MODEL_PATH": str(tmp_path)}) == tmp_path
+    assert repo_root() == Path(__file__).resolve().parents[1]
+
+
+def test_preprocessing_model_py(fake_pb_utils, demo_model_path, monkeypatch):
+    monkeypatch.setenv("LLM_MODEL_PATH", str(demo_model_path))
+    mod = load_triton_model("preprocessing")
+    model = mod.TritonPythonModel()
+    config = (repo_root() / "model_repository" / "preprocessing" / "config.pbtxt").read_text()
+    assert 'string_value: "models/demo"' in config and "KIND_CPU" in config
+    model.initialize({"model_config": json.dumps({"parameters": {"model_path": {"string_value": "models/demo"}}})})
+    good = FakeRequest(text_input=np.array([b"Hello"], dtype=object))
+    bad = FakeRequest(messages=np.array([b"[1, 2]"], dtype=object))
+    empty = FakeRequest()
+    responses = model.execute([good, bad, empty])
+    assert len(responses) == 3
+    assert responses[0].error is None and responses[0].outputs()["prompt_ids"].dtype == np.int32
+    assert responses[1].error is not None and "messages[0]" in responses[1].error.message()
+    assert responses[1].error.code() == "INVALID_ARG"
+    assert "exactly one of" in responses[2].error.message()
