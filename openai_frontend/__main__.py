@@ -1,0 +1,93 @@
+"""CLI: python -m openai_frontend --triton-url localhost:8001 --model-name NAME --port 9000 ..."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+from typing import Optional, Sequence
+
+from openai_frontend.settings import Settings
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m openai_frontend", description=__doc__)
+    p.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC endpoint (host:port)")
+    p.add_argument("--triton-model", default="ensemble", help="the Triton model to call (default: ensemble)")
+    p.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
+                   help="model name clients use (default: the --tokenizer-path directory name, else the Triton model)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_FRONTEND_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (env OPENAI_FRONTEND_API_KEY)")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="tool-call format of the model: qwen25/hermes, llama3, pythonic, mistral, deepseekv3")
+    p.add_argument("--tokenizer-path", default=None,
+                   help="local HF model directory: token texts for logprobs, max_model_len for /v1/models")
+    p.add_argument("--max-n", type=int, default=64, help="largest n accepted")
+    p.add_argument("--stream-timeout", type=float, default=None, help="seconds one generation may take")
+    p.add_argument("--abort-model", default=None,
+                   help="after a client disconnect, send `abort_request_id` to this Triton model (e.g. llm): "
+                        "Triton does not cancel an ensemble's in-flight decoupled step")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes (each with its own gRPC channel) sharing the port")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
+    return p.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return Settings(
+        triton_url=args.triton_url,
+        triton_model=args.triton_model,
+        model_name=args.model_name,
+        api_key=args.api_key,
+        tool_call_parser=args.tool_call_parser,
+        tokenizer_path=args.tokenizer_path,
+        max_n=args.max_n,
+        stream_timeout=args.stream_timeout,
+        abort_model=args.abort_model,
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    import uvicorn
+
+    from openai_frontend.server import create_app
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    if settings.tool_call_parser:
+        from openai_frontend.errors import APIError
+        from openai_frontend.tools import get_parser
+
+        try:
+            get_parser(settings.tool_call_parser)  # fail at startup on an unknown parser name
+        except APIError as exc:
+            raise SystemExit(f"--tool-call-parser: {exc.message}") from None
+    options = dict(
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        # uvicorn's C HTTP parser and event loop, when installed, cut the per-chunk cost of
+        # streaming by about a quarter
+        loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+    )
+    if args.workers > 1:
+        import dataclasses
+        import json
+
+        from openai_frontend.server import SETTINGS_ENV
+
+        os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(settings))
+        uvicorn.run("openai_frontend.server:app_from_env", factory=True, workers=args.workers, **options)
+    else:
+        uvicorn.run(create_app(settings), **options)
+
+
+if __name__ == "__main__":
+    main()

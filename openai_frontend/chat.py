@@ -1,0 +1,245 @@
+"""POST /v1/chat/completions: OpenAI chat on the ensemble (chat template applied in Triton).
+
+Streaming emits preformatted `chat.completion.chunk` events: per choice a role chunk, content
+deltas, tool-call deltas (id/type/name first, then argument fragments), the finish reason, an
+optional usage chunk, then `data: [DONE]`. Non-streaming aggregates the same engine stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import json
+import time
+from typing import Any, AsyncIterator, Optional
+
+from starlette.responses import Response
+
+from openai_frontend.common import Context, dumps, error_event, json_response, usage
+from openai_frontend.engine_types import EngineRequest, TokenLogprob
+from openai_frontend.errors import APIError, bad_request, unsupported
+from openai_frontend.logprobs import TokenNamer, chat_logprobs
+from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
+from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported, per_choice_params
+from openai_frontend.streams import DONE_EVENT, StartedStream, iterate_choices, sse_response, start_stream
+from openai_frontend.tools import ToolCallStreamer, ToolPlan, get_parser, new_call_id, parse_complete, plan_tools
+
+log = logging.getLogger(__name__)
+
+
+def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template wants them.
+
+    Text-part lists become one string (vLLM's "string" content format); non-text parts are
+    refused. Assistant tool_call arguments given as JSON strings become objects, as SGLang does,
+    since chat templates render them with `tojson`.
+    """
+    out = []
+    for msg in messages:
+        d = msg.model_dump(exclude_none=True)
+        content = d.get("content")
+        if content is None:
+            d["content"] = ""  # templates expect a string
+        elif isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.get("type")
+                if kind == "text":
+                    texts.append(part.get("text", ""))
+                else:
+                    raise unsupported("messages", f"content part type '{kind}' (only text is supported)")
+            d["content"] = "\n".join(texts)
+        tool_calls = d.get("tool_calls")
+        if isinstance(tool_calls, list):
+            for call in tool_calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass
+        out.append(d)
+    return out
+
+
+class _Choice:
+    """Per-choice accumulation (non-streaming) or streaming state."""
+
+    __slots__ = ("texts", "finish", "completion_tokens", "logprobs", "tools", "got_logprobs")
+
+    def __init__(self, tools: Optional[ToolCallStreamer]) -> None:
+        self.texts: list[str] = []
+        self.finish: Optional[str] = None
+        self.completion_tokens = 0
+        self.logprobs: list[TokenLogprob] = []
+        self.got_logprobs = False
+        self.tools = tools
+
+
+class ChatHandler:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    async def __call__(self, req: ChatCompletionRequest, request_id: str) -> Response:
+        ctx = self.ctx
+        model = ctx.check_model(req.model)
+        check_unsupported(req, max_n=ctx.settings.max_n)
+        if not req.messages:
+            raise bad_request("messages must not be empty", param="messages")
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser)
+        sp = build_sampling_params(req)
+        if plan.constraint is not None:
+            taken = [k for k in CONSTRAINT_KEYS if k in sp]
+            if taken:
+                raise bad_request(
+                    f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'function'} "
+                    "cannot be combined with another structured-output constraint",
+                    param="tool_choice",
+                )
+            sp[plan.constraint[0]] = plan.constraint[1]
+        messages = normalize_messages(req.messages)
+        requests = [
+            EngineRequest(
+                sampling_params=params,
+                messages=messages,
+                tools=plan.template_tools,
+                chat_template_kwargs=req.chat_template_kwargs,
+                add_generation_prompt=None if req.add_generation_prompt else False,
+                request_id=request_id if req.n == 1 else f"{request_id}-{i}",
+            )
+            for i, params in enumerate(per_choice_params(sp, req.n))
+        ]
+        completion_id = f"chatcmpl-{request_id}"
+        created = int(time.time())
+        namer = TokenNamer(ctx.files, bool(req.return_tokens_as_token_ids)) if req.logprobs else None
+        if req.stream:
+            stream = await start_stream(ctx.client, requests)
+            body = self._stream(stream, req, plan, model, completion_id, created, namer)
+            return sse_response(body)
+        return await self._complete(requests, req, plan, model, completion_id, created, namer)
+
+    # -- non-streaming ---------------------------------------------------------------------
+
+    async def _complete(
+        self, requests: list[EngineRequest], req: ChatCompletionRequest, plan: ToolPlan,
+        model: str, completion_id: str, created: int, namer: Optional[TokenNamer],
+    ) -> Response:
+        choices = [_Choice(None) for _ in requests]
+        prompt_tokens = 0
+        it = iterate_choices(self.ctx.client, requests)
+        try:
+            async for i, chunk in it:
+                c = choices[i]
+                if chunk.text:
+                    c.texts.append(chunk.text)
+                if namer is not None:
+                    lps = chunk.logprobs()
+                    if lps is not None:
+                        c.got_logprobs = True
+                        c.logprobs.extend(lps)
+                c.completion_tokens = chunk.completion_tokens
+                prompt_tokens = chunk.prompt_tokens or prompt_tokens
+                if chunk.finish_reason:
+                    c.finish = chunk.finish_reason
+        finally:
+            await it.aclose()
+        out = []
+        for i, c in enumerate(choices):
+            text = "".join(c.texts)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = c.finish or "stop"
+            if plan.parser_name:
+                normal, calls = parse_complete(get_parser(plan.parser_name), text, plan.tools)
+                if not plan.parallel:
+                    calls = calls[:1]
+                if calls:
+                    message["content"] = normal or None
+                    message["tool_calls"] = [
+                        {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                        for call in calls
+                    ]
+                    if finish == "stop":
+                        finish = "tool_calls"
+            logprobs = chat_logprobs(c.logprobs, namer) if namer is not None and c.got_logprobs else None
+            out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        body = {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": out,
+            "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices)),
+        }
+        return json_response(body)
+
+    # -- streaming -------------------------------------------------------------------------
+
+    async def _stream(
+        self, stream: StartedStream, req: ChatCompletionRequest, plan: ToolPlan,
+        model: str, completion_id: str, created: int, namer: Optional[TokenNamer],
+    ) -> AsyncIterator[bytes]:
+        n = req.n
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        head = f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},"model":{dumps(model)},"choices":[{{"index":'
+        choices = [
+            _Choice(ToolCallStreamer(get_parser(plan.parser_name), plan.tools, plan.parallel) if plan.parser_name else None)
+            for _ in range(n)
+        ]
+        prompt_tokens = 0
+
+        def event(i: int, delta: str, finish: Optional[str] = None, logprobs: str = "null") -> str:
+            f = "null" if finish is None else f'"{finish}"'
+            tail = "}]"
+            if continuous:
+                tail += ',"usage":' + dumps(usage(prompt_tokens, choices[i].completion_tokens))
+            return f'{head}{i},"delta":{delta},"logprobs":{logprobs},"finish_reason":{f}{tail}}}\n\n'
+
+        try:
+            yield "".join(event(i, '{"role":"assistant","content":""}') for i in range(n)).encode()
+            async for i, chunk in stream:
+                c = choices[i]
+                c.completion_tokens = chunk.completion_tokens
+                prompt_tokens = chunk.prompt_tokens or prompt_tokens
+                text = chunk.text
+                parts: list[str] = []
+                deltas: list[dict[str, Any]] = []
+                if c.tools is not None:
+                    normal, deltas = c.tools.feed(text) if text else ("", [])
+                    if chunk.finish_reason:
+                        more_text, more = c.tools.finish()
+                        normal += more_text
+                        deltas += more
+                    text = normal
+                logprobs = "null"
+                if namer is not None:
+                    lps = chunk.logprobs()
+                    if lps:
+                        logprobs = dumps(chat_logprobs(lps, namer))
+                finish = chunk.finish_reason
+                if finish == "stop" and c.tools is not None and c.tools.has_calls:
+                    finish = "tool_calls"
+                if deltas:
+                    if text or logprobs != "null":
+                        parts.append(event(i, '{"content":' + dumps(text) + "}", None, logprobs))
+                    parts.append(event(i, '{"tool_calls":' + dumps(deltas) + "}", finish))
+                elif text or logprobs != "null":
+                    parts.append(event(i, '{"content":' + dumps(text) + "}", finish, logprobs))
+                elif finish:
+                    parts.append(event(i, "{}", finish))
+                if parts:
+                    yield "".join(parts).encode()
+            if include_usage:
+                total = sum(c.completion_tokens for c in choices)
+                yield (
+                    f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},'
+                    f'"model":{dumps(model)},"choices":[],"usage":{dumps(usage(prompt_tokens, total))}}}\n\n'
+                ).encode()
+        except APIError as exc:
+            yield error_event(exc)
+        except Exception as exc:  # the response has started: report in the stream
+            log.exception("error while streaming")
+            yield error_event(APIError(500, f"Internal server error: {exc}"))
+        finally:
+            await stream.aclose()
+        yield DONE_EVENT

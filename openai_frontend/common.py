@@ -1,0 +1,52 @@
+"""Small helpers shared by the handlers: compact JSON, responses, the handler context."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from starlette.responses import Response
+
+from openai_frontend.engine_types import EngineClient
+from openai_frontend.errors import APIError, model_not_found
+from openai_frontend.settings import Settings
+from openai_frontend.tokenizer import ModelFiles
+
+_encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+dumps = _encoder.encode  # compact JSON, non-ASCII kept as is
+
+
+def json_response(body: Any, status_code: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
+    return Response(dumps(body), status_code=status_code, media_type="application/json", headers=headers)
+
+
+def error_event(exc: APIError) -> bytes:
+    return b"data: " + dumps(exc.body()).encode() + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass
+class Context:
+    """What every handler needs; one per app."""
+
+    settings: Settings
+    client: EngineClient
+    files: ModelFiles
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name
+
+    def check_model(self, model: Optional[str]) -> str:
+        """The served name for a request's `model` (None/empty means the served model)."""
+        if model and model != self.model_name and model != self.settings.triton_model:
+            raise model_not_found(model)
+        return self.model_name

@@ -1,0 +1,178 @@
+"""POST /v1/completions: OpenAI (legacy) completions on the ensemble.
+
+A prompt is text or token ids, or a batch of either; each prompt gets n choices, indexed
+prompt * n + i, each its own engine stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator, Optional, Union
+
+from starlette.responses import Response
+
+from openai_frontend.common import Context, dumps, error_event, json_response, usage
+from openai_frontend.engine_types import EngineRequest
+from openai_frontend.errors import APIError, bad_request
+from openai_frontend.logprobs import CompletionLogprobs, TokenNamer
+from openai_frontend.protocol import CompletionRequest
+from openai_frontend.sampling import build_sampling_params, check_unsupported, per_choice_params
+from openai_frontend.streams import DONE_EVENT, StartedStream, iterate_choices, sse_response, start_stream
+
+Prompt = Union[str, list[int]]
+
+log = logging.getLogger(__name__)
+
+
+def split_prompts(prompt: Any) -> list[Prompt]:
+    """The request's prompt as a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("prompt must be a non-empty string, list of strings, or list of token ids", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        for p in prompt:
+            if isinstance(p, list) and (not p or not all(isinstance(t, int) for t in p)):
+                raise bad_request("token-id prompts must be non-empty lists of integers", param="prompt")
+        return list(prompt)
+    raise bad_request("prompt must not mix strings and token ids", param="prompt")
+
+
+class CompletionHandler:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def _echo_text(self, prompt: Prompt) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        text = self.ctx.files.decode(prompt)
+        if text is None:
+            raise bad_request("echo with token-id prompts needs the server's --tokenizer-path", param="echo")
+        return text
+
+    async def __call__(self, req: CompletionRequest, request_id: str) -> Response:
+        ctx = self.ctx
+        model = ctx.check_model(req.model)
+        check_unsupported(req, max_n=ctx.settings.max_n)
+        prompts = split_prompts(req.prompt)
+        if len(prompts) * req.n > ctx.settings.max_n * 4:
+            raise bad_request(f"too many choices: {len(prompts)} prompts x n={req.n}", param="prompt")
+        sp = build_sampling_params(req)
+        per_choice = per_choice_params(sp, req.n)
+        requests = []
+        for p, prompt in enumerate(prompts):
+            for i, params in enumerate(per_choice):
+                rid = request_id if len(prompts) * req.n == 1 else f"{request_id}-{p * req.n + i}"
+                if isinstance(prompt, str):
+                    requests.append(EngineRequest(sampling_params=params, text_input=prompt, request_id=rid))
+                else:
+                    requests.append(EngineRequest(sampling_params=params, input_ids=list(prompt), request_id=rid))
+        echoes = [self._echo_text(prompts[k // req.n]) for k in range(len(requests))] if req.echo else None
+        completion_id = f"cmpl-{request_id}"
+        created = int(time.time())
+        namer = TokenNamer(ctx.files, bool(req.return_tokens_as_token_ids)) if req.logprobs is not None else None
+        if req.stream:
+            stream = await start_stream(ctx.client, requests)
+            return sse_response(self._stream(stream, req, len(requests), echoes, model, completion_id, created, namer))
+        return await self._complete(requests, req.n, echoes, model, completion_id, created, namer)
+
+    async def _complete(
+        self, requests: list[EngineRequest], n: int, echoes: Optional[list[str]], model: str,
+        completion_id: str, created: int, namer: Optional[TokenNamer],
+    ) -> Response:
+        k = len(requests)
+        texts: list[list[str]] = [[echoes[j]] if echoes else [] for j in range(k)]
+        finish: list[Optional[str]] = [None] * k
+        completion_tokens = [0] * k
+        prompt_tokens = [0] * k
+        logprobs = [CompletionLogprobs(namer) if namer else None for _ in range(k)]
+        got_logprobs = [False] * k
+        it = iterate_choices(self.ctx.client, requests)
+        try:
+            async for j, chunk in it:
+                if chunk.text:
+                    texts[j].append(chunk.text)
+                lp = logprobs[j]
+                if lp is not None:
+                    items = chunk.logprobs()
+                    if items is not None:
+                        got_logprobs[j] = True
+                        lp.add(items)
+                completion_tokens[j] = chunk.completion_tokens
+                prompt_tokens[j] = chunk.prompt_tokens or prompt_tokens[j]
+                if chunk.finish_reason:
+                    finish[j] = chunk.finish_reason
+        finally:
+            await it.aclose()
+        choices = [
+            {
+                "index": j,
+                "text": "".join(texts[j]),
+                "logprobs": logprobs[j].result() if logprobs[j] is not None and got_logprobs[j] else None,
+                "finish_reason": finish[j] or "stop",
+            }
+            for j in range(k)
+        ]
+        body = {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            # prompt tokens count once per prompt, not once per choice
+            "usage": usage(sum(prompt_tokens[::n]), sum(completion_tokens)),
+        }
+        return json_response(body)
+
+    async def _stream(
+        self, stream: StartedStream, req: CompletionRequest, k: int, echoes: Optional[list[str]],
+        model: str, completion_id: str, created: int, namer: Optional[TokenNamer],
+    ) -> AsyncIterator[bytes]:
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        head = f'data: {{"id":{dumps(completion_id)},"object":"text_completion","created":{created},"model":{dumps(model)},"choices":[{{"index":'
+        completion_tokens = [0] * k
+        prompt_tokens = [0] * k
+        echoed = [not echoes] * k
+        logprobs = [CompletionLogprobs(namer) if namer else None for _ in range(k)]
+        n = req.n
+        try:
+            async for j, chunk in stream:
+                completion_tokens[j] = chunk.completion_tokens
+                prompt_tokens[j] = chunk.prompt_tokens or prompt_tokens[j]
+                text = chunk.text
+                if not echoed[j]:
+                    echoed[j] = True
+                    text = echoes[j] + text
+                lp_json = "null"
+                lp = logprobs[j]
+                if lp is not None:
+                    items = chunk.logprobs()
+                    if items:
+                        lp_json = dumps(lp.add(items))
+                finish = chunk.finish_reason
+                if not text and not finish and lp_json == "null":
+                    continue
+                f = "null" if finish is None else f'"{finish}"'
+                tail = "}]"
+                if continuous:
+                    tail += ',"usage":' + dumps(usage(prompt_tokens[j], completion_tokens[j]))
+                yield f'{head}{j},"text":{dumps(text)},"logprobs":{lp_json},"finish_reason":{f}{tail}}}\n\n'.encode()
+            if include_usage:
+                u = usage(sum(prompt_tokens[::n]), sum(completion_tokens))
+                yield (
+                    f'data: {{"id":{dumps(completion_id)},"object":"text_completion","created":{created},'
+                    f'"model":{dumps(model)},"choices":[],"usage":{dumps(u)}}}\n\n'
+                ).encode()
+        except APIError as exc:
+            yield error_event(exc)
+        except Exception as exc:  # the response has started: report in the stream
+            log.exception("error while streaming")
+            yield error_event(APIError(500, f"Internal server error: {exc}"))
+        finally:
+            await stream.aclose()
+        yield DONE_EVENT

@@ -1,0 +1,113 @@
+"""What the handlers exchange with the engine client: one request in, a stream of chunks out.
+
+Plain slotted dataclasses, no validation: a chunk is created per streamed response, so it must
+be cheap. `TritonLLMClient` (triton_client.py) produces them from Triton responses; tests use a
+fake client that yields them directly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Protocol
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation: exactly one of `text_input`, `messages`, `input_ids` is set.
+
+    `sampling_params` uses SGLang names (max_new_tokens, temperature, stop, json_schema, ...);
+    it goes to the ensemble as the `sampling_parameters` JSON tensor.
+    """
+
+    sampling_params: dict[str, Any]
+    text_input: Optional[str] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: Optional[bool] = None
+    input_ids: Optional[list[int]] = None
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's log probability, and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    text: Optional[str] = None  # the engine's token text when it sends one
+    top: list["TokenLogprob"] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineChunk:
+    """One streamed response of the ensemble.
+
+    text: the text new in this response; token_ids: the token ids new in this response;
+    finish_reason: None until the last response, then "stop" / "length" / "abort";
+    prompt_tokens / completion_tokens: counts so far; meta_raw: the `meta_info` JSON string.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    meta_raw: str = ""
+    _meta: Optional[dict[str, Any]] = None
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """meta_info parsed on demand (most chunks never need it)."""
+        if self._meta is None:
+            try:
+                parsed = json.loads(self.meta_raw) if self.meta_raw else {}
+            except ValueError:
+                parsed = {}
+            self._meta = parsed if isinstance(parsed, dict) else {}
+        return self._meta
+
+    @property
+    def stop_reason(self) -> Any:
+        """The matched stop string or token id (final chunk), when the engine reports one."""
+        return self.meta.get("stop_reason")
+
+    def logprobs(self) -> Optional[list[TokenLogprob]]:
+        """The logprobs of this chunk's tokens, or None when the engine sent none.
+
+        The engine reports them in meta_info with SGLang's names: `output_token_logprobs` as
+        [[logprob, token_id, text_or_null], ...] (one per new token) and `output_top_logprobs`
+        as one list of such triples per new token.
+        """
+        if not self.meta_raw or "logprob" not in self.meta_raw:
+            return None
+        meta = self.meta
+        tokens = meta.get("output_token_logprobs")
+        if tokens is None:
+            return None
+        tops = meta.get("output_top_logprobs") or []
+        out = []
+        for i, entry in enumerate(tokens):
+            item = _triple(entry)
+            if i < len(tops) and tops[i]:
+                item.top = [_triple(t) for t in tops[i]]
+            out.append(item)
+        return out
+
+
+def _triple(entry: Any) -> TokenLogprob:
+    if isinstance(entry, dict):
+        return TokenLogprob(int(entry["token_id"]), float(entry["logprob"]), entry.get("text"))
+    text = entry[2] if len(entry) > 2 else None
+    return TokenLogprob(int(entry[1]), float(entry[0]), text)
+
+
+class EngineClient(Protocol):
+    """What the handlers need from an engine client (TritonLLMClient or a test fake)."""
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]: ...
+
+    async def is_ready(self) -> bool: ...
+
+    async def close(self) -> None: ...

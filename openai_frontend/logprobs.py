@@ -1,0 +1,77 @@
+"""Engine logprobs -> OpenAI `logprobs` objects (chat and completions formats).
+
+The engine reports logprobs in each chunk's meta_info (see EngineChunk.logprobs). When a request
+asked for logprobs and the engine sent none, the choice's logprobs is null.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from openai_frontend.engine_types import TokenLogprob
+from openai_frontend.tokenizer import ModelFiles
+
+
+class TokenNamer:
+    def __init__(self, files: Optional[ModelFiles], as_token_ids: bool = False) -> None:
+        self.files = files
+        self.as_token_ids = as_token_ids
+
+    def __call__(self, lp: TokenLogprob) -> str:
+        if self.as_token_ids:
+            return f"token_id:{lp.token_id}"
+        if lp.text is not None:
+            return lp.text
+        if self.files is not None:
+            return self.files.token_text(lp.token_id)
+        return f"token_id:{lp.token_id}"
+
+
+def chat_logprobs(items: list[TokenLogprob], name: TokenNamer) -> dict[str, Any]:
+    content = []
+    for lp in items:
+        token = name(lp)
+        content.append({
+            "token": token,
+            "logprob": lp.logprob,
+            "bytes": list(token.encode("utf-8")),
+            "top_logprobs": [
+                {"token": (t := name(top)), "logprob": top.logprob, "bytes": list(t.encode("utf-8"))} for top in lp.top
+            ],
+        })
+    return {"content": content}
+
+
+class CompletionLogprobs:
+    """Accumulates the legacy completions logprobs format across chunks."""
+
+    def __init__(self, name: TokenNamer, text_offset: int = 0) -> None:
+        self.name = name
+        self.offset = text_offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top_logprobs: list[Optional[dict[str, float]]] = []
+        self.text_offset: list[int] = []
+
+    def add(self, items: list[TokenLogprob]) -> dict[str, Any]:
+        """Add a chunk's tokens; returns the chunk's own logprobs object (for streaming)."""
+        start = len(self.tokens)
+        for lp in items:
+            token = self.name(lp)
+            self.tokens.append(token)
+            self.token_logprobs.append(lp.logprob)
+            self.top_logprobs.append({self.name(t): t.logprob for t in lp.top} if lp.top else None)
+            self.text_offset.append(self.offset)
+            self.offset += len(token)
+        return self._slice(start)
+
+    def _slice(self, start: int) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens[start:],
+            "token_logprobs": self.token_logprobs[start:],
+            "top_logprobs": self.top_logprobs[start:],
+            "text_offset": self.text_offset[start:],
+        }
+
+    def result(self) -> dict[str, Any]:
+        return self._slice(0)

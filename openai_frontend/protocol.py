@@ -1,0 +1,325 @@
+"""Request and response models: OpenAI chat / completions / models / errors, SGLang /generate.
+
+Requests are validated with pydantic (once per request). Every model forbids unknown fields, so
+a misspelled or unknown parameter is a 400 naming it, as OpenAI does, never silently ignored.
+Parameters that are known (OpenAI, vLLM extras, SGLang extras) but not implemented are declared
+here and refused in sampling.py with a message that names them.
+
+Responses on the hot path (stream chunks, non-streaming bodies) are built as plain dicts / JSON
+strings by the handlers; the response models below document their shape and serve /v1/models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False  # vLLM: usage on every chunk
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
+class ChatMessage(_Open):
+    """An OpenAI chat message; role-specific fields (tool_calls, tool_call_id, name, ...) pass
+    through to the chat template unchanged."""
+
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in ("system", "developer", "user", "assistant", "tool", "function"):
+            raise ValueError(f"unknown message role '{v}'")
+        return v
+
+
+StopType = Optional[Union[str, list[str]]]
+
+
+class _SamplingFields(_Strict):
+    """Sampling parameters common to chat and completions (OpenAI + vLLM + SGLang extras)."""
+
+    model: Optional[str] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    max_tokens: Optional[int] = None
+    n: int = 1
+    seed: Optional[int] = None
+    stop: StopType = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    user: Optional[str] = None  # end-user id: metadata, does not change generation
+    response_format: Optional[dict[str, Any]] = None
+
+    # vLLM extra sampling parameters
+    best_of: Optional[int] = None
+    use_beam_search: bool = False
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    length_penalty: float = 1.0
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None
+    prompt_logprobs: Optional[int] = None
+    # vLLM extra parameters
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    priority: int = 0
+    request_id: Optional[str] = None
+    logits_processors: Optional[list[Any]] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    # SGLang extra parameters
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    json_schema: Optional[Union[str, dict[str, Any]]] = None
+    no_stop_trim: bool = False
+    rid: Optional[str] = None
+    lora_path: Optional[str] = None
+    custom_logit_processor: Optional[str] = None
+    custom_params: Optional[Any] = None
+    return_hidden_states: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _n_positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("n must be at least 1")
+        return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat completions
+# ---------------------------------------------------------------------------------------------
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    # vLLM chat extras
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: Optional[list[dict[str, str]]] = None
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+
+    # OpenAI fields this server does not implement (refused when set; see sampling.py)
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    audio: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+    prediction: Optional[Any] = None
+    reasoning_effort: Optional[str] = None
+    service_tier: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, Any]] = None
+    web_search_options: Optional[Any] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Completions
+# ---------------------------------------------------------------------------------------------
+
+PromptType = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptType
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang /generate
+# ---------------------------------------------------------------------------------------------
+
+
+class GenerateRequest(_Strict):
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    rid: Optional[Union[str, list[str]]] = None
+    return_logprob: Optional[Union[bool, list[bool]]] = None
+    logprob_start_len: Optional[Union[int, list[int]]] = None
+    top_logprobs_num: Optional[Union[int, list[int]]] = None
+    token_ids_logprob: Optional[Union[list[int], list[list[int]]]] = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    # known, not implemented: refused when set
+    input_embeds: Optional[Any] = None
+    image_data: Optional[Any] = None
+    audio_data: Optional[Any] = None
+    video_data: Optional[Any] = None
+    lora_path: Optional[Any] = None
+    custom_logit_processor: Optional[Any] = None
+    return_hidden_states: Optional[Union[bool, list[bool]]] = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# /parse_function_call (SGLang)
+# ---------------------------------------------------------------------------------------------
+
+
+class ParseFunctionCallRequest(_Strict):
+    text: str
+    tool_call_parser: Optional[str] = None
+    tools: list[ChatTool] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses (shapes; the handlers build them as dicts)
+# ---------------------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "triton-llm"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: Optional[dict[str, Any]] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[dict[str, Any]] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]

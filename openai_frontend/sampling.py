@@ -1,0 +1,228 @@
+"""OpenAI / vLLM request parameters -> the engine's SGLang `sampling_parameters` dict.
+
+Only parameters that differ from the engine's defaults are sent. A parameter this server does not
+implement is refused with a 400 that names it (`errors.unsupported`); nothing is silently
+ignored. Range checks of values the engine owns (temperature, top_p, ...) are left to the engine,
+whose errors come back as 400s with its message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional, Union
+
+from openai_frontend.errors import bad_request, unsupported
+from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
+
+MAX_TOP_LOGPROBS = 20
+
+# Constraint keys the engine accepts in sampling_parameters (xgrammar semantics); one at most.
+CONSTRAINT_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+AnyRequest = Union[ChatCompletionRequest, CompletionRequest]
+
+
+def _dumps(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def check_unsupported(req: AnyRequest, *, max_n: int) -> None:
+    """400 for every known parameter this server does not implement, when it is set."""
+    if req.n > max_n:
+        raise bad_request(f"n must be at most {max_n}, got {req.n}", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    if req.logit_bias:
+        raise unsupported("logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise unsupported("best_of", "only best_of == n is supported")
+    if req.use_beam_search:
+        raise unsupported("use_beam_search", "beam search is not implemented")
+    if req.length_penalty != 1.0:
+        raise unsupported("length_penalty", "only used by beam search, which is not implemented")
+    if req.truncate_prompt_tokens is not None:
+        raise unsupported("truncate_prompt_tokens")
+    if req.allowed_token_ids is not None:
+        raise unsupported("allowed_token_ids")
+    if req.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs")
+    if req.guided_whitespace_pattern is not None:
+        raise unsupported("guided_whitespace_pattern")
+    if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        raise unsupported("guided_decoding_backend", "the engine's grammar backend is xgrammar")
+    if req.priority != 0:
+        raise unsupported("priority", "priority scheduling is not enabled")
+    if req.logits_processors:
+        raise unsupported("logits_processors")
+    if req.lora_path:
+        raise unsupported("lora_path", "LoRA adapters are not supported")
+    if req.custom_logit_processor:
+        raise unsupported("custom_logit_processor")
+    if req.custom_params is not None:
+        raise unsupported("custom_params")
+    if req.return_hidden_states:
+        raise unsupported("return_hidden_states")
+    if isinstance(req, ChatCompletionRequest):
+        _check_chat(req)
+    else:
+        _check_completion(req)
+
+
+def _check_chat(req: ChatCompletionRequest) -> None:
+    if req.echo:
+        raise unsupported("echo")
+    if req.continue_final_message:
+        raise unsupported("continue_final_message")
+    if req.add_special_tokens:
+        raise unsupported("add_special_tokens", "the chat template adds the special tokens")
+    if req.documents is not None:
+        raise unsupported("documents")
+    if req.chat_template is not None:
+        raise unsupported("chat_template", "the model's own chat template is used")
+    if req.mm_processor_kwargs is not None:
+        raise unsupported("mm_processor_kwargs")
+    if req.functions is not None or req.function_call is not None:
+        raise unsupported("functions" if req.functions is not None else "function_call", "use tools / tool_choice")
+    if req.audio is not None:
+        raise unsupported("audio")
+    if req.modalities is not None and list(req.modalities) != ["text"]:
+        raise unsupported("modalities", "only text output is supported")
+    if req.prediction is not None:
+        raise unsupported("prediction")
+    if req.reasoning_effort is not None:
+        raise unsupported("reasoning_effort")
+    if req.service_tier not in (None, "auto", "default"):
+        raise unsupported("service_tier")
+    if req.store:
+        raise unsupported("store")
+    if req.web_search_options is not None:
+        raise unsupported("web_search_options")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+
+
+def _check_completion(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise unsupported("suffix")
+    if not req.add_special_tokens:
+        raise unsupported("add_special_tokens", "the prompt is always tokenized with the model's special tokens")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+    if req.echo and req.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs needs prompt logprobs, which are not implemented")
+
+
+def constraint_from_request(req: AnyRequest) -> Optional[tuple[str, str]]:
+    """The structured-output constraint the request asks for: (key, value) or None."""
+    found: list[tuple[str, str, str]] = []  # (param, key, value)
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("response_format", "json_schema", '{"type": "object"}'))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = None
+            if isinstance(spec, dict):
+                schema = spec.get("schema", spec.get("schema_"))
+            if schema is None:
+                raise bad_request("response_format json_schema requires json_schema.schema", param="response_format")
+            found.append(("response_format", "json_schema", _dumps(schema)))
+        elif kind == "structural_tag":
+            found.append(("response_format", "structural_tag", json.dumps(rf, ensure_ascii=False)))
+        elif kind != "text":
+            raise bad_request(f"unknown response_format type {kind!r}", param="response_format")
+    if req.guided_json is not None:
+        found.append(("guided_json", "json_schema", _dumps(req.guided_json)))
+    if req.json_schema is not None:
+        found.append(("json_schema", "json_schema", _dumps(req.json_schema)))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", "regex", req.guided_regex))
+    if req.regex is not None:
+        found.append(("regex", "regex", req.regex))
+    if req.guided_choice is not None:
+        if not req.guided_choice:
+            raise bad_request("guided_choice must not be empty", param="guided_choice")
+        found.append(("guided_choice", "regex", "(" + "|".join(re.escape(c) for c in req.guided_choice) + ")"))
+    if req.guided_grammar is not None:
+        found.append(("guided_grammar", "ebnf", req.guided_grammar))
+    if req.ebnf is not None:
+        found.append(("ebnf", "ebnf", req.ebnf))
+    if req.structural_tag is not None:
+        found.append(("structural_tag", "structural_tag", _dumps(req.structural_tag)))
+    if len(found) > 1:
+        names = ", ".join(p for p, _, _ in found)
+        raise bad_request(f"only one structured-output constraint may be given, got: {names}", param=found[1][0])
+    return (found[0][1], found[0][2]) if found else None
+
+
+def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
+    """The SGLang sampling parameters for one choice of the request (n and seed+i: handlers)."""
+    sp: dict[str, Any] = {}
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    else:
+        max_tokens, param = req.max_tokens, "max_tokens"
+    if max_tokens is not None:
+        if max_tokens < 0:
+            raise bad_request(f"{param} must be >= 0, got {max_tokens}", param=param)
+        sp["max_new_tokens"] = max_tokens
+    if req.temperature is not None:
+        sp["temperature"] = req.temperature
+    if req.top_p is not None:
+        sp["top_p"] = req.top_p
+    if req.top_k is not None:
+        sp["top_k"] = -1 if req.top_k == 0 else req.top_k  # vLLM: 0 or -1 disables top-k
+    if req.min_p is not None:
+        sp["min_p"] = req.min_p
+    if req.frequency_penalty:
+        sp["frequency_penalty"] = req.frequency_penalty
+    if req.presence_penalty:
+        sp["presence_penalty"] = req.presence_penalty
+    if req.repetition_penalty is not None and req.repetition_penalty != 1.0:
+        sp["repetition_penalty"] = req.repetition_penalty
+    if req.min_tokens:
+        sp["min_new_tokens"] = req.min_tokens
+    if req.seed is not None:
+        sp["seed"] = req.seed
+    if req.stop:
+        sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.stop_token_ids:
+        sp["stop_token_ids"] = list(req.stop_token_ids)
+    if req.ignore_eos:
+        sp["ignore_eos"] = True
+    if not req.skip_special_tokens:
+        sp["skip_special_tokens"] = False
+    if not req.spaces_between_special_tokens:
+        sp["spaces_between_special_tokens"] = False
+    if req.include_stop_str_in_output or req.no_stop_trim:
+        sp["no_stop_trim"] = True
+    # Log probabilities: SGLang's request-level names, carried in sampling_parameters.
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs:
+            sp["return_logprob"] = True
+            if req.top_logprobs:
+                sp["top_logprobs_num"] = req.top_logprobs
+    elif req.logprobs is not None:
+        sp["return_logprob"] = True
+        if req.logprobs:
+            sp["top_logprobs_num"] = req.logprobs
+    constraint = constraint_from_request(req)
+    if constraint is not None:
+        sp[constraint[0]] = constraint[1]
+    return sp
+
+
+def per_choice_params(sp: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """One params dict per choice: the seed, when given, becomes seed + i so choices differ."""
+    if n == 1:
+        return [sp]
+    seed = sp.get("seed")
+    if seed is None:
+        return [sp] * n
+    return [{**sp, "seed": seed + i} for i in range(n)]

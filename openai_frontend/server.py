@@ -1,0 +1,279 @@
+"""The FastAPI app: routes, auth, request ids and OpenAI-style errors.
+
+`create_app(settings, client=None)` builds the app; `client` defaults to a `TritonLLMClient` on
+`settings.triton_url` / `settings.triton_model` (tests pass a fake one).
+
+Routes: POST /v1/chat/completions, /v1/completions, /generate, /parse_function_call;
+GET /v1/models, /v1/models/{id}, /health, /get_model_info.
+
+* Errors are OpenAI bodies `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
+  requests (FastAPI's 422 is turned into 400), 401 bad API key, 404 unknown model/route,
+  503 Triton unreachable.
+* `--api-key`: every route except /health needs `Authorization: Bearer <key>` (constant-time
+  comparison).
+* `X-Request-Id`: echoed on every response; generated when absent; used in completion ids and
+  as the Triton request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, Awaitable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from openai_frontend.chat import ChatHandler
+from openai_frontend.common import Context, json_response
+from openai_frontend.completions import CompletionHandler
+from openai_frontend.engine_types import EngineClient
+from openai_frontend.errors import APIError, bad_request, model_not_found
+from openai_frontend.generate import GenerateHandler
+from openai_frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ParseFunctionCallRequest,
+)
+from openai_frontend.settings import Settings
+from openai_frontend.tokenizer import ModelFiles
+from openai_frontend.tools import get_parser, tools_as_dicts
+
+log = logging.getLogger("openai_frontend")
+
+PUBLIC_PATHS = frozenset({"/health", "/health_generate", "/ping"})
+
+
+class AuthAndRequestIdMiddleware:
+    """Pure ASGI (no per-request task like BaseHTTPMiddleware, streaming untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: Optional[str]) -> None:
+        self.app = app
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id: Optional[bytes] = None
+        auth: bytes = b""
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                request_id = value
+            elif name == b"authorization":
+                auth = value
+        if not request_id:
+            request_id = uuid.uuid4().hex.encode()
+        rid_header = (b"x-request-id", request_id)
+        scope.setdefault("state", {})["request_id"] = request_id.decode("latin-1")
+
+        if self.key is not None and scope["path"] not in PUBLIC_PATHS and not hmac.compare_digest(auth, self.key):
+            err = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+            body = err.json().encode()
+            await send({
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                    rid_header,
+                ],
+            })
+            await send({"type": "http.response.body", "body": body})
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), rid_header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request", None
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if kind == "json_invalid":
+        return f"Invalid JSON body: {err.get('msg', '')}", None
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'", param
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    return (f"Invalid value for '{param}': {msg}" if param else msg), param
+
+
+def _request_id(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run a handler, cancelling it (and so its engine streams) if the client goes away before
+    the response starts. Once a stream has started, Starlette's StreamingResponse does the same."""
+    handler = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not handler.done():
+            handler.cancel()
+        watcher.cancel()
+    if handler.cancelled() or not handler.done():
+        log.info("client disconnected before the response started; request cancelled")
+        return Response(status_code=499)
+    return handler.result()
+
+
+def create_app(settings: Settings, client: Optional[EngineClient] = None) -> FastAPI:
+    if settings.tool_call_parser:
+        get_parser(settings.tool_call_parser)  # an unknown name fails here, not on the first request
+    owns_client = client is None
+    if client is None:
+        from openai_frontend.triton_client import TritonLLMClient
+
+        client = TritonLLMClient(
+            settings.triton_url, settings.triton_model,
+            stream_timeout=settings.stream_timeout, abort_model=settings.abort_model,
+        )
+    ctx = Context(settings=settings, client=client, files=ModelFiles(settings.tokenizer_path))
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if owns_client:
+            await client.close()
+
+    app = FastAPI(title="triton-llm OpenAI frontend", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    app.add_middleware(AuthAndRequestIdMiddleware, api_key=settings.api_key)
+
+    chat = ChatHandler(ctx)
+    completions = CompletionHandler(ctx)
+    generate = GenerateHandler(ctx)
+
+    # -- errors ------------------------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return json_response(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        message, param = _validation_message(exc)
+        return json_response(bad_request(message, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"Unknown route: {request.method} {request.url.path}"
+        err = APIError(exc.status_code, message)
+        return json_response(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return json_response(APIError(500, f"Internal server error: {exc}").body(), status_code=500)
+
+    # -- models and health -------------------------------------------------------------------
+
+    def model_card() -> dict[str, Any]:
+        card: dict[str, Any] = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "triton-llm",
+            "root": settings.tokenizer_path or settings.triton_model,
+            "parent": None,
+        }
+        max_len = ctx.files.max_model_len
+        if max_len is not None:
+            card["max_model_len"] = max_len
+        return card
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        if model_id != ctx.model_name:
+            raise model_not_found(model_id)
+        return json_response(model_card())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await ctx.client.is_ready():
+            return Response(status_code=200)
+        raise APIError(503, f"Triton model '{settings.triton_model}' at {settings.triton_url} is not ready")
+
+    @app.get("/get_model_info")
+    async def model_info() -> Response:
+        return json_response({
+            "model_path": settings.tokenizer_path or ctx.model_name,
+            "tokenizer_path": settings.tokenizer_path,
+            "is_generation": True,
+            "served_model_name": ctx.model_name,
+        })
+
+    # -- generation --------------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, chat(body, body.request_id or body.rid or _request_id(request)))
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(
+            request, completions(body, body.request_id or body.rid or _request_id(request))
+        )
+
+    @app.post("/generate")
+    async def generate_route(body: GenerateRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, generate(body, _request_id(request)))
+
+    @app.post("/parse_function_call")
+    async def parse_function_call(body: ParseFunctionCallRequest) -> Response:
+        name = body.tool_call_parser or settings.tool_call_parser
+        if not name:
+            raise bad_request("tool_call_parser is required (the server has no --tool-call-parser)", param="tool_call_parser")
+        parser = get_parser(name)
+        result = parser.detect_and_parse(body.text, tools_as_dicts(body.tools))
+        calls = [
+            {"tool_index": c.tool_index, "name": c.name, "parameters": c.parameters}
+            for c in result.calls
+        ]
+        return json_response({"normal_text": result.normal_text, "calls": calls})
+
+    return app
+
+
+SETTINGS_ENV = "OPENAI_FRONTEND_SETTINGS"
+
+
+def app_from_env() -> FastAPI:
+    """App factory for multi-worker uvicorn: settings come as JSON in $OPENAI_FRONTEND_SETTINGS."""
+    import json
+    import os
+
+    return create_app(Settings(**json.loads(os.environ[SETTINGS_ENV])))

@@ -1,0 +1,29 @@
+"""The frontend's configuration (filled from the CLI, or directly by tests / embedders)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class Settings:
+    triton_url: str = "localhost:8001"
+    triton_model: str = "ensemble"  # the Triton model requests go to
+    model_name: Optional[str] = None  # the served name clients use; default: see served_model_name
+    api_key: Optional[str] = None
+    tool_call_parser: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    max_n: int = 64
+    stream_timeout: Optional[float] = None  # seconds for one whole generation; None: no limit
+    # Model that accepts `abort_request_id` to stop a request whose stream was cancelled (Triton
+    # does not cancel an ensemble's in-flight decoupled step). None: rely on gRPC cancellation.
+    abort_model: Optional[str] = None
+
+    @property
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.tokenizer_path:
+            return self.tokenizer_path.rstrip("/").rsplit("/", 1)[-1]
+        return self.triton_model

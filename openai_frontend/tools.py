@@ -1,0 +1,460 @@
+"""Function calling: the tool_choice constraint, and tool calls parsed out of generated text.
+
+Parsers come from `openai_frontend.tool_parsers` (`get_tool_parser(name)`; model-specific formats:
+qwen25/hermes, llama3, pythonic, mistral, deepseekv3). On top of them:
+
+* `tool_choice="required"` / a named function constrain generation. When the configured parser
+  describes its format (`structure_info(name)` -> begin/end strings), the constraint is an xgrammar
+  `structural_tag` in the model's own format, and the output is parsed by that parser. Otherwise
+  (no parser, or a format without JSON arguments such as pythonic) the constraint is SGLang's
+  `json_schema` for a JSON array `[{"name": ..., "parameters": {...}}]`, parsed by
+  `JsonArrayToolParser` below.
+* `ToolCallStreamer` turns a parser's streaming items into OpenAI `delta.tool_calls` entries: the
+  first entry of a call carries id, type and function.name; later ones carry argument fragments.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from openai_frontend.errors import APIError, bad_request
+from openai_frontend.protocol import ChatTool, NamedToolChoice
+
+JSON_ARRAY = "json_array"  # the built-in format used with the json_schema constraint
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tools_as_dicts(tools: Sequence[ChatTool]) -> list[dict[str, Any]]:
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str
+
+
+def get_parser(name: str) -> Any:
+    """A fresh (stateful) parser for one choice: the format's parser, or the JSON-array one."""
+    if name == JSON_ARRAY:
+        return JsonArrayToolParser()
+    try:
+        from openai_frontend.tool_parsers import get_tool_parser
+    except ImportError as exc:  # the package is optional at import time of the frontend
+        raise APIError(500, f"tool-call parsers are not available: {exc}") from None
+    try:
+        return get_tool_parser(name)
+    except (KeyError, ValueError) as exc:
+        raise bad_request(f"unknown tool-call parser '{name}': {exc}", param="tool_call_parser") from None
+
+
+def parse_complete(parser: Any, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ParsedCall]]:
+    """Non-streaming parse: (normal text, calls)."""
+    result = parser.detect_and_parse(text, tools)
+    calls = [ParsedCall(c.name, c.parameters if isinstance(c.parameters, str) else json.dumps(c.parameters))
+             for c in result.calls if c.name]
+    return result.normal_text or "", calls
+
+
+class ToolCallStreamer:
+    """Per-choice streaming state: parser items -> OpenAI tool_call deltas (dicts)."""
+
+    def __init__(self, parser: Any, tools: list[dict[str, Any]], parallel: bool = True) -> None:
+        self.parser = parser
+        self.tools = tools
+        self.parallel = parallel
+        self.calls: list[ParsedCall] = []
+        self._by_tool_index: dict[int, int] = {}
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.calls)
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        result = self.parser.parse_streaming_increment(text, self.tools)
+        return result.normal_text or "", self._deltas(result.calls)
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """Whatever the parser still holds at the end of the stream (if it can flush)."""
+        flush = getattr(self.parser, "flush", None)
+        if flush is None:
+            return "", []
+        result = flush()
+        if result is None:
+            return "", []
+        return result.normal_text or "", self._deltas(result.calls)
+
+    def _deltas(self, items: Sequence[Any]) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        for item in items:
+            args = item.parameters or ""
+            if not isinstance(args, str):
+                args = json.dumps(args)
+            if item.name:
+                k = len(self.calls)
+                self._by_tool_index[item.tool_index] = k
+                self.calls.append(ParsedCall(item.name, args))
+                if k > 0 and not self.parallel:
+                    continue
+                deltas.append({
+                    "index": k,
+                    "id": new_call_id(),
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": args},
+                })
+            elif args:
+                k = self._by_tool_index.get(item.tool_index, len(self.calls) - 1)
+                if k < 0:
+                    continue  # arguments before any name: nothing to attach them to
+                self.calls[k].arguments += args
+                if k > 0 and not self.parallel:
+                    continue
+                deltas.append({"index": k, "function": {"arguments": args}})
+        return deltas
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in JSON-array format (json_schema-constrained tool calls)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    tool_index: int
+    name: Optional[str]
+    parameters: str
+
+
+@dataclass
+class _Result:
+    normal_text: str
+    calls: list[_Item] = field(default_factory=list)
+
+
+_WS = " \t\r\n"
+
+
+def _skip_ws(s: str, i: int) -> int:
+    n = len(s)
+    while i < n and s[i] in _WS:
+        i += 1
+    return i
+
+
+def _scan_string(s: str, i: int) -> tuple[int, bool]:
+    """s[i] == '"': (index after the closing quote, complete)."""
+    i += 1
+    n = len(s)
+    while i < n:
+        c = s[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == '"':
+            return i + 1, True
+        i += 1
+    return n, False
+
+
+def _scan_value(s: str, i: int) -> tuple[int, bool]:
+    """Any JSON value starting at s[i]: (end index, complete)."""
+    n = len(s)
+    if i >= n:
+        return n, False
+    c = s[i]
+    if c == '"':
+        return _scan_string(s, i)
+    if c in "{[":
+        depth = 0
+        while i < n:
+            c = s[i]
+            if c == '"':
+                i, ok = _scan_string(s, i)
+                if not ok:
+                    return n, False
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return i + 1, True
+            i += 1
+        return n, False
+    j = i
+    while j < n and s[j] not in ",}] \t\r\n":
+        j += 1
+    return j, j < n  # a literal/number is complete once a delimiter follows
+
+
+def scan_json_array_calls(s: str) -> Optional[list[tuple[Optional[str], Optional[tuple[int, int, bool]], bool]]]:
+    """Parse a (possibly partial) `[{"name": .., "parameters": ..}, ...]`.
+
+    Returns None when the text is not such an array, else one entry per object seen:
+    (name or None while incomplete, parameters span (start, end, complete) or None, object complete).
+    """
+    i = _skip_ws(s, 0)
+    if i >= len(s):
+        return []
+    if s[i] != "[":
+        return None
+    i += 1
+    out: list[tuple[Optional[str], Optional[tuple[int, int, bool]], bool]] = []
+    n = len(s)
+    while True:
+        i = _skip_ws(s, i)
+        if i >= n or s[i] == "]":
+            return out
+        if s[i] == ",":
+            i += 1
+            continue
+        if s[i] != "{":
+            return out
+        i += 1
+        name: Optional[str] = None
+        params: Optional[tuple[int, int, bool]] = None
+        complete = False
+        while True:
+            i = _skip_ws(s, i)
+            if i >= n:
+                break
+            if s[i] == "}":
+                i += 1
+                complete = True
+                break
+            if s[i] == ",":
+                i += 1
+                continue
+            if s[i] != '"':
+                break
+            key_end, ok = _scan_string(s, i)
+            if not ok:
+                break
+            key = json.loads(s[i:key_end])
+            i = _skip_ws(s, key_end)
+            if i >= n or s[i] != ":":
+                break
+            i = _skip_ws(s, i + 1)
+            if i >= n:
+                break
+            end, ok = _scan_value(s, i)
+            if key == "name" and ok:
+                value = json.loads(s[i:end])
+                name = value if isinstance(value, str) else None
+            elif key in ("parameters", "arguments"):
+                params = (i, end, ok)
+            i = end
+            if not ok:
+                break
+        out.append((name, params, complete))
+        if not complete:
+            return out
+
+
+class JsonArrayToolParser:
+    """Parser (same interface as tool_parsers') for `[{"name": "f", "parameters": {...}}, ...]`."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._sent_names = 0
+        self._sent_args: list[int] = []
+        self._passthrough = False
+
+    def detect_and_parse(self, text: str, tools: Any) -> _Result:
+        calls = scan_json_array_calls(text)
+        if not calls:
+            return _Result(normal_text=text)
+        items = []
+        for k, (name, params, _) in enumerate(calls):
+            if name is None:
+                continue
+            args = text[params[0]:params[1]] if params else "{}"
+            items.append(_Item(k, name, args))
+        return _Result(normal_text="", calls=items) if items else _Result(normal_text=text)
+
+    def parse_streaming_increment(self, new_text: str, tools: Any) -> _Result:
+        if self._passthrough:
+            return _Result(normal_text=new_text)
+        self._buf += new_text
+        calls = scan_json_array_calls(self._buf)
+        if calls is None:  # not the constrained format: hand the text back as content
+            self._passthrough = True
+            return _Result(normal_text=self._buf)
+        items: list[_Item] = []
+        for k, (name, params, _) in enumerate(calls):
+            if name is None:
+                break  # names come in order; arguments wait for their name
+            if k >= self._sent_names:
+                items.append(_Item(k, name, ""))
+                self._sent_names += 1
+                self._sent_args.append(0)
+            if params is not None:
+                start, end, _ = params
+                args = self._buf[start:end]
+                sent = self._sent_args[k]
+                if len(args) > sent:
+                    items.append(_Item(k, None, args[sent:]))
+                    self._sent_args[k] = len(args)
+        return _Result(normal_text="", calls=items)
+
+
+# ---------------------------------------------------------------------------------------------
+# tool_choice -> (parser name, constraint)
+# ---------------------------------------------------------------------------------------------
+
+
+def _hoist_defs(schemas: list[dict[str, Any]]) -> dict[str, Any]:
+    defs: dict[str, Any] = {}
+    for schema in schemas:
+        for key, value in (schema.get("$defs") or {}).items():
+            if key in defs and defs[key] != value:
+                raise bad_request(f"tools define conflicting $defs entries named '{key}'", param="tools")
+            defs[key] = value
+    return defs
+
+
+def json_array_schema(tools: Sequence[ChatTool], single: bool) -> dict[str, Any]:
+    """SGLang's json_schema for required / named tool_choice."""
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": _parameters(t),
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1}
+    schema["items"] = items[0] if len(items) == 1 else {"type": "object", "anyOf": items}
+    if single:
+        schema["maxItems"] = 1
+    defs = _hoist_defs([_parameters(t) for t in tools])
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _info_field(info: Any, key: str) -> Optional[str]:
+    if isinstance(info, dict):
+        return info.get(key)
+    return getattr(info, key, None)
+
+
+def _common_prefix(strings: list[str]) -> str:
+    if not strings:
+        return ""
+    prefix = strings[0]
+    for s in strings[1:]:
+        while not s.startswith(prefix):
+            prefix = prefix[:-1]
+    return prefix
+
+
+def structural_tag(parser: Any, tools: Sequence[ChatTool], single: bool, parallel: bool) -> Optional[dict[str, Any]]:
+    """An xgrammar structural tag forcing tool calls in the parser's own format, or None when the
+    parser cannot describe its format with JSON arguments."""
+    structure_info = getattr(parser, "structure_info", None)
+    if structure_info is None:
+        return None
+    tags = []
+    triggers: list[str] = []
+    try:
+        for tool in tools:
+            info = structure_info(tool.function.name)
+            begin, end = _info_field(info, "begin"), _info_field(info, "end")
+            if not begin or end is None:
+                return None
+            tags.append({
+                "type": "tag",
+                "begin": begin,
+                "content": {"type": "json_schema", "json_schema": _parameters(tool)},
+                "end": end,
+            })
+            trigger = _info_field(info, "trigger")
+            if trigger and trigger not in triggers:
+                triggers.append(trigger)
+    except NotImplementedError:
+        return None
+    if single:
+        return {"type": "structural_tag", "format": tags[0]}
+    if not triggers or any(not any(t["begin"].startswith(tr) for tr in triggers) for t in tags):
+        prefix = _common_prefix([t["begin"] for t in tags])
+        if not prefix:
+            return None
+        triggers = [prefix]
+    return {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": triggers,
+            "tags": tags,
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        },
+    }
+
+
+@dataclass
+class ToolPlan:
+    """How one chat request handles tools."""
+
+    parser_name: Optional[str]  # None: no parsing (no tools, or tool_choice none)
+    constraint: Optional[tuple[str, str]]  # (sampling key, value) or None
+    template_tools: Optional[list[dict[str, Any]]]  # tools given to the chat template
+    tools: list[dict[str, Any]]  # tools given to the parser
+    parallel: bool
+
+
+def plan_tools(
+    tools: Optional[Sequence[ChatTool]],
+    tool_choice: Any,
+    parallel_tool_calls: Optional[bool],
+    configured_parser: Optional[str],
+) -> ToolPlan:
+    parallel = parallel_tool_calls is not False
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice requires tools", param="tool_choice")
+        return ToolPlan(None, None, None, [], parallel)
+    as_dicts = tools_as_dicts(tools)
+    choice = tool_choice if tool_choice is not None else "auto"
+    if choice == "none":
+        return ToolPlan(None, None, None, [], parallel)
+    if choice == "auto":
+        if not configured_parser:
+            raise bad_request(
+                '"auto" tool choice requires the server to be started with --tool-call-parser', param="tool_choice"
+            )
+        return ToolPlan(configured_parser, None, as_dicts, as_dicts, parallel)
+    if isinstance(choice, NamedToolChoice):
+        selected = [t for t in tools if t.function.name == choice.function.name]
+        if not selected:
+            raise bad_request(f"tool_choice names a function not in tools: '{choice.function.name}'", param="tool_choice")
+        single = True
+    elif choice == "required":
+        selected, single = list(tools), False
+    else:
+        raise bad_request(f"invalid tool_choice {choice!r}", param="tool_choice")
+    if configured_parser:
+        tag = structural_tag(get_parser(configured_parser), selected, single, parallel)
+        if tag is not None:
+            return ToolPlan(configured_parser, ("structural_tag", json.dumps(tag, ensure_ascii=False)), as_dicts, as_dicts, parallel)
+    schema = json_array_schema(selected, single or not parallel)
+    return ToolPlan(JSON_ARRAY, ("json_schema", json.dumps(schema, ensure_ascii=False)), as_dicts, as_dicts, parallel)

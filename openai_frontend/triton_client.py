@@ -1,0 +1,363 @@
+"""The only module that talks to Triton: gRPC streaming calls to the `ensemble` model.
+
+One `TritonLLMClient` (one gRPC channel) is shared by the whole process; every generation opens
+its own bidirectional stream (`stream_infer`) with one request, `stream=True` and
+`triton_enable_empty_final_response`, and yields an `EngineChunk` per response until the final
+flag. Leaving the iteration early (client disconnect, error, `aclose()`) cancels the gRPC call,
+which cancels the request in Triton and frees its KV blocks in the engine.
+
+Responses are decoded straight from the protobuf raw contents (no numpy per chunk): this runs
+once per streamed token.
+
+Errors: gRPC UNAVAILABLE / connection failures -> 503; INVALID_ARGUMENT and the model's own
+errors -> 400 with Triton's message; a missing/unready model -> 503; the rest -> 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import struct
+import sys
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcclient_aio
+from tritonclient.grpc import InferInput
+from tritonclient.utils import InferenceServerException
+
+from openai_frontend.engine_types import EngineChunk, EngineRequest
+from openai_frontend.errors import APIError
+
+log = logging.getLogger(__name__)
+
+_LITTLE = sys.byteorder == "little"
+_ENSEMBLE_PREFIX = "in ensemble "
+
+
+def _bytes_input(name: str, value: str) -> InferInput:
+    tensor = InferInput(name, [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=np.object_))
+    return tensor
+
+
+def _bool_input(name: str, value: bool) -> InferInput:
+    tensor = InferInput(name, [1], "BOOL")
+    tensor.set_data_from_numpy(np.array([value], dtype=np.bool_))
+    return tensor
+
+
+def build_inputs(request: EngineRequest) -> list[InferInput]:
+    """The ensemble's input tensors for one request (see docs/ARCHITECTURE.md)."""
+    inputs: list[InferInput] = []
+    if request.input_ids is not None:
+        ids = np.asarray(request.input_ids, dtype=np.int32)
+        tensor = InferInput("input_ids", [int(ids.size)], "INT32")
+        tensor.set_data_from_numpy(ids)
+        inputs.append(tensor)
+    elif request.messages is not None:
+        inputs.append(_bytes_input("messages", json.dumps(request.messages, ensure_ascii=False)))
+        if request.tools:
+            inputs.append(_bytes_input("tools", json.dumps(request.tools, ensure_ascii=False)))
+        if request.chat_template_kwargs:
+            inputs.append(_bytes_input("chat_template_kwargs", json.dumps(request.chat_template_kwargs, ensure_ascii=False)))
+        if request.add_generation_prompt is not None:
+            inputs.append(_bool_input("add_generation_prompt", request.add_generation_prompt))
+    elif request.text_input is not None:
+        inputs.append(_bytes_input("text_input", request.text_input))
+    else:
+        raise APIError(400, "one of text_input, messages, input_ids is required")
+    inputs.append(_bool_input("stream", True))
+    inputs.append(_bytes_input("sampling_parameters", json.dumps(request.sampling_params, ensure_ascii=False)))
+    return inputs
+
+
+# ---------------------------------------------------------------------------------------------
+# Response decoding (hot path)
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode_bytes_first(raw: bytes) -> str:
+    """First element of a serialized BYTES tensor (4-byte little-endian length + data)."""
+    if len(raw) < 4:
+        return ""
+    (n,) = struct.unpack_from("<I", raw, 0)
+    return raw[4 : 4 + n].decode("utf-8", errors="replace")
+
+
+def _decode_int32(raw: bytes) -> list[int]:
+    if _LITTLE:
+        return memoryview(raw).cast("i").tolist()
+    return np.frombuffer(raw, dtype="<i4").tolist()
+
+
+def _first_int(raw: bytes) -> int:
+    return struct.unpack_from("<i", raw, 0)[0] if len(raw) >= 4 else 0
+
+
+_FIELDS = ("text_output", "output_ids", "finish_reason", "prompt_tokens", "completion_tokens", "meta_info")
+
+
+class _Layout:
+    """Where each output sits in a response (the same for every response of a stream)."""
+
+    __slots__ = ("n", "first", "last", "idx")
+
+    def __init__(self, outputs: Any) -> None:
+        names = [o.name for o in outputs]
+        self.n = len(names)
+        self.first = names[0]
+        self.last = names[-1]
+        self.idx = tuple(names.index(f) if f in names else -1 for f in _FIELDS)
+
+    def matches(self, outputs: Any) -> bool:
+        return len(outputs) == self.n and outputs[0].name == self.first and outputs[-1].name == self.last
+
+
+class ResponseDecoder:
+    """ModelInferResponse -> EngineChunk, for one stream.
+
+    Reading every output's name costs more than decoding the values (a protobuf wrapper per
+    output), so the layout is learnt from the first response and only spot-checked afterwards.
+    """
+
+    __slots__ = ("_layout",)
+
+    def __init__(self) -> None:
+        self._layout: Optional[_Layout] = None
+
+    def __call__(self, response: Any) -> EngineChunk:
+        outputs = response.outputs
+        raw = response.raw_output_contents
+        if len(raw) != len(outputs):  # contents not in raw form: slow generic path
+            return _decode_generic(response)
+        layout = self._layout
+        if layout is None or not layout.matches(outputs):
+            layout = self._layout = _Layout(outputs)
+        t, i, f, p, c, m = layout.idx
+        return EngineChunk(
+            _decode_bytes_first(raw[t]) if t >= 0 else "",
+            _decode_int32(raw[i]) if i >= 0 else [],
+            (_decode_bytes_first(raw[f]) or None) if f >= 0 else None,
+            _first_int(raw[p]) if p >= 0 else 0,
+            _first_int(raw[c]) if c >= 0 else 0,
+            _decode_bytes_first(raw[m]) if m >= 0 else "",
+        )
+
+
+def decode_response(response: Any) -> EngineChunk:
+    """An EngineChunk from one ModelInferResponse protobuf."""
+    return ResponseDecoder()(response)
+
+
+def _decode_generic(response: Any) -> EngineChunk:
+    from tritonclient.grpc import InferResult
+
+    result = InferResult(response)
+
+    def first(name: str, default: Any) -> Any:
+        arr = result.as_numpy(name)
+        if arr is None or arr.size == 0:
+            return default
+        item = arr.reshape(-1)[0]
+        return item.decode("utf-8", errors="replace") if isinstance(item, bytes) else item.item()
+
+    ids = result.as_numpy("output_ids")
+    return EngineChunk(
+        text=first("text_output", ""),
+        token_ids=[] if ids is None else ids.reshape(-1).tolist(),
+        finish_reason=first("finish_reason", "") or None,
+        prompt_tokens=int(first("prompt_tokens", 0)),
+        completion_tokens=int(first("completion_tokens", 0)),
+        meta_raw=first("meta_info", ""),
+    )
+
+
+def _is_final(response: Any) -> bool:
+    params = response.parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+# ---------------------------------------------------------------------------------------------
+# Error mapping
+# ---------------------------------------------------------------------------------------------
+
+
+
+def _clean(message: str) -> str:
+    # "in ensemble 'ensemble', <the step's message>" -> "<the step's message>"
+    if message.startswith(_ENSEMBLE_PREFIX):
+        _, sep, rest = message.partition(", ")
+        if sep:
+            return rest
+    return message
+
+
+# "unsupported parameter 'x'", "invalid sampling parameter x: ..." -> x
+_PARAM_RE = re.compile(r"parameter '([A-Za-z_][A-Za-z0-9_]*)'|invalid sampling parameter ([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def map_stream_error(message: str) -> APIError:
+    """An error the server sent inside the stream (the model's or the ensemble's)."""
+    msg = _clean(message)
+    low = msg.lower()
+    if "unknown model" in low or "is not ready" in low or ("model" in low and "not found" in low):
+        return APIError(503, f"Triton model unavailable: {msg}")
+    if low.startswith("internal error") or "stub process" in low or ("model instance" in low and "crash" in low):
+        return APIError(500, msg)
+    match = _PARAM_RE.search(msg)
+    return APIError(400, msg, param=match.group(1) or match.group(2) if match else None)
+
+
+def map_rpc_error(err: grpc.RpcError) -> APIError:
+    code = err.code() if hasattr(err, "code") else None
+    details = (err.details() if hasattr(err, "details") else None) or str(err)
+    if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.UNKNOWN and "connect" in details.lower()):
+        return APIError(503, f"Triton server unavailable: {details}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return APIError(400, _clean(details))
+    if code == grpc.StatusCode.NOT_FOUND:
+        return APIError(503, f"Triton model unavailable: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return APIError(504, f"Triton request timed out: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return APIError(429, details)
+    return APIError(500, f"Triton error ({code.name if code else 'unknown'}): {details}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The client
+# ---------------------------------------------------------------------------------------------
+
+
+class TritonLLMClient:
+    """Async client of the ensemble model over gRPC. Create once per process.
+
+    The gRPC channel binds to the event loop that first uses it, so it is created lazily on the
+    first call (inside the server's loop).
+    """
+
+    def __init__(
+        self,
+        url: str = "localhost:8001",
+        model_name: str = "ensemble",
+        *,
+        stream_timeout: Optional[float] = None,
+        ready_timeout: float = 2.0,
+        abort_model: Optional[str] = None,
+    ) -> None:
+        self.url = url
+        self.model_name = model_name
+        self.stream_timeout = stream_timeout
+        self.ready_timeout = ready_timeout
+        self.abort_model = abort_model
+        self._client: Optional[grpcclient_aio.InferenceServerClient] = None
+        self._aborts: set[asyncio.Task] = set()
+
+    def _get(self) -> grpcclient_aio.InferenceServerClient:
+        if self._client is None:
+            self._client = grpcclient_aio.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._aborts:
+            await asyncio.gather(*self._aborts, return_exceptions=True)
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
+    async def is_ready(self) -> bool:
+        try:
+            return bool(await self._get().is_model_ready(self.model_name, client_timeout=self.ready_timeout))
+        except (InferenceServerException, grpc.RpcError, OSError) as exc:
+            log.debug("readiness check failed: %s", exc)
+            return False
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """Yield the ensemble's responses for `request` until the final one.
+
+        Closing the iterator before the end (or cancelling the task consuming it) cancels the
+        gRPC stream, which cancels the request in Triton.
+        """
+        inputs = build_inputs(request)
+        # Unique per stream (client-supplied ids may repeat), traceable to the client's id.
+        suffix = uuid.uuid4().hex[:8]
+        request_id = f"{request.request_id}.{suffix}" if request.request_id else uuid.uuid4().hex
+        done = asyncio.Event()
+        payload = {
+            "model_name": self.model_name,
+            "inputs": inputs,
+            "request_id": request_id,
+            "parameters": {"triton_enable_empty_final_response": True},
+        }
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield payload
+            # Keep our side of the stream open until the final response: the server then
+            # never sees a half-closed stream with a request still in flight.
+            await done.wait()
+
+        try:
+            responses = self._get().stream_infer(requests(), stream_timeout=self.stream_timeout)
+        except InferenceServerException as exc:
+            raise APIError(503, f"Triton server unavailable: {exc.message()}") from None
+        decode = ResponseDecoder()
+        finished = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    finished = True
+                    raise map_stream_error(error.message() if isinstance(error, InferenceServerException) else str(error))
+                response = result.get_response()
+                final = _is_final(response)
+                if response.outputs:
+                    yield decode(response)
+                if final:
+                    finished = True
+                    return
+            finished = True
+            raise APIError(502, "Triton closed the stream before the final response")
+        except grpc.RpcError as exc:
+            finished = True
+            raise map_rpc_error(exc) from None
+        finally:
+            done.set()
+            if not finished:
+                responses.cancel()
+                if self.abort_model:
+                    task = asyncio.ensure_future(self._abort(request_id))
+                    self._aborts.add(task)
+                    task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, request_id: str) -> None:
+        """Ask the engine model to drop `request_id`.
+
+        Triton propagates an ensemble's cancellation only to steps not yet scheduled, so the
+        decoupled `llm` step already generating never sees it (sender.is_cancelled() stays
+        False). With `abort_model` set, a cancelled stream is followed by a request to that
+        model carrying only `abort_request_id` (the ensemble passes its request id to its steps).
+        """
+        payload = {
+            "model_name": self.abort_model,
+            "inputs": [_bytes_input("abort_request_id", request_id)],
+            "request_id": f"abort.{request_id}",
+            "parameters": {"triton_enable_empty_final_response": True},
+        }
+
+        async def one() -> AsyncIterator[dict[str, Any]]:
+            yield payload
+
+        try:
+            async with asyncio.timeout(10):
+                async for result, error in self._get().stream_infer(one()):
+                    if error is not None:
+                        log.warning("abort of %s failed: %s", request_id, error)
+                        return
+                    if _is_final(result.get_response()):
+                        return
+        except (grpc.RpcError, InferenceServerException, TimeoutError) as exc:
+            log.warning("abort of %s failed: %s", request_id, exc)

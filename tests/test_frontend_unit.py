@@ -1,0 +1,818 @@
+"""The OpenAI/SGLang frontend against a scripted engine client, through the official openai SDK.
+
+The app runs under uvicorn on a loopback port (real HTTP, real disconnects); the engine is
+`FakeLLMClient`, which yields scripted `EngineChunk`s and records requests and how streams ended.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from openai_frontend.engine_types import EngineChunk
+from openai_frontend.errors import APIError
+from openai_frontend.server import create_app
+from openai_frontend.settings import Settings
+from openai_frontend.testing import FakeLLMClient, serve_in_thread, text_chunks
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL = "demo-model"
+MESSAGES = [{"role": "user", "content": "Say hello"}]
+PIECES = ["Hel", "lo", ",", " wor", "ld", "!"]
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return FakeLLMClient()
+
+
+@pytest.fixture(scope="module")
+def base_url(fake):
+    with serve_in_thread(create_app(Settings(model_name=MODEL), client=fake)) as url:
+        yield url
+
+
+@pytest.fixture(autouse=True)
+def _reset(fake):
+    fake.script = lambda req: text_chunks(PIECES)
+    fake.delay = 0.0
+    fake.requests.clear()
+    fake.finished.clear()
+    fake.closed_early.clear()
+    yield
+
+
+@pytest.fixture()
+def client(base_url):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# models, health, request ids
+# ---------------------------------------------------------------------------------------------
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("other")
+    assert err.value.body["code"] == "model_not_found"
+
+
+def test_health(base_url, fake):
+    assert httpx.get(base_url + "/health").status_code == 200
+    fake.ready = False
+    try:
+        r = httpx.get(base_url + "/health")
+        assert r.status_code == 503
+        assert r.json()["error"]["type"]
+    finally:
+        fake.ready = True
+
+
+def test_request_id_echoed_and_used(base_url, client):
+    r = httpx.post(
+        base_url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": MESSAGES},
+        headers={"X-Request-Id": "abc-123"},
+    )
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "abc-123"
+    assert r.json()["id"] == "chatcmpl-abc-123"
+    assert httpx.get(base_url + "/v1/models").headers["x-request-id"]  # generated when absent
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, extra_headers={"x-request-id": "sdk-1"}
+    )
+    assert raw.headers["x-request-id"] == "sdk-1"
+
+
+# ---------------------------------------------------------------------------------------------
+# chat
+# ---------------------------------------------------------------------------------------------
+
+
+def test_chat_non_streaming(client, fake):
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0.5, top_p=0.9, seed=3,
+        stop=["END"], extra_body={"top_k": 20, "min_p": 0.1, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert r.choices[0].message.content == "".join(PIECES)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == 7 and r.usage.completion_tokens == len(PIECES)
+    assert r.usage.total_tokens == 7 + len(PIECES)
+    req = fake.requests[0]
+    assert req.messages == MESSAGES and req.text_input is None
+    assert req.chat_template_kwargs == {"enable_thinking": False}
+    assert req.sampling_params == {
+        "max_new_tokens": 12, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "min_p": 0.1, "seed": 3, "stop": ["END"],
+    }
+
+
+def test_chat_content_parts_and_tool_messages(client, fake):
+    client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+        ],
+    )
+    msgs = fake.requests[0].messages
+    assert msgs[0]["content"] == "a\nb"
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # templates render objects
+    assert msgs[2] == {"role": "tool", "tool_call_id": "call_1", "content": "42"}
+
+
+def test_chat_streaming_with_usage(client, fake):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(PIECES)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(PIECES)
+    assert chunks[-1].usage.prompt_tokens == 7
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_streaming_raw_sse_format(base_url):
+    with httpx.stream("POST", base_url + "/v1/chat/completions",
+                      json={"model": MODEL, "messages": MESSAGES, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        assert json.loads(e[6:])["object"] == "chat.completion.chunk"
+
+
+def test_chat_n2(client, fake):
+    def script(req):
+        return text_chunks(["choice", f"-{req.sampling_params['seed']}"])
+
+    fake.script = script
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, seed=10)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert {c.message.content for c in r.choices} == {"choice-10", "choice-11"}
+    assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == 7
+    assert sorted(q.sampling_params["seed"] for q in fake.requests) == [10, 11]
+
+    fake.requests.clear()
+    fake.delay = 0.001
+    texts = {0: "", 1: ""}
+    finish = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, seed=10, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert sorted(texts.values()) == ["choice-10", "choice-11"]
+    assert finish == {0: "stop", 1: "stop"}
+
+
+def test_chat_length_finish(client, fake):
+    fake.script = lambda req: text_chunks(["a", "b"], finish="length")
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_chat_logprobs_mapped_when_engine_sends_them(client, fake):
+    metas = [
+        json.dumps({"output_token_logprobs": [[-0.5, 100, "Hel"]], "output_top_logprobs": [[[-0.5, 100, "Hel"], [-1.5, 7, "He"]]]}),
+        json.dumps({"output_token_logprobs": [[-0.25, 101, None]], "output_top_logprobs": [[[-0.25, 101, None]]]}),
+    ]
+    fake.script = lambda req: text_chunks(["Hel", "lo"], meta=metas)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2)
+    assert fake.requests[0].sampling_params["return_logprob"] is True
+    assert fake.requests[0].sampling_params["top_logprobs_num"] == 2
+    content = r.choices[0].logprobs.content
+    assert [t.token for t in content] == ["Hel", "token_id:101"]  # no tokenizer: ids as text
+    assert content[0].logprob == -0.5 and [t.token for t in content[0].top_logprobs] == ["Hel", "He"]
+    # streaming carries them per chunk
+    got = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            got += [t.logprob for t in chunk.choices[0].logprobs.content]
+    assert got == [-0.5, -0.25]
+    # requested but not sent by the engine: null
+    fake.script = lambda req: text_chunks(["x"])
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True)
+    assert r.choices[0].logprobs is None
+
+
+# ---------------------------------------------------------------------------------------------
+# completions
+# ---------------------------------------------------------------------------------------------
+
+
+def test_completions(client, fake):
+    r = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=6)
+    assert r.choices[0].text == "".join(PIECES)
+    assert r.object == "text_completion"
+    assert fake.requests[0].text_input == "Once upon"
+    assert fake.requests[0].sampling_params == {"max_new_tokens": 6}
+    fake.requests.clear()
+    r = client.completions.create(model=MODEL, prompt="P")
+    assert fake.requests[0].sampling_params == {"max_new_tokens": 16}  # OpenAI's default for completions
+
+
+def test_completions_batch_tokens_echo_and_stream(client, fake):
+    r = client.completions.create(model=MODEL, prompt=["a", "b"], n=2, echo=True)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == ["a" + "".join(PIECES)] * 2 + ["b" + "".join(PIECES)] * 2
+    assert r.usage.prompt_tokens == 14  # once per prompt, not per choice
+    fake.requests.clear()
+    client.completions.create(model=MODEL, prompt=[1, 2, 3])
+    assert fake.requests[0].input_ids == [1, 2, 3] and fake.requests[0].text_input is None
+
+    text = ""
+    usage = None
+    for chunk in client.completions.create(model=MODEL, prompt="x", stream=True, stream_options={"include_usage": True}):
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage:
+            usage = chunk.usage
+    assert text == "".join(PIECES)
+    assert usage.completion_tokens == len(PIECES) and usage.prompt_tokens == 7
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------
+
+
+def _error(excinfo) -> dict:
+    body = excinfo.value.body
+    assert set(body) == {"message", "type", "param", "code"}
+    return body
+
+
+def test_error_unknown_parameter_is_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"frobnicate": 1})
+    body = _error(err)
+    assert body["param"] == "frobnicate" and "frobnicate" in body["message"]
+
+
+def test_error_unsupported_parameter_named(client, fake):
+    for kwargs, name in [
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+        ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
+        ({"extra_body": {"continue_final_message": True, "add_generation_prompt": False}}, "continue_final_message"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+        body = _error(err)
+        assert body["param"] == name and name in body["message"], body
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", suffix="tail")
+    assert _error(err)["param"] == "suffix"
+    assert fake.requests == []
+
+
+def test_error_validation_is_400_not_422(base_url):
+    r = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "temperature": "hot"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "temperature"
+    r = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(base_url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400
+
+
+def test_error_unknown_model_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
+    assert _error(err)["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-nope", prompt="x")
+
+
+def test_error_from_engine_is_400_even_when_streaming(client, fake):
+    fake.script = lambda req: APIError(400, "unsupported parameter 'frequency_penalty': not supported yet")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, frequency_penalty=0.5)
+    assert "frequency_penalty" in _error(err)["message"]
+    assert fake.requests[0].sampling_params["frequency_penalty"] == 0.5
+    with pytest.raises(openai.BadRequestError):
+        list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))
+
+
+def test_error_mid_stream_is_an_sse_error_event(client, fake):
+    fake.script = lambda req: [*text_chunks(["a", "b"])[:1], APIError(500, "engine crashed")]
+    with pytest.raises(openai.APIError) as err:
+        for _ in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True):
+            pass
+    assert "engine crashed" in str(err.value)
+
+
+def test_error_triton_unreachable_is_503():
+    from openai_frontend.testing import free_port
+
+    app = create_app(Settings(triton_url=f"127.0.0.1:{free_port()}", model_name=MODEL))
+    with serve_in_thread(app) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as err:
+            c.chat.completions.create(model=MODEL, messages=MESSAGES)
+        assert err.value.status_code == 503
+        assert "unavailable" in _error(err)["message"].lower()
+        with pytest.raises(openai.InternalServerError) as err:
+            c.completions.create(model=MODEL, prompt="x", stream=True)
+        assert err.value.status_code == 503
+        assert httpx.get(url + "/health").status_code == 503
+
+
+def test_api_key_401():
+    fake = FakeLLMClient()
+    with serve_in_thread(create_app(Settings(model_name=MODEL, api_key="s3cret"), client=fake)) as url:
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as err:
+            bad.chat.completions.create(model=MODEL, messages=MESSAGES)
+        assert _error(err)["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        assert httpx.post(url + "/generate", json={"text": "x"}).status_code == 401
+        assert httpx.get(url + "/health").status_code == 200  # health stays open
+        good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message.content
+        assert fake.requests and len(fake.requests) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang /generate
+# ---------------------------------------------------------------------------------------------
+
+
+def test_generate_streaming_as_sglang_example_reads_it(base_url, fake):
+    # The client loop of the SGLang docs' streaming example, verbatim in substance.
+    response = httpx.stream(
+        "POST", base_url + "/generate",
+        json={"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 32},
+              "stream": True},
+    )
+    printed = ""
+    metas = []
+    with response as r:
+        prev = 0
+        for chunk in r.iter_lines():
+            if chunk and chunk.startswith("data:"):
+                if chunk == "data: [DONE]":
+                    break
+                data = json.loads(chunk[5:].strip("\n"))
+                output = data["text"].strip()
+                printed += output[prev:]
+                prev = len(output)
+                metas.append(data["meta_info"])
+                assert data["output_ids"] == [100 + i for i in range(len(data["output_ids"]))]  # cumulative
+        else:
+            raise AssertionError("no data: [DONE]")
+    assert printed == "".join(PIECES)
+    assert len(metas) == len(PIECES)
+    assert all(m["finish_reason"] is None for m in metas[:-1])
+    assert metas[-1]["finish_reason"] == {"type": "stop", "matched": None}
+    assert metas[-1]["completion_tokens"] == len(PIECES) and metas[-1]["prompt_tokens"] == 7
+    req = fake.requests[0]
+    assert req.text_input == "The capital of France is"
+    assert req.sampling_params == {"temperature": 0, "max_new_tokens": 32}
+
+
+def test_generate_non_streaming_and_batch(base_url, fake):
+    fake.script = lambda req: text_chunks(["A", "B"], finish="stop", stop_reason="</s>")
+    r = httpx.post(base_url + "/generate", json={"input_ids": [1, 2, 3], "rid": "r1"}).json()
+    assert r["text"] == "AB" and r["output_ids"] == [100, 101]
+    assert r["meta_info"]["id"] == "r1"
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": "</s>"}
+    assert fake.requests[0].input_ids == [1, 2, 3]
+    batch = httpx.post(base_url + "/generate", json={"text": ["x", "y"], "sampling_params": {"n": 2, "seed": 5}}).json()
+    assert isinstance(batch, list) and len(batch) == 4
+    assert sorted(q.sampling_params.get("seed") for q in fake.requests[1:]) == [5, 5, 6, 6]
+    assert all("n" not in q.sampling_params for q in fake.requests)
+    bad = httpx.post(base_url + "/generate", json={"text": "x", "image_data": "a.png"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "image_data"
+    assert httpx.post(base_url + "/generate", json={"text": "x", "bogus": 1}).status_code == 400
+
+
+# ---------------------------------------------------------------------------------------------
+# client disconnect
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "stream": True}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True, "n": 2}),
+    ("/generate", {"text": "x", "stream": True}),
+])
+def test_client_disconnect_cancels_upstream(base_url, fake, path, body):
+    fake.script = lambda req: [EngineChunk("t", [1], None, 3, i + 1) for i in range(10_000)]
+    fake.delay = 0.01
+    with httpx.Client(timeout=10) as http:
+        with http.stream("POST", base_url + path, json=body) as r:
+            lines = r.iter_lines()
+            seen = 0
+            for line in lines:
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 3:
+                    break
+    # leaving the block closed the connection
+    assert fake.closed_early.wait(5), "upstream stream was not closed after the client left"
+    deadline = time.monotonic() + 5
+    while len(fake.finished) < len(fake.requests) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fake.finished and all(f == "closed" for f in fake.finished)
+
+
+# ---------------------------------------------------------------------------------------------
+# tool calls: the built-in JSON-array format (tool_choice required / named, no parser needed)
+# ---------------------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}},
+}
+
+
+def _pieces(text: str, size: int = 3) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def _reassemble(stream) -> tuple[str, dict[int, dict], list]:
+    content, calls, finishes = "", {}, []
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                if d.id:
+                    assert call["id"] is None, "id sent twice"
+                    call["id"] = d.id
+                    assert d.type == "function"
+                if d.function and d.function.name:
+                    assert call["name"] is None, "name sent twice"
+                    call["name"] = d.function.name
+                if d.function and d.function.arguments:
+                    assert call["name"] is not None, "arguments before the name"
+                    call["arguments"] += d.function.arguments
+            if c.finish_reason:
+                finishes.append(c.finish_reason)
+    return content, calls, finishes
+
+
+def test_tool_choice_required_json_array(client, fake):
+    output = '[{"name": "get_weather", "parameters": {"city": "Paris \\"}{\\" ]", "unit": "c"}}, ' \
+             '{"name": "get_time", "parameters": {"tz": "UTC"}}]'
+    fake.script = lambda req: text_chunks(_pieces(output))
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required")
+    req = fake.requests[0]
+    assert req.tools == [WEATHER, TIME]
+    schema = json.loads(req.sampling_params["json_schema"])
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert [s["properties"]["name"]["enum"] for s in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == [
+        ("get_weather", {"city": 'Paris "}{" ]', "unit": "c"}), ("get_time", {"tz": "UTC"})]
+    assert all(t.id.startswith("call_") for t in msg.tool_calls)
+
+    content, calls, finishes = _reassemble(
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", stream=True)
+    )
+    assert content == "" and finishes == ["tool_calls"]
+    assert [(calls[k]["name"], calls[k]["arguments"]) for k in sorted(calls)] == [
+        (t.function.name, t.function.arguments) for t in msg.tool_calls]
+
+
+def test_tool_choice_named_json_array(client, fake):
+    fake.script = lambda req: text_chunks(_pieces('[{"name": "get_time", "parameters": {}}]', 5))
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
+    schema = json.loads(fake.requests[0].sampling_params["json_schema"])
+    assert schema["maxItems"] == 1 and schema["items"]["properties"]["name"]["enum"] == ["get_time"]
+    assert r.choices[0].message.tool_calls[0].function.name == "get_time"
+    assert r.choices[0].message.tool_calls[0].function.arguments == "{}"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "missing"}})
+    assert _error(err)["param"] == "tool_choice"
+
+
+def test_tool_choice_conflicts_and_none(client, fake):
+    with pytest.raises(openai.BadRequestError) as err:  # auto needs a parser; this server has none
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER])
+    assert "--tool-call-parser" in _error(err)["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="none")
+    assert r.choices[0].message.content == "".join(PIECES) and not r.choices[0].message.tool_calls
+    assert fake.requests[-1].tools is None
+
+
+def test_structured_output_params(client, fake):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                   response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert json.loads(fake.requests[-1].sampling_params["json_schema"]) == schema
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"})
+    assert json.loads(fake.requests[-1].sampling_params["json_schema"]) == {"type": "object"}
+    client.completions.create(model=MODEL, prompt="x", extra_body={"guided_choice": ["yes", "no."]})
+    assert fake.requests[-1].sampling_params["regex"] == "(yes|no\\.)"
+    client.completions.create(model=MODEL, prompt="x", extra_body={"guided_grammar": 'root ::= "a"'})
+    assert fake.requests[-1].sampling_params["ebnf"] == 'root ::= "a"'
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"guided_regex": "a", "guided_json": schema})
+
+
+def test_json_array_scanner_partial_inputs():
+    from openai_frontend.tools import JsonArrayToolParser
+
+    text = '[ {"parameters": {"q": "a}b", "n": [1, {"x": 2}]}, "name": "search"} ,{"name":"f","parameters":{}} ]'
+    full = JsonArrayToolParser().detect_and_parse(text, [])
+    assert [(c.name, c.parameters) for c in full.calls] == [
+        ("search", '{"q": "a}b", "n": [1, {"x": 2}]}'), ("f", "{}")]
+    for size in (1, 2, 7):
+        p = JsonArrayToolParser()
+        names, args = [], {}
+        for piece in _pieces(text, size):
+            for item in p.parse_streaming_increment(piece, []).calls:
+                if item.name:
+                    names.append(item.name)
+                else:
+                    args[item.tool_index] = args.get(item.tool_index, "") + item.parameters
+        assert names == ["search", "f"]
+        assert [args.get(0, ""), args.get(1, "")] == [c.parameters for c in full.calls]
+    plain = JsonArrayToolParser()
+    assert plain.parse_streaming_increment("Hi", []).normal_text == "Hi"
+    assert plain.parse_streaming_increment(" there", []).normal_text == " there"
+
+
+# ---------------------------------------------------------------------------------------------
+# triton_client pieces that need no server
+# ---------------------------------------------------------------------------------------------
+
+
+def _infer_response(outputs: dict, final: bool = False):
+    import numpy as np
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    resp = service_pb2.ModelInferResponse(model_name="ensemble")
+    for name, value in outputs.items():
+        out = resp.outputs.add(name=name)
+        if isinstance(value, str):
+            out.datatype, out.shape[:] = "BYTES", [1]
+            resp.raw_output_contents.append(serialize_byte_tensor(np.array([value.encode()], dtype=np.object_)).item())
+        else:
+            arr = np.asarray(value, dtype=np.int32)
+            out.datatype, out.shape[:] = "INT32", [arr.size]
+            resp.raw_output_contents.append(arr.tobytes())
+    if final:
+        resp.parameters["triton_final_response"].bool_param = True
+    return resp
+
+
+def test_decode_response_fast_path():
+    from openai_frontend.triton_client import _is_final, decode_response
+
+    resp = _infer_response({
+        "text_output": "héllo 世界", "output_ids": [5, 6, 70000], "finish_reason": "stop",
+        "meta_info": '{"stop_reason": "</s>"}', "prompt_tokens": [12], "completion_tokens": [3],
+    }, final=True)
+    chunk = decode_response(resp)
+    assert chunk.text == "héllo 世界" and chunk.token_ids == [5, 6, 70000]
+    assert chunk.finish_reason == "stop" and chunk.stop_reason == "</s>"
+    assert (chunk.prompt_tokens, chunk.completion_tokens) == (12, 3)
+    assert _is_final(resp)
+    mid = decode_response(_infer_response({"text_output": "", "output_ids": [], "finish_reason": ""}))
+    assert mid.text == "" and mid.token_ids == [] and mid.finish_reason is None
+    assert not _is_final(_infer_response({"text_output": "x"}))
+
+
+def test_error_mapping():
+    from openai_frontend.triton_client import map_stream_error
+
+    e = map_stream_error("in ensemble 'ensemble', unsupported parameter 'n': n > 1 is not supported yet")
+    assert e.status_code == 400 and e.message == "unsupported parameter 'n': n > 1 is not supported yet"
+    assert e.param == "n"
+    assert map_stream_error("invalid sampling parameter top_p: must be in (0, 1]").param == "top_p"
+    assert map_stream_error("Request for unknown model: 'ensemble' is not found").status_code == 503
+    assert map_stream_error("internal error: boom").status_code == 500
+
+
+def test_build_inputs():
+    import numpy as np
+
+    from openai_frontend.engine_types import EngineRequest
+    from openai_frontend.triton_client import build_inputs
+
+    def tensors(req):
+        return {t.name(): t for t in build_inputs(req)}
+
+    t = tensors(EngineRequest({"max_new_tokens": 3}, text_input="hi"))
+    assert set(t) == {"text_input", "stream", "sampling_parameters"}
+    assert t["stream"].datatype() == "BOOL" and t["text_input"].datatype() == "BYTES"
+    t = tensors(EngineRequest({}, input_ids=[1, 2, 3]))
+    assert t["input_ids"].datatype() == "INT32" and t["input_ids"].shape() == [3]
+    t = tensors(EngineRequest({}, messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}],
+                              add_generation_prompt=False))
+    assert {"messages", "tools", "add_generation_prompt"} <= set(t) and "chat_template_kwargs" not in t
+    with pytest.raises(APIError):
+        build_inputs(EngineRequest({}))
+    assert np  # keep the import used
+
+
+def test_stream_options_require_stream(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, stream_options={"include_usage": True})
+    assert _error(err)["param"] == "stream_options"
+
+
+# ---------------------------------------------------------------------------------------------
+# tool calls with a model format parser (--tool-call-parser qwen25)
+# ---------------------------------------------------------------------------------------------
+
+QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+QWEN_OUTPUT = "Let me check that for you.\n" + QWEN_CALL + "\n" + \
+    '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def qwen(fake):
+    pytest.importorskip("openai_frontend.tool_parsers")
+    qfake = FakeLLMClient()
+    with serve_in_thread(create_app(Settings(model_name=MODEL, tool_call_parser="qwen25"), client=qfake)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0), qfake, url
+
+
+@pytest.mark.parametrize("size", [1, 4, 13, 1000])
+def test_tool_call_streaming_equals_non_streaming(qwen, size):
+    client, qfake, _ = qwen
+    qfake.script = lambda req: text_chunks(_pieces(QWEN_OUTPUT, size))
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME])
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.content == "Let me check that for you."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "Europe/Paris"})]
+    assert qfake.requests[-1].tools == [WEATHER, TIME]
+    assert not any(k in qfake.requests[-1].sampling_params for k in ("json_schema", "structural_tag"))  # auto
+
+    content, calls, finishes = _reassemble(
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], stream=True))
+    assert content == msg.content
+    assert finishes == ["tool_calls"]
+    assert [(calls[k]["name"], calls[k]["arguments"]) for k in sorted(calls)] == [
+        (t.function.name, t.function.arguments) for t in msg.tool_calls]
+    assert all(calls[k]["id"].startswith("call_") for k in calls)
+
+
+def test_tool_call_plain_text_and_parallel_false(qwen):
+    client, qfake, _ = qwen
+    qfake.script = lambda req: text_chunks(_pieces("No tools needed <tool_ here.", 3))
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER])
+    assert r.choices[0].message.content == "No tools needed <tool_ here." and r.choices[0].finish_reason == "stop"
+    content, calls, finishes = _reassemble(
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], stream=True))
+    assert content == "No tools needed <tool_ here." and calls == {} and finishes == ["stop"]
+
+    qfake.script = lambda req: text_chunks(_pieces(QWEN_OUTPUT, 5))
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], parallel_tool_calls=False)
+    assert [t.function.name for t in r.choices[0].message.tool_calls] == ["get_weather"]
+    _, calls, _ = _reassemble(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], parallel_tool_calls=False, stream=True))
+    assert [c["name"] for c in calls.values()] == ["get_weather"]
+
+
+def test_tool_choice_required_uses_structural_tag_in_model_format(qwen):
+    client, qfake, _ = qwen
+    qfake.script = lambda req: text_chunks(_pieces(QWEN_CALL, 6))
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required")
+    tag = json.loads(qfake.requests[-1].sampling_params["structural_tag"])
+    fmt = tag["format"]
+    assert tag["type"] == "structural_tag" and fmt["type"] == "triggered_tags"
+    assert fmt["triggers"] == ["<tool_call>"] and fmt["at_least_one"] is True and fmt["stop_after_first"] is False
+    assert [t["begin"] for t in fmt["tags"]] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": ', '<tool_call>\n{"name": "get_time", "arguments": ']
+    assert fmt["tags"][0]["content"] == {"type": "json_schema", "json_schema": WEATHER["function"]["parameters"]}
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME],
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    tag = json.loads(qfake.requests[-1].sampling_params["structural_tag"])
+    assert tag["format"]["type"] == "tag" and tag["format"]["end"] == "}\n</tool_call>"
+
+
+def test_tool_constraints_compile_and_accept_the_parsed_format():
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from openai_frontend.protocol import ChatTool, NamedToolChoice
+    from openai_frontend.tools import get_parser, parse_complete, plan_tools
+
+    tools = [ChatTool.model_validate(WEATHER), ChatTool.model_validate(TIME)]
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_weather"}})
+    samples = {
+        "qwen25": QWEN_CALL,
+        "llama3": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}',
+        "json_array": '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}]',
+    }
+    for parser_name, choice in [("qwen25", "required"), ("qwen25", named), ("llama3", named), (None, "required"),
+                                (None, named), ("pythonic", "required")]:
+        plan = plan_tools(tools, choice, None, parser_name)
+        key, value = plan.constraint
+        grammar = (xgr.Grammar.from_structural_tag(value) if key == "structural_tag"
+                   else xgr.Grammar.from_json_schema(value))
+        sample = samples[plan.parser_name]
+        assert accepts(grammar, sample), (parser_name, choice)
+        assert not accepts(grammar, "Hello"), (parser_name, choice)
+        _, calls = parse_complete(get_parser(plan.parser_name), sample, plan.tools)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "unit": "c"})]
+
+
+def test_parse_function_call_endpoint(qwen):
+    _, _, url = qwen
+    r = httpx.post(url + "/parse_function_call", json={"text": QWEN_OUTPUT, "tool_call_parser": "qwen25", "tools": [WEATHER, TIME]})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["normal_text"] == "Let me check that for you."
+    assert [(c["name"], json.loads(c["parameters"])) for c in body["calls"]] == [
+        ("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "Europe/Paris"})]
+    assert httpx.post(url + "/parse_function_call", json={"text": "x", "tool_call_parser": "nope"}).status_code == 400
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}),
+    ("/generate", {"text": "x"}),
+    ("/generate", {"text": "x", "stream": True}),  # gone before the first chunk
+])
+def test_client_disconnect_before_response_cancels_upstream(base_url, fake, path, body):
+    fake.script = lambda req: [EngineChunk("t", [1], None, 3, i + 1) for i in range(10_000)]
+    fake.delay = 2.0 if body.get("stream") else 0.01
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(base_url + path, json=body, timeout=0.3)
+    assert fake.closed_early.wait(5), "upstream stream was not closed after the client left"
+
+
+def test_cli_starts_and_serves(tmp_path):
+    import subprocess
+    import sys
+
+    from openai_frontend.testing import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openai_frontend", "--triton-url", f"127.0.0.1:{free_port()}", "--model-name", "cli-model",
+         "--port", str(port), "--host", "127.0.0.1", "--api-key", "k", "--tool-call-parser", "qwen25", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer k"})
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stdout.read().decode()
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert r.json()["data"][0]["id"] == "cli-model"
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503  # no Triton there
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    bad = subprocess.run([sys.executable, "-m", "openai_frontend", "--tool-call-parser", "nope"],
+                         capture_output=True, text=True, cwd=REPO_ROOT)
+    assert bad.returncode != 0 and "nope" in bad.stderr
