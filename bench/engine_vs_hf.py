@@ -1,0 +1,109 @@
+"""Engine vs Hugging Face generate on the same model and prompts, in one run.
+
+    python -m bench.engine_vs_hf [--model-path models/demo] [--num-requests 32] [--device cpu]
+
+Prints generated tokens/s for: HF generate one request at a time, HF generate as one padded
+static batch, and the engine with all requests submitted at once (continuous batching), then
+the ratios. All runs are greedy with EOS ignored, so every system produces the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+
+
+def make_workload(vocab: int, n: int, seed: int, min_prompt: int, max_prompt: int, min_new: int, max_new: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(min_prompt, max_prompt))] for _ in range(n)]
+    new_tokens = [rng.randint(min_new, max_new) for _ in range(n)]
+    return prompts, new_tokens
+
+
+def hf_one_by_one(model, prompts, new_tokens, device) -> float:
+    start = time.perf_counter()
+    for p, n in zip(prompts, new_tokens):
+        ids = torch.tensor([p], device=device)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def hf_static_batch(model, prompts, new_tokens, device) -> float:
+    # One padded batch run to the longest max_new_tokens: how a static-batching server serves it.
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as decoder-only generation needs
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    n = max(new_tokens)
+    start = time.perf_counter()
+    model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=n, min_new_tokens=n,
+                   do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def engine_run(engine: LLMEngine, prompts, new_tokens) -> float:
+    params = [engine.parse_params({"temperature": 0, "max_new_tokens": n, "ignore_eos": True}) for n in new_tokens]
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert [len(o.new_token_ids) for o in outs] == new_tokens
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="models/demo")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--min-prompt", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--min-new", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--skip-one-by-one", action="store_true", help="skip the slowest baseline")
+    ap.add_argument("--json", type=Path, help="write the figures here too")
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine(EngineConfig(model_path=args.model_path, device=args.device, max_num_seqs=256))
+    dtype = engine.model.dtype
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(args.device).eval()
+    prompts, new_tokens = make_workload(engine.vocab_size, args.num_requests, 0, args.min_prompt, args.max_prompt,
+                                        args.min_new, args.max_new)
+    total = sum(new_tokens)
+    # Warm up both (allocator, kernels) on a small slice.
+    engine_run(engine, prompts[:2], [4, 4])
+    hf_one_by_one(model, prompts[:1], [4], args.device)
+
+    results = {"device": args.device, "num_requests": args.num_requests, "generated_tokens": total}
+    t_engine = engine_run(engine, prompts, new_tokens)
+    results["engine_tok_s"] = total / t_engine
+    t_static = hf_static_batch(model, prompts, new_tokens, args.device)
+    results["hf_static_batch_tok_s"] = total / t_static
+    if not args.skip_one_by_one:
+        t_single = hf_one_by_one(model, prompts, new_tokens, args.device)
+        results["hf_one_by_one_tok_s"] = total / t_single
+    for key in ("hf_static_batch_tok_s", "hf_one_by_one_tok_s"):
+        if key in results:
+            results[f"engine_vs_{key[:-6]}"] = results["engine_tok_s"] / results[key]
+    results["preemptions"] = engine.stats().num_preemptions
+    engine.shutdown()
+    for k, v in results.items():
+        print(f"{k:32s} {v:.2f}" if isinstance(v, float) else f"{k:32s} {v}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

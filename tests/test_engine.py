@@ -1,0 +1,176 @@
+"""The engine against Hugging Face generate, on the demo model, through the real step loop."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine, RequestError
+from backend.outputs import RequestOutput
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def hf_model(demo_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(demo_model_path, dtype=torch.float32).eval()
+
+
+def _prompts(engine: LLMEngine, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = engine.vocab_size
+    return [[rng.randrange(vocab) for _ in range(rng.randint(3, 60))] for _ in range(n)]
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new,
+        min_new_tokens=max_new,  # the engine ignores EOS below; so does this
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def make_engine(path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=path, device="cpu", **kw))
+
+
+@pytest.fixture
+def engine(demo_model_path):
+    eng = make_engine(demo_model_path, num_kv_blocks=512, block_size=16, max_num_batched_tokens=256)
+    yield eng
+    eng.shutdown()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def greedy(engine: LLMEngine, **extra):
+    return engine.parse_params({"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True, **extra})
+
+
+def test_staggered_mixed_batch_equals_hf_generate(engine, hf_model):
+    prompts = _prompts(engine, 6)
+    results: dict[int, RequestOutput] = {}
+    # Step-driven staggering: a new request joins the running batch every few steps.
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending and engine.stats().num_steps % 3 == 0:
+            i, p = pending.pop(0)
+            engine.add_request(p, greedy(engine), lambda out, i=i: _collect(results, i, out))
+        engine.step()
+    assert engine.stats().num_running == 0
+    for i, p in enumerate(prompts):
+        assert results[i].new_token_ids == hf_greedy(hf_model, p, MAX_NEW), f"prompt {i}"
+        assert results[i].finish_reason == "length"
+
+
+def test_concurrent_threads_with_background_loop(engine, hf_model):
+    prompts = _prompts(engine, 5, seed=1)
+    results: dict[int, RequestOutput] = {}
+    engine.start()
+
+    def submit(i: int, p: list[int]) -> None:
+        time.sleep(0.01 * i)
+        engine.add_request(p, greedy(engine), lambda out: _collect(results, i, out))
+
+    threads = [threading.Thread(target=submit, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    deadline = time.monotonic() + 120
+    while (len(results) < len(prompts) or not all(r.finished for r in results.values())) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for i, p in enumerate(prompts):
+        assert results[i].new_token_ids == hf_greedy(hf_model, p, MAX_NEW)
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs_exact(demo_model_path, hf_model):
+    # 6 sequences of up to ~80 tokens need far more than 12 blocks of 8: preemption must happen.
+    eng = make_engine(demo_model_path, num_kv_blocks=12, block_size=8, max_model_len=96, max_num_batched_tokens=64)
+    try:
+        prompts = _prompts(eng, 6, seed=2)
+        outs = eng.generate(prompts, greedy(eng))
+        assert eng.stats().num_preemptions > 0
+        for p, out in zip(prompts, outs):
+            assert out.new_token_ids == hf_greedy(hf_model, p, MAX_NEW)
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
+def test_abort_and_cancel_free_blocks(engine):
+    prompts = _prompts(engine, 3, seed=3)
+    outs: dict[int, RequestOutput] = {}
+    cancelled = threading.Event()
+    long_params = engine.parse_params({"temperature": 0, "max_new_tokens": 500, "ignore_eos": True})
+    rid = engine.add_request(prompts[0], long_params, lambda o: _collect(outs, 0, o))
+    engine.add_request(prompts[1], long_params, lambda o: _collect(outs, 1, o), is_cancelled=cancelled.is_set)
+    engine.add_request(prompts[2], greedy(engine), lambda o: _collect(outs, 2, o))
+    for _ in range(4):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    engine.abort(rid)
+    cancelled.set()
+    while engine.has_unfinished():
+        engine.step()
+    assert outs[0].finish_reason == "abort" and outs[1].finish_reason == "abort"
+    assert outs[2].finish_reason == "length"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_bad_requests_are_refused_with_reasons(engine):
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request([], greedy(engine), lambda o: None)
+    with pytest.raises(RequestError, match="out of range"):
+        engine.add_request([engine.vocab_size + 5], greedy(engine), lambda o: None)
+    with pytest.raises(RequestError, match="context"):
+        engine.add_request([1] * engine.max_model_len, greedy(engine), lambda o: None)
+    # The engine still serves the next request.
+    (out,) = engine.generate([[1, 2, 3]], greedy(engine))
+    assert len(out.new_token_ids) == MAX_NEW
+
+
+def test_stop_token_ids_and_eos(engine):
+    prompt = _prompts(engine, 1, seed=4)[0]
+    (ref,) = engine.generate([prompt], greedy(engine))
+    stop_at = ref.new_token_ids[5]
+    (out,) = engine.generate([prompt], greedy(engine, stop_token_ids=[stop_at]))
+    first = ref.new_token_ids.index(stop_at)
+    assert out.new_token_ids == ref.new_token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_stop_strings_are_matched_on_text_and_trimmed(engine):
+    prompt = _prompts(engine, 1, seed=5)[0]
+    (ref,) = engine.generate([prompt], greedy(engine))
+    text = ref.text
+    assert len(text) > 12
+    stop = text[6:10]
+    (out,) = engine.generate([prompt], greedy(engine, stop=[stop]))
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    (kept,) = engine.generate([prompt], greedy(engine, stop=[stop], no_stop_trim=True))
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    prompts = _prompts(engine, 3, seed=6)
+    params = engine.parse_params({"temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 1234, "max_new_tokens": 16})
+    alone = engine.generate([prompts[0]], params)[0].new_token_ids
+    together = engine.generate(prompts, params)[0].new_token_ids
+    assert alone == together
+
+
+def _collect(results: dict, key, out: RequestOutput) -> None:
+    prev = results.get(key)
+    results[key] = out if prev is None else prev.merge(out)

@@ -1,0 +1,181 @@
+"""Integration: the real tritonserver on model_repository/, called with the real tritonclient."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from client.local_server import LocalTritonServer
+from client.triton_stream import TritonStreamClient
+from tritonclient.utils import InferenceServerException
+
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("triton") / "server.log"
+    srv = LocalTritonServer(
+        env={"LLM_MODEL_PATH": str(demo_model_path), "LLM_NUM_KV_BLOCKS": "256", "LLM_MAX_MODEL_LEN": "1024"},
+        log_file=log,
+    )
+    try:
+        srv.start(timeout=240)
+    except Exception:
+        print(log.read_text()[-5000:])
+        raise
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return TritonStreamClient(server.grpc_url)
+
+
+@pytest.fixture(scope="module")
+def hf(demo_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_path)
+    model = AutoModelForCausalLM.from_pretrained(demo_model_path, dtype=torch.float32).eval()
+    return tok, model
+
+
+def hf_greedy(hf, ids: list[int], max_new: int = MAX_NEW) -> list[int]:
+    _, model = hf
+    out = model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0,
+    )
+    return out[0, len(ids):].tolist()
+
+
+GREEDY = json.dumps({"temperature": 0, "ignore_eos": True})
+
+
+def kv_blocks_used(server: LocalTritonServer) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    match = re.search(r"^llm_kv_blocks_used(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M)
+    assert match, "llm_kv_blocks_used missing from the metrics"
+    return float(match.group(1))
+
+
+def wait_blocks_free(server: LocalTritonServer, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while kv_blocks_used(server) != 0:
+        assert time.monotonic() < deadline, "KV blocks still in use"
+        time.sleep(0.2)
+
+
+@pytest.fixture(autouse=True)
+def _pool_free_after(server):
+    yield
+    wait_blocks_free(server)
+
+
+def test_llm_streams_token_ids_equal_to_hf(client, hf):
+    tok, _ = hf
+    ids = tok("The quick brown fox jumps over the lazy dog.").input_ids
+    chunks = list(client.stream_generate("llm", {
+        "input_ids": ids, "max_tokens": MAX_NEW, "stream": True, "sampling_parameters": GREEDY,
+    }))
+    got = np.concatenate([np.asarray(c["output_ids"]).reshape(-1) for c in chunks]).tolist()
+    assert len(chunks) == MAX_NEW  # one response per token
+    assert got == hf_greedy(hf, ids)
+    assert chunks[-1]["finish_reason"] == "length"
+    assert all(c["finish_reason"] == "" for c in chunks[:-1])
+
+
+def test_ensemble_streams_text_equal_to_reference_decode(client, hf):
+    tok, _ = hf
+    prompt = "Streaming text: spaces, 中文字符 and emoji 🙂 should survive."
+    ref_ids = hf_greedy(hf, tok(prompt).input_ids)
+    chunks = list(client.stream_generate("ensemble", {
+        "text_input": prompt, "max_tokens": MAX_NEW, "stream": True, "sampling_parameters": GREEDY,
+    }))
+    assert len(chunks) == MAX_NEW
+    text = "".join(c["text_output"] for c in chunks)
+    assert text == tok.decode(ref_ids, skip_special_tokens=True)
+    assert np.concatenate([np.asarray(c["output_ids"]).reshape(-1) for c in chunks]).tolist() == ref_ids
+    assert int(np.asarray(chunks[-1]["completion_tokens"]).reshape(-1)[0]) == MAX_NEW
+
+
+def test_ensemble_chat_messages_through_template(client, hf):
+    tok, _ = hf
+    messages = [{"role": "user", "content": "Say hi"}]
+    ref_prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ref_ids = hf_greedy(hf, tok(ref_prompt).input_ids)
+    out = client.generate("ensemble", {
+        "messages": json.dumps(messages), "max_tokens": MAX_NEW, "sampling_parameters": GREEDY,
+    })
+    assert out["num_responses"] == 1  # stream defaults to false
+    assert out["output_ids"] == ref_ids
+    assert out["text_output"] == tok.decode(ref_ids, skip_special_tokens=True)
+
+
+def _http(server, path: str, body: dict) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_http_generate_and_generate_stream(server, hf):
+    tok, _ = hf
+    prompt = "Triton generate extension"
+    ref = tok.decode(hf_greedy(hf, tok(prompt).input_ids), skip_special_tokens=True)
+    body = {"text_input": prompt, "max_tokens": MAX_NEW, "temperature": 0, "sampling_parameters": GREEDY}
+    status, raw = _http(server, "/v2/models/ensemble/generate", body)
+    assert status == 200, raw
+    assert json.loads(raw)["text_output"] == ref
+    status, raw = _http(server, "/v2/models/ensemble/generate_stream", {**body, "stream": True})
+    assert status == 200, raw
+    events = [json.loads(line[5:]) for line in raw.decode().splitlines() if line.startswith("data:")]
+    assert len(events) == MAX_NEW
+    assert "".join(e["text_output"] for e in events) == ref
+    assert events[-1]["finish_reason"] == "length"
+
+
+def test_cancelled_stream_frees_its_blocks(server, client, hf):
+    tok, _ = hf
+    stream = client.stream_generate("llm", {
+        "input_ids": tok("a long generation " * 20).input_ids, "max_tokens": 900, "stream": True,
+        "sampling_parameters": GREEDY,
+    })
+    for _ in range(3):
+        next(stream)
+    assert kv_blocks_used(server) > 0
+    stream.close()  # cancels the gRPC stream's request
+    wait_blocks_free(server)
+
+
+@pytest.mark.parametrize(
+    "values, reason",
+    [
+        ({"input_ids": np.zeros(0, dtype=np.int32)}, "empty"),
+        ({"input_ids": [1, 2, 3], "max_tokens": -1}, "max_new_tokens"),
+        ({"input_ids": [5] * 1100}, "context"),
+        ({"input_ids": [1, 2, 3], "sampling_parameters": '{"top_p": 0}'}, "top_p"),
+        ({"input_ids": [1, 2, 3], "sampling_parameters": '{"lora_path": "x"}'}, "LoRA"),
+        ({"input_ids": [1, 2, 3], "sampling_parameters": "{not json"}, "JSON"),
+    ],
+)
+def test_bad_requests_get_clear_errors_and_server_keeps_serving(client, values, reason):
+    with pytest.raises(InferenceServerException, match=reason):
+        list(client.stream_generate("llm", values, timeout=60))
+    ok = client.generate("llm", {"input_ids": [1, 2, 3], "max_tokens": 4, "sampling_parameters": GREEDY})
+    assert len(ok["output_ids"]) == 4
+
+
+def test_ensemble_bad_input_is_an_error(client):
+    with pytest.raises(InferenceServerException, match="text_input|messages|input_ids"):
+        list(client.stream_generate("ensemble", {"max_tokens": 4}, timeout=60))
