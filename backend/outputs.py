@@ -74,6 +74,7 @@ class _Step:
     window_ids: list[int]
     window_start: int
     prefix_len: int
+    read_offset: int  # detokenizer read_offset after this step
 
 
 @dataclass
@@ -95,7 +96,9 @@ class OutputState:
         """Feed the step's tokens (already appended to seq); returns the output to send, if any."""
         delta = self.detok.push(new_ids)
         total = seq.num_tokens
-        self.pending.append(_Step(delta.text, list(delta.window_ids), total - len(delta.window_ids), delta.prefix_len))
+        self.pending.append(
+            _Step(delta.text, list(delta.window_ids), total - len(delta.window_ids), delta.prefix_len, delta.read_offset)
+        )
         self.pending_new_ids.extend(new_ids)
         params = seq.params
 
@@ -147,7 +150,9 @@ class OutputState:
             text = text[: len(text) - trim] if trim <= len(text) else ""
         if steps:
             first = steps[0]
-            end = steps[-1].window_start + len(steps[-1].window_ids)
+            # A non-final window ends at read_offset: tokens held back for half a character
+            # would make the whole window decode to U+FFFD; they open the next window instead.
+            end = seq.num_tokens if final else steps[-1].read_offset
             window = seq.token_ids[first.window_start : end]
             start, prefix_len = first.window_start, first.prefix_len
         else:

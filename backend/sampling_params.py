@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -19,28 +20,12 @@ class SamplingParamsError(ValueError):
     """Bad sampling parameters; the message names the parameter."""
 
 
-# Known SGLang/vLLM names that this engine does not implement (yet). They get a clear error.
+# Known SGLang/vLLM names that this engine does not implement. They get a clear error.
 UNSUPPORTED: dict[str, str] = {
-    "frequency_penalty": "frequency_penalty is not supported yet",
-    "presence_penalty": "presence_penalty is not supported yet",
-    "repetition_penalty": "repetition_penalty is not supported yet",
-    "min_new_tokens": "min_new_tokens is not supported yet",
-    "stop_regex": "stop_regex is not supported yet",
-    "json_schema": "json_schema (structured output) is not supported yet",
-    "regex": "regex (structured output) is not supported yet",
-    "ebnf": "ebnf (structured output) is not supported yet",
-    "structural_tag": "structural_tag (structured output) is not supported yet",
-    "n": "n > 1 is not supported yet",
-    "custom_params": "custom_params requires custom_logit_processor, which is not supported",
-    "custom_logit_processor": "custom_logit_processor is not supported",
-    "return_logprob": "return_logprob is not supported yet",
-    "top_logprobs_num": "top_logprobs_num is not supported yet",
-    "token_ids_logprob": "token_ids_logprob is not supported yet",
-    "logprob_start_len": "logprob_start_len is not supported yet",
-    "return_text_in_logprobs": "return_text_in_logprobs is not supported yet",
     "lora_path": "LoRA adapters are not supported",
     "image_data": "image input is not supported",
     "audio_data": "audio input is not supported",
+    "video_data": "video input is not supported",
     "input_embeds": "input_embeds is not supported",
     "return_hidden_states": "return_hidden_states is not supported",
     "return_routed_experts": "return_routed_experts is not supported (no MoE models)",
@@ -49,19 +34,20 @@ UNSUPPORTED: dict[str, str] = {
 
 # Values of an unsupported parameter that mean "off" are accepted: clients often send defaults.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "min_new_tokens": (0,),
-    "n": (1,),
-    "return_logprob": (False,),
     "return_hidden_states": (False,),
     "return_routed_experts": (False,),
     "routed_experts_start_len": (0,),
-    "return_text_in_logprobs": (False,),
-    "logprob_start_len": (-1,),
-    "top_logprobs_num": (0,),
 }
+
+# The structured-output constraints a request may carry (at most one).
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+# Bounds that keep one request from monopolising the server (issue: input safety).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_CONSTRAINT_CHARS = 256 * 1024
+MAX_N = 64
+MAX_TOP_LOGPROBS = 64
 
 
 class SamplingParams(BaseModel):
@@ -70,21 +56,41 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
     max_new_tokens: int = 128
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
     seed: Optional[int] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
+    stop_regex: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    n: int = 1
+    # Structured output (xgrammar); at most one. structural_tag is a JSON document.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
+    # Logprobs, as SGLang's GenerateReqInput names them.
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    token_ids_logprob: Optional[list[int]] = None
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    # SGLang's CustomLogitProcessor.to_str() and its per-request parameters.
+    custom_logit_processor: Optional[str] = None
+    custom_params: Optional[dict[str, Any]] = None
 
-    @field_validator("stop", mode="before")
+    @field_validator("stop", "stop_regex", mode="before")
     @classmethod
-    def _stop_as_list(cls, v: Union[None, str, list[str]]) -> list[str]:
+    def _str_as_list(cls, v: Union[None, str, list[str]]) -> list[str]:
         if v is None:
             return []
         if isinstance(v, str):
@@ -96,10 +102,18 @@ class SamplingParams(BaseModel):
     def _ids_as_list(cls, v: Any) -> Any:
         return [] if v is None else v
 
+    @field_validator("json_schema", "structural_tag", mode="before")
+    @classmethod
+    def _json_as_text(cls, v: Any) -> Any:
+        # Clients send schemas as objects as often as as strings.
+        return json.dumps(v) if isinstance(v, (dict, list)) else v
+
     @model_validator(mode="after")
     def _check_ranges(self) -> "SamplingParams":
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -108,21 +122,119 @@ class SamplingParams(BaseModel):
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if len(self.stop) + len(self.stop_regex) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings and stop regexes are allowed")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop + self.stop_regex):
+            raise ValueError(f"stop strings and stop regexes are limited to {MAX_STOP_STRING_CHARS} characters")
+        for pattern in self.stop_regex:
+            try:
+                if re.compile(pattern).match(""):
+                    raise ValueError(f"stop_regex {pattern!r} matches the empty string")
+            except re.error as exc:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"only one of json_schema, regex, ebnf, structural_tag may be given, got {', '.join(given)}")
+        if given and len(getattr(self, given[0])) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"{given[0]} is longer than {MAX_CONSTRAINT_CHARS} characters")
+        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
+        if self.logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be -1 (output only) or >= 0, got {self.logprob_start_len}")
+        if self.token_ids_logprob is not None and any(t < 0 for t in self.token_ids_logprob):
+            raise ValueError("token_ids_logprob must be non-negative token ids")
+        if self.custom_params is not None and self.custom_logit_processor is None:
+            raise ValueError("custom_params needs custom_logit_processor")
         return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def constraint(self) -> Optional[tuple[str, str]]:
+        """(kind, spec) of the structured-output constraint, if any."""
+        for kind in CONSTRAINT_KINDS:
+            spec = getattr(self, kind)
+            if spec is not None:
+                return kind, spec
+        return None
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+
+def _guided_choice_ebnf(choices: Any) -> str:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise SamplingParamsError("guided_choice must be a non-empty list of strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _response_format(fmt: Any) -> dict[str, Any]:
+    """OpenAI/vLLM response_format -> the constraint parameter it means."""
+    if not isinstance(fmt, dict) or "type" not in fmt:
+        raise SamplingParamsError("response_format must be an object with a 'type'")
+    kind = fmt["type"]
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise SamplingParamsError("response_format.json_schema must be an object")
+        schema = spec.get("schema", spec.get("schema_"))
+        if schema is None:
+            raise SamplingParamsError("response_format.json_schema.schema is required")
+        return {"json_schema": schema}
+    if kind == "structural_tag":
+        return {"structural_tag": fmt}
+    raise SamplingParamsError(
+        f"response_format.type must be one of text, json_object, json_schema, structural_tag; got {kind!r}"
+    )
+
+
+# vLLM's names for the same constraints (its OpenAI server extras).
+def _map_vllm_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+    out = dict(raw)
+    mapped: dict[str, Any] = {}
+    if (v := out.pop("guided_json", None)) is not None:
+        mapped["json_schema"] = v
+    if (v := out.pop("guided_regex", None)) is not None:
+        mapped["regex"] = v
+    if (v := out.pop("guided_grammar", None)) is not None:
+        mapped["ebnf"] = v
+    if (v := out.pop("guided_choice", None)) is not None:
+        mapped["ebnf"] = _guided_choice_ebnf(v)
+    if (v := out.pop("response_format", None)) is not None:
+        mapped.update(_response_format(v))
+    for key in ("guided_decoding_backend", "guided_whitespace_pattern"):
+        if out.get(key) is not None:
+            raise SamplingParamsError(f"unsupported parameter '{key}': structured output always uses xgrammar")
+        out.pop(key, None)
+    clash = [k for k in mapped if out.get(k) is not None]
+    if clash or len(mapped) > 1:
+        raise SamplingParamsError("only one structured-output constraint may be given per request")
+    out.update(mapped)
+    return out
+
 
 # Which sampling defaults a model's generation_config.json may set, under HF's names.
-_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p")
+_GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def load_model_defaults(model_path: Union[str, Path]) -> dict[str, Any]:
@@ -145,7 +257,7 @@ def parse_sampling_params(raw: dict[str, Any], defaults: Optional[dict[str, Any]
     Raises SamplingParamsError naming the offending parameter.
     """
     merged: dict[str, Any] = dict(defaults or {})
-    for key, value in raw.items():
+    for key, value in _map_vllm_aliases(raw).items():
         if value is None:
             continue
         if key in UNSUPPORTED:

@@ -42,6 +42,9 @@ def server_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
         p for p in (libdir, str(Path(site) / "nvidia_pytriton.libs"), env.get("LD_LIBRARY_PATH")) if p
     )
     env["PYTHONPATH"] = ":".join(p for p in (str(REPO_ROOT), site, env.get("PYTHONPATH")) if p)
+    # The stub's embedded interpreter finds its prefix from the first python on PATH; without the
+    # venv's bin first it settles on the base install and the models cannot import torch.
+    env["PATH"] = ":".join(p for p in (str(Path(sys.executable).parent), env.get("PATH")) if p)
     env.update(extra or {})
     return env
 

@@ -102,8 +102,10 @@ class _Metrics:
     def __init__(self) -> None:
         gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
         self._lock = threading.Lock()
+        # The families must outlive their metrics: a collected MetricFamily unregisters itself.
+        self._families: list = []
         self._gauges = {
-            name: pb_utils.MetricFamily(name=f"llm_{name}", description=desc, kind=gauge).Metric(labels={})
+            name: self._metric(name, desc, gauge)
             for name, desc in {
                 "num_requests_running": "Sequences in the running batch",
                 "num_requests_waiting": "Sequences waiting to be scheduled",
@@ -112,7 +114,7 @@ class _Metrics:
             }.items()
         }
         self._counters = {
-            name: pb_utils.MetricFamily(name=f"llm_{name}", description=desc, kind=counter).Metric(labels={})
+            name: self._metric(name, desc, counter)
             for name, desc in {
                 "num_preemptions_total": "Sequences preempted for lack of KV blocks",
                 "prompt_tokens_total": "Prompt tokens prefilled",
@@ -120,6 +122,11 @@ class _Metrics:
             }.items()
         }
         self._seen = {name: 0 for name in self._counters}
+
+    def _metric(self, name: str, description: str, kind):
+        family = pb_utils.MetricFamily(name=f"llm_{name}", description=description, kind=kind)
+        self._families.append(family)
+        return family.Metric(labels={})
 
     def update(self, s: EngineStats) -> None:
         with self._lock:
