@@ -1,0 +1,371 @@
+"""Command-line client: stream a generation from the `ensemble` or `llm` model over tritonclient gRPC.
+
+    python -m client "Tell me a story" [--model ensemble|llm] [--url localhost:8001]
+        [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S]
+        [--stop STR ...] [--chat] [--system TEXT] [--json-params '{"ignore_eos": true}']
+        [--no-stream] [--ids] [--stats] [--tokenizer-path models/demo]
+
+Text is printed as it arrives. With `--model ensemble` the server tokenizes and detokenizes.
+With `--model llm` (the engine alone) the prompt is tokenized here with `backend.tokenizer`, and
+each response's detokenization window is decoded here with `backend.detokenizer` exactly as the
+postprocessing model would (`--ids` prints the token ids instead). `--stats` prints the finish
+reason, token counts, time to first token and tokens/s to stderr.
+
+Library use:
+
+    from client.cli import stream_text, generate_text
+    for piece in stream_text("Hello", max_tokens=16, temperature=0):
+        print(piece, end="", flush=True)
+    result = generate_text("Hello", model="llm", max_tokens=16, temperature=0)
+    result.text, result.token_ids, result.finish_reason, result.ttft_s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+from client.triton_stream import TritonStreamClient
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TOKENIZER = os.environ.get("LLM_MODEL_PATH", str(REPO_ROOT / "models" / "demo"))
+MODELS = ("ensemble", "llm")
+
+
+@dataclass
+class StreamPiece:
+    """One response of the stream, as the caller sees it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "" until the last response
+    prompt_tokens: int
+    completion_tokens: int
+    meta_info: dict[str, Any]
+    time_s: float  # seconds since the request was sent
+
+
+@dataclass
+class GenerateResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    meta_info: dict[str, Any] = field(default_factory=dict)
+    num_responses: int = 0
+    ttft_s: Optional[float] = None
+    total_s: float = 0.0
+
+
+def build_sampling(
+    *,
+    max_tokens: Optional[int] = None,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
+    top_k: Optional[int] = None,
+    min_p: Optional[float] = None,
+    seed: Optional[int] = None,
+    stop: Optional[Sequence[str]] = None,
+    json_params: Optional[dict[str, Any] | str] = None,
+) -> dict[str, Any]:
+    """The SGLang sampling parameters of a request: `json_params`, then the named options on top."""
+    if isinstance(json_params, str):
+        try:
+            json_params = json.loads(json_params)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--json-params is not valid JSON: {exc}") from None
+    if json_params is not None and not isinstance(json_params, dict):
+        raise ValueError("--json-params must be a JSON object")
+    params: dict[str, Any] = dict(json_params or {})
+    named = {
+        "max_new_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "seed": seed,
+        "stop": list(stop) if stop else None,
+    }
+    params.update({k: v for k, v in named.items() if v is not None})
+    return params
+
+
+def build_inputs(
+    model: str,
+    prompt: Optional[str] = None,
+    *,
+    chat: bool = False,
+    system: Optional[str] = None,
+    input_ids: Optional[Sequence[int]] = None,
+    sampling: Optional[dict[str, Any]] = None,
+    stream: bool = True,
+    tokenizer: Any = None,
+) -> dict[str, Any]:
+    """The input tensors (name -> Python value) for one request to `model`.
+
+    All sampling parameters travel in the `sampling_parameters` JSON tensor, which both models
+    accept and validate with the engine's own rules (unknown names are refused by the server).
+    """
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of a prompt or input_ids")
+    values: dict[str, Any] = {}
+    messages = None
+    if prompt is not None and chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    if model == "ensemble":
+        if input_ids is not None:
+            values["input_ids"] = list(input_ids)
+        elif messages is not None:
+            values["messages"] = json.dumps(messages, ensure_ascii=False)
+        else:
+            values["text_input"] = prompt
+    else:  # the engine takes token ids: tokenize here exactly as preprocessing would
+        if input_ids is None:
+            from backend.tokenizer import encode_prompt
+
+            if tokenizer is None:
+                raise ValueError("the llm model needs a tokenizer (tokenizer_path) for a text prompt")
+            input_ids = encode_prompt(tokenizer, messages=messages) if messages is not None else encode_prompt(
+                tokenizer, text=prompt
+            )
+        values["input_ids"] = list(input_ids)
+    values["stream"] = bool(stream)
+    if sampling:
+        values["sampling_parameters"] = json.dumps(sampling)
+    return values
+
+
+def _scalar(value: Any, default: Any = None) -> Any:
+    if value is None:
+        return default
+    arr = np.asarray(value).reshape(-1)
+    if arr.size == 0:
+        return default
+    item = arr[0]
+    return item.item() if isinstance(item, np.generic) else item
+
+
+def _meta(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    raw = value if isinstance(value, str) else _scalar(value, "")
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8")
+    try:
+        parsed = json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        return {"raw": raw}
+    return parsed if isinstance(parsed, dict) else {"value": parsed}
+
+
+_tokenizers: dict[str, Any] = {}
+
+
+def load_tokenizer_cached(path: str | Path) -> Any:
+    from backend.tokenizer import load_tokenizer
+
+    key = str(Path(path).resolve())
+    if key not in _tokenizers:
+        _tokenizers[key] = load_tokenizer(path)
+    return _tokenizers[key]
+
+
+def stream_pieces(
+    prompt: Optional[str] = None,
+    *,
+    model: str = "ensemble",
+    url: str = "localhost:8001",
+    chat: bool = False,
+    system: Optional[str] = None,
+    input_ids: Optional[Sequence[int]] = None,
+    stream: bool = True,
+    detokenize: bool = True,
+    tokenizer_path: str | Path = DEFAULT_TOKENIZER,
+    timeout: float = 600.0,
+    client: Optional[TritonStreamClient] = None,
+    **sampling_options: Any,
+) -> Iterator[StreamPiece]:
+    """Stream one generation; yields a `StreamPiece` per server response.
+
+    `sampling_options` are build_sampling's keywords (max_tokens, temperature, top_p, top_k,
+    min_p, seed, stop, json_params). Closing the iterator early cancels the request.
+    """
+    sampling = build_sampling(**sampling_options)
+    tokenizer = None
+    if model == "llm" and (detokenize or input_ids is None):
+        tokenizer = load_tokenizer_cached(tokenizer_path)
+    values = build_inputs(model, prompt, chat=chat, system=system, input_ids=input_ids, sampling=sampling,
+                          stream=stream, tokenizer=tokenizer)
+    client = client or TritonStreamClient(url)
+    start = time.perf_counter()
+    for chunk in client.stream_generate(model, values, timeout=timeout):
+        ids = chunk.get("output_ids")
+        ids_list = [] if ids is None else [int(i) for i in np.asarray(ids).reshape(-1)]
+        finish = _scalar(chunk.get("finish_reason"), "") or ""
+        if isinstance(finish, bytes):
+            finish = finish.decode("utf-8")
+        if model == "ensemble":
+            text = chunk.get("text_output") or ""
+            if isinstance(text, list):
+                text = "".join(text)
+        elif detokenize:
+            # The same function the postprocessing model runs on this response.
+            from backend.triton_utils import postprocess_arrays
+
+            arrays = {k: np.asarray(v) if not isinstance(v, str) else np.array([v.encode("utf-8")], dtype=np.object_)
+                      for k, v in chunk.items() if v is not None}
+            text = postprocess_arrays(tokenizer, arrays)["text_output"][0].decode("utf-8")
+        else:
+            text = ""
+        yield StreamPiece(
+            text=text,
+            token_ids=ids_list,
+            finish_reason=finish,
+            prompt_tokens=int(_scalar(chunk.get("prompt_tokens"), 0)),
+            completion_tokens=int(_scalar(chunk.get("completion_tokens"), 0)),
+            meta_info=_meta(chunk.get("meta_info")),
+            time_s=time.perf_counter() - start,
+        )
+
+
+def stream_text(prompt: Optional[str] = None, **kwargs: Any) -> Iterator[str]:
+    """Stream one generation's text as it arrives (see `stream_pieces` for the keywords)."""
+    for piece in stream_pieces(prompt, **kwargs):
+        if piece.text:
+            yield piece.text
+
+
+def generate_text(prompt: Optional[str] = None, **kwargs: Any) -> GenerateResult:
+    """Run one generation to the end and aggregate it (see `stream_pieces` for the keywords)."""
+    result = GenerateResult()
+    texts: list[str] = []
+    for piece in stream_pieces(prompt, **kwargs):
+        result.num_responses += 1
+        if result.ttft_s is None and piece.token_ids:
+            result.ttft_s = piece.time_s
+        texts.append(piece.text)
+        result.token_ids.extend(piece.token_ids)
+        result.finish_reason = piece.finish_reason or result.finish_reason
+        result.prompt_tokens = piece.prompt_tokens or result.prompt_tokens
+        result.completion_tokens = piece.completion_tokens or result.completion_tokens
+        result.meta_info = piece.meta_info or result.meta_info
+        result.total_s = piece.time_s
+    result.text = "".join(texts)
+    return result
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m client",
+        description="Stream a generation from tritonserver (ensemble or llm model) over gRPC.",
+    )
+    p.add_argument("prompt", nargs="?", help="prompt text (read from stdin when omitted or '-')")
+    p.add_argument("--model", choices=MODELS, default="ensemble",
+                   help="ensemble: text in, text out; llm: the engine alone (tokenized/detokenized here)")
+    p.add_argument("--url", default=os.environ.get("TRITON_GRPC_URL", "localhost:8001"), help="Triton gRPC host:port")
+    p.add_argument("--max-tokens", type=int, default=None, help="max_new_tokens")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", nargs="+", default=None, metavar="STR", help="stop strings")
+    p.add_argument("--json-params", default=None, metavar="JSON",
+                   help='any SGLang sampling parameters as a JSON object, e.g. \'{"ignore_eos": true}\'; '
+                        "the named options above override it")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--input-ids", default=None, metavar="IDS",
+                   help="comma-separated prompt token ids instead of text")
+    p.add_argument("--no-stream", action="store_true", help="ask for one response with the whole result")
+    p.add_argument("--ids", action="store_true", help="print token ids as they arrive instead of text")
+    p.add_argument("--stats", action="store_true", help="print finish reason, counts, TTFT and tokens/s to stderr")
+    p.add_argument("--tokenizer-path", default=DEFAULT_TOKENIZER,
+                   help="HF model directory for local (de)tokenization with --model llm (default: models/demo)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each response")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    input_ids = None
+    prompt = args.prompt
+    if args.input_ids is not None:
+        try:
+            input_ids = [int(t) for t in args.input_ids.replace(" ", "").split(",") if t]
+        except ValueError:
+            print("error: --input-ids must be comma-separated integers", file=sys.stderr)
+            return 2
+        prompt = None
+    elif prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    from tritonclient.utils import InferenceServerException
+
+    out = sys.stdout
+    last: Optional[StreamPiece] = None
+    ttft = None
+    first_ids = True
+    try:
+        for piece in stream_pieces(
+            prompt,
+            model=args.model,
+            url=args.url,
+            chat=args.chat,
+            system=args.system,
+            input_ids=input_ids,
+            stream=not args.no_stream,
+            detokenize=not args.ids,
+            tokenizer_path=args.tokenizer_path,
+            timeout=args.timeout,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            stop=args.stop,
+            json_params=args.json_params,
+        ):
+            if ttft is None and piece.token_ids:
+                ttft = piece.time_s
+            if args.ids:
+                if piece.token_ids:
+                    out.write(("" if first_ids else " ") + " ".join(map(str, piece.token_ids)))
+                    first_ids = False
+            else:
+                out.write(piece.text)
+            out.flush()
+            last = piece
+    except KeyboardInterrupt:
+        print("\n[interrupted: request cancelled]", file=sys.stderr)
+        return 130
+    except (InferenceServerException, ValueError, RuntimeError, OSError) as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    out.write("\n")
+    out.flush()
+    if args.stats and last is not None:
+        decode_s = last.time_s - (ttft or 0.0)
+        rate = (last.completion_tokens - 1) / decode_s if last.completion_tokens > 1 and decode_s > 0 else float("nan")
+        print(
+            f"[finish_reason={last.finish_reason} prompt_tokens={last.prompt_tokens} "
+            f"completion_tokens={last.completion_tokens} ttft={ttft if ttft is not None else float('nan'):.3f}s "
+            f"total={last.time_s:.3f}s decode={rate:.1f} tok/s meta={json.dumps(last.meta_info)}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
