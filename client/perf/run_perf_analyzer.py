@@ -1,0 +1,287 @@
+"""perf_analyzer concurrency sweep in streaming (decoupled) mode against a running tritonserver.
+
+    python -m client.perf.run_perf_analyzer [--model ensemble|llm] [--url localhost:8001]
+        [--metrics-url localhost:8002/metrics] [--input-data client/perf/ensemble_text.json]
+        [--concurrency 1 8 64] [--request-count N] [--out DIR] [--install]
+
+For each concurrency level it runs
+
+    perf_analyzer -m MODEL -u URL -i grpc --streaming --input-data FILE
+        --concurrency-range C:C --measurement-mode count_windows --measurement-request-count N
+        -f DIR/perf_c{C}.csv --verbose-csv --profile-export-file DIR/profile_c{C}.json
+
+(one run per level, so the levels can be any list such as 1 8 64; `--concurrency-range
+1:64:...` only steps linearly), then merges the CSVs into DIR/perf_analyzer.csv and writes
+DIR/summary.json with, per level, what perf_analyzer reports (requests/s, responses/s, its
+latency percentiles) and what its profile export gives per request: output tokens/s, time to
+first response (TTFT) p50/p99 and inter-response latency p50/p99.
+
+perf_analyzer ships in `tritonclient[all]==2.51.0` (`.venv/bin/perf_analyzer`) and needs two
+shared libraries: `libb64.so.0d` (Debian package libb64-0d) and `libcudart.so.12` (PyPI
+nvidia-cuda-runtime-cu12, found through LD_LIBRARY_PATH); see ../shared/TRITON_ON_CPU.md.
+`--install` (or run_perf_analyzer.sh) installs what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+PERF_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PERF_DIR.parents[1]
+
+
+# ------------------------------------------------------------------ the binary and its libraries
+def perf_analyzer_binary() -> Path:
+    exe = Path(sys.executable).parent / "perf_analyzer"
+    if exe.exists():
+        return exe
+    found = shutil.which("perf_analyzer")
+    if found:
+        return Path(found)
+    raise FileNotFoundError("perf_analyzer not found: pip install 'tritonclient[all]==2.51.0'")
+
+
+def _cudart_dir() -> Optional[Path]:
+    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        lib = Path(base) / "nvidia" / "cuda_runtime" / "lib"
+        if (lib / "libcudart.so.12").exists():
+            return lib
+    return None
+
+
+def perf_env() -> dict[str, str]:
+    env = dict(os.environ)
+    lib = _cudart_dir()
+    if lib is not None:
+        env["LD_LIBRARY_PATH"] = ":".join(p for p in (str(lib), env.get("LD_LIBRARY_PATH")) if p)
+    return env
+
+
+def missing_libraries() -> list[str]:
+    """Shared libraries perf_analyzer cannot load (from ldd), e.g. ['libb64.so.0d']."""
+    try:
+        out = subprocess.run(["ldd", str(perf_analyzer_binary())], env=perf_env(), capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.split()[0] for line in out.splitlines() if "not found" in line]
+
+
+def ensure_installed(install: bool = False) -> None:
+    """Check (and with install=True, install) libb64-0d and nvidia-cuda-runtime-cu12."""
+    missing = missing_libraries()
+    if not missing:
+        return
+    if not install:
+        raise RuntimeError(
+            f"perf_analyzer cannot load {', '.join(missing)}: run with --install, or "
+            "`apt-get install -y libb64-0d` and `pip install nvidia-cuda-runtime-cu12`"
+        )
+    if any(m.startswith("libcudart") for m in missing):
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "nvidia-cuda-runtime-cu12"], check=True)
+    if any(m.startswith("libb64") for m in missing):
+        apt = ["apt-get"] if os.geteuid() == 0 else ["sudo", "-n", "apt-get"]
+        subprocess.run([*apt, "update", "-qq"], check=False)
+        subprocess.run([*apt, "install", "-y", "-qq", "libb64-0d"], check=True)
+    still = missing_libraries()
+    if still:
+        raise RuntimeError(f"perf_analyzer still cannot load {', '.join(still)}")
+
+
+# ------------------------------------------------------------------ running
+def command(model: str, url: str, input_data: Path, concurrency: int, request_count: int, out_dir: Path,
+            metrics_url: Optional[str] = None, extra: Sequence[str] = ()) -> list[str]:
+    cmd = [
+        str(perf_analyzer_binary()),
+        "-m", model,
+        "-u", url,
+        "-i", "grpc",
+        "--streaming",
+        "--input-data", str(input_data),
+        "--concurrency-range", f"{concurrency}:{concurrency}",
+        "--measurement-mode", "count_windows",
+        "--measurement-request-count", str(request_count),
+        # Generation requests are long and of mixed length: windows differ more than the default
+        # 10% while the server is perfectly steady, so accept any three windows.
+        "--stability-percentage", "999",
+        "--max-trials", "3",
+        "-f", str(out_dir / f"perf_c{concurrency}.csv"),
+        "--verbose-csv",
+        "--profile-export-file", str(out_dir / f"profile_c{concurrency}.json"),
+    ]
+    if metrics_url:
+        cmd += ["--collect-metrics", "--metrics-url", metrics_url]
+    return cmd + list(extra)
+
+
+def _pct(values: list[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _num_tokens(outputs: Any) -> int:
+    if not isinstance(outputs, dict):
+        return 0
+    ids = outputs.get("output_ids")
+    if ids is None or ids == "":
+        return 0
+    return len(ids) if isinstance(ids, list) else 1
+
+
+def summarize_profile(path: Path) -> dict[str, Any]:
+    """Per-request figures from a perf_analyzer profile export (timestamps in ns)."""
+    data = json.loads(path.read_text())
+    out: dict[str, Any] = {}
+    for exp in data.get("experiments", []):
+        reqs = exp.get("requests", [])
+        ttft, itl, tokens, starts, ends = [], [], 0, [], []
+        for r in reqs:
+            ts = r.get("response_timestamps") or []
+            outputs = r.get("response_outputs") or []
+            counts = [_num_tokens(o) for o in outputs] if outputs else [1] * len(ts)
+            # Only responses that carry tokens (not the empty final one) count.
+            token_ts = [t for t, c in zip(ts, counts) if c > 0]
+            if not token_ts:
+                continue
+            starts.append(r["timestamp"])
+            ends.append(ts[-1])
+            tokens += sum(counts)
+            ttft.append((token_ts[0] - r["timestamp"]) / 1e6)
+            itl.extend((b - a) / 1e6 for a, b in zip(token_ts, token_ts[1:]))
+        span = (max(ends) - min(starts)) / 1e9 if starts else 0.0
+        level = exp.get("experiment", {}).get("value")
+        out[str(level)] = {
+            "requests": len(starts),
+            "output_tokens": tokens,
+            "output_tok_s": tokens / span if span > 0 else None,
+            "ttft_ms_p50": _pct(ttft, 50),
+            "ttft_ms_p99": _pct(ttft, 99),
+            "itl_ms_p50": _pct(itl, 50),
+            "itl_ms_p99": _pct(itl, 99),
+            "mean_itl_ms": statistics.fmean(itl) if itl else None,
+        }
+    return out
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def sweep(
+    model: str = "ensemble",
+    url: str = "localhost:8001",
+    input_data: Optional[Path] = None,
+    concurrency: Sequence[int] = (1, 8, 64),
+    out_dir: Path = Path("perf_results"),
+    request_count: Optional[int] = None,
+    metrics_url: Optional[str] = None,
+    timeout_s: float = 1800.0,
+    extra: Sequence[str] = (),
+    keep_profiles: bool = True,
+    log=print,
+) -> dict[str, Any]:
+    """Run the sweep; returns (and writes to out_dir/summary.json) the merged results."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    input_data = Path(input_data or PERF_DIR / ("ensemble_text.json" if model == "ensemble" else "llm_ids.json"))
+    rows: list[dict[str, str]] = []
+    summary: dict[str, Any] = {"model": model, "url": url, "input_data": str(input_data), "levels": {}}
+    for c in concurrency:
+        n = request_count or max(2 * c, 16)
+        cmd = command(model, url, input_data, c, n, out_dir, metrics_url, extra)
+        log(f"[perf_analyzer] concurrency {c}: {' '.join(cmd)}")
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=perf_env(), capture_output=True, text=True, timeout=timeout_s)
+        (out_dir / f"perf_c{c}.log").write_text(proc.stdout + proc.stderr)
+        level: dict[str, Any] = {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0}
+        csv_path = out_dir / f"perf_c{c}.csv"
+        if proc.returncode != 0 or not csv_path.exists():
+            level["error"] = (proc.stdout + proc.stderr)[-2000:]
+            log(f"[perf_analyzer] concurrency {c} failed (rc={proc.returncode}); see {out_dir / f'perf_c{c}.log'}")
+        else:
+            got = read_csv(csv_path)
+            rows.extend(got)
+            if got:
+                r = got[0]
+                level["perf_analyzer"] = {
+                    "requests_s": float(r["Inferences/Second"]),
+                    "responses_s": float(r.get("Response Throughput") or 0) or None,
+                    "latency_us_p50": float(r["p50 latency"]),
+                    "latency_us_p99": float(r["p99 latency"]),
+                    "latency_us_avg": float(r["Avg latency"]),
+                }
+            profile = out_dir / f"profile_c{c}.json"
+            if profile.exists():
+                level["profile"] = summarize_profile(profile).get(str(c))
+                if not keep_profiles:
+                    profile.unlink()
+        summary["levels"][str(c)] = level
+    if rows:
+        fields: list[str] = []
+        for r in rows:
+            fields += [k for k in r if k not in fields]
+        with open(out_dir / "perf_analyzer.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+        summary["csv"] = str(out_dir / "perf_analyzer.csv")
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print(f"{'conc':>5} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)")
+    for c, level in summary["levels"].items():
+        pa, pr = level.get("perf_analyzer") or {}, level.get("profile") or {}
+        if not pa:
+            print(f"{c:>5}  failed: see perf_c{c}.log")
+            continue
+
+        def f(v: Any, w: int, p: int = 1) -> str:
+            return f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+
+        print(f"{c:>5} {f(pa['requests_s'], 8, 2)} {f(pr.get('output_tok_s'), 9)} {f(pr.get('ttft_ms_p50'), 9)} "
+              f"{f(pr.get('ttft_ms_p99'), 9)} {f(pr.get('itl_ms_p50'), 8, 2)} {f(pr.get('itl_ms_p99'), 8, 2)}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="ensemble", choices=["ensemble", "llm"])
+    ap.add_argument("--url", default="localhost:8001", help="Triton gRPC host:port")
+    ap.add_argument("--metrics-url", default=None, help="e.g. localhost:8002/metrics: adds server metrics to the csv")
+    ap.add_argument("--input-data", type=Path, default=None,
+                    help="default: client/perf/ensemble_text.json (ensemble) or client/perf/llm_ids.json (llm)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--request-count", type=int, default=None,
+                    help="requests per measurement window (default max(2*concurrency, 16))")
+    ap.add_argument("--out", type=Path, default=None, help="default: perf_results/<model>-<timestamp>")
+    ap.add_argument("--install", action="store_true", help="install libb64-0d / nvidia-cuda-runtime-cu12 if missing")
+    ap.add_argument("extra", nargs="*", help="after --: more perf_analyzer arguments")
+    args = ap.parse_args(argv)
+    ensure_installed(args.install)
+    out = args.out or Path("perf_results") / f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    summary = sweep(args.model, args.url, args.input_data, args.concurrency, out, args.request_count,
+                    args.metrics_url, extra=args.extra)
+    print_summary(summary)
+    print(f"report: {out / 'perf_analyzer.csv'}  summary: {out / 'summary.json'}")
+    return 0 if all("error" not in lv for lv in summary["levels"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# perf_analyzer streaming (decoupled) concurrency sweep against a running tritonserver.
+#
+#   client/perf/run_perf_analyzer.sh [--model ensemble|llm] [--url localhost:8001]
+#       [--concurrency 1 8 64] [--input-data FILE] [--request-count N] [--out DIR] [-- PA_ARGS...]
+#
+# Installs what perf_analyzer needs when missing (libb64-0d via apt-get, nvidia-cuda-runtime-cu12
+# via pip into .venv), then runs one perf_analyzer per concurrency level:
+#   perf_analyzer -m MODEL -u URL -i grpc --streaming --input-data FILE --concurrency-range C:C
+#       -f OUT/perf_cC.csv --verbose-csv --profile-export-file OUT/profile_cC.json ...
+# and writes OUT/perf_analyzer.csv (all levels) and OUT/summary.json (tok/s, TTFT, ITL per level).
+# See client/perf/run_perf_analyzer.py for the details.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+exec "$PY" -m client.perf.run_perf_analyzer --install "$@"
