@@ -1,24 +1,49 @@
 """The paged KV cache's bookkeeping: one pool of fixed-size blocks and per-sequence block tables.
 
 The tensors themselves live in the model runner; this module only decides which block ids a
-sequence owns. Block 0.. num_blocks-1 are all interchangeable.
+sequence owns. With prefix caching, a *full* block is content-addressed by a hash chained over
+every token up to and including it, so two sequences with a common prefix (system prompt, chat
+history, the n samples of one prompt) share the blocks of that prefix, reference-counted. A
+block whose last owner finishes keeps its contents and its hash: it sits in the free list, in
+least-recently-freed order, and is either found again by a later prefix or reused (evicted)
+when fresh blocks are needed.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence as Seq
 
 from backend.sequence import Sequence
 
 
+@dataclass
+class _Block:
+    ref_count: int = 0
+    hash: Optional[int] = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent: Optional[int], token_ids: Seq[int]) -> int:
+    return hash((parent, tuple(token_ids)))
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._owner: dict[int, int] = {}  # block id -> seq id, to catch double frees early
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        # Free blocks, oldest-freed first: allocation takes from the front, so a cached block
+        # survives as long as possible. Values unused (an ordered set).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._by_hash: dict[int, int] = {}
+        # Prompt tokens looked up in / found in the cache (prefix-cache hit rate).
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -28,9 +53,76 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_hash)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def ref_count(self, block: int) -> int:
+        return self._blocks[block].ref_count
+
+    # ------------------------------------------------------------- prefix cache
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of `seq`'s tokens (not taken yet).
+
+        At least one token is always left to compute: its logits are what the next step samples.
+        """
+        if not self.enable_prefix_caching or seq.block_table or not seq.prefix_cacheable:
+            return []
+        bs = self.block_size
+        full = (seq.num_tokens - 1) // bs
+        hits: list[int] = []
+        parent: Optional[int] = None
+        for i in range(full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = chain_hash(parent, tokens)
+            block = self._by_hash.get(parent)
+            if block is None or self._blocks[block].token_ids != tokens:
+                break
+            hits.append(block)
+        return hits
+
+    def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
+        """Whether `seq` can take `hits` and grow its table to cover `num_tokens` tokens."""
+        reclaimed = sum(1 for b in hits if self._blocks[b].ref_count == 0)
+        fresh = max(0, self.blocks_for(num_tokens) - len(hits))
+        return fresh + reclaimed <= len(self._free)
+
+    def take_prefix(self, seq: Sequence, hits: list[int]) -> int:
+        """Give `seq` the cached blocks; returns the number of tokens they cover."""
+        self.num_queried_tokens += seq.num_tokens
+        for block in hits:
+            b = self._blocks[block]
+            if b.ref_count == 0:
+                del self._free[block]
+            b.ref_count += 1
+            seq.block_table.append(block)
+        cached = len(hits) * self.block_size
+        self.num_hit_tokens += cached
+        seq.num_hashed_blocks = len(hits)
+        seq.block_hash = chain_hash_of(seq.token_ids, len(hits), self.block_size)
+        return cached
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publish the blocks `seq` has just filled, so later prefixes can find them."""
+        if not self.enable_prefix_caching or not seq.prefix_cacheable:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(seq.num_hashed_blocks, full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(seq.block_hash, tokens)
+            block = seq.block_table[i]
+            b = self._blocks[block]
+            if h not in self._by_hash and b.hash is None:
+                b.hash, b.token_ids = h, tokens
+                self._by_hash[h] = block
+            seq.block_hash = h
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    # ------------------------------------------------------------- allocation
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks `seq` needs so its table covers `num_tokens` tokens."""
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
@@ -43,13 +135,42 @@ class BlockManager:
         if needed > len(self._free):
             raise RuntimeError(f"KV cache out of blocks: need {needed}, have {len(self._free)}")
         for _ in range(needed):
-            block = self._free.popleft()
-            self._owner[block] = seq.seq_id
+            block, _ = self._free.popitem(last=False)
+            b = self._blocks[block]
+            if b.hash is not None:  # evict the cached contents
+                if self._by_hash.get(b.hash) == block:
+                    del self._by_hash[b.hash]
+                b.hash, b.token_ids = None, ()
+            b.ref_count = 1
             seq.block_table.append(block)
 
     def free(self, seq: Sequence) -> None:
-        for block in seq.block_table:
-            if self._owner.pop(block, None) != seq.seq_id:
-                raise RuntimeError(f"block {block} freed by a sequence that does not own it")
-            self._free.append(block)
+        # Tail blocks first: they are the least likely to be shared, so they are evicted first.
+        for block in reversed(seq.block_table):
+            b = self._blocks[block]
+            if b.ref_count <= 0:
+                raise RuntimeError(f"block {block} freed more often than it was taken")
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                if b.hash is None:
+                    self._free[block] = None
+                    self._free.move_to_end(block, last=False)  # uncached: reuse first
+                else:
+                    self._free[block] = None
         seq.block_table = []
+        seq.num_hashed_blocks = 0
+        seq.block_hash = None
+
+    def reset_prefix_cache(self) -> None:
+        for h, block in list(self._by_hash.items()):
+            b = self._blocks[block]
+            if b.ref_count == 0:
+                b.hash, b.token_ids = None, ()
+                del self._by_hash[h]
+
+
+def chain_hash_of(token_ids: Seq[int], num_blocks: int, block_size: int) -> Optional[int]:
+    h: Optional[int] = None
+    for i in range(num_blocks):
+        h = chain_hash(h, token_ids[i * block_size : (i + 1) * block_size])
+    return h

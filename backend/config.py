@@ -25,6 +25,12 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None
     seed: int = 0
+    # Requests past this many waiting ones are refused as overloaded (bounded memory under load).
+    max_waiting_requests: int = 1024
+    # Content-addressed sharing of full KV blocks between requests with a common prefix.
+    enable_prefix_caching: bool = True
+    # Loading a serialized CustomLogitProcessor runs code from the request: off unless enabled.
+    enable_custom_logit_processor: bool = False
     sampling_defaults: Literal["model", "openai"] = "model"
 
     def torch_dtype(self) -> Optional[torch.dtype]:

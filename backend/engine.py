@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import random
 import threading
 import time
 import uuid
@@ -17,14 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import regex
 import torch
 
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.model_runner import ModelRunner
-from backend.outputs import OutputState, RequestOutput
-from backend.sampler import Sampler, SamplingRow
+from backend.outputs import OutputState, RequestOutput, StopRegexTimeout
+from backend.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_at
 from backend.sampling_params import SamplingParams, load_model_defaults, parse_sampling_params
 from backend.scheduler import Scheduler
 from backend.sequence import FinishReason, Sequence
@@ -39,11 +41,19 @@ class RequestError(ValueError):
     """A request the engine refuses; the message says why."""
 
 
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; the caller should retry later."""
+
+
 @dataclass
 class _Tracked:
     seq: Sequence
     on_output: OutputCallback
     state: OutputState
+    grammar_future: Any = None  # concurrent.futures.Future of a compiled grammar
+    grammar: Any = None  # GrammarState once compiled
+    custom_processor: Any = None
+    group: str = ""  # the request id shared by the n samples of one request
 
 
 @dataclass
@@ -56,6 +66,9 @@ class EngineStats:
     num_steps: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found cached
+    num_cached_kv_blocks: int = 0
 
 
 class LLMEngine:
@@ -69,9 +82,13 @@ class LLMEngine:
         self.model = ModelRunner(
             model_path, probe.num_blocks, config.block_size, device=device, dtype=config.torch_dtype()
         )
-        self.block_manager = BlockManager(probe.num_blocks, config.block_size)
+        self.block_manager = BlockManager(probe.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(device, seed=config.seed)
+        self.sampler = Sampler(self.model.config.vocab_size)
+        self._seed_rng = random.Random(config.seed)
+        self._grammar_compiler: Any = None
+        self._compiling: list[_Tracked] = []
+        self._groups: dict[str, list[str]] = {}
         self.defaults = load_model_defaults(model_path) if config.sampling_defaults == "model" else {}
         self.eos_ids = frozenset(_eos_token_ids(model_path, self.tokenizer))
         self.vocab_size = self.model.config.vocab_size
@@ -109,28 +126,79 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens, but the context is {self.max_model_len} tokens "
                 "(at least one must be left to generate)"
             )
+        waiting = len(self.scheduler.waiting) + self._inbox.qsize()
+        if waiting >= self.config.max_waiting_requests:
+            raise EngineOverloaded(
+                f"the server is overloaded: {waiting} requests are already waiting (max_waiting_requests="
+                f"{self.config.max_waiting_requests}); retry later"
+            )
         request_id = request_id or uuid.uuid4().hex
+        if params.logprob_start_len >= len(prompt_ids):
+            raise RequestError(
+                f"logprob_start_len {params.logprob_start_len} must be less than the prompt length {len(prompt_ids)}"
+            )
+        if params.token_ids_logprob and max(params.token_ids_logprob) >= self.vocab_size:
+            raise RequestError(f"token_ids_logprob ids must be < the vocabulary size {self.vocab_size}")
+        processor = self._custom_processor(params)
+        compiled = self._submit_grammar(params)
         max_new = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
-        seq = Sequence(
-            request_id=request_id,
-            token_ids=list(prompt_ids),
-            params=params,
-            max_new_tokens=max_new,
-            is_cancelled=is_cancelled,
-            arrival_time=time.monotonic(),
-        )
-        detok = IncrementalDetokenizer(
-            self.tokenizer,
-            prompt_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-        )
-        state = OutputState(detok=detok, stops=list(params.stop), eos_ids=self.eos_ids)
-        self._inbox.put(("add", _Tracked(seq, on_output, state)))
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        stop_regexes = [regex.compile(p) for p in params.stop_regex]
+        children: list[_Tracked] = []
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            seq = Sequence(
+                request_id=child_id,
+                token_ids=list(prompt_ids),
+                params=params,
+                max_new_tokens=max_new,
+                is_cancelled=is_cancelled,
+                arrival_time=time.monotonic(),
+                prefix_cacheable=params.logprob_start_len < 0,
+                index=index,
+                seed=(base_seed + index * 0x9E3779B97F4A7C15) % 2**63,
+                wait_for=children[0].seq if children and self.config.enable_prefix_caching else None,
+            )
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+            state = OutputState(detok=detok, stops=list(params.stop), eos_ids=self.eos_ids, stop_regexes=stop_regexes)
+            children.append(_Tracked(seq, on_output, state, compiled, None, processor, request_id))
+        self._inbox.put(("add", children))
         self._wakeup.set()
         return request_id
 
+    def _custom_processor(self, params: SamplingParams) -> Any:
+        if params.custom_logit_processor is None:
+            return None
+        if not self.config.enable_custom_logit_processor:
+            raise RequestError(
+                "custom_logit_processor is disabled on this server (start it with enable_custom_logit_processor=true)"
+            )
+        from backend.custom_logit_processor import CustomLogitProcessorError, load_processor
+
+        try:
+            return load_processor(params.custom_logit_processor)
+        except CustomLogitProcessorError as exc:
+            raise RequestError(str(exc)) from None
+
+    def _submit_grammar(self, params: SamplingParams) -> Any:
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        if self._grammar_compiler is None:
+            try:
+                from backend.grammar import GrammarCompiler
+            except ImportError as exc:
+                raise RequestError(f"structured output is not available: {exc}") from None
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammar_compiler.submit(*constraint)
+
     def abort(self, request_id: str) -> None:
+        """End a request (all of its n samples); its blocks are freed at the next step boundary."""
         self._inbox.put(("abort", request_id))
         self._wakeup.set()
 
@@ -144,10 +212,18 @@ class LLMEngine:
             num_steps=self._num_steps,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            prefix_cache_queries=self.block_manager.num_queried_tokens,
+            prefix_cache_hits=self.block_manager.num_hit_tokens,
+            num_cached_kv_blocks=self.block_manager.num_cached_blocks,
         )
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked) or not self._inbox.empty()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached blocks not in use (benchmarks: measure with a cold cache)."""
+        self._inbox.put(("reset_prefix_cache", None))
+        self._wakeup.set()
 
     # ------------------------------------------------------------------ loop
     def start(self) -> None:
@@ -164,6 +240,8 @@ class LLMEngine:
         self._drain_inbox()
         for request_id in list(self._tracked):
             self._end(request_id, FinishReason.ABORT, error="the server is shutting down")
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.shutdown()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -177,6 +255,7 @@ class LLMEngine:
         """One engine iteration. Returns False when there was nothing to do."""
         self._drain_inbox()
         self._check_cancelled()
+        self._admit_compiled()
         if not self.scheduler.has_work():
             return False
         scheduled = self.scheduler.schedule()
@@ -199,27 +278,130 @@ class LLMEngine:
             seq = item.seq
             start = seq.num_computed_tokens
             ids = seq.token_ids[start : start + item.num_new_tokens]
-            chunks.append((ids, start, seq.block_table, item.samples))
+            chunks.append((ids, start, seq.block_table, self._logit_rows(seq, start, len(ids), item.samples)))
             if start < seq.num_prompt_tokens:
                 self._prompt_tokens_total += min(item.num_new_tokens, seq.num_prompt_tokens - start)
         batch = self.model.prepare(chunks)
         logits = self.model.forward(batch)
-        sampling = [item for item in scheduled if item.samples]
-        rows = [SamplingRow(item.seq.params, item.seq.num_output_tokens) for item in sampling]
-        next_tokens = self.sampler(logits, rows) if rows else []
+
+        # Split the logits rows: prompt-logprob rows per sequence, then one sampling row.
+        sampling, sample_logits, prompt_rows = [], [], {}
+        row = 0
+        for item, chunk in zip(scheduled, chunks):
+            rows = chunk[3]
+            count = 1 if rows is True else len(rows) if rows else 0
+            n_prompt = count - (1 if item.samples else 0)
+            if n_prompt:
+                prompt_rows[item.seq.request_id] = (item.seq, chunk[1] + (rows[0] if rows is not True else 0), logits[row : row + n_prompt])
+            if item.samples:
+                sampling.append(item)
+                sample_logits.append(row + count - 1)
+            row += count
+        for seq, first_pos, rows_logits in prompt_rows.values():
+            self._prompt_logprobs(seq, first_pos, rows_logits)
+
+        result = None
+        if sampling:
+            rows = [self._sampling_row(item.seq) for item in sampling]
+            result = self.sampler(logits[sample_logits], rows)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        for item, token in zip(sampling, next_tokens):
+            self.block_manager.register_full_blocks(item.seq)
+        if result is None:
+            return
+        for item, token, lp in zip(sampling, result.token_ids, result.logprobs):
             seq = item.seq
-            seq.token_ids.append(int(token))
+            tracked = self._tracked.get(seq.request_id)
+            if tracked is None:
+                continue
+            token = int(token)
+            seq.token_ids.append(token)
             self._generation_tokens_total += 1
-            tracked = self._tracked[seq.request_id]
-            out = tracked.state.on_tokens(seq, [int(token)])
+            grammar_done = False
+            if tracked.grammar is not None:
+                if not tracked.grammar.accept(token):
+                    self._end(seq.request_id, FinishReason.ABORT, error=f"the grammar rejected token {token}")
+                    continue
+                grammar_done = tracked.grammar.is_terminated
+            if lp is not None:
+                tracked.state.add_logprobs(self._logprob_entries("output", [lp], seq.params))
+            try:
+                out = tracked.state.on_tokens(seq, [token], grammar_done=grammar_done)
+            except StopRegexTimeout as exc:
+                self._end(seq.request_id, FinishReason.ABORT, error=str(exc), code="invalid_arg")
+                continue
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq, seq.finish_reason)
-                del self._tracked[seq.request_id]
+                self._forget(tracked)
             if out is not None:
                 self._emit(tracked, out)
+
+    def _logit_rows(self, seq: Sequence, start: int, n: int, samples: bool) -> Any:
+        """Which rows of this chunk need logits: the sampling row, plus prompt positions
+        whose next-token logprobs were asked for (logprob_start_len)."""
+        lsl = seq.params.logprob_start_len
+        if lsl < 0 or not seq.params.return_logprob or start >= seq.num_prompt_tokens - 1:
+            return samples
+        # Logits at position p give the logprob of prompt token p + 1, for tokens [max(lsl, 1), P).
+        lo = max(lsl, 1) - 1
+        hi = min(start + n, seq.num_prompt_tokens - 1)  # exclusive; P - 1 is the sampling row
+        rows = [p - start for p in range(max(start, lo), hi)]
+        if samples:
+            rows.append(n - 1)
+        return rows or samples
+
+    def _prompt_logprobs(self, seq: Sequence, first_pos: int, logits: torch.Tensor) -> None:
+        tracked = self._tracked.get(seq.request_id)
+        if tracked is None or seq.num_preemptions:  # recomputed after preemption: already sent
+            return
+        params = seq.params
+        entries: dict[str, list] = {}
+        if first_pos == max(params.logprob_start_len, 1) - 1 and params.logprob_start_len == 0:
+            # The first prompt token has no logprob (nothing precedes it), as SGLang reports it.
+            first = [None, seq.token_ids[0], self._token_text(seq.token_ids[0], params)]
+            entries["input_token_logprobs"] = [first]
+            if params.top_logprobs_num:
+                entries["input_top_logprobs"] = [None]
+            if params.token_ids_logprob:
+                entries["input_token_ids_logprob"] = [None]
+        targets = seq.token_ids[first_pos + 1 : first_pos + 1 + logits.shape[0]]
+        lps = torch.log_softmax(logits.float(), dim=-1)
+        items = logprobs_at(lps, targets, params.top_logprobs_num, params.token_ids_logprob)
+        for k, v in self._logprob_entries("input", items, params).items():
+            entries.setdefault(k, []).extend(v)
+        tracked.state.add_logprobs(entries)
+
+    def _logprob_entries(self, kind: str, items: list[TokenLogprobs], params: SamplingParams) -> dict[str, list]:
+        """SGLang's meta_info format: [logprob, token_id, text or None] triples."""
+        text = lambda t: self._token_text(t, params)  # noqa: E731
+        out: dict[str, list] = {f"{kind}_token_logprobs": [[i.logprob, i.token_id, text(i.token_id)] for i in items]}
+        if params.top_logprobs_num:
+            out[f"{kind}_top_logprobs"] = [[[lp, t, text(t)] for t, lp in i.top] for i in items]
+        if params.token_ids_logprob:
+            out[f"{kind}_token_ids_logprob"] = [[[lp, t, text(t)] for t, lp in i.requested] for i in items]
+        return out
+
+    def _token_text(self, token_id: int, params: SamplingParams) -> Optional[str]:
+        if not params.return_text_in_logprobs:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.params
+        tracked = self._tracked[seq.request_id]
+        suppress: tuple[int, ...] = ()
+        if seq.num_output_tokens < params.min_new_tokens:
+            suppress = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_ids))
+        return SamplingRow(
+            params=params,
+            seed=seq.seed,
+            step=seq.num_output_tokens,
+            prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if params.has_penalties else (),
+            output_ids=seq.output_ids if params.has_penalties else (),
+            suppress_ids=suppress,
+            grammar=tracked.grammar,
+            custom_processor=tracked.custom_processor,
+        )
 
     def _drain_inbox(self) -> None:
         while True:
@@ -228,19 +410,50 @@ class LLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                tracked: _Tracked = payload
-                rid = tracked.seq.request_id
-                if rid in self._tracked:
-                    tracked.seq.finish_reason = FinishReason.ABORT
-                    self._emit(tracked, tracked.state.close(tracked.seq, error=f"duplicate request id '{rid}'"))
+                children: list[_Tracked] = payload
+                group = children[0].group
+                if group in self._groups or any(c.seq.request_id in self._tracked for c in children):
+                    for c in children:
+                        c.seq.finish_reason = FinishReason.ABORT
+                        out = c.state.close(c.seq, error=f"duplicate request id '{group}'")
+                        out.error_code = "invalid_arg"
+                        self._emit(c, out)
                     continue
-                self._tracked[rid] = tracked
-                if tracked.seq.max_new_tokens == 0:
-                    self._end(rid, FinishReason.LENGTH)
-                else:
-                    self.scheduler.add(tracked.seq)
+                self._groups[group] = [c.seq.request_id for c in children]
+                for tracked in children:
+                    rid = tracked.seq.request_id
+                    self._tracked[rid] = tracked
+                    if tracked.seq.max_new_tokens == 0:
+                        self._end(rid, FinishReason.LENGTH)
+                    elif tracked.grammar_future is not None:
+                        self._compiling.append(tracked)  # waits off the batch until compiled
+                    else:
+                        self.scheduler.add(tracked.seq)
             elif kind == "abort":
-                self._end(payload, FinishReason.ABORT)
+                for rid in self._groups.get(payload, [payload]):
+                    self._end(rid, FinishReason.ABORT)
+            elif kind == "reset_prefix_cache":
+                self.block_manager.reset_prefix_cache()
+
+    def _admit_compiled(self) -> None:
+        if not self._compiling:
+            return
+        still = []
+        for tracked in self._compiling:
+            rid = tracked.seq.request_id
+            if rid not in self._tracked:
+                continue  # aborted while compiling
+            future = tracked.grammar_future
+            if not future.done():
+                still.append(tracked)
+                continue
+            try:
+                tracked.grammar = self._grammar_compiler.matcher(future.result())
+            except Exception as exc:
+                self._end(rid, FinishReason.ABORT, error=str(exc), code="invalid_arg")
+                continue
+            self.scheduler.add(tracked.seq)
+        self._compiling = still
 
     def _check_cancelled(self) -> None:
         for rid, tracked in list(self._tracked.items()):
@@ -248,13 +461,26 @@ class LLMEngine:
             if check is not None and check():
                 self._end(rid, FinishReason.ABORT)
 
-    def _end(self, request_id: str, reason: FinishReason, error: Optional[str] = None) -> None:
-        tracked = self._tracked.pop(request_id, None)
+    def _end(self, request_id: str, reason: FinishReason, error: Optional[str] = None, code: str = "internal") -> None:
+        tracked = self._tracked.get(request_id)
         if tracked is None:
             return
         seq = tracked.seq
         self.scheduler.finish(seq, reason)
-        self._emit(tracked, tracked.state.close(seq, error=error))
+        self._forget(tracked)
+        out = tracked.state.close(seq, error=error)
+        out.error_code = code
+        self._emit(tracked, out)
+        if error is not None:  # a failed sample fails its request: stop the siblings too
+            for sibling in self._groups.get(tracked.group, []):
+                self._end(sibling, FinishReason.ABORT)
+
+    def _forget(self, tracked: _Tracked) -> None:
+        rid = tracked.seq.request_id
+        self._tracked.pop(rid, None)
+        members = self._groups.get(tracked.group)
+        if members is not None and all(m not in self._tracked for m in members):
+            del self._groups[tracked.group]
 
     @staticmethod
     def _emit(tracked: _Tracked, out: RequestOutput) -> None:
@@ -276,7 +502,8 @@ class LLMEngine:
             results[out.request_id] = out if prev is None else prev.merge(out)
 
         for ids, p in zip(prompts, params):
-            order.append(self.add_request(ids, p, collect))
+            rid = self.add_request(ids, p, collect)
+            order.extend([rid] if p.n == 1 else [f"{rid}#{i}" for i in range(p.n)])
         while self.has_unfinished():
             self.step()
         return [results[rid] for rid in order]

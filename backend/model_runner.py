@@ -182,8 +182,13 @@ class ModelRunner:
             raise ValueError(f"unexpected weights in {path}: {leftovers[:5]}")
 
     # ---------------------------------------------------------------- inputs
-    def prepare(self, chunks: list[tuple[list[int], int, list[int], bool]]) -> BatchInput:
-        """Lay out a step. Each chunk is (new token ids, start position, block table, wants logits)."""
+    def prepare(self, chunks: list[tuple[list[int], int, list[int], Any]]) -> BatchInput:
+        """Lay out a step. Each chunk is (new token ids, start position, block table, logit rows).
+
+        Logit rows: True for the chunk's last token (it samples), False for none, or a list of
+        offsets into the chunk (prompt logprobs need logits at prompt positions too). The
+        forward pass returns logits for these rows, in chunk order.
+        """
         bs = self.block_size
         max_q = max(len(ids) for ids, _, _, _ in chunks)
         max_blocks = max(len(table) for _, _, table, _ in chunks)
@@ -194,8 +199,9 @@ class ModelRunner:
         logits_index: list[int] = []
         tables = torch.zeros((len(chunks), max_blocks), dtype=torch.long)
         qpos = torch.full((len(chunks), max_q), -1, dtype=torch.long)
-        for b, (ids, start, table, wants_logits) in enumerate(chunks):
+        for b, (ids, start, table, rows) in enumerate(chunks):
             n = len(ids)
+            base = len(input_ids)
             pos = range(start, start + n)
             input_ids.extend(ids)
             positions.extend(pos)
@@ -203,8 +209,10 @@ class ModelRunner:
             query_index.extend(range(b * max_q, b * max_q + n))
             tables[b, : len(table)] = torch.tensor(table, dtype=torch.long)
             qpos[b, :n] = torch.arange(start, start + n)
-            if wants_logits:
-                logits_index.append(len(input_ids) - 1)
+            if rows is True:
+                logits_index.append(base + n - 1)
+            elif rows:
+                logits_index.extend(base + r for r in rows)
         dev = self.device
         return BatchInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),

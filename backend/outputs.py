@@ -11,8 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+import regex
+
 from backend.detokenizer import IncrementalDetokenizer
 from backend.sequence import FinishReason, Sequence
+
+# How far back into released text a stop regex may reach, and how long one search may take
+# (a pathological pattern ends its request instead of stalling the engine).
+STOP_REGEX_LOOKBACK = 256
+STOP_REGEX_TIMEOUT_S = 0.05
+
+
+class StopRegexTimeout(RuntimeError):
+    pass
 
 
 @dataclass
@@ -34,6 +45,11 @@ class RequestOutput:
     trim: int = 0
     error: Optional[str] = None
     num_preemptions: int = 0
+    index: int = 0  # which of the request's n samples
+    cached_tokens: int = 0
+    # SGLang-format logprob entries for new_token_ids ([logprob, token_id, text]) and friends.
+    logprobs: Optional[dict[str, list]] = None
+    error_code: str = "internal"  # or "invalid_arg"
 
     @property
     def finished(self) -> bool:
@@ -50,8 +66,14 @@ class RequestOutput:
             end = self.window_start + len(self.window_ids)
             window = self.window_ids + later.window_ids[end - later.window_start :]
             start, prefix_len = self.window_start, self.prefix_len
+        logprobs = self.logprobs
+        if later.logprobs:
+            logprobs = {k: list(v) for k, v in (self.logprobs or {}).items()}
+            for k, v in later.logprobs.items():
+                logprobs.setdefault(k, []).extend(v)
         return replace(
             later,
+            logprobs=logprobs,
             new_token_ids=self.new_token_ids + later.new_token_ids,
             window_ids=window,
             window_start=start,
@@ -84,15 +106,22 @@ class OutputState:
     detok: IncrementalDetokenizer
     stops: list[str]
     eos_ids: frozenset[int]
+    stop_regexes: list[Any] = field(default_factory=list)  # compiled `regex` patterns
     pending: list[_Step] = field(default_factory=list)
     released_tail: str = ""  # last few released chars, enough to match a stop across the boundary
     pending_new_ids: list[int] = field(default_factory=list)
+    pending_logprobs: dict[str, list] = field(default_factory=dict)
 
     @property
     def max_stop_len(self) -> int:
-        return max((len(s) for s in self.stops), default=0)
+        longest = max((len(s) for s in self.stops), default=0)
+        return max(longest, STOP_REGEX_LOOKBACK) if self.stop_regexes else longest
 
-    def on_tokens(self, seq: Sequence, new_ids: list[int]) -> Optional[RequestOutput]:
+    def add_logprobs(self, entries: dict[str, list]) -> None:
+        for k, v in entries.items():
+            self.pending_logprobs.setdefault(k, []).extend(v)
+
+    def on_tokens(self, seq: Sequence, new_ids: list[int], grammar_done: bool = False) -> Optional[RequestOutput]:
         """Feed the step's tokens (already appended to seq); returns the output to send, if any."""
         delta = self.detok.push(new_ids)
         total = seq.num_tokens
@@ -108,14 +137,21 @@ class OutputState:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, last
             elif last in self.eos_ids and not params.ignore_eos:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, last
+            elif grammar_done:
+                seq.finish_reason = FinishReason.STOP
             elif seq.num_output_tokens >= seq.max_new_tokens:
                 seq.finish_reason = FinishReason.LENGTH
 
         trim = 0
-        if self.stops:
+        partial_at: Optional[int] = None
+        if self.stops or self.stop_regexes:
             pending_text = "".join(s.text for s in self.pending)
             hay = self.released_tail + pending_text
             hit = _find_stop(hay, self.stops, start=max(0, len(self.released_tail) - self.max_stop_len + 1))
+            if self.stop_regexes:
+                rx_hit, partial_at = _find_stop_regex(hay, self.stop_regexes, len(self.released_tail))
+                if rx_hit is not None and (hit is None or rx_hit[0] < hit[0]):
+                    hit = rx_hit
             if hit is not None:
                 pos, stop = hit
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
@@ -124,11 +160,14 @@ class OutputState:
 
         if seq.finish_reason is not None:
             return self._release(seq, len(self.pending), trim=trim, final=True)
-        if not self.stops:
+        if not self.stops and not self.stop_regexes:
             return self._release(seq, len(self.pending))
         # Hold back steps whose text could still grow into a stop string.
         pending_text = "".join(s.text for s in self.pending)
-        hold = _longest_stop_prefix_suffix(self.released_tail + pending_text, self.stops)
+        hay = self.released_tail + pending_text
+        hold = _longest_stop_prefix_suffix(hay, self.stops)
+        if partial_at is not None:
+            hold = max(hold, len(hay) - partial_at)
         safe = len(pending_text) - hold
         n, acc = 0, 0
         for step in self.pending:
@@ -161,6 +200,7 @@ class OutputState:
         if self.max_stop_len:
             self.released_tail = (self.released_tail + text)[-self.max_stop_len :]
         new_ids, self.pending_new_ids = self.pending_new_ids, []
+        logprobs, self.pending_logprobs = (self.pending_logprobs or None), {}
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_ids,
@@ -174,6 +214,9 @@ class OutputState:
             stop_reason=seq.stop_reason if final else None,
             trim=trim,
             num_preemptions=seq.num_preemptions,
+            index=seq.index,
+            cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs,
         )
 
     def close(self, seq: Sequence, error: Optional[str] = None) -> RequestOutput:
@@ -191,6 +234,35 @@ def _find_stop(text: str, stops: list[str], start: int) -> Optional[tuple[int, s
         if pos != -1 and (best is None or pos < best[0]):
             best = (pos, s)
     return best
+
+
+def _find_stop_regex(text: str, patterns: list[Any], released: int) -> tuple[Optional[tuple[int, str]], Optional[int]]:
+    """(earliest complete match as (pos, matched text), start of a match still in progress).
+
+    A partial match (the `regex` module's partial=True) reaching the end of the text means the
+    next tokens may complete it: that text is held back, as for a prefix of a stop string.
+    Matches wholly inside already released text were checked before and are skipped.
+    """
+    best: Optional[tuple[int, str]] = None
+    partial: Optional[int] = None
+    for pat in patterns:
+        pos = 0
+        try:
+            while pos <= len(text):
+                m = pat.search(text, pos, partial=True, timeout=STOP_REGEX_TIMEOUT_S)
+                if m is None:
+                    break
+                if m.partial:
+                    partial = m.start() if partial is None else min(partial, m.start())
+                    break
+                if m.end() > released and m.end() > m.start():
+                    if best is None or m.start() < best[0]:
+                        best = (m.start(), m.group(0))
+                    break
+                pos = m.start() + 1
+        except TimeoutError:
+            raise StopRegexTimeout(f"stop_regex {pat.pattern!r} took too long to evaluate") from None
+    return best, partial
 
 
 def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:

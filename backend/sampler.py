@@ -1,64 +1,173 @@
-"""Logits → next tokens, one row per sequence, every row with its own parameters.
+"""Logits -> next tokens (and their logprobs), one row per sequence, each row with its own parameters.
 
-Order as SGLang: temperature, top-k, top-p, min-p, draw. Seeded rows draw from a counter-based
-generator keyed by (seed, output position), so a seeded request gives the same tokens whatever
-else is in the batch.
+Order of the per-row transforms: penalties, min_new_tokens suppression, grammar bitmask, custom
+logit processor, temperature, [logprobs are taken here], top-k / top-p / min-p, draw. The grammar
+mask comes before the top-k/top-p filters so a filter never keeps only forbidden tokens.
+
+The transforms are the `kernels` package's ops: Triton-language kernels on CUDA tensors, their
+torch references on CPU. Every row draws with its own seed and the output position as the
+noise offset, so a seeded request gives the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence as Seq
 
 import torch
 
+import kernels
 from backend.sampling_params import SamplingParams
 
 
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    step: int  # index of the token being drawn within the output
+    seed: int
+    step: int  # output position of the token being drawn (the noise offset)
+    prompt_ids: Seq[int] = ()
+    output_ids: Seq[int] = ()
+    suppress_ids: Seq[int] = ()  # tokens that may not be drawn yet (EOS/stop under min_new_tokens)
+    grammar: Any = None  # backend.grammar.GrammarState
+    custom_processor: Any = None  # a loaded CustomLogitProcessor
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token, the top ones, the asked-for ones."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+    requested: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Optional[TokenLogprobs]]
+
+
+def logprobs_at(
+    logprobs: torch.Tensor, token_ids: Seq[int], top_n: int, requested: Optional[Seq[int]]
+) -> list[TokenLogprobs]:
+    """TokenLogprobs for each row of a [R, V] logprob tensor and the row's token."""
+    out = []
+    chosen = logprobs.gather(1, torch.as_tensor(list(token_ids), device=logprobs.device)[:, None])[:, 0].tolist()
+    tops = logprobs.topk(top_n, dim=-1) if top_n > 0 else None
+    req = None
+    if requested:
+        ids = [t for t in requested if 0 <= t < logprobs.shape[1]]
+        req = (ids, logprobs[:, ids].tolist())
+    for r, token in enumerate(token_ids):
+        item = TokenLogprobs(int(token), float(chosen[r]))
+        if tops is not None:
+            item.top = list(zip(tops.indices[r].tolist(), tops.values[r].tolist()))
+        if req is not None:
+            item.requested = list(zip(req[0], req[1][r]))
+        out.append(item)
+    return out
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
-        self.device = device
-        self._generator = torch.Generator(device="cpu").manual_seed(seed)
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        if all(r.params.greedy for r in rows):
-            return logits.argmax(dim=-1).tolist()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        B, V = logits.shape
+        use_triton = logits.is_cuda
         dev = logits.device
-        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=dev)
-        top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
-        logits = logits / temps[:, None]
-        logits = _filter(logits, top_k, top_p, min_p)
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
+        plain = all(
+            r.params.greedy
+            and not r.params.has_penalties
+            and not r.suppress_ids
+            and r.grammar is None
+            and r.custom_processor is None
+            and not r.params.return_logprob
+            for r in rows
+        )
+        if plain:
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * B)
+
+        logits = logits.float().contiguous()
+        pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        if pen:
+            counts = torch.zeros((len(pen), V), dtype=torch.int32)
+            prompt_mask = torch.zeros((len(pen), V), dtype=torch.bool)
+            for j, i in enumerate(pen):
+                if rows[i].output_ids:
+                    out_ids = torch.as_tensor(list(rows[i].output_ids), dtype=torch.long)
+                    counts[j] = torch.bincount(out_ids, minlength=V)[:V].to(torch.int32)
+                prompt_mask[j, torch.as_tensor(list(rows[i].prompt_ids), dtype=torch.long)] = True
+            p = [rows[i].params for i in pen]
+            logits[pen] = kernels.apply_penalties(
+                logits[pen],
+                counts.to(dev),
+                prompt_mask.to(dev),
+                torch.tensor([x.frequency_penalty for x in p], device=dev),
+                torch.tensor([x.presence_penalty for x in p], device=dev),
+                torch.tensor([x.repetition_penalty for x in p], device=dev),
+                use_triton=use_triton,
+            )
         for i, r in enumerate(rows):
-            gen = self._generator
-            if r.params.seed is not None:
-                gen = torch.Generator(device="cpu").manual_seed((r.params.seed * 1_000_003 + r.step) % 2**63)
-            noise[i] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(dev)
-        # Exponential race: argmax p_i / E_i draws i with probability p_i.
-        sampled = (probs / noise).argmax(dim=-1)
-        greedy = torch.tensor([r.params.greedy for r in rows], device=dev)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled).tolist()
+            if r.suppress_ids:
+                logits[i, [t for t in r.suppress_ids if t < V]] = float("-inf")
+
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            words = (V + 31) // 32
+            bitmask = torch.full((B, words), -1, dtype=torch.int32)
+            row_mask = torch.zeros(B, dtype=torch.bool)
+            for i in constrained:
+                rows[i].grammar.fill_bitmask(bitmask, i)
+                row_mask[i] = True
+            logits = kernels.apply_token_bitmask(logits, bitmask.to(dev), row_mask.to(dev), use_triton=use_triton)
+
+        custom = [i for i, r in enumerate(rows) if r.custom_processor is not None]
+        if custom:
+            logits = _apply_custom(logits, rows, custom)
+
+        temps = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=torch.float32)
+        logits = kernels.apply_temperature(logits, temps, use_triton=use_triton)
+
+        want_lp = [i for i, r in enumerate(rows) if r.params.return_logprob]
+        logprobs = kernels.log_softmax(logits[want_lp], use_triton=use_triton) if want_lp else None
+
+        if any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows if not r.params.greedy):
+            logits = kernels.top_k_top_p_min_p(
+                logits,
+                torch.tensor([r.params.top_k for r in rows], device=dev, dtype=torch.int32),
+                torch.tensor([r.params.top_p for r in rows], device=dev, dtype=torch.float32),
+                torch.tensor([r.params.min_p for r in rows], device=dev, dtype=torch.float32),
+                use_triton=use_triton,
+            )
+        tokens = kernels.sample(
+            logits,
+            torch.tensor([r.seed for r in rows], device=dev, dtype=torch.int64),
+            torch.tensor([r.step for r in rows], device=dev, dtype=torch.int64),
+            torch.tensor([r.params.greedy for r in rows], device=dev, dtype=torch.bool),
+            use_triton=use_triton,
+        ).tolist()
+
+        lps: list[Optional[TokenLogprobs]] = [None] * B
+        if logprobs is not None:
+            for j, i in enumerate(want_lp):
+                p = rows[i].params
+                lps[i] = logprobs_at(logprobs[j : j + 1], [tokens[i]], p.top_logprobs_num, p.token_ids_logprob)[0]
+        return SamplerOutput(tokens, lps)
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    remove = ranks >= k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
-    remove |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    remove |= probs < (min_p[:, None] * probs[:, :1])
-    remove[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+def _apply_custom(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> torch.Tensor:
+    # One call per distinct processor, with the rows that use it, as SGLang batches them.
+    groups: dict[int, list[int]] = {}
+    for i in idx:
+        groups.setdefault(id(rows[i].custom_processor), []).append(i)
+    for members in groups.values():
+        proc: Callable = rows[members[0]].custom_processor
+        params = [dict(rows[i].params.custom_params or {}) for i in members]
+        out = proc(logits[members].clone(), params)
+        if not isinstance(out, torch.Tensor) or out.shape != (len(members), logits.shape[1]):
+            raise ValueError("custom_logit_processor must return a tensor shaped like its input logits")
+        logits[members] = out.to(device=logits.device, dtype=logits.dtype)
+    return logits

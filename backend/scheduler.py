@@ -30,6 +30,10 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+def _prefilled(seq: Sequence) -> bool:
+    return seq.status is SequenceStatus.FINISHED or seq.num_computed_tokens >= seq.num_prompt_tokens
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager
@@ -73,12 +77,21 @@ class Scheduler:
         # After a preemption the pool is full: admitting more now would only thrash.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            target = seq.num_computed_tokens + n
-            if not bm.can_allocate(seq, target):
+            if seq.wait_for is not None and not _prefilled(seq.wait_for):
+                break  # its sibling's prompt blocks are about to be cached: share them
+            hits = bm.match_prefix(seq)
+            start = len(hits) * bm.block_size
+            n = min(seq.num_tokens - start, budget)
+            if not bm.can_admit(seq, hits, start + n):
                 break
             self.waiting.popleft()
-            bm.allocate(seq, target)
+            seq.wait_for = None
+            if bm.enable_prefix_caching and seq.prefix_cacheable:
+                cached = bm.take_prefix(seq, hits)
+                seq.num_computed_tokens = cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = cached
+            bm.allocate(seq, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))

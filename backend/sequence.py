@@ -42,6 +42,16 @@ class Sequence:
     num_preemptions: int = 0
     is_cancelled: Optional[Callable[[], bool]] = None
     arrival_time: float = 0.0
+    # Prefix caching: whether this sequence may reuse cached blocks (not when it needs the
+    # prompt's logits), how many of its blocks are published, and the hash chain up to them.
+    prefix_cacheable: bool = True
+    num_hashed_blocks: int = 0
+    block_hash: Optional[int] = None
+    num_cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    # n > 1: the sibling whose prefill the others wait for, so they find its blocks cached.
+    wait_for: Optional["Sequence"] = None
+    index: int = 0  # which of the request's n samples this is
+    seed: int = 0  # effective seed: the request's, or one drawn for it
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -24,7 +24,7 @@ SCALAR_INPUTS: dict[str, str] = {
     "min_p": "min_p",
     "random_seed": "seed",
 }
-LLM_INPUTS = ("input_ids", "stream", "stop_words", "sampling_parameters", *SCALAR_INPUTS)
+LLM_INPUTS = ("input_ids", "stream", "stop_words", "sampling_parameters", "abort_request_id", *SCALAR_INPUTS)
 
 
 def _scalar(arr: np.ndarray) -> Any:
@@ -67,7 +67,14 @@ def parse_llm_inputs(arrays: dict[str, np.ndarray]) -> tuple[list[int], dict[str
 
 
 def llm_output_arrays(out: RequestOutput, params: SamplingParams) -> dict[str, np.ndarray]:
-    meta: dict[str, Any] = {"stop_reason": out.stop_reason, "num_preemptions": out.num_preemptions}
+    meta: dict[str, Any] = {
+        "index": out.index,
+        "stop_reason": out.stop_reason,
+        "num_preemptions": out.num_preemptions,
+        "cached_tokens": out.cached_tokens,
+    }
+    if out.logprobs:
+        meta.update(out.logprobs)
     return {
         "output_ids": np.asarray(out.new_token_ids, dtype=np.int32),
         "detok_ids": np.asarray(out.window_ids, dtype=np.int32),
@@ -80,6 +87,14 @@ def llm_output_arrays(out: RequestOutput, params: SamplingParams) -> dict[str, n
         "prompt_tokens": np.asarray([out.prompt_tokens], dtype=np.int32),
         "completion_tokens": np.asarray([out.completion_tokens], dtype=np.int32),
     }
+
+
+def _flag(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean, got {value!r}")
 
 
 def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict[str, Any]:
@@ -95,6 +110,9 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "max_model_len": int,
         "sampling_defaults": str,
         "seed": int,
+        "max_waiting_requests": int,
+        "enable_prefix_caching": _flag,
+        "enable_custom_logit_processor": _flag,
     }
     out: dict[str, Any] = {}
     for name, cast in fields.items():

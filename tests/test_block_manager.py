@@ -32,9 +32,10 @@ def test_allocation_failure_and_double_free_are_errors():
         bm.allocate(s, 9)
     bm.allocate(s, 4)
     other = _seq(3)
-    other.block_table = list(s.block_table)
+    other.block_table = list(s.block_table)  # a table the pool never handed out twice
+    bm.free(other)
     with pytest.raises(RuntimeError):
-        bm.free(other)
+        bm.free(s)
 
 
 def test_scheduler_respects_token_budget_with_chunked_prefill():
@@ -76,3 +77,80 @@ def test_scheduler_preempts_newest_when_pool_runs_dry():
     assert bm.num_free_blocks == 4
     sched.finish(b, FinishReason.ABORT)
     assert bm.num_free_blocks == 4 and not sched.has_work()
+
+
+# ---------------------------------------------------------------- prefix caching
+
+
+def _tokens_seq(tokens: list[int]) -> Sequence:
+    return Sequence(request_id=f"t-{id(object())}", token_ids=list(tokens), params=SamplingParams(), max_new_tokens=8)
+
+
+def _admit_and_compute(sched: Scheduler, seq: Sequence) -> None:
+    sched.add(seq)
+    for item in sched.schedule():
+        item.seq.num_computed_tokens += item.num_new_tokens
+        sched.block_manager.register_full_blocks(item.seq)
+
+
+def test_common_prefix_shares_full_blocks_refcounted():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    prefix = list(range(100, 112))  # 3 full blocks
+    a = _tokens_seq(prefix + [1, 2])
+    _admit_and_compute(sched, a)
+    assert bm.num_cached_blocks == 3
+    b = _tokens_seq(prefix + [3, 4, 5])
+    sched.add(b)
+    step = sched.schedule()
+    assert [(i.seq is b, i.num_new_tokens) for i in step if i.seq is b] == [(True, 3)]
+    assert b.num_computed_tokens == 12 and b.num_cached_tokens == 12
+    assert b.block_table[:3] == a.block_table[:3]
+    assert all(bm.ref_count(blk) == 2 for blk in a.block_table[:3])
+    assert bm.num_hit_tokens == 12
+    sched.finish(a, FinishReason.STOP)
+    assert all(bm.ref_count(blk) == 1 for blk in b.block_table[:3])
+    sched.finish(b, FinishReason.STOP)
+    assert bm.num_free_blocks == 16 and bm.num_cached_blocks >= 3
+
+
+def test_whole_prompt_hit_still_computes_one_token():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    tokens = list(range(50, 58))  # exactly 2 blocks
+    a = _tokens_seq(tokens)
+    _admit_and_compute(sched, a)
+    sched.finish(a, FinishReason.STOP)
+    b = _tokens_seq(tokens)
+    sched.add(b)
+    (item,) = sched.schedule()
+    assert b.num_cached_tokens == 4 and item.num_new_tokens == 4 and item.samples
+
+
+def test_cached_free_blocks_are_evicted_lru_when_pool_is_needed():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a = _tokens_seq(list(range(10, 19)))  # 2 full blocks cached + 1 partial
+    _admit_and_compute(sched, a)
+    sched.finish(a, FinishReason.STOP)
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2
+    big = _tokens_seq(list(range(200, 216)))  # needs the whole pool: evicts the cache
+    _admit_and_compute(sched, big)
+    assert len(big.block_table) == 4 and bm.num_free_blocks == 0
+    sched.finish(big, FinishReason.STOP)
+    again = _tokens_seq(list(range(10, 19)))
+    assert bm.match_prefix(again) == []
+
+
+def test_different_content_never_hits_and_disabled_cache_never_shares():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a = _tokens_seq(list(range(1, 10)))
+    _admit_and_compute(sched, a)
+    b = _tokens_seq(list(range(1, 10)))
+    assert bm.match_prefix(b) == []
+    bm2 = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    sched2 = Scheduler(bm2, max_num_seqs=8, max_num_batched_tokens=64)
+    _admit_and_compute(sched2, _tokens_seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert bm2.match_prefix(_tokens_seq([1, 2, 3, 5, 5, 6, 7, 8, 9])) == []
+    assert len(bm2.match_prefix(_tokens_seq([1, 2, 3, 4, 0, 0, 0, 0, 9]))) == 1

@@ -1,0 +1,234 @@
+"""The sampling surface through the engine's real step loop: penalties, min_new_tokens, logprobs,
+n > 1, prefix caching, stop_regex, custom logit processors — each checked against a reference
+built from the Hugging Face model's own logits and the kernels' torch references."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import kernels.reference as ref
+from backend.config import EngineConfig
+from backend.custom_logit_processor import CustomLogitProcessor
+from backend.engine import LLMEngine, RequestError
+
+
+@pytest.fixture(scope="module")
+def hf_model(demo_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(demo_model_path, dtype=torch.float32).eval()
+
+
+def make_engine(path, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 512)
+    return LLMEngine(EngineConfig(model_path=path, device="cpu", block_size=16, max_num_batched_tokens=256, **kw))
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_path):
+    eng = make_engine(demo_model_path)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _pool_free(request):
+    yield
+    if "engine" in request.fixturenames:
+        eng = request.getfixturevalue("engine")
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 4000) for _ in range(n)]
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt, max_new, *, freq=0.0, pres=0.0, rep=1.0, min_new=0, eos=()):
+    """Greedy decoding on HF logits with the kernels' torch references, full forward each step."""
+    ids = list(prompt)
+    out, lps = [], []
+    V = model.config.vocab_size
+    for _ in range(max_new):
+        logits = model(torch.tensor([ids])).logits[:, -1].float()
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V)[None].to(torch.int32) if out else torch.zeros(1, V, dtype=torch.int32)
+        pmask = torch.zeros(1, V, dtype=torch.bool)
+        pmask[0, prompt] = True
+        logits = ref.apply_penalties(logits, counts, pmask, torch.tensor([freq]), torch.tensor([pres]), torch.tensor([rep]))
+        if len(out) < min_new:
+            logits[0, list(eos)] = float("-inf")
+        tok = int(logits.argmax())
+        lps.append(torch.log_softmax(logits, -1)[0])
+        out.append(tok)
+        ids.append(tok)
+    return out, lps
+
+
+def test_penalties_and_min_new_tokens_match_reference(engine, hf_model):
+    cases = [
+        dict(frequency_penalty=1.5, presence_penalty=0.0, repetition_penalty=1.0),
+        dict(frequency_penalty=0.0, presence_penalty=1.2, repetition_penalty=1.3),
+        dict(frequency_penalty=-0.5, presence_penalty=0.5, repetition_penalty=0.8),
+    ]
+    prompts = [_prompt(20 + 7 * i, i) for i in range(len(cases))]
+    params = [engine.parse_params({"temperature": 0, "max_new_tokens": 12, "ignore_eos": True, **c}) for c in cases]
+    outs = engine.generate(prompts, params)  # one batch, each row with its own penalties
+    for prompt, c, out in zip(prompts, cases, outs):
+        want, _ = reference_greedy(hf_model, prompt, 12, freq=c["frequency_penalty"], pres=c["presence_penalty"], rep=c["repetition_penalty"])
+        assert out.new_token_ids == want, c
+
+    # min_new_tokens: EOS is masked until reached, then allowed again.
+    eos = sorted(engine.eos_ids)
+    prompt = _prompt(10, 9)
+    p = engine.parse_params({"temperature": 0, "max_new_tokens": 8, "min_new_tokens": 8, "repetition_penalty": 1.0,
+                             "custom_logit_processor": None})
+    (out,) = engine.generate([prompt], [p])
+    want, _ = reference_greedy(hf_model, prompt, 8, min_new=8, eos=eos)
+    assert out.new_token_ids == want and out.completion_tokens == 8
+
+
+def test_output_and_prompt_logprobs_match_hf(engine, hf_model):
+    prompt = _prompt(30, 3)
+    p = engine.parse_params({
+        "temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "repetition_penalty": 1.0,
+        "return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [5, 17], "logprob_start_len": 2,
+    })
+    (out,) = engine.generate([prompt], [p])
+    want, lps = reference_greedy(hf_model, prompt, 6)
+    assert out.new_token_ids == want
+    got = out.logprobs["output_token_logprobs"]
+    assert [t for _, t, _ in got] == want
+    for (lp, tok, _), ref_lp, top in zip(got, lps, out.logprobs["output_top_logprobs"]):
+        assert math.isclose(lp, float(ref_lp[tok]), abs_tol=1e-4)
+        ref_top = ref_lp.topk(3)
+        assert [t for _, t, _ in top] == ref_top.indices.tolist()
+    for entry, ref_lp in zip(out.logprobs["output_token_ids_logprob"], lps):
+        assert [(t, round(lp, 4)) for lp, t, _ in entry] == [(5, round(float(ref_lp[5]), 4)), (17, round(float(ref_lp[17]), 4))]
+    # Prompt logprobs from position 2: token t's logprob given tokens < t.
+    with torch.inference_mode():
+        full = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    inp = out.logprobs["input_token_logprobs"]
+    assert [t for _, t, _ in inp] == prompt[2:]
+    for (lp, tok, _), pos in zip(inp, range(2, len(prompt))):
+        assert math.isclose(lp, float(full[pos - 1, tok]), abs_tol=1e-4)
+
+
+def test_sampled_logprobs_are_after_temperature_and_text_can_be_returned(engine, hf_model):
+    prompt = _prompt(12, 4)
+    p = engine.parse_params({"temperature": 0.7, "seed": 11, "max_new_tokens": 5, "ignore_eos": True,
+                             "repetition_penalty": 1.0, "return_logprob": True, "return_text_in_logprobs": True})
+    (out,) = engine.generate([prompt], [p])
+    ids = prompt + out.new_token_ids
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    for i, (lp, tok, text) in enumerate(out.logprobs["output_token_logprobs"]):
+        ref_lp = torch.log_softmax(logits[len(prompt) - 1 + i] / 0.7, -1)[tok]
+        assert math.isclose(lp, float(ref_lp), abs_tol=1e-4)
+        assert text == engine.tokenizer.decode([tok], skip_special_tokens=False)
+
+
+def test_n_samples_share_prompt_blocks_and_are_reproducible(demo_model_path, hf_model):
+    eng = make_engine(demo_model_path)
+    try:
+        prompt = _prompt(70, 5)  # 4 full blocks of 16
+        p = eng.parse_params({"temperature": 1.0, "seed": 123, "n": 3, "max_new_tokens": 10, "ignore_eos": True})
+        outs = eng.generate([prompt], [p])
+        assert [o.index for o in outs] == [0, 1, 2]
+        assert len({tuple(o.new_token_ids) for o in outs}) > 1  # different samples
+        assert [o.cached_tokens for o in outs] == [0, 64, 64]  # siblings reuse the prompt's blocks
+        again = eng.generate([prompt], [p])
+        assert [o.new_token_ids for o in again] == [o.new_token_ids for o in outs]
+        # n greedy samples are all the greedy output.
+        g = eng.parse_params({"temperature": 0, "n": 2, "max_new_tokens": 8, "ignore_eos": True, "repetition_penalty": 1.0})
+        outs = eng.generate([prompt], [g])
+        want, _ = reference_greedy(hf_model, prompt, 8)
+        assert [o.new_token_ids for o in outs] == [want, want]
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
+def test_prefix_caching_gives_identical_outputs(demo_model_path):
+    shared = _prompt(100, 6)
+    prompts = [shared + _prompt(5 + i, 100 + i) for i in range(4)]
+    results = {}
+    for caching in (False, True):
+        eng = make_engine(demo_model_path, enable_prefix_caching=caching)
+        try:
+            p = eng.parse_params({"temperature": 0.8, "seed": 7, "max_new_tokens": 10, "ignore_eos": True})
+            first = eng.generate(prompts[:1], [p])
+            rest = eng.generate(prompts[1:], [p] * 3)
+            results[caching] = [o.new_token_ids for o in first + rest]
+            cached = [o.cached_tokens for o in first + rest]
+            if caching:
+                assert cached[0] == 0 and all(c == 96 for c in cached[1:])
+                stats = eng.stats()
+                assert stats.prefix_cache_hits == 3 * 96 and stats.prefix_cache_queries == sum(map(len, prompts))
+            else:
+                assert cached == [0, 0, 0, 0]
+            assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        finally:
+            eng.shutdown()
+    assert results[True] == results[False]
+
+
+def test_stop_regex_trims_and_streams_the_same(engine):
+    prompt = _prompt(15, 8)
+    base = engine.parse_params({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
+    (full,) = engine.generate([prompt], [base])
+    text = full.text
+    assert len(text) > 12
+    # A regex that first matches in the middle of the output, across tokens.
+    target = text[8:12]
+    pattern = "".join("\\" + c if not c.isalnum() else c for c in target)
+    p = engine.parse_params({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True, "stop_regex": [pattern]})
+    pieces = []
+    engine.start()
+    try:
+        done = __import__("threading").Event()
+
+        def on_out(out):
+            pieces.append(out)
+            if out.finished:
+                done.set()
+
+        engine.add_request(prompt, p, on_out)
+        assert done.wait(60)
+    finally:
+        engine.shutdown()
+    streamed = "".join(o.text for o in pieces)
+    final = pieces[-1]
+    assert final.finish_reason == "stop" and final.stop_reason == target
+    assert streamed == text[: text.index(target)]
+    with pytest.raises(Exception, match="stop_regex"):
+        engine.parse_params({"stop_regex": ["("]})
+
+
+class ForceToken(CustomLogitProcessor):
+    def __call__(self, logits, custom_param_list=None):
+        for i, params in enumerate(custom_param_list):
+            logits[i, :] = float("-inf")
+            logits[i, params["token_id"]] = 0.0
+        return logits
+
+
+def test_custom_logit_processor_needs_the_flag(demo_model_path, engine):
+    serialized = ForceToken.to_str()
+    with pytest.raises(RequestError, match="disabled"):
+        engine.add_request([1, 2, 3], engine.parse_params({"custom_logit_processor": serialized}), lambda o: None)
+    eng = make_engine(demo_model_path, enable_custom_logit_processor=True)
+    try:
+        p = eng.parse_params({"temperature": 0, "max_new_tokens": 5, "ignore_eos": True,
+                              "custom_logit_processor": serialized, "custom_params": {"token_id": 42}})
+        plain = eng.parse_params({"temperature": 0, "max_new_tokens": 5, "ignore_eos": True})
+        forced, free = eng.generate([[5, 6, 7], [5, 6, 7]], [p, plain])
+        assert forced.new_token_ids == [42] * 5 and free.new_token_ids != [42] * 5
+        with pytest.raises(RequestError, match="to_str"):
+            eng.add_request([1], eng.parse_params({"custom_logit_processor": "not json"}), lambda o: None)
+    finally:
+        eng.shutdown()
