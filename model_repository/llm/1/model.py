@@ -1,5 +1,7 @@
 """Triton adapter for the engine: tensors in, engine requests; engine outputs, responses out."""
 
+import bisect
+import itertools
 import json
 import os
 import sys
@@ -30,7 +32,7 @@ class _Responder:
     them), each when its sample finishes. The response that ends the last sample is final.
     """
 
-    def __init__(self, sender, params: SamplingParams, stream: bool, on_final=None) -> None:
+    def __init__(self, sender, params: SamplingParams, stream: bool, on_final=None, metrics=None) -> None:
         self.sender = sender
         self.params = params
         self.stream = stream
@@ -38,10 +40,14 @@ class _Responder:
         self.on_final = on_final
         self.remaining = params.n
         self.failed = False
+        # Latency and finish-reason bookkeeping (arrival = now, inside execute).
+        self.timing = metrics.request_timing(params.n) if metrics is not None else None
 
     def __call__(self, out: RequestOutput) -> None:
         if self.failed:
             return
+        if self.timing is not None:
+            self.timing.on_output(out)
         if out.error is not None:
             # One failed sample fails the request: the client gets the reason, once.
             self.failed = True
@@ -106,7 +112,7 @@ class TritonPythonModel:
                 prompt_ids, raw, stream = parse_llm_inputs(arrays)
                 params = self.engine.parse_params(raw)
                 triton_id = request.request_id() or ""
-                responder = _Responder(sender, params, stream)
+                responder = _Responder(sender, params, stream, metrics=self._metrics)
                 engine_id = self.engine.add_request(
                     prompt_ids, params, responder, is_cancelled=sender.is_cancelled
                 )
@@ -153,47 +159,205 @@ class TritonPythonModel:
         self.engine.shutdown()
 
 
+# Latency histogram bounds in seconds (vLLM's, so dashboards carry over), `+Inf` added.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class _Histogram:
+    """A histogram counted in this process and published as Prometheus histogram series.
+
+    Triton 2.51's pb_utils has MetricFamily.HISTOGRAM, but every observe() is a round trip to
+    the server process (about 40 us measured on CPU): once per generated token that would tax
+    the engine thread in proportion to throughput. So observations only bump local counts (no
+    IPC), and `flush` (run with the throttled gauge updates) sends the changes as counters
+    `<name>_bucket{le=...}` (cumulative, `+Inf` = count), `<name>_sum`, `<name>_count`: the
+    series of a Prometheus histogram, so `histogram_quantile()` works on them; only the
+    `# TYPE` lines say counter.
+    """
+
+    def __init__(self, metrics: "_Metrics", name: str, description: str, bounds: tuple) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is > max bound
+        self.sum = 0.0
+        bucket = metrics._family(f"{name}_bucket", f"{description}: observations <= le (cumulative)", counter=True)
+        self._buckets = [bucket.Metric(labels={"le": format(b, "g")}) for b in bounds]
+        self._buckets.append(bucket.Metric(labels={"le": "+Inf"}))
+        self._sum = metrics._family(f"{name}_sum", f"{description}: sum of observations", counter=True).Metric(labels={})
+        self._count = metrics._family(f"{name}_count", f"{description}: number of observations", counter=True).Metric(
+            labels={}
+        )
+        self._sent_cumulative = [0] * len(self._buckets)
+        self._sent_count = 0
+        self._sent_sum = 0.0
+
+    def observe(self, value: float, weight: int = 1) -> None:
+        """Count `weight` observations of `value` (caller holds the metrics lock)."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += weight  # le: value <= bound
+        self.sum += value * weight
+
+    def snapshot(self) -> tuple[list[int], float]:
+        return list(itertools.accumulate(self.counts)), self.sum
+
+    def flush(self, cumulative: list[int], total: float) -> None:
+        for i, value in enumerate(cumulative):
+            if value != self._sent_cumulative[i]:
+                self._buckets[i].increment(value - self._sent_cumulative[i])
+                self._sent_cumulative[i] = value
+        if cumulative[-1] != self._sent_count:
+            self._count.increment(cumulative[-1] - self._sent_count)
+            self._sent_count = cumulative[-1]
+        if total != self._sent_sum:
+            self._sum.increment(total - self._sent_sum)
+            self._sent_sum = total
+
+
+class _RequestTiming:
+    """One request's clock: arrival (in execute), first token, each later token, the end.
+
+    Called by _Responder with every engine output, before anything is sent, on the engine thread.
+    TTFT is arrival to the first output carrying tokens; inter-token latency is the gap between
+    a sample's outputs divided over the tokens the later one carries (observed once per token);
+    end-to-end is arrival to the output that ends the request, whose finish reason is counted
+    (`error` when the engine failed it, `abort` when any sample was aborted).
+    """
+
+    __slots__ = ("metrics", "arrival", "first_token", "last_token", "remaining", "reason", "done")
+
+    def __init__(self, metrics: "_Metrics", n: int) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: dict[int, float] = {}
+        self.remaining = n
+        self.reason: str | None = None
+        self.done = False
+
+    def on_output(self, out: RequestOutput) -> None:
+        if self.done:
+            return
+        now = time.monotonic()
+        m = self.metrics
+        with m._lock:
+            k = len(out.new_token_ids)
+            if k:
+                prev = self.last_token.get(out.index)
+                if self.first_token is None:
+                    self.first_token = now
+                    m.ttft.observe(now - self.arrival)
+                elif prev is not None:
+                    m.itl.observe((now - prev) / k, k)
+                self.last_token[out.index] = now
+            if out.error is not None:
+                self.reason, self.remaining = "error", 0
+            elif out.finished:
+                self.remaining -= 1
+                if self.reason != "abort":
+                    self.reason = out.finish_reason or "abort"
+            if self.remaining <= 0:
+                self.done = True
+                m.e2e.observe(now - self.arrival)
+                m.finished[self.reason] = m.finished.get(self.reason, 0) + 1
+
+
 class _Metrics:
+    """The llm model's Prometheus metrics, through Triton's custom-metrics API.
+
+    Engine counters and gauges come from EngineStats (`update`, throttled by the caller);
+    latencies and finish reasons from each request's _RequestTiming. Every metric operation is
+    an IPC to the server process, so `update` sends only what changed since the last call.
+    """
+
     def __init__(self) -> None:
-        gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the local counts (responders and update)
+        self._flush_lock = threading.Lock()  # one flusher at a time (what was sent)
         # The families must outlive their metrics: a collected MetricFamily unregisters itself.
         self._families: list = []
         self._gauges = {
-            name: self._metric(name, desc, gauge)
+            name: self._family(name, desc).Metric(labels={})
             for name, desc in {
                 "num_requests_running": "Sequences in the running batch",
                 "num_requests_waiting": "Sequences waiting to be scheduled",
                 "kv_blocks_total": "KV cache blocks in the pool",
                 "kv_blocks_used": "KV cache blocks held by sequences",
+                "kv_blocks_cached": "KV cache blocks holding reusable prefix-cache content",
+                "prefix_cache_hit_rate": "Prompt tokens found in the prefix cache / prompt tokens looked up (lifetime)",
             }.items()
         }
         self._counters = {
-            name: self._metric(name, desc, counter)
+            name: self._family(name, desc, counter=True).Metric(labels={})
             for name, desc in {
                 "num_preemptions_total": "Sequences preempted for lack of KV blocks",
                 "prompt_tokens_total": "Prompt tokens prefilled",
                 "generation_tokens_total": "Tokens generated",
+                "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache",
+                "prefix_cache_hits_total": "Prompt tokens found in the prefix cache",
             }.items()
         }
-        self._seen = {name: 0 for name in self._counters}
+        self._sent_gauges: dict[str, float] = {}
+        self._sent_counters = {name: 0 for name in self._counters}
+        self.ttft = _Histogram(self, "time_to_first_token_seconds", "Time from arrival to the first token", _TTFT_BUCKETS)
+        self.itl = _Histogram(self, "inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
+        self.e2e = _Histogram(self, "e2e_request_latency_seconds", "Time from arrival to the last response", _E2E_BUCKETS)
+        self._finished_family = self._family("request_finished_total", "Requests finished, by finish reason", counter=True)
+        self._finished_metrics = {r: self._finished_family.Metric(labels={"finish_reason": r}) for r in FINISH_REASONS}
+        self.finished: dict[str, int] = {r: 0 for r in FINISH_REASONS}
+        self._sent_finished: dict[str, int] = dict(self.finished)
 
-    def _metric(self, name: str, description: str, kind):
+    def _family(self, name: str, description: str, counter: bool = False):
+        kind = pb_utils.MetricFamily.COUNTER if counter else pb_utils.MetricFamily.GAUGE
         family = pb_utils.MetricFamily(name=f"llm_{name}", description=description, kind=kind)
         self._families.append(family)
-        return family.Metric(labels={})
+        return family
+
+    def request_timing(self, n: int) -> _RequestTiming:
+        return _RequestTiming(self, n)
 
     def update(self, s: EngineStats) -> None:
-        with self._lock:
-            self._gauges["num_requests_running"].set(s.num_running)
-            self._gauges["num_requests_waiting"].set(s.num_waiting)
-            self._gauges["kv_blocks_total"].set(s.num_kv_blocks)
-            self._gauges["kv_blocks_used"].set(s.num_kv_blocks - s.num_free_kv_blocks)
-            for name, value in (
-                ("num_preemptions_total", s.num_preemptions),
-                ("prompt_tokens_total", s.prompt_tokens_total),
-                ("generation_tokens_total", s.generation_tokens_total),
-            ):
-                if value > self._seen[name]:
-                    self._counters[name].increment(value - self._seen[name])
-                    self._seen[name] = value
+        queries = getattr(s, "prefix_cache_queries", 0)
+        hits = getattr(s, "prefix_cache_hits", 0)
+        gauges = {
+            "num_requests_running": s.num_running,
+            "num_requests_waiting": s.num_waiting,
+            "kv_blocks_total": s.num_kv_blocks,
+            "kv_blocks_used": s.num_kv_blocks - s.num_free_kv_blocks,
+            "kv_blocks_cached": getattr(s, "num_cached_kv_blocks", 0),
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        }
+        counters = {
+            "num_preemptions_total": s.num_preemptions,
+            "prompt_tokens_total": s.prompt_tokens_total,
+            "generation_tokens_total": s.generation_tokens_total,
+            "prefix_cache_queries_total": queries,
+            "prefix_cache_hits_total": hits,
+        }
+        with self._flush_lock:
+            with self._lock:
+                histograms = [(h, h.snapshot()) for h in (self.ttft, self.itl, self.e2e)]
+                finished = dict(self.finished)
+            for name, value in gauges.items():
+                if self._sent_gauges.get(name) != value:
+                    self._gauges[name].set(value)
+                    self._sent_gauges[name] = value
+            for name, value in counters.items():
+                if value > self._sent_counters[name]:
+                    self._counters[name].increment(value - self._sent_counters[name])
+                    self._sent_counters[name] = value
+            # Histograms before finish counts: a scraper that sees a request finished sees its latencies.
+            for histogram, (cumulative, total) in histograms:
+                histogram.flush(cumulative, total)
+            for reason, value in finished.items():
+                sent = self._sent_finished.get(reason, 0)
+                if value > sent:
+                    metric = self._finished_metrics.get(reason)
+                    if metric is None:  # a finish reason this file does not know yet
+                        metric = self._finished_metrics[reason] = self._finished_family.Metric(
+                            labels={"finish_reason": reason}
+                        )
+                    metric.increment(value - sent)
+                    self._sent_finished[reason] = value
