@@ -141,11 +141,13 @@ def top_k_top_p_min_p(
 # sampling
 # ---------------------------------------------------------------------------------------------
 def _umul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit halves of a * b for a 32-bit constant a and int64 tensor b in [0, 2**32)."""
-    t1 = a * (b & 0xFFFF)  # < 2**48
-    t2 = a * (b >> 16)  # < 2**48
-    mid = t1 + ((t2 & 0xFFFF) << 16)  # < 2**49
-    return (t2 >> 16) + (mid >> 32), mid & _M32
+    """(hi, lo) 32-bit halves of a * b for a 32-bit constant a and int64 tensor b in [0, 2**32).
+
+    The product is < 2**64: as int64 it wraps to the same 64 bits, so an arithmetic shift and a
+    mask recover the high word exactly (one multiply instead of four).
+    """
+    p = b * a
+    return (p >> 32) & _M32, p & _M32
 
 
 def philox4x32_10(c0, c1, c2, c3, k0, k1):
@@ -199,9 +201,12 @@ def sample(
     """Gumbel-max draw from softmax(logits) per row (logits already temperature-scaled and
     filtered); greedy rows take argmax. Lowest index wins ties. Returns int64 [B]."""
     x = logits.to(torch.float32)
-    g = gumbel_noise(seeds, offsets, x.shape[1])
-    score = torch.where(greedy_mask.to(torch.bool)[:, None], x, x + g)
-    return score.argmax(dim=1)
+    out = x.argmax(dim=1)
+    drawn = (~greedy_mask.to(torch.bool)).nonzero().flatten()
+    if drawn.numel():  # noise only for the rows that draw: greedy rows are common and cheap
+        g = gumbel_noise(seeds[drawn], offsets[drawn], x.shape[1])
+        out[drawn] = (x[drawn] + g).argmax(dim=1)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import random
 import threading
 import time
 
 import pytest
+
+# LLM_TEST_DEVICE=cuda runs the same checks on a GPU (the reference stays on the CPU).
+TEST_DEVICE = os.environ.get("LLM_TEST_DEVICE", "cpu")
 import torch
 
 from backend.config import EngineConfig
@@ -42,7 +47,7 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 
 
 def make_engine(path, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=path, device="cpu", **kw))
+    return LLMEngine(EngineConfig(model_path=path, device=TEST_DEVICE, dtype="float32", **kw))
 
 
 @pytest.fixture

@@ -4,10 +4,15 @@ built from the Hugging Face model's own logits and the kernels' torch references
 
 from __future__ import annotations
 
+import os
+
 import math
 import random
 
 import pytest
+
+# LLM_TEST_DEVICE=cuda runs the same checks on a GPU (the reference stays on the CPU).
+TEST_DEVICE = os.environ.get("LLM_TEST_DEVICE", "cpu")
 import torch
 
 import kernels.reference as ref
@@ -25,7 +30,7 @@ def hf_model(demo_model_path):
 
 def make_engine(path, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 512)
-    return LLMEngine(EngineConfig(model_path=path, device="cpu", block_size=16, max_num_batched_tokens=256, **kw))
+    return LLMEngine(EngineConfig(model_path=path, device=TEST_DEVICE, dtype="float32", block_size=16, max_num_batched_tokens=256, **kw))
 
 
 @pytest.fixture(scope="module")
