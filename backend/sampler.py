@@ -93,13 +93,7 @@ class Sampler:
         logits = logits.float().contiguous()
         pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if pen:
-            counts = torch.zeros((len(pen), V), dtype=torch.int32)
-            prompt_mask = torch.zeros((len(pen), V), dtype=torch.bool)
-            for j, i in enumerate(pen):
-                if rows[i].output_ids:
-                    out_ids = torch.as_tensor(list(rows[i].output_ids), dtype=torch.long)
-                    counts[j] = torch.bincount(out_ids, minlength=V)[:V].to(torch.int32)
-                prompt_mask[j, torch.as_tensor(list(rows[i].prompt_ids), dtype=torch.long)] = True
+            counts, prompt_mask = _token_stats([rows[i] for i in pen], V)
             p = [rows[i].params for i in pen]
             logits[pen] = kernels.apply_penalties(
                 logits[pen],
@@ -156,6 +150,24 @@ class Sampler:
                 p = rows[i].params
                 lps[i] = logprobs_at(logprobs[j : j + 1], [tokens[i]], p.top_logprobs_num, p.token_ids_logprob)[0]
         return SamplerOutput(tokens, lps)
+
+
+def _token_stats(rows: list[SamplingRow], V: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row output-token counts [R, V] and prompt-token presence [R, V], by two scatters over
+    padded id matrices (index V is a scratch column), not a Python loop of tensor ops."""
+    R = len(rows)
+    width_out = max(1, max(len(r.output_ids) for r in rows))
+    width_prompt = max(1, max(len(r.prompt_ids) for r in rows))
+    out_ids = torch.full((R, width_out), V, dtype=torch.long)
+    prompt_ids = torch.full((R, width_prompt), V, dtype=torch.long)
+    for j, r in enumerate(rows):
+        if r.output_ids:
+            out_ids[j, : len(r.output_ids)] = torch.as_tensor(list(r.output_ids))
+        if r.prompt_ids:
+            prompt_ids[j, : len(r.prompt_ids)] = torch.as_tensor(list(r.prompt_ids))
+    counts = torch.zeros((R, V + 1), dtype=torch.int32).scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
+    present = torch.zeros((R, V + 1), dtype=torch.bool).scatter_(1, prompt_ids, True)
+    return counts[:, :V], present[:, :V]
 
 
 def _apply_custom(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> torch.Tensor:
