@@ -103,17 +103,48 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @dataclass
+class AttentionGroup:
+    """Sequences of a step whose attention runs as one padded batch.
+
+    A step mixes one-token decodes with long prefill chunks, and contexts of 16 and 4000
+    tokens: padding all of them to the largest query and the longest context would multiply
+    the attention work. Sequences are grouped by query length class and context length, and
+    each group pads only to its own maxima.
+    """
+
+    token_index: torch.Tensor  # [Tg] packed indices of the group's new tokens
+    query_slots: torch.Tensor  # [Tg] flat index row * max_q + i into the group's padded queries
+    gather_slots: torch.Tensor  # [n, max_k] cache slots of each sequence's context
+    mask: torch.Tensor  # [n, 1, max_q, max_k] key visible to query
+    num_seqs: int
+    max_q: int
+
+
+@dataclass
 class BatchInput:
     """A step's ragged batch, already laid out as tensors."""
 
     input_ids: torch.Tensor  # [T] packed new tokens
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] (padded with 0)
-    query_index: torch.Tensor  # [T] flat index b * max_q + i into the padded query layout
-    query_positions: torch.Tensor  # [B, max_q] position of each padded query (-1 for padding)
-    max_q: int
+    groups: list[AttentionGroup]
     logits_index: torch.Tensor  # [S] packed index of each token whose logits are needed
+
+
+def _split_groups(q_lens: list[int], num_blocks: list[int]) -> list[list[int]]:
+    """Sequence indices grouped so that padding stays within about 2x of the real work."""
+    order = sorted(range(len(q_lens)), key=lambda i: (q_lens[i] > 1, num_blocks[i], q_lens[i]))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            g = groups[-1]
+            first = g[0]
+            same_kind = (q_lens[first] > 1) == (q_lens[i] > 1)
+            if same_kind and num_blocks[i] <= 2 * num_blocks[first] and q_lens[i] <= 2 * max(q_lens[first], 1):
+                g.append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 class ModelRunner:
@@ -138,6 +169,7 @@ class ModelRunner:
         self.k_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
         self.inv_freq = _rope_inv_freq(c).to(self.device)
+        self.attn_scale = c.head_dim**-0.5
 
     # ---------------------------------------------------------------- weights
     def _load_weights(self, path: Path) -> None:
@@ -190,39 +222,61 @@ class ModelRunner:
         forward pass returns logits for these rows, in chunk order.
         """
         bs = self.block_size
-        max_q = max(len(ids) for ids, _, _, _ in chunks)
-        max_blocks = max(len(table) for _, _, table, _ in chunks)
+        dev = self.device
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_index: list[int] = []
         logits_index: list[int] = []
-        tables = torch.zeros((len(chunks), max_blocks), dtype=torch.long)
-        qpos = torch.full((len(chunks), max_q), -1, dtype=torch.long)
-        for b, (ids, start, table, rows) in enumerate(chunks):
+        bases: list[int] = []
+        for ids, start, table, rows in chunks:
             n = len(ids)
             base = len(input_ids)
+            bases.append(base)
             pos = range(start, start + n)
             input_ids.extend(ids)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            query_index.extend(range(b * max_q, b * max_q + n))
-            tables[b, : len(table)] = torch.tensor(table, dtype=torch.long)
-            qpos[b, :n] = torch.arange(start, start + n)
             if rows is True:
                 logits_index.append(base + n - 1)
             elif rows:
                 logits_index.extend(base + r for r in rows)
-        dev = self.device
+
+        groups = []
+        q_lens = [len(c[0]) for c in chunks]
+        for members in _split_groups(q_lens, [len(c[2]) for c in chunks]):
+            max_q = max(q_lens[i] for i in members)
+            max_blocks = max(len(chunks[i][2]) for i in members)
+            max_k = max_blocks * bs
+            tables = torch.zeros((len(members), max_blocks), dtype=torch.long)
+            qpos = torch.zeros((len(members), max_q), dtype=torch.long)
+            token_index: list[int] = []
+            query_slots: list[int] = []
+            for row, i in enumerate(members):
+                ids, start, table, _ = chunks[i]
+                n = len(ids)
+                tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+                # Padding queries see key 0 only, so their (discarded) rows stay finite.
+                qpos[row, :n] = torch.arange(start, start + n)
+                token_index.extend(range(bases[i], bases[i] + n))
+                query_slots.extend(range(row * max_q, row * max_q + n))
+            gather = (tables[:, :, None] * bs + torch.arange(bs)[None, None, :]).reshape(len(members), max_k)
+            mask = (torch.arange(max_k)[None, None, :] <= qpos[:, :, None])[:, None]
+            groups.append(
+                AttentionGroup(
+                    token_index=torch.tensor(token_index, dtype=torch.long).to(dev),
+                    query_slots=torch.tensor(query_slots, dtype=torch.long).to(dev),
+                    gather_slots=gather.to(dev),
+                    mask=mask.to(dev),
+                    num_seqs=len(members),
+                    max_q=max_q,
+                )
+            )
         return BatchInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=tables.to(dev),
-            query_index=torch.tensor(query_index, dtype=torch.long, device=dev),
-            query_positions=qpos.to(dev),
-            max_q=max_q,
-            logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev),
+            positions=torch.tensor(positions, dtype=torch.long).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev),
+            groups=groups,
+            logits_index=torch.tensor(logits_index, dtype=torch.long).to(dev),
         )
 
     # ---------------------------------------------------------------- forward
@@ -230,20 +284,10 @@ class ModelRunner:
     def forward(self, batch: BatchInput) -> torch.Tensor:
         """Runs the step, writes the new K/V into the cache, returns float32 logits [S, vocab]."""
         c = self.config
-        num_seqs = batch.block_tables.shape[0]
-        max_k = batch.block_tables.shape[1] * self.block_size
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(self.dtype)[:, None, :]
         sin = emb.sin().to(self.dtype)[:, None, :]
-        # Key j of sequence b is visible to query i iff j <= position(i). Padding queries see key 0
-        # only, so their (discarded) rows stay finite.
-        key_pos = torch.arange(max_k, device=self.device)
-        qpos = batch.query_positions.clamp(min=0)
-        mask = (key_pos[None, None, :] <= qpos[:, :, None])[:, None]  # [B, 1, max_q, max_k]
-        flat_blocks = batch.block_tables.reshape(-1)
-        slot_base = torch.arange(self.block_size, device=self.device)
-        gather_slots = (flat_blocks[:, None] * self.block_size + slot_base[None, :]).reshape(num_seqs, max_k)
 
         h = self.embed[batch.input_ids]
         q_size = c.num_heads * c.head_dim
@@ -262,18 +306,40 @@ class ModelRunner:
             k = _rotate(k, cos, sin)
             self.k_cache[li].index_copy_(0, batch.slot_mapping, k)
             self.v_cache[li].index_copy_(0, batch.slot_mapping, v)
-            keys = self.k_cache[li][gather_slots]  # [B, max_k, kvh, d]
-            values = self.v_cache[li][gather_slots]
-            qp = q.new_zeros((num_seqs * batch.max_q, c.num_heads, c.head_dim))
-            qp.index_copy_(0, batch.query_index, q)
-            qp = qp.view(num_seqs, batch.max_q, c.num_heads, c.head_dim).transpose(1, 2)
-            attn = F.scaled_dot_product_attention(
-                qp, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
-            )
-            attn = attn.transpose(1, 2).reshape(num_seqs * batch.max_q, q_size)[batch.query_index]
+            attn = q.new_empty((q.shape[0], q_size))
+            for g in batch.groups:
+                keys = self.k_cache[li][g.gather_slots]  # [n, max_k, kvh, d]
+                values = self.v_cache[li][g.gather_slots]
+                qp = q.new_zeros((g.num_seqs * g.max_q, c.num_heads, c.head_dim))
+                qp.index_copy_(0, g.query_slots, q[g.token_index])
+                out = self._attention(qp.view(g.num_seqs, g.max_q, c.num_heads, c.head_dim), keys, values, g.mask)
+                attn[g.token_index] = out.reshape(g.num_seqs * g.max_q, q_size)[g.query_slots]
             h = h + F.linear(attn, layer["o"])
             x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
             gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer["down"])
         h = _rms_norm(h[batch.logits_index], self.final_norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, max_q, H, d], keys/values [B, max_k, kvh, d], mask [B, 1, max_q, max_k] -> [B, max_q, H, d].
+
+        GQA without repeating K/V: the g query heads sharing a KV head are folded into the
+        query length, so each KV head is read once. On CPU an explicit matmul-softmax beats
+        SDPA's masked fallback several times over for these shapes; on CUDA SDPA's fused
+        kernels win.
+        """
+        c = self.config
+        B, max_q = q.shape[0], q.shape[1]
+        g = c.num_heads // c.num_kv_heads
+        qg = q.permute(0, 2, 1, 3).reshape(B, c.num_kv_heads, g * max_q, c.head_dim)
+        k = keys.transpose(1, 2)
+        v = values.transpose(1, 2)
+        m = mask[:, :, None].expand(B, 1, g, max_q, mask.shape[-1]).reshape(B, 1, g * max_q, mask.shape[-1])
+        if q.is_cuda:
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=self.attn_scale)
+        else:
+            scores = torch.matmul(qg, k.transpose(-1, -2)) * self.attn_scale
+            scores = scores.masked_fill_(~m, float("-inf")).softmax(dim=-1)
+            out = torch.matmul(scores.to(v.dtype), v)
+        return out.view(B, c.num_kv_heads, g, max_q, c.head_dim).permute(0, 3, 1, 2, 4).reshape(B, max_q, c.num_heads, c.head_dim)
