@@ -27,9 +27,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="local HF model directory: token texts for logprobs, max_model_len for /v1/models")
     p.add_argument("--max-n", type=int, default=64, help="largest n accepted")
     p.add_argument("--stream-timeout", type=float, default=None, help="seconds one generation may take")
-    p.add_argument("--abort-model", default=None,
-                   help="after a client disconnect, send `abort_request_id` to this Triton model (e.g. llm): "
-                        "Triton does not cancel an ensemble's in-flight decoupled step")
+    p.add_argument("--abort-model", default="llm",
+                   help="after a client disconnect, send `abort_request_id` to this Triton model (default llm; "
+                        "'none' disables): Triton 2.51 does not cancel an ensemble's in-flight decoupled step")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body (else 413)")
+    p.add_argument("--max-stop-strings", type=int, default=64, help="most stop strings per request")
+    p.add_argument("--enable-custom-logit-processor", action="store_true",
+                   help="accept SGLang custom_logit_processor (client code run by the engine; the engine "
+                        "must allow it too: LLM_ENABLE_CUSTOM_LOGIT_PROCESSOR=1). Off: such requests get 400")
+    p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503 responses")
+    p.add_argument("--graceful-shutdown-timeout", type=float, default=None,
+                   help="on SIGTERM/SIGINT, stop accepting and let in-flight requests and streams finish, "
+                        "for at most this many seconds (default: no limit)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes (each with its own gRPC channel) sharing the port")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -47,7 +56,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         tokenizer_path=args.tokenizer_path,
         max_n=args.max_n,
         stream_timeout=args.stream_timeout,
-        abort_model=args.abort_model,
+        abort_model=None if (args.abort_model or "none").lower() == "none" else args.abort_model,
+        max_body_bytes=args.max_body_bytes,
+        max_stop_strings=args.max_stop_strings,
+        enable_custom_logit_processor=args.enable_custom_logit_processor,
+        retry_after_s=args.retry_after,
     )
 
 
@@ -72,6 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         port=args.port,
         log_level=args.log_level,
         access_log=args.access_log,
+        timeout_graceful_shutdown=args.graceful_shutdown_timeout,
         # uvicorn's C HTTP parser and event loop, when installed, cut the per-chunk cost of
         # streaming by about a quarter
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",

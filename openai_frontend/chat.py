@@ -19,7 +19,7 @@ from openai_frontend.engine_types import EngineRequest, TokenLogprob
 from openai_frontend.errors import APIError, bad_request, unsupported
 from openai_frontend.logprobs import TokenNamer, chat_logprobs
 from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
-from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported, per_choice_params
+from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported
 from openai_frontend.streams import DONE_EVENT, StartedStream, iterate_choices, sse_response, start_stream
 from openai_frontend.tools import ToolCallStreamer, ToolPlan, get_parser, new_call_id, parse_complete, plan_tools
 
@@ -82,7 +82,7 @@ class ChatHandler:
     async def __call__(self, req: ChatCompletionRequest, request_id: str) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
-        check_unsupported(req, max_n=ctx.settings.max_n)
+        check_unsupported(req, ctx.settings)
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser)
@@ -99,14 +99,15 @@ class ChatHandler:
         messages = normalize_messages(req.messages)
         requests = [
             EngineRequest(
-                sampling_params=params,
+                sampling_params=sp,
                 messages=messages,
                 tools=plan.template_tools,
                 chat_template_kwargs=req.chat_template_kwargs,
                 add_generation_prompt=None if req.add_generation_prompt else False,
-                request_id=request_id if req.n == 1 else f"{request_id}-{i}",
+                request_id=request_id,
+                n=req.n,
+                stream=req.stream,
             )
-            for i, params in enumerate(per_choice_params(sp, req.n))
         ]
         completion_id = f"chatcmpl-{request_id}"
         created = int(time.time())
@@ -114,7 +115,7 @@ class ChatHandler:
         if req.stream:
             stream = await start_stream(ctx.client, requests)
             body = self._stream(stream, req, plan, model, completion_id, created, namer)
-            return sse_response(body)
+            return sse_response(body, hooks=ctx.stream_hooks)
         return await self._complete(requests, req, plan, model, completion_id, created, namer)
 
     # -- non-streaming ---------------------------------------------------------------------
@@ -123,12 +124,15 @@ class ChatHandler:
         self, requests: list[EngineRequest], req: ChatCompletionRequest, plan: ToolPlan,
         model: str, completion_id: str, created: int, namer: Optional[TokenNamer],
     ) -> Response:
-        choices = [_Choice(None) for _ in requests]
+        choices = [_Choice(None) for _ in range(req.n)]
         prompt_tokens = 0
+        cached: Optional[int] = None
         it = iterate_choices(self.ctx.client, requests)
         try:
             async for i, chunk in it:
                 c = choices[i]
+                if cached is None:
+                    cached = chunk.cached_tokens
                 if chunk.text:
                     c.texts.append(chunk.text)
                 if namer is not None:
@@ -167,7 +171,7 @@ class ChatHandler:
             "created": created,
             "model": model,
             "choices": out,
-            "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices)),
+            "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices), cached),
         }
         return json_response(body)
 
@@ -187,6 +191,7 @@ class ChatHandler:
             for _ in range(n)
         ]
         prompt_tokens = 0
+        cached: Optional[int] = None
 
         def event(i: int, delta: str, finish: Optional[str] = None, logprobs: str = "null") -> str:
             f = "null" if finish is None else f'"{finish}"'
@@ -201,6 +206,8 @@ class ChatHandler:
                 c = choices[i]
                 c.completion_tokens = chunk.completion_tokens
                 prompt_tokens = chunk.prompt_tokens or prompt_tokens
+                if include_usage and cached is None:
+                    cached = chunk.cached_tokens
                 text = chunk.text
                 parts: list[str] = []
                 deltas: list[dict[str, Any]] = []
@@ -233,7 +240,7 @@ class ChatHandler:
                 total = sum(c.completion_tokens for c in choices)
                 yield (
                     f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},'
-                    f'"model":{dumps(model)},"choices":[],"usage":{dumps(usage(prompt_tokens, total))}}}\n\n'
+                    f'"model":{dumps(model)},"choices":[],"usage":{dumps(usage(prompt_tokens, total, cached))}}}\n\n'
                 ).encode()
         except APIError as exc:
             yield error_event(exc)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from starlette.responses import Response
 
 from openai_frontend.engine_types import EngineClient
 from openai_frontend.errors import APIError, model_not_found
+from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.settings import Settings
 from openai_frontend.tokenizer import ModelFiles
 
@@ -25,12 +26,15 @@ def error_event(exc: APIError) -> bytes:
     return b"data: " + dumps(exc.body()).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:  # the engine reports prefix-cache hits
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 @dataclass
@@ -40,6 +44,11 @@ class Context:
     settings: Settings
     client: EngineClient
     files: ModelFiles
+    metrics: FrontendMetrics = field(default_factory=FrontendMetrics)
+
+    @property
+    def stream_hooks(self) -> tuple:
+        return self.metrics.stream_hooks
 
     @property
     def model_name(self) -> str:

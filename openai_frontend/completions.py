@@ -1,7 +1,7 @@
 """POST /v1/completions: OpenAI (legacy) completions on the ensemble.
 
-A prompt is text or token ids, or a batch of either; each prompt gets n choices, indexed
-prompt * n + i, each its own engine stream.
+A prompt is text or token ids, or a batch of either; each prompt is one engine stream carrying
+its n choices, indexed prompt * n + i.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from openai_frontend.engine_types import EngineRequest
 from openai_frontend.errors import APIError, bad_request
 from openai_frontend.logprobs import CompletionLogprobs, TokenNamer
 from openai_frontend.protocol import CompletionRequest
-from openai_frontend.sampling import build_sampling_params, check_unsupported, per_choice_params
+from openai_frontend.sampling import build_sampling_params, check_unsupported
 from openai_frontend.streams import DONE_EVENT, StartedStream, iterate_choices, sse_response, start_stream
 
 Prompt = Union[str, list[int]]
@@ -41,6 +41,12 @@ def split_prompts(prompt: Any) -> list[Prompt]:
     raise bad_request("prompt must not mix strings and token ids", param="prompt")
 
 
+def _cached(values: list[Optional[int]]) -> Optional[int]:
+    """Cached prompt tokens over the prompts, None when the engine reports none."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
 class CompletionHandler:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -56,43 +62,47 @@ class CompletionHandler:
     async def __call__(self, req: CompletionRequest, request_id: str) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
-        check_unsupported(req, max_n=ctx.settings.max_n)
+        check_unsupported(req, ctx.settings)
         prompts = split_prompts(req.prompt)
         if len(prompts) * req.n > ctx.settings.max_n * 4:
             raise bad_request(f"too many choices: {len(prompts)} prompts x n={req.n}", param="prompt")
         sp = build_sampling_params(req)
-        per_choice = per_choice_params(sp, req.n)
         requests = []
         for p, prompt in enumerate(prompts):
-            for i, params in enumerate(per_choice):
-                rid = request_id if len(prompts) * req.n == 1 else f"{request_id}-{p * req.n + i}"
-                if isinstance(prompt, str):
-                    requests.append(EngineRequest(sampling_params=params, text_input=prompt, request_id=rid))
-                else:
-                    requests.append(EngineRequest(sampling_params=params, input_ids=list(prompt), request_id=rid))
-        echoes = [self._echo_text(prompts[k // req.n]) for k in range(len(requests))] if req.echo else None
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+            common = dict(sampling_params=sp, request_id=rid, n=req.n, stream=req.stream)
+            if isinstance(prompt, str):
+                requests.append(EngineRequest(text_input=prompt, **common))
+            else:
+                requests.append(EngineRequest(input_ids=list(prompt), **common))
+        k = len(prompts) * req.n
+        echoes = [self._echo_text(prompts[j // req.n]) for j in range(k)] if req.echo else None
         completion_id = f"cmpl-{request_id}"
         created = int(time.time())
         namer = TokenNamer(ctx.files, bool(req.return_tokens_as_token_ids)) if req.logprobs is not None else None
         if req.stream:
             stream = await start_stream(ctx.client, requests)
-            return sse_response(self._stream(stream, req, len(requests), echoes, model, completion_id, created, namer))
+            body = self._stream(stream, req, k, echoes, model, completion_id, created, namer)
+            return sse_response(body, hooks=ctx.stream_hooks)
         return await self._complete(requests, req.n, echoes, model, completion_id, created, namer)
 
     async def _complete(
         self, requests: list[EngineRequest], n: int, echoes: Optional[list[str]], model: str,
         completion_id: str, created: int, namer: Optional[TokenNamer],
     ) -> Response:
-        k = len(requests)
+        k = len(requests) * n
         texts: list[list[str]] = [[echoes[j]] if echoes else [] for j in range(k)]
         finish: list[Optional[str]] = [None] * k
         completion_tokens = [0] * k
         prompt_tokens = [0] * k
         logprobs = [CompletionLogprobs(namer) if namer else None for _ in range(k)]
         got_logprobs = [False] * k
+        cached: list[Optional[int]] = [None] * k
         it = iterate_choices(self.ctx.client, requests)
         try:
             async for j, chunk in it:
+                if cached[j] is None:
+                    cached[j] = chunk.cached_tokens
                 if chunk.text:
                     texts[j].append(chunk.text)
                 lp = logprobs[j]
@@ -123,7 +133,7 @@ class CompletionHandler:
             "model": model,
             "choices": choices,
             # prompt tokens count once per prompt, not once per choice
-            "usage": usage(sum(prompt_tokens[::n]), sum(completion_tokens)),
+            "usage": usage(sum(prompt_tokens[::n]), sum(completion_tokens), _cached(cached[::n])),
         }
         return json_response(body)
 
@@ -139,11 +149,14 @@ class CompletionHandler:
         prompt_tokens = [0] * k
         echoed = [not echoes] * k
         logprobs = [CompletionLogprobs(namer) if namer else None for _ in range(k)]
+        cached: list[Optional[int]] = [None] * k
         n = req.n
         try:
             async for j, chunk in stream:
                 completion_tokens[j] = chunk.completion_tokens
                 prompt_tokens[j] = chunk.prompt_tokens or prompt_tokens[j]
+                if include_usage and cached[j] is None:
+                    cached[j] = chunk.cached_tokens
                 text = chunk.text
                 if not echoed[j]:
                     echoed[j] = True
@@ -163,7 +176,7 @@ class CompletionHandler:
                     tail += ',"usage":' + dumps(usage(prompt_tokens[j], completion_tokens[j]))
                 yield f'{head}{j},"text":{dumps(text)},"logprobs":{lp_json},"finish_reason":{f}{tail}}}\n\n'.encode()
             if include_usage:
-                u = usage(sum(prompt_tokens[::n]), sum(completion_tokens))
+                u = usage(sum(prompt_tokens[::n]), sum(completion_tokens), _cached(cached[::n]))
                 yield (
                     f'data: {{"id":{dumps(completion_id)},"object":"text_completion","created":{created},'
                     f'"model":{dumps(model)},"choices":[],"usage":{dumps(u)}}}\n\n'

@@ -17,7 +17,10 @@ class EngineRequest:
     """One generation: exactly one of `text_input`, `messages`, `input_ids` is set.
 
     `sampling_params` uses SGLang names (max_new_tokens, temperature, stop, json_schema, ...);
-    it goes to the ensemble as the `sampling_parameters` JSON tensor.
+    it goes to the ensemble as the `sampling_parameters` JSON tensor. `n` samples of the prompt
+    share one Triton stream (the engine interleaves them; each chunk says its `index`).
+    `stream=False` asks the engine for one response per sample instead of one per step (what a
+    non-streaming HTTP request needs: far fewer responses through Triton).
     """
 
     sampling_params: dict[str, Any]
@@ -28,6 +31,8 @@ class EngineRequest:
     add_generation_prompt: Optional[bool] = None
     input_ids: Optional[list[int]] = None
     request_id: str = ""
+    n: int = 1
+    stream: bool = True
 
 
 @dataclass(slots=True)
@@ -45,8 +50,9 @@ class EngineChunk:
     """One streamed response of the ensemble.
 
     text: the text new in this response; token_ids: the token ids new in this response;
-    finish_reason: None until the last response, then "stop" / "length" / "abort";
-    prompt_tokens / completion_tokens: counts so far; meta_raw: the `meta_info` JSON string.
+    finish_reason: None until the sample's last response, then "stop" / "length" / "abort";
+    prompt_tokens / completion_tokens: counts so far (of this sample); meta_raw: the
+    `meta_info` JSON string; index: which of the request's n samples (meta_info "index").
     """
 
     text: str
@@ -56,6 +62,7 @@ class EngineChunk:
     completion_tokens: int = 0
     meta_raw: str = ""
     _meta: Optional[dict[str, Any]] = None
+    index: int = 0
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -72,6 +79,21 @@ class EngineChunk:
     def stop_reason(self) -> Any:
         """The matched stop string or token id (final chunk), when the engine reports one."""
         return self.meta.get("stop_reason")
+
+    @property
+    def cached_tokens(self) -> Optional[int]:
+        """Prompt tokens served from the prefix cache, when the engine reports it."""
+        if not self.meta_raw or "cached_tokens" not in self.meta_raw:
+            return None
+        value = self.meta.get("cached_tokens")
+        return value if isinstance(value, int) else None
+
+    def raw_logprobs(self) -> dict[str, list]:
+        """The SGLang-format logprob lists of this chunk's meta_info, keyed as SGLang names them
+        (output_token_logprobs, output_top_logprobs, output_token_ids_logprob, input_...)."""
+        if not self.meta_raw or "logprob" not in self.meta_raw:
+            return {}
+        return {k: v for k, v in self.meta.items() if k in LOGPROB_KEYS and isinstance(v, list)}
 
     def logprobs(self) -> Optional[list[TokenLogprob]]:
         """The logprobs of this chunk's tokens, or None when the engine sent none.
@@ -94,6 +116,11 @@ class EngineChunk:
                 item.top = [_triple(t) for t in tops[i]]
             out.append(item)
         return out
+
+
+OUTPUT_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprob")
+INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprob")
+LOGPROB_KEYS = frozenset(OUTPUT_LOGPROB_KEYS + INPUT_LOGPROB_KEYS)
 
 
 def _triple(entry: Any) -> TokenLogprob:

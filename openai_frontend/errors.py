@@ -31,12 +31,14 @@ class APIError(Exception):
         param: Optional[str] = None,
         code: Optional[str] = None,
         type: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # extra response headers (Retry-After on 503s)
         self.type = type or _TYPES.get(status_code, "server_error" if status_code >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
@@ -57,6 +59,11 @@ def unsupported(param: str, detail: str = "") -> APIError:
     """A parameter this server does not implement (yet): always an error, never ignored."""
     msg = f"Unsupported parameter '{param}'" + (f": {detail}" if detail else "")
     return APIError(400, msg, param=param, code="unsupported_parameter")
+
+
+def unavailable(message: str, retry_after: int = 1, code: Optional[str] = None) -> APIError:
+    """503: Triton unreachable, the model not ready, or the engine overloaded; retry later."""
+    return APIError(503, message, code=code, headers={"Retry-After": str(retry_after)})
 
 
 def model_not_found(model: str) -> APIError:

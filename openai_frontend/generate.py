@@ -1,10 +1,18 @@
 """POST /generate: SGLang's native API on the ensemble.
 
 Request: `text` or `input_ids` (one prompt or a batch), `sampling_params` (SGLang names, passed
-to the engine as is; `n` is expanded here into n streams), `rid`, `return_logprob`,
-`top_logprobs_num`, ... Response: `{"text", "output_ids", "meta_info"}` (a list for a batch or
-n > 1). Streaming, like SGLang: every event carries the cumulative `text` and `output_ids` and the
-`meta_info` so far (plus `index` for a batch), then `data: [DONE]`.
+to the engine as is, `n` included: one engine stream per prompt carries its n samples), `rid`,
+`return_logprob`, `top_logprobs_num`, `token_ids_logprob`, `logprob_start_len`,
+`return_text_in_logprobs`, `custom_logit_processor` (only with --enable-custom-logit-processor).
+Response: `{"text", "output_ids", "meta_info"}` (a list for a batch or n > 1, prompt-major).
+meta_info: id, finish_reason ({"type": "stop", "matched": ...} / {"type": "length", "length": n} /
+{"type": "abort", ...}), prompt_tokens, completion_tokens, cached_tokens, e2e_latency and, with
+return_logprob, the engine's SGLang-format logprob lists.
+
+Streaming, like SGLang: every event carries the cumulative `text` and `output_ids` and the
+`meta_info` so far (plus `index` for a batch or n > 1), then `data: [DONE]`. The cumulative
+parts are kept JSON-encoded and only appended to, so an event costs its own size, not a
+re-encoding of everything before it.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ from typing import Any, AsyncIterator, Optional
 from starlette.responses import Response
 
 from openai_frontend.common import Context, dumps, error_event, json_response
-from openai_frontend.engine_types import EngineChunk, EngineRequest
+from openai_frontend.engine_types import INPUT_LOGPROB_KEYS, OUTPUT_LOGPROB_KEYS, EngineChunk, EngineRequest
 from openai_frontend.errors import APIError, bad_request, unsupported
 from openai_frontend.protocol import GenerateRequest
+from openai_frontend.sampling import check_custom_logit_processor, check_stop
 from openai_frontend.streams import DONE_EVENT, StartedStream, iterate_choices, sse_response, start_stream
 
 _LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob")
@@ -27,8 +36,8 @@ _LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "tok
 log = logging.getLogger(__name__)
 
 
-def _check_unsupported(req: GenerateRequest) -> None:
-    for name in ("input_embeds", "image_data", "audio_data", "video_data", "lora_path", "custom_logit_processor"):
+def _check_unsupported(req: GenerateRequest, ctx: Context) -> None:
+    for name in ("input_embeds", "image_data", "audio_data", "video_data", "lora_path"):
         if getattr(req, name) is not None:
             raise unsupported(name)
     hidden = req.return_hidden_states
@@ -38,6 +47,8 @@ def _check_unsupported(req: GenerateRequest) -> None:
         raise unsupported("return_routed_experts", "no MoE models")
     if req.routed_experts_start_len:
         raise unsupported("routed_experts_start_len", "no MoE models")
+    processor = req.custom_logit_processor
+    check_custom_logit_processor(any(processor) if isinstance(processor, list) else processor, ctx.settings)
 
 
 def _pick(value: Any, i: int, batch: int, name: str) -> Any:
@@ -63,10 +74,10 @@ def finish_reason_obj(chunk: EngineChunk) -> Optional[dict[str, Any]]:
 
 
 class _Out:
-    """Accumulated output of one stream (text kept JSON-escaped for cheap cumulative events)."""
+    """Accumulated output of one sample (JSON-encoded pieces kept for cheap cumulative events)."""
 
     __slots__ = ("rid", "text_json", "texts", "ids", "ids_json", "finish", "prompt_tokens", "completion_tokens",
-                 "token_lps", "top_lps", "logprob", "start")
+                 "cached_tokens", "logprob", "lps", "lps_json", "input_lps", "start")
 
     def __init__(self, rid: str, logprob: bool, start: float) -> None:
         self.rid = rid
@@ -77,41 +88,77 @@ class _Out:
         self.finish: Optional[dict[str, Any]] = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
-        self.token_lps: list[list[Any]] = []
-        self.top_lps: list[list[list[Any]]] = []
+        self.cached_tokens = 0
         self.logprob = logprob
+        # output_* lists (extended per chunk) and their JSON (without brackets); input_* (once)
+        self.lps: dict[str, list] = {}
+        self.lps_json: dict[str, str] = {}
+        self.input_lps: dict[str, Any] = {}
         self.start = start
 
-    def add(self, chunk: EngineChunk) -> None:
+    def add(self, chunk: EngineChunk, encode: bool) -> None:
         self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
         self.completion_tokens = chunk.completion_tokens
-        if chunk.text:
-            self.texts.append(chunk.text)
-        if chunk.token_ids:
-            self.ids.extend(chunk.token_ids)
+        text = chunk.text
+        if text:
+            self.texts.append(text)
+            if encode:
+                self.text_json += dumps(text)[1:-1]
+        ids = chunk.token_ids
+        if ids:
+            self.ids.extend(ids)
+            if encode:
+                new = ",".join(map(str, ids))
+                self.ids_json = f"{self.ids_json},{new}" if self.ids_json else new
+        cached = chunk.cached_tokens
+        if cached is not None:
+            self.cached_tokens = cached
         if chunk.finish_reason:
             self.finish = finish_reason_obj(chunk)
         if self.logprob:
-            items = chunk.logprobs()
-            if items:
-                for lp in items:
-                    self.token_lps.append([lp.logprob, lp.token_id, lp.text])
-                    self.top_lps.append([[t.logprob, t.token_id, t.text] for t in lp.top])
+            for key, value in chunk.raw_logprobs().items():
+                if key in INPUT_LOGPROB_KEYS:
+                    self.input_lps[key] = value
+                    continue
+                self.lps.setdefault(key, []).extend(value)
+                if encode and value:
+                    new = dumps(value)[1:-1]
+                    old = self.lps_json.get(key)
+                    self.lps_json[key] = f"{old},{new}" if old else new
 
-    def meta(self) -> dict[str, Any]:
+    def _base(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": self.finish,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
         }
         if self.finish is not None:
             meta["e2e_latency"] = time.perf_counter() - self.start
-        if self.logprob:
-            meta["output_token_logprobs"] = self.token_lps
-            meta["output_top_logprobs"] = self.top_lps
         return meta
+
+    def meta(self) -> dict[str, Any]:
+        meta = self._base()
+        if self.logprob:
+            for key in OUTPUT_LOGPROB_KEYS[:2]:
+                meta[key] = []
+            meta.update(self.lps)
+            meta.update(self.input_lps)
+        return meta
+
+    def meta_json(self) -> str:
+        """meta() as JSON, with the growing logprob lists spliced in from their encoded form."""
+        if not self.logprob:
+            return dumps(self._base())
+        base = self._base()
+        base.update(self.input_lps)
+        parts = [dumps(base)[:-1]]
+        keys = list(OUTPUT_LOGPROB_KEYS[:2]) + [k for k in self.lps_json if k not in OUTPUT_LOGPROB_KEYS[:2]]
+        for key in keys:
+            parts.append(f',"{key}":[{self.lps_json.get(key, "")}]')
+        parts.append("}")
+        return "".join(parts)
 
     def result(self) -> dict[str, Any]:
         return {"text": "".join(self.texts), "output_ids": self.ids, "meta_info": self.meta()}
@@ -122,7 +169,8 @@ class GenerateHandler:
         self.ctx = ctx
 
     def _requests(self, req: GenerateRequest, request_id: str) -> tuple[list[EngineRequest], list[str], list[bool], bool]:
-        _check_unsupported(req)
+        settings = self.ctx.settings
+        _check_unsupported(req, self.ctx)
         if (req.text is None) == (req.input_ids is None):
             raise bad_request("exactly one of text and input_ids is required", param="text")
         if req.text is not None:
@@ -141,12 +189,18 @@ class GenerateHandler:
         rids: list[str] = []
         want_logprob: list[bool] = []
         multi = batch
+        total = 0
         for p, prompt in enumerate(prompts):
             sp = dict(_pick(req.sampling_params, p, b, "sampling_params") or {})
             n = sp.pop("n", 1)
-            if not isinstance(n, int) or n < 1 or n > self.ctx.settings.max_n:
-                raise bad_request(f"sampling_params.n must be an integer in [1, {self.ctx.settings.max_n}]", param="n")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > settings.max_n:
+                raise bad_request(f"sampling_params.n must be an integer in [1, {settings.max_n}]", param="n")
+            total += n
+            if total > settings.max_n * 4:
+                raise bad_request(f"too many samples in one request ({total})", param="sampling_params")
             multi = multi or n > 1
+            check_stop(sp.get("stop"), sp.get("stop_token_ids"), settings)
+            check_custom_logit_processor(sp.get("custom_logit_processor"), settings)
             for key in _LOGPROB_KEYS:
                 value = getattr(req, key)
                 if key == "token_ids_logprob" and value and not isinstance(value[0], list):
@@ -157,16 +211,17 @@ class GenerateHandler:
                     sp[key] = value
             if req.return_text_in_logprobs:
                 sp["return_text_in_logprobs"] = True
+            processor = _pick(req.custom_logit_processor, p, b, "custom_logit_processor")
+            if processor:
+                sp["custom_logit_processor"] = processor
             rid = _pick(req.rid, p, b, "rid") or (request_id if b == 1 else f"{request_id}-{p}")
-            seed = sp.get("seed")
+            common = dict(sampling_params=sp, request_id=rid, n=n, stream=req.stream)
+            if isinstance(prompt, str):
+                requests.append(EngineRequest(text_input=prompt, **common))
+            else:
+                requests.append(EngineRequest(input_ids=list(prompt), **common))
             for i in range(n):
-                params = sp if n == 1 or seed is None else {**sp, "seed": seed + i}
-                full_rid = rid if n == 1 else f"{rid}-{i}"
-                if isinstance(prompt, str):
-                    requests.append(EngineRequest(sampling_params=params, text_input=prompt, request_id=full_rid))
-                else:
-                    requests.append(EngineRequest(sampling_params=params, input_ids=list(prompt), request_id=full_rid))
-                rids.append(full_rid)
+                rids.append(rid if n == 1 else f"{rid}-{i}")
                 want_logprob.append(bool(sp.get("return_logprob")))
         return requests, rids, want_logprob, multi
 
@@ -176,11 +231,11 @@ class GenerateHandler:
         outs = [_Out(rid, lp, start) for rid, lp in zip(rids, want_logprob)]
         if req.stream:
             stream = await start_stream(self.ctx.client, requests)
-            return sse_response(self._stream(stream, outs, multi))
+            return sse_response(self._stream(stream, outs, multi), hooks=self.ctx.stream_hooks)
         it = iterate_choices(self.ctx.client, requests)
         try:
             async for j, chunk in it:
-                outs[j].add(chunk)
+                outs[j].add(chunk, False)
         finally:
             await it.aclose()
         results = [o.result() for o in outs]
@@ -190,18 +245,13 @@ class GenerateHandler:
         try:
             async for j, chunk in stream:
                 o = outs[j]
-                o.add(chunk)
-                if chunk.text:
-                    o.text_json += dumps(chunk.text)[1:-1]
-                if chunk.token_ids:
-                    new = ",".join(map(str, chunk.token_ids))
-                    o.ids_json = f"{o.ids_json},{new}" if o.ids_json else new
+                o.add(chunk, True)
                 if not chunk.text and not chunk.finish_reason and not chunk.token_ids:
                     continue
                 index = f',"index":{j}' if multi else ""
                 yield (
                     f'data: {{"text":"{o.text_json}","output_ids":[{o.ids_json}],'
-                    f'"meta_info":{dumps(o.meta())}{index}}}\n\n'
+                    f'"meta_info":{o.meta_json()}{index}}}\n\n'
                 ).encode()
         except APIError as exc:
             yield error_event(exc)

@@ -9,16 +9,18 @@ whose errors come back as 400s with its message.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Optional, Union
 
 from openai_frontend.errors import bad_request, unsupported
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
+from openai_frontend.settings import Settings
 
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 256
 
-# Constraint keys the engine accepts in sampling_parameters (xgrammar semantics); one at most.
-CONSTRAINT_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+# Constraint keys sent to the engine in sampling_parameters (xgrammar semantics; guided_choice
+# is vLLM's, which the engine turns into a grammar); one at most.
+CONSTRAINT_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "guided_choice")
 
 AnyRequest = Union[ChatCompletionRequest, CompletionRequest]
 
@@ -27,10 +29,29 @@ def _dumps(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def check_unsupported(req: AnyRequest, *, max_n: int) -> None:
+def check_stop(stop: Any, stop_token_ids: Any, settings: Settings) -> None:
+    """The input-safety limits on stop strings (the engine checks their length)."""
+    count = 1 if isinstance(stop, str) else len(stop or ())
+    if count > settings.max_stop_strings:
+        raise bad_request(f"at most {settings.max_stop_strings} stop strings are allowed, got {count}", param="stop")
+    if stop_token_ids is not None and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", param="stop_token_ids")
+
+
+def check_custom_logit_processor(value: Any, settings: Settings) -> None:
+    if value and not settings.enable_custom_logit_processor:
+        raise unsupported(
+            "custom_logit_processor",
+            "custom logit processors are disabled (start the frontend with --enable-custom-logit-processor)",
+        )
+
+
+def check_unsupported(req: AnyRequest, settings: Settings) -> None:
     """400 for every known parameter this server does not implement, when it is set."""
+    max_n = settings.max_n
     if req.n > max_n:
         raise bad_request(f"n must be at most {max_n}, got {req.n}", param="n")
+    check_stop(req.stop, req.stop_token_ids, settings)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     if req.logit_bias:
@@ -57,10 +78,9 @@ def check_unsupported(req: AnyRequest, *, max_n: int) -> None:
         raise unsupported("logits_processors")
     if req.lora_path:
         raise unsupported("lora_path", "LoRA adapters are not supported")
-    if req.custom_logit_processor:
-        raise unsupported("custom_logit_processor")
-    if req.custom_params is not None:
-        raise unsupported("custom_params")
+    check_custom_logit_processor(req.custom_logit_processor, settings)
+    if req.custom_params is not None and not req.custom_logit_processor:
+        raise bad_request("custom_params needs custom_logit_processor", param="custom_params")
     if req.return_hidden_states:
         raise unsupported("return_hidden_states")
     if isinstance(req, ChatCompletionRequest):
@@ -116,9 +136,9 @@ def _check_completion(req: CompletionRequest) -> None:
         raise unsupported("echo", "echo with logprobs needs prompt logprobs, which are not implemented")
 
 
-def constraint_from_request(req: AnyRequest) -> Optional[tuple[str, str]]:
+def constraint_from_request(req: AnyRequest) -> Optional[tuple[str, Any]]:
     """The structured-output constraint the request asks for: (key, value) or None."""
-    found: list[tuple[str, str, str]] = []  # (param, key, value)
+    found: list[tuple[str, str, Any]] = []  # (param, key, value)
     rf = req.response_format
     if rf is not None:
         kind = rf.get("type")
@@ -147,7 +167,7 @@ def constraint_from_request(req: AnyRequest) -> Optional[tuple[str, str]]:
     if req.guided_choice is not None:
         if not req.guided_choice:
             raise bad_request("guided_choice must not be empty", param="guided_choice")
-        found.append(("guided_choice", "regex", "(" + "|".join(re.escape(c) for c in req.guided_choice) + ")"))
+        found.append(("guided_choice", "guided_choice", list(req.guided_choice)))
     if req.guided_grammar is not None:
         found.append(("guided_grammar", "ebnf", req.guided_grammar))
     if req.ebnf is not None:
@@ -161,7 +181,7 @@ def constraint_from_request(req: AnyRequest) -> Optional[tuple[str, str]]:
 
 
 def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
-    """The SGLang sampling parameters for one choice of the request (n and seed+i: handlers)."""
+    """The SGLang sampling parameters of the request (`n` travels in EngineRequest.n)."""
     sp: dict[str, Any] = {}
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -203,6 +223,7 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
     if req.include_stop_str_in_output or req.no_stop_trim:
         sp["no_stop_trim"] = True
     # Log probabilities: SGLang's request-level names, carried in sampling_parameters.
+    # The engine sends token texts, so no local tokenizer is needed for them.
     if isinstance(req, ChatCompletionRequest):
         if req.logprobs:
             sp["return_logprob"] = True
@@ -212,17 +233,13 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         sp["return_logprob"] = True
         if req.logprobs:
             sp["top_logprobs_num"] = req.logprobs
+    if sp.get("return_logprob") and not req.return_tokens_as_token_ids:
+        sp["return_text_in_logprobs"] = True
+    if req.custom_logit_processor:
+        sp["custom_logit_processor"] = req.custom_logit_processor
+        if req.custom_params is not None:
+            sp["custom_params"] = req.custom_params
     constraint = constraint_from_request(req)
     if constraint is not None:
         sp[constraint[0]] = constraint[1]
     return sp
-
-
-def per_choice_params(sp: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """One params dict per choice: the seed, when given, becomes seed + i so choices differ."""
-    if n == 1:
-        return [sp]
-    seed = sp.get("seed")
-    if seed is None:
-        return [sp] * n
-    return [{**sp, "seed": seed + i} for i in range(n)]

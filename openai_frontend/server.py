@@ -4,20 +4,21 @@
 `settings.triton_url` / `settings.triton_model` (tests pass a fake one).
 
 Routes: POST /v1/chat/completions, /v1/completions, /generate, /parse_function_call;
-GET /v1/models, /v1/models/{id}, /health, /get_model_info.
+GET /v1/models, /v1/models/{id}, /health, /get_model_info, /metrics, /openapi.json.
 
 * Errors are OpenAI bodies `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
   requests (FastAPI's 422 is turned into 400), 401 bad API key, 404 unknown model/route,
-  503 Triton unreachable.
-* `--api-key`: every route except /health needs `Authorization: Bearer <key>` (constant-time
-  comparison).
+  413 body too large, 503 (+ Retry-After) when Triton is unreachable, the model not ready or the
+  engine overloaded.
+* `--api-key`: every route except /health and /metrics needs `Authorization: Bearer <key>`
+  (hmac.compare_digest).
 * `X-Request-Id`: echoed on every response; generated when absent; used in completion ids and
-  as the Triton request id.
+  in the Triton request id.
+* A client disconnect cancels the request's engine streams, before or during the response.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
@@ -35,8 +36,9 @@ from openai_frontend.chat import ChatHandler
 from openai_frontend.common import Context, json_response
 from openai_frontend.completions import CompletionHandler
 from openai_frontend.engine_types import EngineClient
-from openai_frontend.errors import APIError, bad_request, model_not_found
+from openai_frontend.errors import APIError, bad_request, model_not_found, unavailable
 from openai_frontend.generate import GenerateHandler
+from openai_frontend.metrics import FrontendMetrics, endpoint_label
 from openai_frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,20 +46,29 @@ from openai_frontend.protocol import (
     ParseFunctionCallRequest,
 )
 from openai_frontend.settings import Settings
+from openai_frontend.streams import run_until_disconnect
 from openai_frontend.tokenizer import ModelFiles
 from openai_frontend.tools import get_parser, tools_as_dicts
 
 log = logging.getLogger("openai_frontend")
 
-PUBLIC_PATHS = frozenset({"/health", "/health_generate", "/ping"})
+PUBLIC_PATHS = frozenset({"/health", "/health_generate", "/ping", "/metrics"})
 
 
-class AuthAndRequestIdMiddleware:
-    """Pure ASGI (no per-request task like BaseHTTPMiddleware, streaming untouched)."""
+class BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"Request body too large (limit {limit} bytes)")
 
-    def __init__(self, app: ASGIApp, api_key: Optional[str]) -> None:
+
+class FrontDoorMiddleware:
+    """Pure ASGI (no per-request task like BaseHTTPMiddleware, streaming untouched): request id,
+    metrics, API key (constant-time comparison), request body size limit."""
+
+    def __init__(self, app: ASGIApp, api_key: Optional[str], metrics: FrontendMetrics, max_body_bytes: int) -> None:
         self.app = app
         self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.metrics = metrics
+        self.max_body = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -65,38 +76,76 @@ class AuthAndRequestIdMiddleware:
             return
         request_id: Optional[bytes] = None
         auth: bytes = b""
+        length: Optional[bytes] = None
         for name, value in scope["headers"]:
             if name == b"x-request-id":
                 request_id = value
             elif name == b"authorization":
                 auth = value
-        if not request_id:
+            elif name == b"content-length":
+                length = value
+        if not request_id or len(request_id) > 256:
             request_id = uuid.uuid4().hex.encode()
         rid_header = (b"x-request-id", request_id)
         scope.setdefault("state", {})["request_id"] = request_id.decode("latin-1")
+        path = scope["path"]
+        endpoint = endpoint_label(path)
+        metrics = self.metrics
+        metrics.request_started(endpoint)
+        t0 = time.perf_counter()
+        status = 500  # unless a response starts
 
-        if self.key is not None and scope["path"] not in PUBLIC_PATHS and not hmac.compare_digest(auth, self.key):
-            err = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        async def reply(code: int, err: APIError, extra: tuple = ()) -> None:
+            nonlocal status
+            status = code
             body = err.json().encode()
             await send({
                 "type": "http.response.start",
-                "status": 401,
+                "status": code,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
+                    *extra,
                     rid_header,
                 ],
             })
             await send({"type": "http.response.body", "body": body})
-            return
 
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), rid_header]
-            await send(message)
+        try:
+            if self.key is not None and path not in PUBLIC_PATHS and not hmac.compare_digest(auth, self.key):
+                await reply(401, APIError(401, "Incorrect API key provided.", code="invalid_api_key"),
+                            ((b"www-authenticate", b"Bearer"),))
+                return
+            limit = self.max_body
+            if length is not None:
+                try:
+                    too_large = int(length) > limit
+                except ValueError:
+                    too_large = False
+                if too_large:
+                    await reply(413, APIError(413, f"Request body too large (limit {limit} bytes)", param="body"))
+                    return
+            received = 0
 
-        await self.app(scope, receive, send_with_id)
+            async def limited_receive() -> Message:
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > limit:
+                        raise BodyTooLarge(limit)
+                return message
+
+            async def send_with_id(message: Message) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                    message["headers"] = [*message.get("headers", []), rid_header]
+                await send(message)
+
+            await self.app(scope, limited_receive, send_with_id)
+        finally:
+            metrics.request_finished(endpoint, status, time.perf_counter() - t0)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
@@ -121,26 +170,14 @@ def _request_id(request: Request) -> str:
     return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
 
 
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
     """Run a handler, cancelling it (and so its engine streams) if the client goes away before
-    the response starts. Once a stream has started, Starlette's StreamingResponse does the same."""
-    handler = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not handler.done():
-            handler.cancel()
-        watcher.cancel()
-    if handler.cancelled() or not handler.done():
+    the response starts. Once a stream has started, SSEResponse does the same."""
+    disconnected, response = await run_until_disconnect(request.receive, work)
+    if disconnected:
         log.info("client disconnected before the response started; request cancelled")
         return Response(status_code=499)
-    return handler.result()
+    return response
 
 
 def create_app(settings: Settings, client: Optional[EngineClient] = None) -> FastAPI:
@@ -165,7 +202,9 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     app = FastAPI(title="triton-llm OpenAI frontend", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
-    app.add_middleware(AuthAndRequestIdMiddleware, api_key=settings.api_key)
+    app.add_middleware(
+        FrontDoorMiddleware, api_key=settings.api_key, metrics=ctx.metrics, max_body_bytes=settings.max_body_bytes
+    )
 
     chat = ChatHandler(ctx)
     completions = CompletionHandler(ctx)
@@ -175,7 +214,10 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        return json_response(exc.body(), status_code=exc.status_code)
+        headers = exc.headers
+        if headers and "Retry-After" in headers:
+            headers = {**headers, "Retry-After": str(settings.retry_after_s)}
+        return json_response(exc.body(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -225,7 +267,11 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     async def health() -> Response:
         if await ctx.client.is_ready():
             return Response(status_code=200)
-        raise APIError(503, f"Triton model '{settings.triton_model}' at {settings.triton_url} is not ready")
+        raise unavailable(f"Triton model '{settings.triton_model}' at {settings.triton_url} is not ready")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/get_model_info")
     async def model_info() -> Response:

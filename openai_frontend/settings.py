@@ -17,8 +17,15 @@ class Settings:
     max_n: int = 64
     stream_timeout: Optional[float] = None  # seconds for one whole generation; None: no limit
     # Model that accepts `abort_request_id` to stop a request whose stream was cancelled (Triton
-    # does not cancel an ensemble's in-flight decoupled step). None: rely on gRPC cancellation.
-    abort_model: Optional[str] = None
+    # 2.51 does not cancel an ensemble's in-flight decoupled step). None: rely on gRPC cancellation.
+    abort_model: Optional[str] = "llm"
+    # Input safety (issue 7): request body size, stop strings per request.
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_stop_strings: int = 64
+    # SGLang's custom_logit_processor runs client-supplied code in the engine: refused (400)
+    # unless enabled here (and in the engine: LLM_ENABLE_CUSTOM_LOGIT_PROCESSOR).
+    enable_custom_logit_processor: bool = False
+    retry_after_s: int = 1  # Retry-After on 503s (overload, Triton down)
 
     @property
     def served_model_name(self) -> str:

@@ -1,24 +1,32 @@
-"""Running one or more engine streams for a request, and SSE plumbing.
+"""Running one or more engine streams for a request, disconnect handling, and SSE plumbing.
 
-* `iterate_choices`: one engine stream per choice (n > 1, batched prompts), merged in arrival
-  order as (choice index, chunk). Closing it (or cancelling its consumer) closes every stream,
-  which cancels their gRPC calls.
+* `iterate_choices`: the engine streams of a request (one per prompt; each carries that prompt's
+  n samples) merged in arrival order as (choice index, chunk), choice index = the prompt's first
+  choice + the chunk's sample index. One prompt (the common case) needs no extra task; several
+  are pumped by one task each into a queue. Closing the iterator (or cancelling its consumer)
+  closes every stream, which cancels their gRPC calls.
 * `start_stream`: waits for the first chunk before the HTTP response starts, so errors the
-  engine reports up front (bad parameters, Triton down) get a real status code even with
-  `stream: true`.
-* `sse_response`: a plain StreamingResponse of preformatted `data: ...` lines (no per-event
-  object overhead). Starlette cancels the body on client disconnect, which unwinds into the
-  streams above.
+  engine reports up front (bad parameters, overload, Triton down) get a real status code even
+  with `stream: true`.
+* `run_until_disconnect`: runs a handler in the request's own task and cancels it when the
+  client goes away (a watcher task on `receive`), so a disconnect stops the engine work.
+* `SSEResponse`: a minimal ASGI response for preformatted `data: ...` events: one `send` per
+  event, the same disconnect watcher, and the body iterator always closed (so the engine streams
+  are cancelled at once, not when the generator is garbage-collected).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional, Sequence
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
-from starlette.responses import StreamingResponse
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from openai_frontend.engine_types import EngineChunk, EngineClient, EngineRequest
+
+log = logging.getLogger(__name__)
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _END = object()
@@ -31,27 +39,33 @@ async def iterate_choices(client: EngineClient, requests: Sequence[EngineRequest
         stream = client.generate(requests[0])
         try:
             async for chunk in stream:
-                yield 0, chunk
+                yield chunk.index, chunk
         finally:
             await stream.aclose()
         return
 
     queue: asyncio.Queue = asyncio.Queue()
+    offsets = []
+    total = 0
+    for r in requests:
+        offsets.append(total)
+        total += r.n
 
-    async def pump(index: int, request: EngineRequest) -> None:
+    async def pump(k: int, request: EngineRequest) -> None:
         stream = client.generate(request)
+        base = offsets[k]
         try:
             async for chunk in stream:
-                queue.put_nowait((index, chunk))
-            queue.put_nowait((index, _END))
+                queue.put_nowait((base + chunk.index, chunk))
+            queue.put_nowait((k, _END))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the consumer, which raises it
-            queue.put_nowait((index, exc))
+            queue.put_nowait((k, exc))
         finally:
             await stream.aclose()
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    tasks = [asyncio.create_task(pump(k, r)) for k, r in enumerate(requests)]
     remaining = len(tasks)
     try:
         while remaining:
@@ -99,8 +113,99 @@ async def start_stream(client: EngineClient, requests: Sequence[EngineRequest]) 
     return StartedStream(it, first)
 
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+class _Disconnect:
+    """Watches `receive` for http.disconnect and cancels the task that created it."""
+
+    __slots__ = ("task", "watcher", "disconnected", "active")
+
+    def __init__(self, receive: Receive) -> None:
+        self.task = asyncio.current_task()
+        self.disconnected = False
+        self.active = True
+        self.watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self.active:
+            self.disconnected = True
+            self.task.cancel()
+
+    def stop(self) -> None:
+        self.active = False
+        self.watcher.cancel()
+
+    def swallow(self) -> bool:
+        """In an `except CancelledError`: True when it came from the disconnect (then undone)."""
+        if self.disconnected:
+            self.task.uncancel()
+            return True
+        return False
 
 
-def sse_response(body: AsyncIterator[bytes], headers: Optional[dict[str, str]] = None) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+async def run_until_disconnect(receive: Receive, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """(disconnected, result): runs `work` in this task; a client disconnect cancels it."""
+    guard = _Disconnect(receive)
+    try:
+        return False, await work
+    except asyncio.CancelledError:
+        if guard.swallow():
+            return True, None
+        raise
+    finally:
+        guard.stop()
+
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class SSEResponse(Response):
+    """Streams preformatted SSE bytes. `hooks` = (on_start, on_end) feed the in-flight gauge.
+
+    A Response subclass only so FastAPI passes it through; Response.__init__ is not used."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        status_code: int = 200,
+        headers: Optional[dict[str, str]] = None,
+        hooks: Optional[tuple[Callable[[], None], Callable[[], None]]] = None,
+    ) -> None:
+        self.body = body
+        self.status_code = status_code
+        self.raw_headers = SSE_HEADERS + [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+        self.hooks = hooks
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.hooks:
+            self.hooks[0]()
+        guard = _Disconnect(receive)
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not guard.swallow():
+                raise
+            log.debug("client disconnected mid-stream")
+        except OSError:  # the connection broke while sending: the client is gone
+            log.debug("client connection lost mid-stream")
+        finally:
+            guard.stop()
+            try:
+                await self.body.aclose()  # type: ignore[attr-defined]
+            finally:
+                if self.hooks:
+                    self.hooks[1]()
+
+
+def sse_response(body: AsyncIterator[bytes], headers: Optional[dict[str, str]] = None, hooks: Any = None) -> SSEResponse:
+    return SSEResponse(body, headers=headers, hooks=hooks)

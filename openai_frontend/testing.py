@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -40,8 +41,10 @@ def text_chunks(
 class FakeLLMClient:
     """Yields scripted chunks; records requests and how each stream ended.
 
-    `script(request)` returns the chunks (or an APIError to raise before the first chunk, or a
-    list whose items may be APIError to raise mid-stream). `delay` sleeps before each chunk.
+    `script(request)` returns the chunks of one sample (or an APIError to raise before the first
+    chunk, or a list whose items may be APIError to raise mid-stream); for `request.n > 1` it is
+    called once per sample and the samples are interleaved, each chunk carrying its `index`, as
+    the engine does. `delay` sleeps before each chunk.
     """
 
     def __init__(self, script: Optional[Script] = None, delay: float = 0.0) -> None:
@@ -60,6 +63,14 @@ class FakeLLMClient:
             if isinstance(result, APIError):
                 outcome = "error"
                 raise result
+            if request.n > 1:
+                samples = [list(result)] + [list(self.script(request)) for _ in range(request.n - 1)]
+                result = []
+                for step in range(max(len(s) for s in samples)):
+                    for i, sample in enumerate(samples):
+                        if step < len(sample):
+                            item = sample[step]
+                            result.append(item if isinstance(item, APIError) else dataclasses.replace(item, index=i))
             for item in result:
                 if self.delay:
                     await asyncio.sleep(self.delay)
@@ -105,3 +116,54 @@ def serve_in_thread(app: Any, timeout: float = 10.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Integration-test helpers: the real tritonserver (client/local_server.py) and its metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def start_triton(model_path: str, log_file: Any, env: Optional[dict[str, str]] = None, timeout: float = 300.0,
+                 **ports: int) -> Any:
+    """A started LocalTritonServer on the repository's model_repository/ (imported lazily: the
+    launcher lives in the repository's `client` package, not in this one)."""
+    from client.local_server import LocalTritonServer
+
+    full_env = {"LLM_MODEL_PATH": str(model_path), "LLM_NUM_KV_BLOCKS": "256", "LLM_MAX_MODEL_LEN": "1024"}
+    full_env.update(env or {})
+    server = LocalTritonServer(env=full_env, log_file=log_file, **ports)
+    try:
+        server.start(timeout=timeout)
+    except Exception:
+        try:
+            import pathlib
+
+            print(pathlib.Path(log_file).read_text()[-6000:])
+        except OSError:
+            pass
+        raise
+    return server
+
+
+def scrape_metric(metrics_url: str, name: str, labels: str = "") -> Optional[float]:
+    """The value of sample `name` on a Prometheus page: the one whose labels are exactly `labels`
+    (e.g. 'finish_reason="abort"') when given, else the first one."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    label_re = re.escape("{" + labels + "}") if labels else r"(?:\{[^}]*\})?"
+    match = re.search(rf"^{re.escape(name)}{label_re} ([0-9.e+-]+|NaN)$", text, re.M)
+    return float(match.group(1)) if match else None
+
+
+def wait_kv_blocks_free(metrics_url: str, timeout: float = 20.0) -> float:
+    """Waits until the engine's llm_kv_blocks_used is 0; returns the seconds it took."""
+    start = time.monotonic()
+    while True:
+        used = scrape_metric(metrics_url, "llm_kv_blocks_used")
+        if used == 0:
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"llm_kv_blocks_used is still {used} after {timeout:.0f}s")
+        time.sleep(0.1)

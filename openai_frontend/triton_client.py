@@ -1,16 +1,21 @@
 """The only module that talks to Triton: gRPC streaming calls to the `ensemble` model.
 
-One `TritonLLMClient` (one gRPC channel) is shared by the whole process; every generation opens
-its own bidirectional stream (`stream_infer`) with one request, `stream=True` and
-`triton_enable_empty_final_response`, and yields an `EngineChunk` per response until the final
-flag. Leaving the iteration early (client disconnect, error, `aclose()`) cancels the gRPC call,
-which cancels the request in Triton and frees its KV blocks in the engine.
+One `TritonLLMClient` (one gRPC channel, created lazily in the serving event loop and reused by
+every request) is shared by the whole process; every generation opens its own bidirectional
+stream (`stream_infer`) with one request and `triton_enable_empty_final_response`, and yields an
+`EngineChunk` per response until the final flag. The `n` samples of a request share that stream
+(the engine interleaves them; `meta_info.index` tells them apart). Leaving the iteration early
+(client disconnect, error, `aclose()`) cancels the gRPC call and, with `abort_model`, sends the
+engine an explicit abort (Triton 2.51 does not pass an ensemble's cancellation on to its running
+decoupled step).
 
 Responses are decoded straight from the protobuf raw contents (no numpy per chunk): this runs
 once per streamed token.
 
-Errors: gRPC UNAVAILABLE / connection failures -> 503; INVALID_ARGUMENT and the model's own
-errors -> 400 with Triton's message; a missing/unready model -> 503; the rest -> 500.
+Errors: gRPC UNAVAILABLE / connection failures, a model that is not ready, and the engine's
+"overloaded" -> 503 with Retry-After; INVALID_ARG and the model's own errors -> 400 with the
+engine's message; the rest -> 500. The channel reconnects by itself (short backoff) when
+tritonserver comes back.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
 from openai_frontend.engine_types import EngineChunk, EngineRequest
-from openai_frontend.errors import APIError
+from openai_frontend.errors import APIError, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +76,11 @@ def build_inputs(request: EngineRequest) -> list[InferInput]:
         inputs.append(_bytes_input("text_input", request.text_input))
     else:
         raise APIError(400, "one of text_input, messages, input_ids is required")
-    inputs.append(_bool_input("stream", True))
-    inputs.append(_bytes_input("sampling_parameters", json.dumps(request.sampling_params, ensure_ascii=False)))
+    inputs.append(_bool_input("stream", request.stream))
+    sp = request.sampling_params
+    if request.n != 1:
+        sp = {**sp, "n": request.n}
+    inputs.append(_bytes_input("sampling_parameters", json.dumps(sp, ensure_ascii=False)))
     return inputs
 
 
@@ -197,36 +205,68 @@ def _clean(message: str) -> str:
     return message
 
 
-# "unsupported parameter 'x'", "invalid sampling parameter x: ..." -> x
-_PARAM_RE = re.compile(r"parameter '([A-Za-z_][A-Za-z0-9_]*)'|invalid sampling parameter ([A-Za-z_][A-Za-z0-9_]*)")
+# "unsupported parameter 'x'", "invalid sampling parameter x: ...", "x must be ..." -> x
+_PARAM_RE = re.compile(
+    r"parameter '([A-Za-z_][A-Za-z0-9_]*)'"
+    r"|invalid sampling parameter ([A-Za-z_][A-Za-z0-9_]*)"
+    r"|unknown sampling parameter\(s\): ([A-Za-z_][A-Za-z0-9_]*)"
+    r"|^([a-z_][a-z0-9_]*) must "
+)
+
+
+def _param(msg: str) -> Optional[str]:
+    match = _PARAM_RE.search(msg)
+    if not match:
+        return None
+    return next(g for g in match.groups() if g)
 
 
 def map_stream_error(message: str) -> APIError:
-    """An error the server sent inside the stream (the model's or the ensemble's)."""
+    """An error the server sent inside the stream (the model's or the ensemble's).
+
+    A stream error carries only a message (no status code), so the kind is read from it."""
     msg = _clean(message)
     low = msg.lower()
+    if "overloaded" in low:
+        return unavailable(f"The server is overloaded, retry later: {msg}", code="overloaded")
     if "unknown model" in low or "is not ready" in low or ("model" in low and "not found" in low):
-        return APIError(503, f"Triton model unavailable: {msg}")
-    if low.startswith("internal error") or "stub process" in low or ("model instance" in low and "crash" in low):
+        return unavailable(f"Triton model unavailable: {msg}")
+    if "internal error" in low or "stub process" in low or ("model instance" in low and "crash" in low):
         return APIError(500, msg)
-    match = _PARAM_RE.search(msg)
-    return APIError(400, msg, param=match.group(1) or match.group(2) if match else None)
+    return APIError(400, msg, param=_param(msg))
 
 
 def map_rpc_error(err: grpc.RpcError) -> APIError:
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else None) or str(err)
     if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.UNKNOWN and "connect" in details.lower()):
-        return APIError(503, f"Triton server unavailable: {details}")
+        if "overloaded" in details.lower():
+            return unavailable(f"The server is overloaded, retry later: {_clean(details)}", code="overloaded")
+        return unavailable(f"Triton server unavailable: {details}")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return APIError(400, _clean(details))
+        msg = _clean(details)
+        return APIError(400, msg, param=_param(msg))
     if code == grpc.StatusCode.NOT_FOUND:
-        return APIError(503, f"Triton model unavailable: {details}")
+        return unavailable(f"Triton model unavailable: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return APIError(504, f"Triton request timed out: {details}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return APIError(429, details)
+    if code == grpc.StatusCode.CANCELLED:
+        return unavailable(f"Triton cancelled the request: {details}")
     return APIError(500, f"Triton error ({code.name if code else 'unknown'}): {details}")
+
+
+# The tritonclient defaults, plus a short reconnect backoff: after tritonserver restarts, the
+# channel is back within a second or two instead of gRPC's default of up to two minutes.
+CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.enable_retries", 0),
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +300,7 @@ class TritonLLMClient:
 
     def _get(self) -> grpcclient_aio.InferenceServerClient:
         if self._client is None:
-            self._client = grpcclient_aio.InferenceServerClient(self.url)
+            self._client = grpcclient_aio.InferenceServerClient(self.url, channel_args=CHANNEL_ARGS)
         return self._client
 
     async def close(self) -> None:
@@ -304,8 +344,9 @@ class TritonLLMClient:
         try:
             responses = self._get().stream_infer(requests(), stream_timeout=self.stream_timeout)
         except InferenceServerException as exc:
-            raise APIError(503, f"Triton server unavailable: {exc.message()}") from None
+            raise unavailable(f"Triton server unavailable: {exc.message()}") from None
         decode = ResponseDecoder()
+        multi = request.n > 1
         finished = False
         try:
             async for result, error in responses:
@@ -315,7 +356,11 @@ class TritonLLMClient:
                 response = result.get_response()
                 final = _is_final(response)
                 if response.outputs:
-                    yield decode(response)
+                    chunk = decode(response)
+                    if multi:
+                        index = chunk.meta.get("index", 0)
+                        chunk.index = index if isinstance(index, int) else 0
+                    yield chunk
                 if final:
                     finished = True
                     return

@@ -1,253 +1,557 @@
-"""TritonLLMClient and the frontend on the real tritonserver, with a toy decoupled model.
+"""The frontend on the real tritonserver (model_repository/: preprocessing -> llm -> postprocessing,
+the demo model), over the real tritonclient gRPC stream: the Triton side of the frontend.
 
-The toy model has the ensemble's tensor interface and streams `w0 w1 ...` (max_new_tokens
-responses), so this checks the gRPC streaming path without the engine: inputs as sent, the final
-flag, error mapping, and that a client disconnect cancels the request inside Triton.
+TritonLLMClient's tensors and final flag, n samples in one stream, error mapping; SGLang /generate
+called with `requests` exactly as the seed examples do; detokenization of CJK / emoji / spaces end
+to end; bad inputs; auth, request ids, body and stop limits; /metrics; a client disconnect frees
+the engine's KV blocks; graceful shutdown drains a stream; Triton unreachable, restarted and
+overloaded -> 503 + Retry-After, and the frontend recovers by itself. (The OpenAI SDK's view is in
+test_openai_sdk.py.) One tritonserver for the module; the last test restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import textwrap
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
+import requests
 
-from client.local_server import LocalTritonServer, triton_home
+from client.local_server import REPO_ROOT, free_port, triton_home
 from openai_frontend.engine_types import EngineRequest
 from openai_frontend.errors import APIError
 from openai_frontend.server import create_app
 from openai_frontend.settings import Settings
-from openai_frontend.testing import serve_in_thread
+from openai_frontend.testing import scrape_metric, serve_in_thread, start_triton, wait_kv_blocks_free
 from openai_frontend.triton_client import TritonLLMClient
 
-TOY = "toy_llm"
-
-CONFIG = """
-name: "toy_llm"
-backend: "python"
-max_batch_size: 0
-model_transaction_policy { decoupled: true }
-input [
-  { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "messages", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "tools", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "chat_template_kwargs", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "add_generation_prompt", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
-  { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ], optional: true },
-  { name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
-  { name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true },
-  { name: "abort_request_id", data_type: TYPE_STRING, dims: [ 1 ], optional: true }
-]
-output [
-  { name: "text_output", data_type: TYPE_STRING, dims: [ 1 ] },
-  { name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] },
-  { name: "finish_reason", data_type: TYPE_STRING, dims: [ 1 ] },
-  { name: "meta_info", data_type: TYPE_STRING, dims: [ 1 ] },
-  { name: "prompt_tokens", data_type: TYPE_INT32, dims: [ 1 ] },
-  { name: "completion_tokens", data_type: TYPE_INT32, dims: [ 1 ] }
-]
-instance_group [{ kind: KIND_CPU }]
-parameters { key: "marker_dir", value: { string_value: "%s" } }
-"""
-
-MODEL = '''
-import json, os, threading, time
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-NAMES = ("text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt",
-         "input_ids", "stream", "sampling_parameters", "abort_request_id")
-
-
-def _value(arr):
-    item = arr.reshape(-1)
-    if arr.dtype == np.object_:
-        return item[0].decode()
-    if arr.dtype == np.bool_:
-        return bool(item[0])
-    return item.tolist()
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        cfg = json.loads(args["model_config"])
-        self.marker_dir = cfg["parameters"]["marker_dir"]["string_value"]
-        self.aborted = set()
-
-    def execute(self, requests):
-        for request in requests:
-            got = {}
-            for name in NAMES:
-                t = pb_utils.get_input_tensor_by_name(request, name)
-                if t is not None:
-                    got[name] = _value(t.as_numpy())
-            if "abort_request_id" in got:  # control request: stop another request
-                self.aborted.add(got["abort_request_id"])
-                request.get_response_sender().send(flags=FINAL)
-                continue
-            threading.Thread(target=self.run, args=(request.get_response_sender(), got, request.request_id()),
-                             daemon=True).start()
-        return None
-
-    def run(self, sender, got, rid):
-        sp = json.loads(got.get("sampling_parameters", "{}"))
-        if "toy_error" in sp:
-            err = pb_utils.TritonError(sp["toy_error"], pb_utils.TritonError.INVALID_ARG)
-            sender.send(pb_utils.InferenceResponse(error=err), flags=FINAL)
-            return
-        n = sp.get("max_new_tokens", 5)
-        for i in range(n):
-            if rid in self.aborted:
-                open(os.path.join(self.marker_dir, rid + ".aborted"), "w").close()
-                sender.send(flags=FINAL)
-                return
-            # toy_ignore_cancel: behave like an ensemble's in-flight step, which never sees it
-            if sender.is_cancelled() and not sp.get("toy_ignore_cancel"):
-                open(os.path.join(self.marker_dir, rid + ".cancelled"), "w").close()
-                sender.send(flags=FINAL)
-                return
-            text = json.dumps(got) if (sp.get("toy_echo") and i == 0) else f"w{i} "
-            last = i == n - 1
-            outs = {
-                "text_output": np.array([text.encode()], dtype=np.object_),
-                "output_ids": np.array([i], dtype=np.int32),
-                "finish_reason": np.array([b"length" if last else b""], dtype=np.object_),
-                "meta_info": np.array([json.dumps({"stop_reason": None}).encode()], dtype=np.object_),
-                "prompt_tokens": np.array([3], dtype=np.int32),
-                "completion_tokens": np.array([i + 1], dtype=np.int32),
-            }
-            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in outs.items()]))
-            time.sleep(sp.get("toy_delay", 0.0))
-        sender.send(flags=FINAL)
-'''
+MODEL = "demo"
+GREEDY = {"temperature": 0, "ignore_eos": True}
+MESSAGES = [{"role": "user", "content": "Say hi"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 @pytest.fixture(scope="module")
-def triton(tmp_path_factory):
+def triton(demo_model_path, tmp_path_factory):
     if not (triton_home() / "backends" / "python" / "triton_python_backend_stub").exists():
         pytest.skip("tritonserver's Python backend stub is not installed (scripts/setup.sh)")
-    root = tmp_path_factory.mktemp("toy_repo")
-    markers = tmp_path_factory.mktemp("markers")
-    (root / TOY / "1").mkdir(parents=True)
-    (root / TOY / "config.pbtxt").write_text(CONFIG % markers)
-    (root / TOY / "1" / "model.py").write_text(textwrap.dedent(MODEL))
-    log = root / "server.log"
-    srv = LocalTritonServer(model_repository=root, log_file=log)
+    log = tmp_path_factory.mktemp("triton") / "server.log"
+    box = {"server": start_triton(demo_model_path, log), "log": log, "model": demo_model_path}
+    yield box
+    box["server"].stop(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def base_url(triton):
+    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, abort_model="llm",
+                        tool_call_parser="qwen25", max_body_bytes=64 * 1024)
+    with serve_in_thread(create_app(settings)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model_path)
+
+
+def _metrics_url(triton) -> str:
+    return triton["server"].metrics_url
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _collect(url: str, request: EngineRequest, model: str = "ensemble"):
+    client = TritonLLMClient(url, model)
     try:
-        srv.start(timeout=120)
-    except Exception:
-        print(log.read_text()[-5000:])
-        raise
-    srv.markers = markers
-    yield srv
-    srv.stop()
+        return [c async for c in client.generate(request)]
+    finally:
+        await client.close()
 
 
-def _collect(client: TritonLLMClient, request: EngineRequest):
-    async def run():
-        try:
-            return [c async for c in client.generate(request)]
-        finally:
-            await client.close()
-
-    return asyncio.run(run())
+# ---------------------------------------------------------------------------------------------
+# TritonLLMClient on the ensemble
+# ---------------------------------------------------------------------------------------------
 
 
-def test_client_streams_until_final_and_sends_the_inputs(triton):
-    client = TritonLLMClient(triton.grpc_url, TOY)
-    req = EngineRequest(
-        sampling_params={"max_new_tokens": 3, "toy_echo": True},
-        messages=[{"role": "user", "content": "héllo"}],
-        tools=[{"type": "function", "function": {"name": "f"}}],
-        chat_template_kwargs={"enable_thinking": False},
-        add_generation_prompt=False,
-        request_id="req-1",
-    )
-    chunks = _collect(client, req)
-    assert len(chunks) == 3
-    got = json.loads(chunks[0].text)
-    assert json.loads(got["messages"]) == req.messages
-    assert json.loads(got["tools"]) == req.tools
-    assert json.loads(got["chat_template_kwargs"]) == {"enable_thinking": False}
-    assert got["add_generation_prompt"] is False and got["stream"] is True
-    assert json.loads(got["sampling_parameters"]) == req.sampling_params
-    assert [c.text for c in chunks[1:]] == ["w1 ", "w2 "]
-    assert [c.finish_reason for c in chunks] == [None, None, "length"]
-    assert [c.completion_tokens for c in chunks] == [1, 2, 3] and chunks[0].prompt_tokens == 3
-    assert chunks[2].token_ids == [2] and chunks[2].meta == {"stop_reason": None}
+def test_client_sends_chat_inputs_and_streams_to_the_final_flag(triton, tok):
+    url = triton["server"].grpc_url
+    kwargs = {"enable_thinking": False}
+    req = EngineRequest(sampling_params={**GREEDY, "max_new_tokens": 6}, messages=MESSAGES, tools=[WEATHER],
+                        chat_template_kwargs=kwargs, request_id="inputs-1")
+    chunks = _run(_collect(url, req))
+    assert len(chunks) == 6 and [c.finish_reason for c in chunks] == [None] * 5 + ["length"]
+    assert [c.completion_tokens for c in chunks] == [1, 2, 3, 4, 5, 6]
+    # messages, tools and chat_template_kwargs reached the chat template in preprocessing
+    prompt = tok.apply_chat_template(MESSAGES, tools=[WEATHER], add_generation_prompt=True, tokenize=False, **kwargs)
+    assert chunks[0].prompt_tokens == len(tok(prompt).input_ids)
+    ids = [t for c in chunks for t in c.token_ids]
+    assert "".join(c.text for c in chunks) == tok.decode(ids, skip_special_tokens=True)
 
-    ids = _collect(TritonLLMClient(triton.grpc_url, TOY),
-                   EngineRequest(sampling_params={"toy_echo": True, "max_new_tokens": 1}, input_ids=[5, 6, 7]))
-    assert json.loads(ids[0].text)["input_ids"] == [5, 6, 7]
+    # stream=False: one response with everything, identical result (greedy)
+    whole = _run(_collect(url, EngineRequest(sampling_params={**GREEDY, "max_new_tokens": 6}, messages=MESSAGES,
+                                             tools=[WEATHER], chat_template_kwargs=kwargs, stream=False)))
+    assert len(whole) == 1 and whole[0].token_ids == ids and whole[0].finish_reason == "length"
+
+    # add_generation_prompt=False and pre-tokenized prompts
+    no_gen = _run(_collect(url, EngineRequest(sampling_params={"max_new_tokens": 1}, messages=MESSAGES,
+                                              add_generation_prompt=False)))
+    ref = tok.apply_chat_template(MESSAGES, add_generation_prompt=False, tokenize=False)
+    assert no_gen[0].prompt_tokens == len(tok(ref).input_ids)
+    by_ids = _run(_collect(url, EngineRequest(sampling_params={**GREEDY, "max_new_tokens": 3}, input_ids=[5, 6, 7, 8])))
+    assert by_ids[0].prompt_tokens == 4 and sum(len(c.token_ids) for c in by_ids) == 3
 
 
-def test_client_errors(triton):
+def test_client_n_samples_share_one_stream(triton):
+    url = triton["server"].grpc_url
+    for stream in (True, False):
+        chunks = _run(_collect(url, EngineRequest(sampling_params={"max_new_tokens": 4, "ignore_eos": True, "seed": 3},
+                                                  text_input="Once upon a time", n=3, stream=stream)))
+        finished = [c.index for c in chunks if c.finish_reason]
+        assert sorted(finished) == [0, 1, 2], finished
+        for i in range(3):
+            assert sum(len(c.token_ids) for c in chunks if c.index == i) == 4
+        if not stream:
+            assert len(chunks) == 3  # one response per sample
+
+
+def test_client_error_mapping(triton):
+    url = triton["server"].grpc_url
     with pytest.raises(APIError) as err:
-        _collect(TritonLLMClient(triton.grpc_url, TOY),
-                 EngineRequest(sampling_params={"toy_error": "unsupported parameter 'x'"}, text_input="a"))
-    assert err.value.status_code == 400 and "unsupported parameter 'x'" in err.value.message
+        _run(_collect(url, EngineRequest(sampling_params={"top_p": 0}, text_input="a")))
+    assert err.value.status_code == 400 and err.value.param == "top_p"
     with pytest.raises(APIError) as err:
-        _collect(TritonLLMClient(triton.grpc_url, "no_such_model"), EngineRequest(sampling_params={}, text_input="a"))
+        _run(_collect(url, EngineRequest(sampling_params={"bogus_param": 1}, text_input="a")))
+    assert err.value.status_code == 400 and "bogus_param" in err.value.message
+    with pytest.raises(APIError) as err:
+        _run(_collect(url, EngineRequest(sampling_params={}, input_ids=[5] * 1100)))
+    assert err.value.status_code == 400 and "context" in err.value.message
+    with pytest.raises(APIError) as err:
+        _run(_collect(url, EngineRequest(sampling_params={}, text_input="a"), model="no_such_model"))
     assert err.value.status_code == 503
 
     async def ready(name):
-        c = TritonLLMClient(triton.grpc_url, name)
+        client = TritonLLMClient(url, name)
         try:
-            return await c.is_ready()
+            return await client.is_ready()
         finally:
-            await c.close()
+            await client.close()
 
-    assert asyncio.run(ready(TOY)) is True
-    assert asyncio.run(ready("no_such_model")) is False
+    assert _run(ready("ensemble")) is True
+    assert _run(ready("no_such_model")) is False
 
 
-def test_frontend_on_triton_and_disconnect_cancels_in_triton(triton):
-    app = create_app(Settings(triton_url=triton.grpc_url, triton_model=TOY, model_name="toy"))
-    with serve_in_thread(app) as url:
-        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        r = c.chat.completions.create(model="toy", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-        assert r.choices[0].message.content == "w0 w1 w2 w3 " and r.choices[0].finish_reason == "length"
-        text = "".join(ch.choices[0].text for ch in
-                       c.completions.create(model="toy", prompt="x", max_tokens=3, stream=True) if ch.choices)
-        assert text == "w0 w1 w2 "
-        assert httpx.get(url + "/health").status_code == 200
+# ---------------------------------------------------------------------------------------------
+# SGLang /generate, as the seed documents call it
+# ---------------------------------------------------------------------------------------------
 
-        r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"toy_error": "bad value"}})
-        assert r.status_code == 400 and r.json()["error"]["message"] == "bad value"
 
-        with httpx.stream("POST", url + "/generate", headers={"X-Request-Id": "cancel-me"},
-                          json={"text": "x", "stream": True,
-                                "sampling_params": {"max_new_tokens": 10_000, "toy_delay": 0.02}}) as resp:
-            seen = 0
-            for line in resp.iter_lines():
-                seen += line.startswith("data: ")
-                if seen == 3:
+def test_generate_normal_and_streaming_as_the_seed_examples(base_url, tok):
+    response = requests.post(
+        base_url + "/generate",
+        json={"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 32}},
+    )
+    assert response.status_code == 200, response.text
+    whole = response.json()
+    assert set(whole) == {"text", "output_ids", "meta_info"}
+    meta = whole["meta_info"]
+    assert meta["completion_tokens"] == len(whole["output_ids"]) > 0
+    assert meta["prompt_tokens"] == len(tok("The capital of France is").input_ids)
+    assert meta["finish_reason"]["type"] in ("length", "stop") and "e2e_latency" in meta and "cached_tokens" in meta
+    assert whole["text"] == tok.decode(whole["output_ids"], skip_special_tokens=True)
+
+    # the seed's streaming loop, verbatim except that it collects instead of printing
+    response = requests.post(
+        base_url + "/generate",
+        json={
+            "text": "The capital of France is",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 32},
+            "stream": True,
+        },
+        stream=True,
+    )
+    printed = []
+    prev = 0
+    saw_done = False
+    last = None
+    for chunk in response.iter_lines(decode_unicode=False):
+        chunk = chunk.decode("utf-8")
+        if chunk and chunk.startswith("data:"):
+            if chunk == "data: [DONE]":
+                saw_done = True
+                break
+            data = json.loads(chunk[5:].strip("\n"))
+            output = data["text"].strip()
+            printed.append(output[prev:])
+            prev = len(output)
+            last = data
+    assert saw_done and response.headers["content-type"].startswith("text/event-stream")
+    assert "".join(printed) == whole["text"].strip()
+    assert last["text"] == whole["text"] and last["output_ids"] == whole["output_ids"]  # cumulative
+    assert last["meta_info"]["finish_reason"] == meta["finish_reason"]
+
+
+def test_generate_batch_n_input_ids_and_logprobs(base_url):
+    batch = requests.post(base_url + "/generate", json={
+        "text": ["Hello", "The sky is"],
+        "sampling_params": [{"max_new_tokens": 4, **GREEDY}, {"max_new_tokens": 6, **GREEDY}],
+    }).json()
+    assert [b["meta_info"]["completion_tokens"] for b in batch] == [4, 6]
+    single = requests.post(base_url + "/generate", json={"text": "The sky is",
+                                                          "sampling_params": {"max_new_tokens": 6, **GREEDY}}).json()
+    assert batch[1]["text"] == single["text"]
+
+    multi = requests.post(base_url + "/generate", json={
+        "input_ids": [11, 12, 13], "sampling_params": {"n": 3, "max_new_tokens": 5, "ignore_eos": True, "seed": 1},
+    }).json()
+    assert len(multi) == 3 and all(m["meta_info"]["completion_tokens"] == 5 for m in multi)
+    assert len({m["meta_info"]["id"] for m in multi}) == 3
+
+    lp = requests.post(base_url + "/generate", json={
+        "text": "Hello", "sampling_params": {"max_new_tokens": 4, **GREEDY},
+        "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True,
+    }).json()
+    out = lp["meta_info"]["output_token_logprobs"]
+    tops = lp["meta_info"]["output_top_logprobs"]
+    assert [e[1] for e in out] == lp["output_ids"] and len(tops) == 4
+    for (logprob, token_id, _), top in zip(out, tops):
+        assert len(top) == 2 and top[0][1] == token_id and abs(top[0][0] - logprob) < 1e-4  # greedy
+        assert logprob <= 0
+
+    # streaming a batch with n: events carry "index", each cumulative for its own sample
+    events = []
+    with requests.post(base_url + "/generate", stream=True, json={
+        "text": ["a b", "c d"], "sampling_params": {"n": 2, "max_new_tokens": 3, "ignore_eos": True}, "stream": True,
+    }) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+    finals = {e["index"]: e for e in events if e["meta_info"]["finish_reason"]}
+    assert sorted(finals) == [0, 1, 2, 3]
+    assert all(len(e["output_ids"]) == 3 for e in finals.values())
+
+
+def test_streamed_text_survives_cjk_emoji_and_spaces(base_url, tok):
+    prompt = "Streaming text: spaces,  double  spaces, 中文字符 and emoji 🙂🎉 should survive. 日本語も"
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 40, **GREEDY}}
+    whole = requests.post(base_url + "/generate", json=body).json()
+    events = []
+    with requests.post(base_url + "/generate", json={**body, "stream": True}, stream=True) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+    texts = [e["text"] for e in events]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative, never rewritten
+    assert texts[-1] == whole["text"] == tok.decode(whole["output_ids"], skip_special_tokens=True)
+
+    # the same through the OpenAI chat stream (deltas) and with a sampled (non-greedy) run
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "seed": 7,
+            "temperature": 1.0}
+    full = httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=60).json()
+    deltas = []
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    deltas.append(c["delta"].get("content") or "")
+    assert "".join(deltas) == full["choices"][0]["message"]["content"]
+
+
+def test_generate_structured_outputs(base_url):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**9}},
+              "required": ["name", "population"], "additionalProperties": False}
+    r = requests.post(base_url + "/generate", json={
+        "text": "Here is the information of the capital of France in the JSON format.\n",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 64, "json_schema": json.dumps(schema)},
+    })
+    assert r.status_code == 200, r.text
+    import jsonschema
+
+    jsonschema.validate(json.loads(r.json()["text"]), schema)
+    r = requests.post(base_url + "/generate", json={
+        "text": "Paris is the capital of",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 16, "regex": "(France|England)"},
+    })
+    assert r.status_code == 200 and r.json()["text"] in ("France", "England"), r.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs, auth, ids, limits
+# ---------------------------------------------------------------------------------------------
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(base_url):
+    post = lambda path, body: httpx.post(base_url + path, json=body, timeout=60)  # noqa: E731
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    assert _error(post("/v1/chat/completions", {**chat, "temperature": "hot"}), 400)["param"] == "temperature"
+    assert _error(post("/v1/chat/completions", {**chat, "messages": []}), 400)["param"] == "messages"
+    assert _error(post("/v1/chat/completions", {**chat, "model": "gpt-9"}), 404)["code"] == "model_not_found"
+    assert _error(post("/v1/chat/completions", {**chat, "top_p": 0}), 400)["param"] == "top_p"  # the engine's check
+    assert _error(post("/v1/chat/completions", {**chat, "top_p": 0, "stream": True}), 400)["param"] == "top_p"
+    assert _error(post("/v1/chat/completions", {**chat, "n": 1000}), 400)["param"] == "n"
+    assert _error(post("/v1/chat/completions", {**chat, "stop": [f"s{i}" for i in range(65)]}), 400)["param"] == "stop"
+    assert _error(post("/v1/chat/completions", {**chat, "frobnicate": 1}), 400)["param"] == "frobnicate"
+    err = _error(post("/v1/chat/completions", {**chat, "tools": [WEATHER],
+                                               "tool_choice": {"type": "function", "function": {"name": "nope"}}}), 400)
+    assert err["param"] == "tool_choice"
+    err = _error(post("/v1/chat/completions", {**chat, "custom_logit_processor": "{}"}), 400)
+    assert err["param"] == "custom_logit_processor" and "--enable-custom-logit-processor" in err["message"]
+    err = _error(post("/generate", {"text": "x", "custom_logit_processor": "{}"}), 400)
+    assert err["param"] == "custom_logit_processor"
+    assert _error(post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}), 400)["param"] == "max_tokens"
+    assert _error(post("/v1/completions", {"model": MODEL, "prompt": [5] * 1100}), 400)
+    assert _error(post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "many"}}), 400)
+    _error(post("/generate", {"text": "x", "sampling_params": {"json_schema": "{not json"}}), 400)
+    big = "x" * (70 * 1024)
+    assert _error(post("/v1/completions", {"model": MODEL, "prompt": big}), 413)
+    r = httpx.post(base_url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    _error(r, 400)
+    # still serving
+    ok = post("/v1/chat/completions", chat)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_request_id_echoed_and_api_key(triton, base_url):
+    r = httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                   headers={"X-Request-Id": "my-req-42"})
+    assert r.headers["x-request-id"] == "my-req-42" and r.json()["id"] == "cmpl-my-req-42"
+    assert httpx.get(base_url + "/v1/models").headers["x-request-id"]  # generated when absent
+
+    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, api_key="sekret")
+    with serve_in_thread(create_app(settings)) as url:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert _error(httpx.post(url + "/v1/completions", json=body), 401)["code"] == "invalid_api_key"
+        assert _error(httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
+        assert _error(httpx.get(url + "/v1/models"), 401)
+        ok = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}, timeout=60)
+        assert ok.status_code == 200
+        assert httpx.get(url + "/health").status_code == 200  # health and metrics stay open
+        assert httpx.get(url + "/metrics").status_code == 200
+
+
+def test_models_health_and_parse_function_call(base_url):
+    models = httpx.get(base_url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(base_url + f"/v1/models/{MODEL}").json()["id"] == MODEL
+    _error(httpx.get(base_url + "/v1/models/other"), 404)
+    assert httpx.get(base_url + "/health").status_code == 200
+    r = httpx.post(base_url + "/parse_function_call", json={
+        "text": 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "tool_call_parser": "qwen25", "tools": [WEATHER],
+    }).json()
+    assert r["normal_text"] == "Sure." and r["calls"][0]["name"] == "get_weather"
+    assert json.loads(r["calls"][0]["parameters"]) == {"city": "Paris"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Disconnects free the engine's KV blocks; metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def _aborted(triton) -> float:
+    return scrape_metric(_metrics_url(triton), "llm_request_finished_total", 'finish_reason="abort"') or 0.0
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "stream": True, "n": 2}),
+    ("/v1/completions", {"model": MODEL, "prompt": "a long story " * 30, "stream": True}),
+    ("/generate", {"text": "tell me", "stream": True}),
+])
+def test_client_disconnect_mid_stream_frees_kv_blocks(triton, base_url, path, body):
+    body = {**body, **({"sampling_params": {"max_new_tokens": 900, "ignore_eos": True}} if path == "/generate"
+                       else {"max_tokens": 900, "ignore_eos": True})}
+    aborted = _aborted(triton)
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", base_url + path, json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # (a dropped iterator closes the connection: keep it)
+            seen, used, last_scrape = 0, 0.0, 0.0
+            for line in lines:
+                seen += line.startswith("data: {")
+                if time.monotonic() - last_scrape > 0.05:  # the engine publishes every 0.2 s while busy
+                    last_scrape = time.monotonic()
+                    used = scrape_metric(_metrics_url(triton), "llm_kv_blocks_used")
+                if seen >= 4 and used > 0:
                     break
-        assert _wait_marker(triton, "cancel-me.*.cancelled"), "Triton never saw the request cancelled"
-
-
-def _wait_marker(triton, pattern: str, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if list(Path(triton.markers).glob(pattern)):
-            return True
+            assert used > 0
+    # leaving the block closes the connection mid-stream
+    wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+    # freed because the engine aborted the request (900 tokens take far longer)
+    deadline = time.monotonic() + 5
+    while _aborted(triton) < aborted + 1:
+        assert time.monotonic() < deadline, "the engine did not abort the request"
         time.sleep(0.05)
-    return False
 
 
-def test_abort_model_stops_a_request_that_ignores_cancellation(triton):
-    app = create_app(Settings(triton_url=triton.grpc_url, triton_model=TOY, model_name="toy", abort_model=TOY))
-    with serve_in_thread(app) as url:
-        body = {"text": "x", "stream": True,
-                "sampling_params": {"max_new_tokens": 10_000, "toy_delay": 0.02, "toy_ignore_cancel": True}}
-        with httpx.stream("POST", url + "/generate", headers={"X-Request-Id": "abort-me"}, json=body) as resp:
-            for i, _ in enumerate(resp.iter_lines()):
-                if i == 4:
+def test_client_disconnect_before_the_response_frees_kv_blocks(triton, base_url):
+    aborted = _aborted(triton)
+    body = {"model": MODEL, "prompt": "wait for it", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=body, timeout=1.5)
+    wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+    deadline = time.monotonic() + 5
+    while _aborted(triton) < aborted + 1:
+        assert time.monotonic() < deadline, "the engine did not abort the request"
+        time.sleep(0.05)
+
+
+def test_frontend_metrics(base_url):
+    before = httpx.get(base_url + "/metrics").text
+
+    def count(text: str, endpoint: str, status: int) -> int:
+        for line in text.splitlines():
+            if line.startswith(f'frontend_requests_total{{endpoint="{endpoint}",status="{status}"}}'):
+                return int(float(line.rsplit(" ", 1)[1]))
+        return 0
+
+    for _ in range(3):
+        assert httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                          timeout=60).status_code == 200
+    httpx.post(base_url + "/v1/completions", json={"model": "nope", "prompt": "x"})
+    with httpx.stream("POST", base_url + "/generate", json={
+            "text": "x", "stream": True, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}) as r:
+        lines = r.iter_lines()  # (a dropped iterator closes the connection: keep it)
+        next(lines)
+        during = httpx.get(base_url + "/metrics").text
+        assert "frontend_streams_in_flight 1" in during, during
+        assert 'frontend_requests_in_flight{endpoint="/generate"} 1' in during
+    time.sleep(0.3)
+    after = httpx.get(base_url + "/metrics").text
+    assert count(after, "/v1/completions", 200) - count(before, "/v1/completions", 200) == 3
+    assert count(after, "/v1/completions", 404) - count(before, "/v1/completions", 404) == 1
+    assert count(after, "/generate", 200) - count(before, "/generate", 200) == 1
+    assert "frontend_streams_in_flight 0" in after
+    assert "# TYPE frontend_request_duration_seconds histogram" in after
+
+
+# ---------------------------------------------------------------------------------------------
+# Process-level behaviour: graceful shutdown; Triton unreachable, restarted, overloaded
+# ---------------------------------------------------------------------------------------------
+
+
+def _start_frontend_process(grpc_url: str, port: int, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openai_frontend", "--triton-url", grpc_url, "--model-name", MODEL,
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the frontend exited"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("the frontend did not start")
+
+
+def test_graceful_shutdown_drains_in_flight_streams(triton):
+    port = free_port()
+    proc = _start_frontend_process(triton["server"].grpc_url, port, "--graceful-shutdown-timeout", "60")
+    try:
+        body = {"model": MODEL, "prompt": "once", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        got = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    got.append(json.loads(line[6:]))
                     break
-        assert _wait_marker(triton, "abort-me.*.aborted"), "the abort request did not reach the model"
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):  # no new connections while draining
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            done = False
+            for line in lines:
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: {"):
+                    got.append(json.loads(line[6:]))
+        assert done and got[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(g["choices"][0]["text"]) > 0 for g in got) >= 30  # all of it, not cut short
+        # uvicorn re-raises the signal once it has shut down cleanly
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_triton_unreachable_is_503():
+    settings = Settings(triton_url=f"localhost:{free_port()}", model_name=MODEL)
+    with serve_in_thread(create_app(settings)) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES}, timeout=30)
+        assert _error(r, 503)["type"] == "service_unavailable_error" and r.headers["retry-after"]
+        r = httpx.post(url + "/generate", json={"text": "x", "stream": True}, timeout=30)
+        assert r.status_code == 503  # before the stream starts: a real status code
+        assert httpx.get(url + "/health", timeout=30).status_code == 503
+
+
+def test_triton_restart_then_overload(triton, base_url, demo_model_path):
+    """Last in the module: restarts tritonserver on the same ports (with a tiny waiting queue)."""
+    srv = triton["server"]
+    ports = dict(http_port=srv.http_port, grpc_port=srv.grpc_port, metrics_port=srv.metrics_port)
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    assert httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+    srv.stop(timeout=5)
+    r = httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=30)
+    assert _error(r, 503) and r.headers["retry-after"]
+    assert httpx.get(base_url + "/health", timeout=30).status_code == 503
+
+    env = {"LLM_MAX_NUM_SEQS": "2", "LLM_MAX_WAITING_REQUESTS": "2"}
+    triton["server"] = srv = start_triton(demo_model_path, triton["log"], env=env, **ports)
+    deadline = time.monotonic() + 30  # the same frontend, not restarted, recovers by itself
+    while httpx.get(base_url + "/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "the frontend did not reconnect to the restarted tritonserver"
+        time.sleep(0.5)
+    assert httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+
+    # 2 running + 2 waiting fit; the rest are refused as overloaded: 503 + Retry-After
+    results: list[tuple[int, dict, dict]] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        r = httpx.post(base_url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "go", "max_tokens": 60, "ignore_eos": True, "stream": True})
+        with lock:
+            results.append((r.status_code, dict(r.headers), r.json() if r.status_code != 200 else {}))
+
+    threads = [threading.Thread(target=one) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = sorted(s for s, _, _ in results)
+    assert statuses.count(200) >= 4 and statuses.count(503) >= 1, statuses
+    for status, headers, body in results:
+        if status == 503:
+            assert headers["retry-after"] == "1" and body["error"]["code"] == "overloaded"
+    wait_kv_blocks_free(srv.metrics_url)
+    assert httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200

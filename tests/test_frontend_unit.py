@@ -160,19 +160,31 @@ def test_chat_streaming_raw_sse_format(base_url):
         assert json.loads(e[6:])["object"] == "chat.completion.chunk"
 
 
-def test_chat_n2(client, fake):
-    def script(req):
-        return text_chunks(["choice", f"-{req.sampling_params['seed']}"])
+def _sample_counter():
+    """A script whose successive samples say choice-0, choice-1, ... (one counter per request)."""
+    seen: dict[int, int] = {}
 
-    fake.script = script
+    def script(req):
+        k = seen.get(id(req), 0)
+        seen[id(req)] = k + 1
+        return text_chunks(["choice", f"-{k}"])
+
+    return script
+
+
+def test_chat_n2(client, fake):
+    fake.script = _sample_counter()
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, seed=10)
     assert sorted(c.index for c in r.choices) == [0, 1]
-    assert {c.message.content for c in r.choices} == {"choice-10", "choice-11"}
+    assert [c.message.content for c in r.choices] == ["choice-0", "choice-1"]
     assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == 7
-    assert sorted(q.sampling_params["seed"] for q in fake.requests) == [10, 11]
+    # n samples share one engine request (one Triton stream); the engine varies the seed
+    assert len(fake.requests) == 1 and fake.requests[0].n == 2 and fake.requests[0].sampling_params["seed"] == 10
+    assert fake.requests[0].stream is False  # non-streaming: one response per sample from Triton
 
     fake.requests.clear()
     fake.delay = 0.001
+    fake.script = _sample_counter()
     texts = {0: "", 1: ""}
     finish = {}
     for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, seed=10, stream=True):
@@ -180,8 +192,9 @@ def test_chat_n2(client, fake):
             texts[c.index] += c.delta.content or ""
             if c.finish_reason:
                 finish[c.index] = c.finish_reason
-    assert sorted(texts.values()) == ["choice-10", "choice-11"]
+    assert texts == {0: "choice-0", 1: "choice-1"}
     assert finish == {0: "stop", 1: "stop"}
+    assert fake.requests[0].stream is True
 
 
 def test_chat_length_finish(client, fake):
@@ -400,10 +413,14 @@ def test_generate_non_streaming_and_batch(base_url, fake):
     assert r["meta_info"]["id"] == "r1"
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": "</s>"}
     assert fake.requests[0].input_ids == [1, 2, 3]
+    fake.script = _sample_counter()
     batch = httpx.post(base_url + "/generate", json={"text": ["x", "y"], "sampling_params": {"n": 2, "seed": 5}}).json()
     assert isinstance(batch, list) and len(batch) == 4
-    assert sorted(q.sampling_params.get("seed") for q in fake.requests[1:]) == [5, 5, 6, 6]
+    # one engine stream per prompt, carrying its n samples; results prompt-major
+    assert [(q.text_input, q.n, q.sampling_params.get("seed")) for q in fake.requests[1:]] == [("x", 2, 5), ("y", 2, 5)]
     assert all("n" not in q.sampling_params for q in fake.requests)
+    assert [b["text"] for b in batch] == ["choice-0", "choice-1", "choice-0", "choice-1"]
+    assert len({b["meta_info"]["id"] for b in batch}) == 4
     bad = httpx.post(base_url + "/generate", json={"text": "x", "image_data": "a.png"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "image_data"
     assert httpx.post(base_url + "/generate", json={"text": "x", "bogus": 1}).status_code == 400
@@ -548,7 +565,7 @@ def test_structured_output_params(client, fake):
     client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"})
     assert json.loads(fake.requests[-1].sampling_params["json_schema"]) == {"type": "object"}
     client.completions.create(model=MODEL, prompt="x", extra_body={"guided_choice": ["yes", "no."]})
-    assert fake.requests[-1].sampling_params["regex"] == "(yes|no\\.)"
+    assert fake.requests[-1].sampling_params["guided_choice"] == ["yes", "no."]  # the engine builds the grammar
     client.completions.create(model=MODEL, prompt="x", extra_body={"guided_grammar": 'root ::= "a"'})
     assert fake.requests[-1].sampling_params["ebnf"] == 'root ::= "a"'
     with pytest.raises(openai.BadRequestError):

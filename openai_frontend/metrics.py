@@ -1,0 +1,115 @@
+"""The frontend's own Prometheus metrics, served as text on GET /metrics.
+
+No client library: a handful of counters kept in plain dicts (one event loop per process, no
+locks needed) and rendered in the Prometheus text exposition format (version 0.0.4).
+
+* `frontend_requests_total{endpoint,status}`: finished HTTP requests.
+* `frontend_requests_in_flight{endpoint}`: requests being handled (streams included).
+* `frontend_streams_in_flight`: SSE responses being streamed.
+* `frontend_streams_total`: SSE responses started.
+* `frontend_request_duration_seconds{endpoint}`: histogram, until the last byte was sent.
+
+The engine's own metrics (KV blocks, queue, tokens, latencies) are on tritonserver's metrics
+port; these are the HTTP side.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Iterable
+
+# Paths reported under their own name; anything else is "other" (bounded label cardinality).
+ENDPOINTS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/generate", "/parse_function_call", "/v1/models",
+    "/health", "/health_generate", "/get_model_info", "/metrics", "/openapi.json",
+})
+
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def endpoint_label(path: str) -> str:
+    if path in ENDPOINTS:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return "other"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class FrontendMetrics:
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+        self.in_flight: dict[str, int] = {}
+        self.streams_in_flight = 0
+        self.streams_total = 0
+        # endpoint -> [bucket counts..., +Inf count], sum
+        self._hist: dict[str, list[int]] = {}
+        self._hist_sum: dict[str, float] = {}
+
+    # -- updates (called by the server middleware and SSEResponse) ----------------------------
+
+    def request_started(self, endpoint: str) -> None:
+        self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
+
+    def request_finished(self, endpoint: str, status: int, seconds: float) -> None:
+        self.in_flight[endpoint] -= 1
+        key = (endpoint, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        counts = self._hist.get(endpoint)
+        if counts is None:
+            counts = self._hist[endpoint] = [0] * (len(BUCKETS) + 1)
+            self._hist_sum[endpoint] = 0.0
+        counts[bisect.bisect_left(BUCKETS, seconds)] += 1
+        self._hist_sum[endpoint] += seconds
+
+    def stream_started(self) -> None:
+        self.streams_in_flight += 1
+        self.streams_total += 1
+
+    def stream_finished(self) -> None:
+        self.streams_in_flight -= 1
+
+    @property
+    def stream_hooks(self) -> tuple:
+        return self.stream_started, self.stream_finished
+
+    # -- exposition ---------------------------------------------------------------------------
+
+    def render(self) -> str:
+        lines: list[str] = []
+
+        def family(name: str, kind: str, help_text: str, samples: Iterable[str]) -> None:
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.extend(samples)
+
+        family(
+            "frontend_requests_total", "counter", "HTTP requests finished, by endpoint and status code.",
+            (f'frontend_requests_total{{endpoint="{_escape(e)}",status="{s}"}} {v}'
+             for (e, s), v in sorted(self.requests.items())),
+        )
+        family(
+            "frontend_requests_in_flight", "gauge", "HTTP requests being handled, by endpoint.",
+            (f'frontend_requests_in_flight{{endpoint="{_escape(e)}"}} {v}' for e, v in sorted(self.in_flight.items())),
+        )
+        family("frontend_streams_in_flight", "gauge", "Server-sent-event streams in progress.",
+               [f"frontend_streams_in_flight {self.streams_in_flight}"])
+        family("frontend_streams_total", "counter", "Server-sent-event streams started.",
+               [f"frontend_streams_total {self.streams_total}"])
+        samples = []
+        for e, counts in sorted(self._hist.items()):
+            label = _escape(e)
+            acc = 0
+            for bound, c in zip(BUCKETS, counts):
+                acc += c
+                samples.append(f'frontend_request_duration_seconds_bucket{{endpoint="{label}",le="{bound}"}} {acc}')
+            acc += counts[-1]
+            samples.append(f'frontend_request_duration_seconds_bucket{{endpoint="{label}",le="+Inf"}} {acc}')
+            samples.append(f'frontend_request_duration_seconds_sum{{endpoint="{label}"}} {self._hist_sum[e]:.6f}')
+            samples.append(f'frontend_request_duration_seconds_count{{endpoint="{label}"}} {acc}')
+        family("frontend_request_duration_seconds", "histogram",
+               "Time from the request's arrival to its last byte, by endpoint.", samples)
+        return "\n".join(lines) + "\n"
