@@ -120,6 +120,44 @@ def test_ensemble_chat_messages_through_template(client, hf):
     assert out["text_output"] == tok.decode(ref_ids, skip_special_tokens=True)
 
 
+def test_ensemble_n_samples_with_logprobs_and_penalties(client, hf):
+    """n > 1 interleaves its samples on one stream, each response tagged with its index;
+    logprobs ride in meta_info; the siblings reuse the prompt's cached blocks."""
+    tok, _ = hf
+    prompt = "Sampling surface through the ensemble: " * 3
+    params = {"temperature": 0.9, "seed": 5, "n": 3, "max_new_tokens": 8, "ignore_eos": True,
+              "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.1,
+              "return_logprob": True, "top_logprobs_num": 2}
+    chunks = list(client.stream_generate("ensemble", {
+        "text_input": prompt, "stream": True, "sampling_parameters": json.dumps(params),
+    }))
+    by_index: dict[int, list[dict]] = {}
+    for c in chunks:
+        meta = json.loads(c["meta_info"])
+        by_index.setdefault(meta["index"], []).append({**c, "meta": meta})
+    assert sorted(by_index) == [0, 1, 2]
+    n_prompt = len(tok(prompt).input_ids)
+    for index, items in by_index.items():
+        ids = np.concatenate([np.asarray(i["output_ids"]).reshape(-1) for i in items]).tolist()
+        assert len(ids) == 8 and items[-1]["finish_reason"] == "length"
+        assert "".join(i["text_output"] for i in items) == tok.decode(ids, skip_special_tokens=True)
+        lps = [e for i in items for e in i["meta"].get("output_token_logprobs", [])]
+        assert [t for _, t, _ in lps] == ids and all(lp <= 0 for lp, _, _ in lps)
+        tops = [t for i in items for t in i["meta"].get("output_top_logprobs", [])]
+        assert len(tops) == 8 and all(len(t) == 2 for t in tops)
+        cached = items[-1]["meta"]["cached_tokens"]
+        assert cached == (0 if index == 0 else (n_prompt - 1) // 16 * 16)
+    # Same seed, same request: same samples.
+    again = list(client.stream_generate("ensemble", {
+        "text_input": prompt, "stream": False, "sampling_parameters": json.dumps(params),
+    }))
+    assert len(again) == 3  # not streaming: one response per sample
+    for c in again:
+        meta = json.loads(c["meta_info"])
+        want = [i for i in by_index[meta["index"]]]
+        assert c["text_output"] == "".join(i["text_output"] for i in want)
+
+
 def _http(server, path: str, body: dict) -> tuple[int, bytes]:
     req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(), method="POST")
     try:
