@@ -165,7 +165,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self._load_weights(Path(model_path))
         c = self.config
-        cache_shape = (c.num_layers, num_blocks * block_size, c.num_kv_heads, c.head_dim)
+        # Head-major: gathering a sequence's slots yields [kvh, n, max_k, d], which batched
+        # matmuls read without a transposing copy.
+        cache_shape = (c.num_layers, c.num_kv_heads, num_blocks * block_size, c.head_dim)
         self.k_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
         self.inv_freq = _rope_inv_freq(c).to(self.device)
@@ -304,12 +306,12 @@ class ModelRunner:
                 k = _rms_norm(k, layer["k_norm"], c.rms_norm_eps)
             q = _rotate(q, cos, sin)
             k = _rotate(k, cos, sin)
-            self.k_cache[li].index_copy_(0, batch.slot_mapping, k)
-            self.v_cache[li].index_copy_(0, batch.slot_mapping, v)
+            self.k_cache[li].index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+            self.v_cache[li].index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
             attn = q.new_empty((q.shape[0], q_size))
             for g in batch.groups:
-                keys = self.k_cache[li][g.gather_slots]  # [n, max_k, kvh, d]
-                values = self.v_cache[li][g.gather_slots]
+                keys = self.k_cache[li][:, g.gather_slots]  # [kvh, n, max_k, d]
+                values = self.v_cache[li][:, g.gather_slots]
                 qp = q.new_zeros((g.num_seqs * g.max_q, c.num_heads, c.head_dim))
                 qp.index_copy_(0, g.query_slots, q[g.token_index])
                 out = self._attention(qp.view(g.num_seqs, g.max_q, c.num_heads, c.head_dim), keys, values, g.mask)
@@ -322,24 +324,23 @@ class ModelRunner:
         return F.linear(h, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [B, max_q, H, d], keys/values [B, max_k, kvh, d], mask [B, 1, max_q, max_k] -> [B, max_q, H, d].
+        """q [B, max_q, H, d], keys/values [kvh, B, max_k, d], mask [B, 1, max_q, max_k] -> [B, max_q, H, d].
 
         GQA without repeating K/V: the g query heads sharing a KV head are folded into the
-        query length, so each KV head is read once. On CPU an explicit matmul-softmax beats
-        SDPA's masked fallback several times over for these shapes; on CUDA SDPA's fused
-        kernels win.
+        query length, so each KV head is read once, and the KV head is the leading batch dim
+        so the gathered K/V are used in place. On CPU an explicit matmul-softmax beats SDPA's
+        masked fallback several times over for these shapes; on CUDA SDPA's fused kernels win.
         """
         c = self.config
         B, max_q = q.shape[0], q.shape[1]
         g = c.num_heads // c.num_kv_heads
-        qg = q.permute(0, 2, 1, 3).reshape(B, c.num_kv_heads, g * max_q, c.head_dim)
-        k = keys.transpose(1, 2)
-        v = values.transpose(1, 2)
-        m = mask[:, :, None].expand(B, 1, g, max_q, mask.shape[-1]).reshape(B, 1, g * max_q, mask.shape[-1])
+        kvh = c.num_kv_heads
+        qg = q.view(B, max_q, kvh, g, c.head_dim).permute(2, 0, 3, 1, 4).reshape(kvh, B, g * max_q, c.head_dim)
+        m = mask[:, 0, None].expand(B, g, max_q, mask.shape[-1]).reshape(1, B, g * max_q, mask.shape[-1])
         if q.is_cuda:
-            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=self.attn_scale)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=m, scale=self.attn_scale)
         else:
-            scores = torch.matmul(qg, k.transpose(-1, -2)) * self.attn_scale
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.attn_scale
             scores = scores.masked_fill_(~m, float("-inf")).softmax(dim=-1)
-            out = torch.matmul(scores.to(v.dtype), v)
-        return out.view(B, c.num_kv_heads, g, max_q, c.head_dim).permute(0, 3, 1, 2, 4).reshape(B, max_q, c.num_heads, c.head_dim)
+            out = torch.matmul(scores.to(values.dtype), values)
+        return out.view(kvh, B, g, max_q, c.head_dim).permute(1, 3, 0, 2, 4).reshape(B, max_q, c.num_heads, c.head_dim)
