@@ -131,8 +131,12 @@ class BatchInput:
     logits_index: torch.Tensor  # [S] packed index of each token whose logits are needed
 
 
-def _split_groups(q_lens: list[int], num_blocks: list[int]) -> list[list[int]]:
-    """Sequence indices grouped so that padding stays within about 2x of the real work."""
+def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True) -> list[list[int]]:
+    """Sequence indices grouped so that padding stays within about 2x of the real work.
+
+    `fine=False` (GPUs, where launches cost more than padded FLOPs) only separates decodes
+    from prefill chunks.
+    """
     order = sorted(range(len(q_lens)), key=lambda i: (q_lens[i] > 1, num_blocks[i], q_lens[i]))
     groups: list[list[int]] = []
     for i in order:
@@ -140,7 +144,7 @@ def _split_groups(q_lens: list[int], num_blocks: list[int]) -> list[list[int]]:
             g = groups[-1]
             first = g[0]
             same_kind = (q_lens[first] > 1) == (q_lens[i] > 1)
-            if same_kind and num_blocks[i] <= 2 * num_blocks[first] and q_lens[i] <= 2 * max(q_lens[first], 1):
+            if same_kind and (not fine or (num_blocks[i] <= 2 * num_blocks[first] and q_lens[i] <= 2 * max(q_lens[first], 1))):
                 g.append(i)
                 continue
         groups.append([i])
@@ -245,7 +249,7 @@ class ModelRunner:
 
         groups = []
         q_lens = [len(c[0]) for c in chunks]
-        for members in _split_groups(q_lens, [len(c[2]) for c in chunks]):
+        for members in _split_groups(q_lens, [len(c[2]) for c in chunks], fine=self.device.type != "cuda"):
             max_q = max(q_lens[i] for i in members)
             max_blocks = max(len(chunks[i][2]) for i in members)
             max_k = max_blocks * bs
