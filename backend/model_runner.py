@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -17,6 +18,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+
+import kernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -114,10 +117,13 @@ class AttentionGroup:
 
     token_index: torch.Tensor  # [Tg] packed indices of the group's new tokens
     query_slots: torch.Tensor  # [Tg] flat index row * max_q + i into the group's padded queries
-    gather_slots: torch.Tensor  # [n, max_k] cache slots of each sequence's context
-    mask: torch.Tensor  # [n, 1, max_q, max_k] key visible to query
+    gather_slots: Optional[torch.Tensor]  # [n, max_k] cache slots of each sequence's context
+    mask: Optional[torch.Tensor]  # [n, 1, max_q, max_k] key visible to query
     num_seqs: int
     max_q: int
+    # Decode groups on CUDA read the paged cache in place (kernels.paged_decode_attention).
+    block_tables: Optional[torch.Tensor] = None  # [n, max_blocks] int32
+    context_lens: Optional[torch.Tensor] = None  # [n] int32
 
 
 @dataclass
@@ -176,6 +182,9 @@ class ModelRunner:
         self.v_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
         self.inv_freq = _rope_inv_freq(c).to(self.device)
         self.attn_scale = c.head_dim**-0.5
+        # Decode attention straight from the paged cache with the Triton kernel (CUDA only;
+        # LLM_PAGED_DECODE=0 falls back to SDPA over gathered blocks).
+        self.use_paged_decode = self.device.type == "cuda" and os.environ.get("LLM_PAGED_DECODE", "1") != "0"
 
     # ---------------------------------------------------------------- weights
     def _load_weights(self, path: Path) -> None:
@@ -249,6 +258,7 @@ class ModelRunner:
 
         groups = []
         q_lens = [len(c[0]) for c in chunks]
+        paged_decode = self.use_paged_decode
         for members in _split_groups(q_lens, [len(c[2]) for c in chunks], fine=self.device.type != "cuda"):
             max_q = max(q_lens[i] for i in members)
             max_blocks = max(len(chunks[i][2]) for i in members)
@@ -265,12 +275,21 @@ class ModelRunner:
                 qpos[row, :n] = torch.arange(start, start + n)
                 token_index.extend(range(bases[i], bases[i] + n))
                 query_slots.extend(range(row * max_q, row * max_q + n))
+            token_index_t = torch.tensor(token_index, dtype=torch.long).to(dev)
+            query_slots_t = torch.tensor(query_slots, dtype=torch.long).to(dev)
+            if paged_decode and max_q == 1:
+                lens = qpos[:, 0] + 1
+                groups.append(
+                    AttentionGroup(token_index_t, query_slots_t, None, None, len(members), 1,
+                                   block_tables=tables.to(torch.int32).to(dev), context_lens=lens.to(torch.int32).to(dev))
+                )
+                continue
             gather = (tables[:, :, None] * bs + torch.arange(bs)[None, None, :]).reshape(len(members), max_k)
             mask = (torch.arange(max_k)[None, None, :] <= qpos[:, :, None])[:, None]
             groups.append(
                 AttentionGroup(
-                    token_index=torch.tensor(token_index, dtype=torch.long).to(dev),
-                    query_slots=torch.tensor(query_slots, dtype=torch.long).to(dev),
+                    token_index=token_index_t,
+                    query_slots=query_slots_t,
                     gather_slots=gather.to(dev),
                     mask=mask.to(dev),
                     num_seqs=len(members),
@@ -314,6 +333,13 @@ class ModelRunner:
             self.v_cache[li].index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
             attn = q.new_empty((q.shape[0], q_size))
             for g in batch.groups:
+                if g.block_tables is not None:
+                    out = kernels.paged_decode_attention(
+                        q[g.token_index], self.k_cache[li], self.v_cache[li], g.block_tables, g.context_lens,
+                        self.block_size, self.attn_scale, use_triton=True,
+                    )
+                    attn[g.token_index] = out.reshape(g.num_seqs, q_size)
+                    continue
                 keys = self.k_cache[li][:, g.gather_slots]  # [kvh, n, max_k, d]
                 values = self.v_cache[li][:, g.gather_slots]
                 qp = q.new_zeros((g.num_seqs * g.max_q, c.num_heads, c.head_dim))

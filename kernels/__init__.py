@@ -24,6 +24,7 @@ __all__ = [
     "top_k_top_p_min_p",
     "sample",
     "log_softmax",
+    "paged_decode_attention",
     "reference",
 ]
 
@@ -195,3 +196,27 @@ def log_softmax(logits: torch.Tensor, *, use_triton: bool | None = None) -> torc
     if _want_triton(logits, use_triton):
         return _launch("log_softmax", logits)
     return reference.log_softmax(logits)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """Decode attention over the paged KV cache: q [B, H, d], caches [kvh, slots, d],
+    block_tables [B, max_blocks], context_lens [B] -> [B, H, d]. See paged_attention.py."""
+    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError("q must be [B, H, d] and the caches [kvh, slots, d]")
+    if _want_triton(q, use_triton):
+        from . import paged_attention, triton_ops
+
+        if q.is_cuda == triton_ops.interpreted():
+            raise RuntimeError("paged_decode_attention: Triton mode does not match the tensor's device (TRITON_INTERPRET)")
+        return paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)

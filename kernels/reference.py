@@ -214,3 +214,31 @@ def sample(
 # ---------------------------------------------------------------------------------------------
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.to(torch.float32), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged decode attention
+# ---------------------------------------------------------------------------------------------
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its paged context: gather the blocks, mask, softmax."""
+    B, H, D = q.shape
+    kvh = k_cache.shape[0]
+    G = H // kvh
+    max_k = block_tables.shape[1] * block_size
+    slots = (block_tables.long()[:, :, None] * block_size + torch.arange(block_size, device=q.device)).reshape(B, max_k)
+    k = k_cache[:, slots].float()  # [kvh, B, max_k, D]
+    v = v_cache[:, slots].float()
+    qg = q.float().view(B, kvh, G, D).transpose(0, 1)  # [kvh, B, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [kvh, B, G, max_k]
+    visible = torch.arange(max_k, device=q.device)[None, :] < context_lens.long()[:, None]  # [B, max_k]
+    scores = scores.masked_fill(~visible[None, :, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1), v)  # [kvh, B, G, D]
+    return out.transpose(0, 1).reshape(B, H, D).to(q.dtype)

@@ -78,6 +78,24 @@ def test_staggered_mixed_batch_equals_hf_generate(engine, hf_model):
         assert results[i].finish_reason == "length"
 
 
+def test_paged_decode_kernel_path_equals_hf_generate(demo_model_path, hf_model):
+    """The CUDA decode path (Triton kernel reading the paged cache in place), run here in
+    Triton's interpreter: same greedy tokens as HF."""
+    import kernels.triton_ops as ops
+
+    if ops.interpreted() == (TEST_DEVICE == "cuda"):
+        pytest.skip("Triton mode does not match the device")
+    eng = make_engine(demo_model_path, num_kv_blocks=128, block_size=16, max_num_batched_tokens=256, max_model_len=512)
+    eng.model.use_paged_decode = True
+    try:
+        prompts = _prompts(eng, 3, seed=4)
+        outs = eng.generate(prompts, greedy(eng, max_new_tokens=6))
+        for p, out in zip(prompts, outs):
+            assert out.new_token_ids == hf_greedy(hf_model, p, 6)
+    finally:
+        eng.shutdown()
+
+
 def test_concurrent_threads_with_background_loop(engine, hf_model):
     prompts = _prompts(engine, 5, seed=1)
     results: dict[int, RequestOutput] = {}
