@@ -14,8 +14,18 @@ from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.settings import Settings
 from openai_frontend.tokenizer import ModelFiles
 
-_encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-dumps = _encoder.encode  # compact JSON, non-ASCII kept as is
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# Valid in JSON strings, but line breaks to str.splitlines(), which many SSE clients (httpx's
+# iter_lines among them) use to split events: always escaped.
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON, non-ASCII kept as is except the Unicode line separators."""
+    out = _encode(value)
+    if not out.isascii() and ("\u2028" in out or "\u2029" in out or "\x85" in out):
+        out = out.translate(_LINE_BREAKS)
+    return out
 
 
 def json_response(body: Any, status_code: int = 200, headers: Optional[dict[str, str]] = None) -> Response:

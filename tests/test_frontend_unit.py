@@ -833,3 +833,174 @@ def test_cli_starts_and_serves(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "openai_frontend", "--tool-call-parser", "nope"],
                          capture_output=True, text=True, cwd=REPO_ROOT)
     assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 7 (frontend parts): metrics, overload, limits, custom logit processors; OpenAPI
+# ---------------------------------------------------------------------------------------------
+
+
+def _metric(text: str, sample: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_count_requests_by_endpoint_and_status_and_streams(base_url, fake):
+    before = httpx.get(base_url + "/metrics")
+    assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+    ok = 'frontend_requests_total{endpoint="/v1/chat/completions",status="200"}'
+    bad = 'frontend_requests_total{endpoint="/v1/chat/completions",status="400"}'
+    n_ok, n_bad = _metric(before.text, ok), _metric(before.text, bad)
+    for _ in range(2):
+        httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES})
+    httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "n": 0})
+    fake.script = lambda req: [EngineChunk("t", [1], None, 3, i + 1) for i in range(200)]
+    fake.delay = 0.01
+    with httpx.stream("POST", base_url + "/v1/chat/completions",
+                      json={"model": MODEL, "messages": MESSAGES, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        during = httpx.get(base_url + "/metrics").text
+        assert _metric(during, "frontend_streams_in_flight") == 1
+        assert _metric(during, 'frontend_requests_in_flight{endpoint="/v1/chat/completions"}') == 1
+    deadline = time.monotonic() + 5
+    while _metric(httpx.get(base_url + "/metrics").text, "frontend_streams_in_flight") != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    after = httpx.get(base_url + "/metrics").text
+    assert _metric(after, ok) == n_ok + 3 and _metric(after, bad) == n_bad + 1
+    assert _metric(after, 'frontend_requests_in_flight{endpoint="/v1/chat/completions"}') == 0
+    assert 'frontend_request_duration_seconds_bucket{endpoint="/v1/chat/completions",le="+Inf"}' in after
+    httpx.get(base_url + "/no/such/route")
+    assert 'endpoint="other",status="404"' in httpx.get(base_url + "/metrics").text  # bounded labels
+
+
+def test_overload_and_unavailable_are_503_with_retry_after(client, base_url, fake):
+    from openai_frontend.triton_client import map_stream_error
+
+    err = map_stream_error("in ensemble 'ensemble', engine overloaded: 1024 requests are waiting")
+    assert err.status_code == 503 and err.code == "overloaded" and err.headers["Retry-After"]
+    fake.script = lambda req: err
+    for stream in (False, True):
+        r = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "stream": stream})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"] == {"message": err.message, "type": "service_unavailable_error", "param": None,
+                                     "code": "overloaded"}
+    r = httpx.post(base_url + "/generate", json={"text": "x"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+
+def test_request_body_size_limit_is_413():
+    fake = FakeLLMClient()
+    with serve_in_thread(create_app(Settings(model_name=MODEL, max_body_bytes=1000), client=fake)) as url:
+        big = {"model": MODEL, "prompt": "x" * 2000}
+        r = httpx.post(url + "/v1/completions", json=big)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+        def chunks():  # no content-length: counted while reading
+            yield b'{"model": "demo-model", "prompt": "'
+            for _ in range(10):
+                yield b"x" * 200
+            yield b'"}'
+
+        r = httpx.post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "too large" in r.json()["error"]["message"]
+        assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 200
+        assert not fake.requests[:-1]
+
+
+def test_stop_strings_limit(client, base_url):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, stop=[f"s{i}" for i in range(65)])
+    assert _error(err)["param"] == "stop"
+    r = httpx.post(base_url + "/generate", json={"text": "x", "sampling_params": {"stop": ["a"] * 65}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, stop=[f"s{i}" for i in range(64)])
+
+
+def test_custom_logit_processor_only_when_enabled(client, base_url, fake):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"custom_logit_processor": "{}"})
+    assert _error(err)["param"] == "custom_logit_processor"
+    r = httpx.post(base_url + "/generate", json={"text": "x", "custom_logit_processor": "{}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "custom_logit_processor"
+    r = httpx.post(base_url + "/generate", json={"text": "x", "sampling_params": {"custom_logit_processor": "{}"}})
+    assert r.status_code == 400
+    assert not fake.requests
+
+    enabled = FakeLLMClient()
+    with serve_in_thread(create_app(Settings(model_name=MODEL, enable_custom_logit_processor=True),
+                                    client=enabled)) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        c.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={
+            "custom_logit_processor": '{"callable": "x"}', "custom_params": {"k": 1}})
+        sp = enabled.requests[-1].sampling_params
+        assert sp["custom_logit_processor"] == '{"callable": "x"}' and sp["custom_params"] == {"k": 1}
+        httpx.post(url + "/generate", json={"text": "x", "custom_logit_processor": "P",
+                                            "sampling_params": {"custom_params": {"a": 2}}})
+        sp = enabled.requests[-1].sampling_params
+        assert sp["custom_logit_processor"] == "P" and sp["custom_params"] == {"a": 2}
+
+
+def test_unicode_line_separators_do_not_split_sse_events(client, base_url, fake):
+    pieces = ["a\u2028b", "c\u2029d", "e\x85f", "中文🙂"]
+    fake.script = lambda req: text_chunks(pieces)
+    # httpx's iter_lines splits on every str.splitlines() break: each event must stay one line
+    for path, body in [("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "stream": True}),
+                       ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}),
+                       ("/generate", {"text": "x", "stream": True})]:
+        with httpx.stream("POST", base_url + path, json=body) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert events
+    assert events[-1]["text"] == "".join(pieces)
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, stream=True) if c.choices)
+    assert text == "".join(pieces)
+
+
+def test_cached_tokens_and_engine_logprobs_pass_through(client, base_url, fake):
+    metas = [json.dumps({"index": 0, "cached_tokens": 16, "output_token_logprobs": [[-0.5, 100, "Hel"]],
+                         "output_top_logprobs": [[[-0.5, 100, "Hel"], [-1.5, 7, "Hi"]]],
+                         "input_token_logprobs": [[None, 1, "<s>"], [-2.0, 2, "x"]]}),
+             json.dumps({"index": 0, "cached_tokens": 16, "output_token_logprobs": [[-0.25, 101, "lo"]],
+                         "output_top_logprobs": [[[-0.25, 101, "lo"], [-3.0, 8, "p"]]]})]
+    fake.script = lambda req: text_chunks(["Hel", "lo"], meta=metas)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2)
+    assert r.usage.prompt_tokens_details.cached_tokens == 16
+    assert [(t.token, t.logprob) for t in r.choices[0].logprobs.content] == [("Hel", -0.5), ("lo", -0.25)]
+    sp = fake.requests[-1].sampling_params
+    assert sp["return_logprob"] and sp["top_logprobs_num"] == 2 and sp["return_text_in_logprobs"]
+    usage = [c.usage for c in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                             stream_options={"include_usage": True}) if c.usage]
+    assert usage[0].prompt_tokens_details.cached_tokens == 16
+
+    body = {"text": "x", "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    whole = httpx.post(base_url + "/generate", json=body).json()
+    meta = whole["meta_info"]
+    assert meta["cached_tokens"] == 16
+    assert meta["output_token_logprobs"] == [[-0.5, 100, "Hel"], [-0.25, 101, "lo"]]
+    assert meta["output_top_logprobs"][1] == [[-0.25, 101, "lo"], [-3.0, 8, "p"]]
+    assert meta["input_token_logprobs"] == [[None, 1, "<s>"], [-2.0, 2, "x"]]
+    assert fake.requests[-1].sampling_params["logprob_start_len"] == 0
+    with httpx.stream("POST", base_url + "/generate", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    last = events[-1]["meta_info"]
+    for m in (last, meta):
+        m.pop("e2e_latency"), m.pop("id")
+    assert last == meta  # cumulative streaming meta_info == non-streaming
+    assert events[0]["meta_info"]["output_token_logprobs"] == [[-0.5, 100, "Hel"]]
+
+
+def test_openapi_document_is_served_and_valid(base_url):
+    import jsonschema
+    from schemathesis.specs.openapi.definitions import OPENAPI_31
+
+    doc = httpx.get(base_url + "/openapi.json").json()
+    assert doc["openapi"].startswith("3.1")
+    jsonschema.validators.validator_for(OPENAPI_31)(OPENAPI_31).validate(doc)
+    for path in ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/models", "/health", "/metrics"):
+        assert path in doc["paths"]
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert chat["$ref"].endswith("ChatCompletionRequest")

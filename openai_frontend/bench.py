@@ -1,0 +1,313 @@
+"""Streaming vs non-streaming throughput of the frontend at a fixed concurrency.
+
+    python -m openai_frontend.bench --url http://127.0.0.1:9000 [--concurrency 64] [--requests 256]
+        [--max-tokens 64] [--endpoint chat|completions|generate] [--modes stream,plain]
+
+Sends `requests` generations with `concurrency` in flight (httpx, HTTP/1.1 keep-alive, one
+connection per worker), all with `ignore_eos` so every request produces exactly `max_tokens`
+tokens, once streaming (SSE) and once not, and prints tokens/s and requests/s for each and the
+streaming/non-streaming ratio. Streamed responses are parsed event by event (as a client must).
+
+    python -m openai_frontend.bench --fake [--chunk-delay S]
+
+runs the same load against an in-process frontend on a scripted engine (no Triton): the
+frontend's own per-chunk cost, isolated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any, Optional
+
+import httpx
+
+
+def _body(endpoint: str, max_tokens: int, stream: bool, i: int) -> tuple[str, dict[str, Any]]:
+    if endpoint == "chat":
+        return "/v1/chat/completions", {
+            "model": "demo", "messages": [{"role": "user", "content": f"Tell me a story number {i}."}],
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        }
+    if endpoint == "completions":
+        return "/v1/completions", {"model": "demo", "prompt": f"Story {i}: once upon a time", "max_tokens": max_tokens,
+                                   "ignore_eos": True, "stream": stream}
+    return "/generate", {"text": f"Story {i}: once upon a time", "stream": stream,
+                         "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True}}
+
+
+async def _one(http: httpx.AsyncClient, endpoint: str, max_tokens: int, stream: bool, i: int) -> int:
+    path, body = _body(endpoint, max_tokens, stream, i)
+    if not stream:
+        r = await http.post(path, json=body)
+        r.raise_for_status()
+        data = r.json()
+        if endpoint == "generate":
+            return data["meta_info"]["completion_tokens"]
+        return data["usage"]["completion_tokens"]
+    tokens = 0
+    async with http.stream("POST", path, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            if endpoint == "generate":
+                tokens = event["meta_info"]["completion_tokens"]
+            elif event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            elif endpoint == "completions":
+                tokens += sum(1 for c in event["choices"] if c.get("text"))
+    return tokens
+
+
+class _RawConnection:
+    """A minimal HTTP/1.1 keep-alive client (asyncio streams): a load generator cheap enough not
+    to be the bottleneck. It counts SSE events without parsing their JSON and reads the token
+    count from the usage of the last event / the body."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: Optional[asyncio.StreamReader] = None
+        self.writer: Optional[asyncio.StreamWriter] = None
+
+    async def request(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        payload = json.dumps(body).encode()
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+        )
+        reader = self.reader
+        status_line = await reader.readline()
+        status = int(status_line.split()[1])
+        length, chunked = None, False
+        while True:
+            line = await reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            name = name.strip().lower()
+            if name == "content-length":
+                length = int(value)
+            elif name == "transfer-encoding" and "chunked" in value:
+                chunked = True
+        if not chunked:
+            return status, await reader.readexactly(length or 0)
+        parts = []
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            parts.append(data[:-2])
+        return status, b"".join(parts)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _tokens_from(endpoint: str, stream: bool, raw: bytes) -> int:
+    if not stream:
+        data = json.loads(raw)
+        return data["meta_info"]["completion_tokens"] if endpoint == "generate" else data["usage"]["completion_tokens"]
+    if b"data: [DONE]" not in raw:
+        raise RuntimeError("stream ended without [DONE]")
+    events = raw.split(b"\n\ndata: ")
+    last = events[-2] if len(events) > 1 else events[0]
+    last = last.removeprefix(b"data: ")
+    data = json.loads(last)
+    if endpoint == "generate":
+        return data["meta_info"]["completion_tokens"]
+    if data.get("usage"):
+        return data["usage"]["completion_tokens"]
+    return raw.count(b"\n\ndata: {") + 1  # completions without usage: one event per token
+
+
+async def run_raw_load(url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
+                       max_tokens: int) -> dict[str, float]:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+    totals = {"tokens": 0, "requests": 0}
+
+    async def worker() -> None:
+        conn = _RawConnection(parsed.hostname or "127.0.0.1", parsed.port or 80)
+        try:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                path, body = _body(endpoint, max_tokens, stream, i)
+                if stream and endpoint == "completions":
+                    body["stream_options"] = {"include_usage": True}
+                status, raw = await conn.request(path, body)
+                if status != 200:
+                    raise RuntimeError(f"HTTP {status}: {raw[:300]!r}")
+                tokens = _tokens_from(endpoint, stream, raw)
+                totals["tokens"] += tokens
+                totals["requests"] += 1
+        finally:
+            conn.close()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "tokens": totals["tokens"], "requests": totals["requests"],
+            "tokens_per_s": totals["tokens"] / elapsed, "requests_per_s": totals["requests"] / elapsed}
+
+
+async def run_load(url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
+                   max_tokens: int) -> dict[str, float]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+    totals = {"tokens": 0, "requests": 0}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        async def worker() -> None:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                tokens = await _one(http, endpoint, max_tokens, stream, i)  # (not `+= await`: racy)
+                totals["tokens"] += tokens
+                totals["requests"] += 1
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "tokens": totals["tokens"], "requests": totals["requests"],
+            "tokens_per_s": totals["tokens"] / elapsed, "requests_per_s": totals["requests"] / elapsed}
+
+
+class _PacedEngine:
+    """A scripted engine that makes `max_new_tokens` tokens at `token_delay` seconds each, per
+    request, whether it streams them (one chunk per token) or not (one chunk at the end)."""
+
+    def __init__(self, token_delay: float) -> None:
+        self.delay = token_delay
+
+    async def generate(self, request):
+        from openai_frontend.engine_types import EngineChunk
+
+        n = request.sampling_params.get("max_new_tokens", 16)
+        meta = '{"index": 0, "cached_tokens": 0}'
+        if not request.stream:
+            if self.delay:
+                await asyncio.sleep(self.delay * n)
+            yield EngineChunk(" tok" * n, list(range(n)), "length", 12, n, meta)
+            return
+        for i in range(n):
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            yield EngineChunk(" tok", [i], "length" if i == n - 1 else None, 12, i + 1, meta)
+
+    async def is_ready(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+
+def _fake_app(token_delay: float, max_tokens: int):
+    from openai_frontend.server import create_app
+    from openai_frontend.settings import Settings
+
+    return create_app(Settings(model_name="demo"), client=_PacedEngine(token_delay))
+
+
+def _serve_fake(port: int, chunk_delay: float, max_tokens: int) -> None:
+    import uvicorn
+
+    uvicorn.run(_fake_app(chunk_delay, max_tokens), host="127.0.0.1", port=port, log_level="warning",
+                access_log=False, loop="uvloop", http="httptools")
+
+
+@contextlib.contextmanager
+def _fake_server(chunk_delay: float, max_tokens: int):
+    """The frontend on a scripted engine, in its own process (as deployed: the load generator
+    must not share its interpreter)."""
+    import subprocess
+    import sys
+
+    from openai_frontend.testing import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "openai_frontend.bench", "--serve-fake", str(port),
+                             "--chunk-delay", str(chunk_delay), "--max-tokens", str(max_tokens)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(url + "/v1/models", timeout=1)
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the fake frontend did not start") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m openai_frontend.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:9000")
+    p.add_argument("--fake", action="store_true", help="in-process frontend on a scripted engine")
+    p.add_argument("--chunk-delay", type=float, default=0.0,
+                   help="--fake: the scripted engine's seconds per token (streamed or not)")
+    p.add_argument("--endpoint", default="chat", choices=["chat", "completions", "generate"])
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--modes", default="plain,stream", help="order of the runs: plain,stream")
+    p.add_argument("--warmup", type=int, default=16, help="requests sent first, not measured")
+    p.add_argument("--client", default="raw", choices=["raw", "httpx"],
+                   help="raw: a minimal HTTP/1.1 load generator (default; counts SSE events without parsing "
+                        "them, so the client is not the bottleneck); httpx: parse every event as a client would")
+    p.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_fake:
+        _serve_fake(args.serve_fake, args.chunk_delay, args.max_tokens)
+        return
+
+    ctx = _fake_server(args.chunk_delay, args.max_tokens) if args.fake else contextlib.nullcontext(args.url)
+    with ctx as url:
+        results = {}
+        load = run_raw_load if args.client == "raw" else run_load
+        if args.warmup:
+            asyncio.run(load(url, endpoint=args.endpoint, stream=True, concurrency=min(args.concurrency, args.warmup),
+                                 requests=args.warmup, max_tokens=args.max_tokens))
+        for mode in args.modes.split(","):
+            stream = mode == "stream"
+            results[mode] = asyncio.run(load(url, endpoint=args.endpoint, stream=stream,
+                                                 concurrency=args.concurrency, requests=args.requests,
+                                                 max_tokens=args.max_tokens))
+            r = results[mode]
+            print(f"{mode:>6}: {r['requests']} requests, {r['tokens']} tokens in {r['seconds']:.2f} s: "
+                  f"{r['tokens_per_s']:.1f} tokens/s, {r['requests_per_s']:.2f} requests/s", flush=True)
+        if "plain" in results and "stream" in results:
+            ratio = results["stream"]["tokens_per_s"] / results["plain"]["tokens_per_s"]
+            print(f"streaming / non-streaming throughput: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,395 @@
+"""The official `openai` SDK, unmodified, against the frontend on the real tritonserver (the
+repository's model_repository/ with the demo model): chat and completions, streaming or not,
+usage, n, logprobs, stop strings, seeds, vLLM extras, response_format json_schema, and tool
+calling with tool_choice auto / none / required / named plus a full tool round trip.
+
+The demo model has random weights, so checks are about the serving contract (what the engine
+must guarantee: constraints hold, streaming equals non-streaming, seeds reproduce, stops cut),
+never about the meaning of the text. One tritonserver and one frontend for the module.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from client.local_server import triton_home
+from openai_frontend.server import create_app
+from openai_frontend.settings import Settings
+from openai_frontend.testing import serve_in_thread, start_triton, wait_kv_blocks_free
+
+MODEL = "demo"
+MESSAGES = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+GREEDY = {"temperature": 0}
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TIME_PARAMS = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "JST"]}, "verbose": {"type": "boolean"}},
+    "required": ["zone", "verbose"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast for a city",
+                                      "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "get_time", "description": "Current time in a zone",
+                                      "parameters": TIME_PARAMS}},
+]
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+
+
+@pytest.fixture(scope="module")
+def triton(demo_model_path, tmp_path_factory):
+    if not (triton_home() / "backends" / "python" / "triton_python_backend_stub").exists():
+        pytest.skip("tritonserver's Python backend stub is not installed (scripts/setup.sh)")
+    server = start_triton(demo_model_path, tmp_path_factory.mktemp("triton") / "server.log")
+    yield server
+    server.stop(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(triton):
+    settings = Settings(triton_url=triton.grpc_url, model_name=MODEL, tool_call_parser="qwen25")
+    with serve_in_thread(create_app(settings)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model_path)
+
+
+@pytest.fixture(autouse=True)
+def _blocks_freed(triton):
+    yield
+    wait_kv_blocks_free(triton.metrics_url)
+
+
+def _template_tokens(tok, messages, tools=None) -> int:
+    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return len(tok(text).input_ids)
+
+
+def _stream_chat(client, **kwargs):
+    """(texts by choice, finish reasons by choice, usage, chunks) of a streamed chat completion."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    usage = None
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    return texts, finish, usage, chunks
+
+
+# ---------------------------------------------------------------------------------------------
+# chat and completions
+# ---------------------------------------------------------------------------------------------
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_streaming_equals_non_streaming_with_usage(client, tok):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=16, **GREEDY)
+    r = client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == _template_tokens(tok, MESSAGES)
+    assert 0 < r.usage.completion_tokens <= 16
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details is not None  # the engine's prefix-cache count
+
+    texts, finish, usage, chunks = _stream_chat(client, stream_options={"include_usage": True}, **kwargs)
+    assert texts == {0: choice.message.content} and finish == {0: choice.finish_reason}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert usage.prompt_tokens == r.usage.prompt_tokens and usage.completion_tokens == r.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+
+    # max_completion_tokens is the newer name of max_tokens
+    short = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=3,
+                                           extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+
+
+def test_completions_streaming_equals_non_streaming(client, tok):
+    prompt = "The quick brown fox"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY)
+    assert r.object == "text_completion" and r.usage.prompt_tokens == len(tok(prompt).input_ids)
+    text = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, stream=True, **GREEDY) if ch.choices)
+    assert text == r.choices[0].text
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, echo=True, **GREEDY)
+    assert echo.choices[0].text == prompt + r.choices[0].text
+    by_ids = client.completions.create(model=MODEL, prompt=tok(prompt).input_ids, max_tokens=12, **GREEDY)
+    assert by_ids.choices[0].text == r.choices[0].text
+    batch = client.completions.create(model=MODEL, prompt=[prompt, "Hello"], max_tokens=12, **GREEDY)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == r.choices[0].text
+
+
+def test_n_choices_and_seed_reproducibility(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=12, n=2, seed=1234, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kwargs)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 24
+    again = client.chat.completions.create(**kwargs)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    texts, finish, _, _ = _stream_chat(client, **kwargs)  # the same seed streams the same samples
+    assert texts == {0: r.choices[0].message.content, 1: r.choices[1].message.content}
+    assert finish == {0: "length", 1: "length"}
+    other = client.chat.completions.create(**{**kwargs, "seed": 4321})
+    assert [c.message.content for c in other.choices] != [c.message.content for c in r.choices]
+
+    # completions: a batch of 2 prompts x n=2 -> choices 0..3, prompt-major
+    batch = client.completions.create(model=MODEL, prompt=["Once", "Twice"], max_tokens=4, n=2, seed=9,
+                                      extra_body={"ignore_eos": True})
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.usage.completion_tokens == 16
+
+
+def test_logprobs_chat_and_completions(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=3, **GREEDY,
+                  extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kwargs)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].token == item.token  # greedy: the chosen token is the top one
+        assert abs(item.top_logprobs[0].logprob - item.logprob) < 1e-4
+        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+    tokens = "".join(item.token for item in content)
+    if "\ufffd" not in tokens:  # tokens that are whole characters spell the text
+        assert tokens == r.choices[0].message.content
+    streamed = [lp for ch in client.chat.completions.create(stream=True, **kwargs)
+                for c in ch.choices if c.logprobs and c.logprobs.content for lp in c.logprobs.content]
+    assert [(x.token, round(x.logprob, 4)) for x in streamed] == [(x.token, round(x.logprob, 4)) for x in content]
+
+    ids = client.chat.completions.create(**{**kwargs, "extra_body": {"ignore_eos": True,
+                                                                    "return_tokens_as_token_ids": True}})
+    assert all(item.token.startswith("token_id:") for item in ids.choices[0].logprobs.content)
+
+    c = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, logprobs=2, **GREEDY,
+                                  extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v, abs=1e-4)
+               for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_stop_strings_and_stop_token_ids(client):
+    base = dict(model=MODEL, prompt="Tell me a story about a dragon.", max_tokens=24, **GREEDY)
+    full = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
+    # a stop string first occurring in the middle of the output
+    for start in range(len(full) // 3, len(full) - 3):
+        stop = full[start:start + 3]
+        if full.find(stop) == start and stop.strip():
+            break
+    else:
+        pytest.skip("no usable stop string in this output")
+    cut = client.completions.create(**base, stop=[stop, "\x00never"], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == full[:start] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        **base, stop=stop, stream=True, extra_body={"ignore_eos": True}) if ch.choices)
+    assert streamed == full[:start]
+    kept = client.completions.create(**base, stop=stop, extra_body={"ignore_eos": True,
+                                                                     "include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[:start + len(stop)]
+
+    # stop_token_ids (vLLM extra): the ids come from return_tokens_as_token_ids
+    chat = dict(model=MODEL, messages=MESSAGES, max_tokens=10, logprobs=True, **GREEDY)
+    r = client.chat.completions.create(**chat, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    ids = [int(item.token.split(":")[1]) for item in r.choices[0].logprobs.content]
+    target = ids[4]
+    stopped = client.chat.completions.create(**chat, extra_body={"ignore_eos": True, "stop_token_ids": [target]})
+    assert stopped.usage.completion_tokens == ids.index(target) + 1
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_vllm_extra_sampling_parameters(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=10)
+    greedy = client.chat.completions.create(**kwargs, **GREEDY, extra_body={"ignore_eos": True})
+    top1 = client.chat.completions.create(**kwargs, temperature=1.0, extra_body={"top_k": 1, "ignore_eos": True})
+    assert top1.choices[0].message.content == greedy.choices[0].message.content
+    r = client.chat.completions.create(**kwargs, extra_body={
+        "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 10, "seed": 3})
+    assert r.usage.completion_tokens == 10
+    r = client.chat.completions.create(**kwargs, frequency_penalty=0.5, presence_penalty=0.5, top_p=0.9, seed=5)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**kwargs, temperature=-1)
+    assert "temperature" in str(err.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**kwargs, extra_body={"no_such_parameter": 1})
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+
+
+def test_streamed_chat_keeps_cjk_and_emoji(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "写一首关于月亮的诗 🌙 please, with  spaces"}],
+                  max_tokens=40, seed=11, temperature=1.0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    texts, _, _, _ = _stream_chat(client, **kwargs)
+    assert texts[0] == whole
+
+
+# ---------------------------------------------------------------------------------------------
+# structured output
+# ---------------------------------------------------------------------------------------------
+
+
+def test_response_format_json_schema(client):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 120},
+                       "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "maxItems": 3}},
+        "required": ["name", "age", "tags"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}],
+                  response_format=fmt, max_tokens=120, seed=2)
+    r = client.chat.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "stop", r.choices[0]
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    texts, _, _, _ = _stream_chat(client, **kwargs)
+    assert texts[0] == r.choices[0].message.content
+    obj = client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"},
+                                         max_tokens=120, seed=2)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = client.completions.create(model=MODEL, prompt="Yes or no?", max_tokens=5,
+                                       extra_body={"guided_choice": ["yes", "no", "maybe not"]})
+    assert choice.choices[0].text in ("yes", "no", "maybe not")
+    regex = client.completions.create(model=MODEL, prompt="A date:", max_tokens=20,
+                                      extra_body={"guided_regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"})
+    assert len(regex.choices[0].text) == 10 and regex.choices[0].text.startswith("20")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
+
+
+# ---------------------------------------------------------------------------------------------
+# tools
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_call(call) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return args
+
+
+def _stream_tool_calls(client, **kwargs):
+    """Tool calls reassembled from streamed deltas: the first delta of a call has id, type and
+    name; later ones only argument fragments."""
+    calls: dict[int, dict] = {}
+    content = ""
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                if d.id is not None:
+                    assert d.index not in calls and d.function.name and d.type == "function"
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": d.function.arguments or ""}
+                else:
+                    assert d.function.name is None
+                    calls[d.index]["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], content, finish
+
+
+def test_tool_choice_named_is_enforced_streaming_equals_non_streaming(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=100, seed=5,
+                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    r = client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+    args = _check_call(choice.message.tool_calls[0])
+    calls, content, finish = _stream_tool_calls(client, **kwargs)
+    assert finish == "tool_calls" and not content.strip()
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_time", args)]
+    assert calls[0]["arguments"] == choice.message.tool_calls[0].function.arguments
+
+
+def test_tool_choice_required_is_enforced(client):
+    for seed in (1, 2, 3):
+        kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=100, seed=seed,
+                      tool_choice="required", parallel_tool_calls=False)
+        r = client.chat.completions.create(**kwargs)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert len(choice.message.tool_calls) == 1
+        assert choice.message.tool_calls[0].function.name in SCHEMAS
+        _check_call(choice.message.tool_calls[0])
+        calls, _, finish = _stream_tool_calls(client, **kwargs)
+        assert finish == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+
+
+def test_tool_choice_auto_and_none_render_the_tools_or_not(client, tok):
+    auto = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="auto",
+                                          max_tokens=30, seed=1)
+    assert auto.usage.prompt_tokens == _template_tokens(tok, MESSAGES, TOOLS)
+    choice = auto.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    for call in choice.message.tool_calls or []:  # a random model rarely calls; if it does, it parses
+        assert call.function.name in SCHEMAS
+    none = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                          max_tokens=5)
+    assert none.usage.prompt_tokens == _template_tokens(tok, MESSAGES)
+    assert not none.choices[0].message.tool_calls
+
+
+def test_tool_round_trip(client, tok):
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=100, seed=7,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    args = _check_call(call)
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                             "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=20, seed=7)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the tool call and its result were rendered by the chat template (arguments as an object)
+    reference = [
+        *MESSAGES,
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
+    ]
+    rendered = tok.apply_chat_template(reference, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert '"temperature": 21' in rendered and "get_weather" in rendered.split("<|im_start|>user")[-1]
+    assert second.usage.prompt_tokens == len(tok(rendered).input_ids)
