@@ -23,6 +23,9 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # Prefill tokens per step while other sequences decode (chunked prefill keeps their
+    # inter-token latency bounded). None: 256 on CPU, 512 on CUDA.
+    max_prefill_tokens_while_decoding: Optional[int] = None
     max_model_len: Optional[int] = None
     seed: int = 0
     # Requests past this many waiting ones are refused as overloaded (bounded memory under load).
@@ -32,6 +35,11 @@ class EngineConfig(BaseModel):
     # Loading a serialized CustomLogitProcessor runs code from the request: off unless enabled.
     enable_custom_logit_processor: bool = False
     sampling_defaults: Literal["model", "openai"] = "model"
+
+    def prefill_cap(self) -> int:
+        if self.max_prefill_tokens_while_decoding is not None:
+            return self.max_prefill_tokens_while_decoding
+        return 512 if self.device.startswith("cuda") else 256
 
     def torch_dtype(self) -> Optional[torch.dtype]:
         return getattr(torch, self.dtype) if self.dtype else None

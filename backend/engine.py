@@ -83,7 +83,9 @@ class LLMEngine:
             model_path, probe.num_blocks, config.block_size, device=device, dtype=config.torch_dtype()
         )
         self.block_manager = BlockManager(probe.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_cap()
+        )
         self.sampler = Sampler(self.model.config.vocab_size)
         self._seed_rng = random.Random(config.seed)
         self._grammar_compiler: Any = None

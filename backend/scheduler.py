@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Optional
 
 from backend.block_manager import BlockManager
 from backend.sequence import FinishReason, Sequence, SequenceStatus
@@ -35,10 +36,19 @@ def _prefilled(seq: Sequence) -> bool:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_prefill_tokens_while_decoding: Optional[int] = None,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # While streams are decoding, a step's prefill work is capped so their inter-token
+        # latency stays bounded; an idle batch prefills with the whole budget.
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -55,11 +65,20 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         bm = self.block_manager
 
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        prefill_left = self.max_prefill_tokens_while_decoding if decoding else budget
+
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_left)
+            if n <= 0:
+                i += 1
+                continue
+            if remaining > 1:
+                prefill_left -= n
             target = seq.num_computed_tokens + n
             while not bm.can_allocate(seq, target) and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
@@ -81,7 +100,9 @@ class Scheduler:
                 break  # its sibling's prompt blocks are about to be cached: share them
             hits = bm.match_prefix(seq)
             start = len(hits) * bm.block_size
-            n = min(seq.num_tokens - start, budget)
+            n = min(seq.num_tokens - start, budget, prefill_left if seq.num_tokens - start > 1 else budget)
+            if n <= 0:
+                break
             if not bm.can_admit(seq, hits, start + n):
                 break
             self.waiting.popleft()
@@ -96,6 +117,8 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            if n > 1:
+                prefill_left -= n
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:

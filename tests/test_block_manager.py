@@ -154,3 +154,20 @@ def test_different_content_never_hits_and_disabled_cache_never_shares():
     _admit_and_compute(sched2, _tokens_seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     assert bm2.match_prefix(_tokens_seq([1, 2, 3, 5, 5, 6, 7, 8, 9])) == []
     assert len(bm2.match_prefix(_tokens_seq([1, 2, 3, 4, 0, 0, 0, 0, 9]))) == 1
+
+
+def test_prefill_is_capped_while_others_decode():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=8)
+    short = _seq(3)
+    _admit_and_compute(sched, short)
+    short.token_ids.append(9)  # now decoding
+    long = _seq(40)
+    sched.add(long)
+    step = sched.schedule()
+    assert sorted((i.seq is long, i.num_new_tokens) for i in step) == [(False, 1), (True, 8)]
+    # Alone, a prompt gets the whole budget.
+    bm2 = BlockManager(num_blocks=64, block_size=4)
+    sched2 = Scheduler(bm2, max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=8)
+    sched2.add(_seq(40))
+    assert [i.num_new_tokens for i in sched2.schedule()] == [40]

@@ -1,0 +1,614 @@
+"""Structured output: compile per-request constraints with xgrammar, one matcher per sequence.
+
+Kinds (`SamplingParams.constraint`): ``json_schema``, ``regex``, ``ebnf`` (xgrammar's EBNF, the
+GBNF dialect) and ``structural_tag`` (SGLang's legacy ``{"structures": [...], "triggers": [...]}``
+or xgrammar's ``{"type": "structural_tag", "format": {...}}``).
+
+The engine uses three things:
+
+* ``GrammarCompiler.submit(kind, spec)`` returns a ``concurrent.futures.Future`` at once. The
+  compile runs on a worker thread (xgrammar releases the GIL while it computes token masks, so
+  the step loop keeps running). Compiled grammars are cached by ``(kind, spec)`` (LRU); equal
+  specs submitted while one is compiling share that compile. A compile that runs longer than
+  ``compile_timeout_s`` fails its future with ``GrammarError("... took longer than ...")``; the
+  thread cannot be killed and finishes in the background, but it gives its worker slot back, and
+  at most ``max_abandoned`` (default ``2 * max_workers``) such abandoned compiles may run at once
+  (beyond that, new compiles wait in the queue, and a compile that waits longer than
+  ``compile_timeout_s`` for a worker fails too). Every future therefore resolves within about twice ``compile_timeout_s``.
+* ``GrammarCompiler.matcher(compiled)`` gives a ``GrammarState`` for one sequence.
+* Per step: ``state.fill_bitmask(bitmask, row)`` before the draw (masked logits are set to -inf
+  by ``kernels.apply_token_bitmask``), then ``state.accept(token)`` with the drawn token, then
+  ``state.is_terminated``.
+
+EOS: the matcher treats the model's stop tokens (EOS) as part of the grammar. It allows a stop
+token only where the grammar can end (e.g. after the closing ``}`` of a JSON document), and it
+allows nothing *but* stop tokens once the grammar is complete and cannot continue. Accepting a stop
+token terminates the matcher (``is_terminated`` becomes True). Stop tokens are the ids given as
+``stop_token_ids``, or else the tokenizer's ``eos_token_id`` plus the ``eos_token_id`` of the
+model directory's ``generation_config.json`` (the same set the engine stops on).
+
+JSON schema settings and why:
+
+* ``strict_mode=True`` (as vLLM and SGLang compile): an object schema that declares
+  ``properties`` gets only those members unless it says ``additionalProperties``, and a
+  ``prefixItems`` array gets no extra items. Every output is still valid under standard JSON Schema
+  semantics (it is a subset of what the schema allows), and models do not invent keys. A schema
+  that declares no properties, ``{"type": "object"}`` (OpenAI's ``json_object``) in particular,
+  still allows arbitrary members with arbitrary values: xgrammar 0.2.8 applies strictness only to
+  declared properties (tests check this).
+* ``any_whitespace=True`` with at most ``JSON_MAX_WHITESPACE`` consecutive whitespace characters:
+  models may format JSON as they were trained to (compact or indented), but a model cannot
+  emit whitespace forever between two tokens of the document.
+* ``minLength``/``maxLength`` on a string without a ``pattern`` are rewritten into the equivalent
+  ``pattern`` ``^[\s\S]{min,max}$`` before compiling. xgrammar 0.2.8 compiles length-bounded
+  strings to a bare character class that admits raw control characters (U+0000-U+001F), which
+  makes invalid JSON (mlc-ai/xgrammar#800; fixes pending in #822/#880); its ``pattern`` path is
+  JSON-string aware and never emits them. Both paths count code points and neither emits escape
+  sequences (``\n``, ``\"``) inside a bounded string. A string with both ``pattern`` and a
+  length bound keeps only the ``pattern`` (xgrammar ignores the bound there).
+* The schema is checked against its JSON Schema meta-schema first (``jsonschema``), so a typo such
+  as ``"type": "strin"`` or ``"minLength": -1`` is refused with the meta-schema's message.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import re
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+__all__ = ["GrammarError", "GrammarCompiler", "GrammarState", "allocate_bitmask", "KINDS", "JSON_MAX_WHITESPACE"]
+
+KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+# At most this many consecutive whitespace characters between JSON tokens (see module docstring).
+JSON_MAX_WHITESPACE = 16
+
+
+# Compile threads alive in this process. At exit we wait for them (up to EXIT_WAIT_S): a thread
+# still inside xgrammar while the interpreter finalizes can crash the process (SIGSEGV/abort).
+EXIT_WAIT_S = 30.0
+_LIVE: "set[threading.Thread]" = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _join_compile_threads(timeout: float = EXIT_WAIT_S) -> bool:
+    """Wait for every compile thread of the process; True if none is left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with _LIVE_LOCK:
+            live = [t for t in _LIVE if t.is_alive()]
+        if not live:
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        live[0].join(timeout=left)
+
+
+atexit.register(_join_compile_threads)
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be used; the message names the kind and the problem."""
+
+
+def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
+    """A CPU int32 bitmask [batch, ceil(vocab_size / 32)], all tokens allowed (every bit set).
+
+    Bit ``t % 32`` of word ``t // 32`` in a row is 1 when token ``t`` is allowed.
+    """
+    if batch < 0 or vocab_size <= 0:
+        raise ValueError(f"need batch >= 0 and vocab_size > 0, got {batch}, {vocab_size}")
+    return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+# xgrammar's C++ errors read "[07:21:28] /project/cpp/x.cc:83: Check failed: (...) is false: msg".
+_CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+?:\d+:\s*")
+_CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:\s*")
+_EBNF_POSITION = re.compile(r"EBNF parser error at line \d+, column \d+:\s*")
+
+
+def _clean(message: str, kind: str) -> str:
+    lines = [ln for ln in str(message).strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else str(message)
+    text = _CHECK_FAILED.sub("", _CPP_PREFIX.sub("", text)).strip()
+    if kind == "regex":
+        # xgrammar converts a regex to EBNF first; positions in that EBNF mean nothing to the client.
+        text = _EBNF_POSITION.sub("", text)
+    return text[:500]
+
+
+def _load_json(spec: str, kind: str) -> Any:
+    try:
+        return json.loads(spec)
+    except (TypeError, ValueError) as exc:
+        raise GrammarError(f"invalid {kind}: not valid JSON: {exc}") from None
+
+
+def _check_json_schema(schema: Any) -> None:
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"invalid json_schema: a schema must be a JSON object or boolean, got {type(schema).__name__}")
+    if isinstance(schema, bool):
+        return
+    try:
+        import jsonschema
+    except ImportError:  # xgrammar still reports what it cannot convert
+        return
+    try:
+        cls = jsonschema.validators.validator_for(schema)
+        cls.check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise GrammarError(f"invalid json_schema: {exc.message}" + (f" (at {where})" if where else "")) from None
+    except Exception as exc:  # unknown $schema dialect and the like
+        raise GrammarError(f"invalid json_schema: {exc}") from None
+
+
+# Keywords whose values are subschemas (JSON Schema 2020-12 and draft 7), for _bounded_strings.
+_SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "additionalItems", "unevaluatedItems",
+              "contains", "propertyNames", "not", "if", "then", "else", "contentSchema")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def _bounded_strings(schema: Any) -> Any:
+    """A copy of ``schema`` where every ``minLength``/``maxLength`` without a ``pattern`` is the
+    equivalent ``pattern`` (see the module docstring: xgrammar#800). Data (enum, const, default,
+    examples) is never touched."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _bounded_strings(out[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _bounded_strings(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_bounded_strings(v) for v in out[key]]
+    lo, hi = out.get("minLength"), out.get("maxLength")
+    if (lo is not None or hi is not None) and "pattern" not in out and "format" not in out:
+        lo = int(lo) if isinstance(lo, (int, float)) else 0
+        hi = str(int(hi)) if isinstance(hi, (int, float)) else ""
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        out["pattern"] = f"^[\\s\\S]{{{lo},{hi}}}$"
+    return out
+
+
+def _bounded_strings_in_format(fmt: Any) -> Any:
+    """_bounded_strings for every json_schema inside a structural-tag format tree."""
+    if isinstance(fmt, list):
+        return [_bounded_strings_in_format(v) for v in fmt]
+    if not isinstance(fmt, dict):
+        return fmt
+    out = {k: _bounded_strings_in_format(v) for k, v in fmt.items() if k != "json_schema"}
+    if "json_schema" in fmt:
+        out["json_schema"] = _bounded_strings(fmt["json_schema"]) if fmt.get("type") == "json_schema" else fmt["json_schema"]
+    return out
+
+
+def _generation_config_eos(tokenizer: Any) -> list[int]:
+    name = getattr(tokenizer, "name_or_path", None)
+    if not name:
+        return []
+    path = Path(str(name)) / "generation_config.json"
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    if isinstance(eos, int):
+        return [eos]
+    return [t for t in eos if isinstance(t, int)] if isinstance(eos, list) else []
+
+
+class GrammarState:
+    """One sequence's position in its grammar (an ``xgrammar.GrammarMatcher``). Not thread-safe:
+    the engine's step loop is its only user.
+
+    The grammar's stop tokens (EOS) are allowed by ``fill_bitmask`` only where the grammar can end;
+    accepting one makes ``is_terminated`` True, and the sequence should finish then.
+    """
+
+    __slots__ = ("_matcher", "_words", "_num_accepted")
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._words = (vocab_size + 31) // 32
+        self._num_accepted = 0
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (CPU int32 [B, ceil(vocab/32)], as from
+        ``allocate_bitmask``). Other rows are left alone. Stop tokens are set only where the grammar
+        may end. Once terminated, the row allows nothing but stop tokens."""
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
+            raise ValueError(f"bitmask must be a 2-D CPU int32 tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+        if bitmask.shape[1] != self._words:
+            raise ValueError(f"bitmask has {bitmask.shape[1]} words per row, the grammar's vocabulary needs {self._words}")
+        if not 0 <= row < bitmask.shape[0]:
+            raise IndexError(f"row {row} is out of range for a bitmask of {bitmask.shape[0]} rows")
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token. False (and no change) if the grammar does not allow it here, or the
+        grammar has already terminated."""
+        if self._matcher.is_terminated():
+            return False
+        ok = bool(self._matcher.accept_token(int(token_id)))
+        self._num_accepted += ok
+        return ok
+
+    @property
+    def is_terminated(self) -> bool:
+        """True once a stop token (EOS) has been accepted at a point where the grammar may end."""
+        return bool(self._matcher.is_terminated())
+
+    @property
+    def is_completed(self) -> bool:
+        """True when the text so far is a complete match (a stop token would be accepted now)."""
+        return bool(self._matcher.is_completed())
+
+    @property
+    def num_accepted(self) -> int:
+        return self._num_accepted
+
+    def jump_forward_string(self) -> str:
+        """The text the grammar forces next ("" if none). Informational: the engine does not
+        jump forward."""
+        return self._matcher.find_jump_forward_string()
+
+
+class _Job:
+    __slots__ = ("key", "future", "state", "deadline", "abandoned")
+
+    def __init__(self, key: tuple[str, str], deadline: float) -> None:
+        self.key = key
+        self.future: Future = Future()
+        self.state = "queued"  # queued -> running -> done
+        self.deadline = deadline
+        self.abandoned = False
+
+
+class GrammarCompiler:
+    """Compiles constraints off the caller's thread, with a cache and a per-compile time limit.
+
+    ``vocab_size`` is the model's vocabulary (logits width), which may exceed the tokenizer's;
+    ids the tokenizer does not have are never allowed. ``max_workers`` compiles run at once.
+    Optional keywords: ``stop_token_ids``, the ids that end a sequence (see the module docstring
+    for the default); ``max_abandoned`` (default ``2 * max_workers``), how many timed-out compiles
+    may still run in the background before new compiles wait for one of them to finish.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        *,
+        max_workers: int = 2,
+        cache_size: int = 256,
+        compile_timeout_s: float = 10.0,
+        stop_token_ids: Optional[Iterable[int]] = None,
+        max_abandoned: Optional[int] = None,
+    ) -> None:
+        import xgrammar as xgr
+
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if compile_timeout_s <= 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
+        self._xgr = xgr
+        self.vocab_size = int(vocab_size)
+        if stop_token_ids is None:
+            stops = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
+            stops += _generation_config_eos(tokenizer)
+        else:
+            stops = list(stop_token_ids)
+        self.stop_token_ids = sorted({int(t) for t in stops if 0 <= int(t) < self.vocab_size})
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+        )
+        self.stop_token_ids = list(self.tokenizer_info.stop_token_ids)
+        # Our LRU is the cache; xgrammar's own (unbounded by default) is off. One xgrammar thread per
+        # compile: parallelism comes from our workers, and xgrammar's internal pool threads abort
+        # the process (std::terminate) if it exits while an abandoned compile still runs.
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        self.max_workers = max_workers
+        self.max_abandoned = 2 * max_workers if max_abandoned is None else max(0, int(max_abandoned))
+        self.cache_size = max(0, int(cache_size))
+        self.compile_timeout_s = float(compile_timeout_s)
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._cache: "collections.OrderedDict[tuple[str, str], _Job]" = collections.OrderedDict()
+        self._queue: "collections.deque[_Job]" = collections.deque()
+        self._active: list[_Job] = []  # queued or running, watched for deadlines
+        self._running = 0
+        self._abandoned = 0
+        self._closed = False
+        self._watchdog: Optional[threading.Thread] = None
+        self._threads: "set[threading.Thread]" = set()
+        # Counters (tests, metrics).
+        self.num_compiles = 0
+        self.num_cache_hits = 0
+        self.num_timeouts = 0
+
+    # ------------------------------------------------------------------ public
+    def submit(self, kind: str, spec: str) -> Future:
+        """Start compiling (or reuse a cached compile). Never blocks. The future's result is a
+        compiled grammar for ``matcher``; its exception is a ``GrammarError``."""
+        out: Future = Future()
+        if kind not in KINDS:
+            out.set_exception(GrammarError(f"unknown constraint kind {kind!r}; expected one of {', '.join(KINDS)}"))
+            return out
+        if not isinstance(spec, str):
+            out.set_exception(GrammarError(f"invalid {kind}: the spec must be a string, got {type(spec).__name__}"))
+            return out
+        key = (kind, spec)
+        with self._lock:
+            if self._closed:
+                out.set_exception(GrammarError("the grammar compiler is shut down"))
+                return out
+            job = self._cache.get(key)
+            if job is not None:
+                self._cache.move_to_end(key)
+                self.num_cache_hits += 1
+            else:
+                job = _Job(key, time.monotonic() + self.compile_timeout_s)
+                if self.cache_size:
+                    self._cache[key] = job
+                    while len(self._cache) > self.cache_size:
+                        self._cache.popitem(last=False)
+                self._queue.append(job)
+                self._active.append(job)
+                self._dispatch_locked()
+                self._ensure_watchdog_locked()
+                self._wake.notify_all()
+        _chain(job.future, out)
+        return out
+
+    def matcher(self, compiled: Any) -> GrammarState:
+        """A fresh per-sequence state for a compiled grammar (the result of a ``submit`` future)."""
+        if not isinstance(compiled, self._xgr.CompiledGrammar):
+            raise TypeError(f"expected a compiled grammar from GrammarCompiler.submit, got {type(compiled).__name__}")
+        m = self._xgr.GrammarMatcher(compiled, max_rollback_tokens=0)
+        return GrammarState(m, self.vocab_size)
+
+    def compile(self, kind: str, spec: str, timeout: Optional[float] = None) -> Any:
+        """Blocking convenience: ``submit(kind, spec).result()``."""
+        return self.submit(kind, spec).result(timeout=timeout)
+
+    def shutdown(self, wait_s: float = 0.0) -> None:
+        """Fail queued compiles, stop the watchdog. Running compiles finish on their own (daemon
+        threads; their futures still resolve); ``wait_s`` > 0 waits up to that long for them,
+        abandoned ones included. (At interpreter exit every compile thread is waited for, up to
+        ``EXIT_WAIT_S``.)"""
+        try:
+            self._shutdown()
+        finally:
+            deadline = time.monotonic() + wait_s
+            while wait_s > 0:
+                with self._lock:
+                    live = [t for t in self._threads if t.is_alive()]
+                left = deadline - time.monotonic()
+                if not live or left <= 0:
+                    break
+                live[0].join(timeout=left)
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            failed = list(self._queue)
+            self._queue.clear()
+            for job in failed:
+                job.state = "done"
+            self._active = [j for j in self._active if j.state == "running"]
+            self._cache.clear()
+            self._wake.notify_all()
+        for job in failed:
+            if not job.future.done():
+                job.future.set_exception(GrammarError("the grammar compiler is shut down"))
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "cached": len(self._cache),
+                "queued": len(self._queue),
+                "running": self._running,
+                "abandoned": self._abandoned,
+                "compiles": self.num_compiles,
+                "cache_hits": self.num_cache_hits,
+                "timeouts": self.num_timeouts,
+            }
+
+    # ------------------------------------------------------------------ workers
+    def _dispatch_locked(self) -> None:
+        while self._queue and self._running < self.max_workers and self._abandoned < self.max_abandoned:
+            job = self._queue.popleft()
+            job.state = "running"
+            job.deadline = time.monotonic() + self.compile_timeout_s
+            self._running += 1
+            self.num_compiles += 1
+            thread = threading.Thread(target=self._run, args=(job,), name=f"grammar-compile-{job.key[0]}", daemon=True)
+            with _LIVE_LOCK:
+                _LIVE.add(thread)
+            self._threads.add(thread)
+            thread.start()
+
+    def _run(self, job: _Job) -> None:
+        try:
+            self._run_job(job)
+        finally:
+            me = threading.current_thread()
+            with _LIVE_LOCK:
+                _LIVE.discard(me)
+            with self._lock:
+                self._threads.discard(me)
+
+    def _run_job(self, job: _Job) -> None:
+        kind, spec = job.key
+        result: Any = None
+        error: Optional[BaseException] = None
+        try:
+            result = self._compile(kind, spec)
+        except GrammarError as exc:
+            error = exc
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+            error = GrammarError(f"invalid {kind}: {_clean(str(exc), kind)}")
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach the request
+            error = GrammarError(f"could not compile {kind}: {type(exc).__name__}: {_clean(str(exc), kind)}")
+        with self._lock:
+            deliver = not job.abandoned and job.state == "running"
+            if job.abandoned:
+                self._abandoned -= 1
+            else:
+                self._running -= 1
+            job.state = "done"
+            if error is not None or job.abandoned:
+                self._uncache_locked(job)
+            if job in self._active:
+                self._active.remove(job)
+            if not self._closed:
+                self._dispatch_locked()
+            self._wake.notify_all()
+        # Outside the lock: done-callbacks of the futures run here.
+        if deliver:
+            if error is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(error)
+
+    def _uncache_locked(self, job: _Job) -> None:
+        if self._cache.get(job.key) is job:
+            del self._cache[job.key]
+
+    def _ensure_watchdog_locked(self) -> None:
+        if self._watchdog is None or not self._watchdog.is_alive():
+            self._watchdog = threading.Thread(target=self._watch, name="grammar-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        while True:
+            expired: list[tuple[_Job, GrammarError]] = []
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                for job in list(self._active):
+                    if job.deadline > now or job.state == "done":
+                        continue
+                    self._active.remove(job)
+                    self._uncache_locked(job)
+                    self.num_timeouts += 1
+                    kind = job.key[0]
+                    if job.state == "queued":
+                        self._queue.remove(job)
+                        msg = (f"compiling the {kind} took longer than {self.compile_timeout_s:g} s: it waited for a "
+                               f"free compile worker (other compiles are still running); try again later")
+                    else:  # running: abandon the thread (it cannot be killed), free its slot
+                        job.abandoned = True
+                        self._running -= 1
+                        self._abandoned += 1
+                        msg = (f"compiling the {kind} took longer than {self.compile_timeout_s:g} s "
+                               f"(compile_timeout_s); simplify the {kind}")
+                    job.state = "done"
+                    expired.append((job, GrammarError(msg)))
+                self._dispatch_locked()
+                if not expired:
+                    pending = [j.deadline for j in self._active]
+                    timeout = max(0.0, min(pending) - now) + 0.001 if pending else None
+                    self._wake.wait(timeout=timeout)
+            for job, error in expired:  # outside the lock: done-callbacks run here
+                if not job.future.done():
+                    job.future.set_exception(error)
+
+    # ------------------------------------------------------------------ compile
+    def _compile(self, kind: str, spec: str) -> Any:
+        c = self._compiler
+        if kind == "json_schema":
+            schema = _load_json(spec, kind)
+            _check_json_schema(schema)
+            return c.compile_json_schema(
+                json.dumps(_bounded_strings(schema)),
+                any_whitespace=True,
+                max_whitespace_cnt=JSON_MAX_WHITESPACE,
+                strict_mode=True,
+            )
+        if kind == "regex":
+            if not spec:
+                raise GrammarError("invalid regex: the pattern is empty")
+            return c.compile_regex(spec)
+        if kind == "ebnf":
+            if not spec.strip():
+                raise GrammarError("invalid ebnf: the grammar is empty")
+            return c.compile_grammar(spec, root_rule_name="root")
+        if kind == "structural_tag":
+            return c.compile_structural_tag(self._structural_tag(spec))
+        raise GrammarError(f"unknown constraint kind {kind!r}")
+
+    def _structural_tag(self, spec: str) -> Any:
+        from pydantic import ValidationError
+
+        xgr = self._xgr
+        obj = _load_json(spec, "structural_tag")
+        if not isinstance(obj, dict):
+            raise GrammarError("invalid structural_tag: expected a JSON object")
+        if obj.get("type", "structural_tag") != "structural_tag":
+            raise GrammarError(f"invalid structural_tag: type must be 'structural_tag', got {obj.get('type')!r}")
+        try:
+            if "format" in obj:  # xgrammar's format: {"type": "structural_tag", "format": {...}}
+                return xgr.StructuralTag.model_validate({**obj, "format": _bounded_strings_in_format(obj["format"])})
+            if "structures" in obj:  # SGLang's legacy format
+                structures, triggers = obj.get("structures"), obj.get("triggers")
+                if not isinstance(structures, list) or not structures:
+                    raise GrammarError("invalid structural_tag: 'structures' must be a non-empty list")
+                if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+                    raise GrammarError("invalid structural_tag: 'triggers' must be a non-empty list of non-empty strings")
+                items = []
+                for i, s in enumerate(structures):
+                    if not isinstance(s, dict) or not all(k in s for k in ("begin", "schema", "end")):
+                        raise GrammarError(f"invalid structural_tag: structures[{i}] needs 'begin', 'schema' and 'end'")
+                    schema = s["schema"]
+                    if isinstance(schema, str):
+                        schema = _load_json(schema, "structural_tag")
+                    try:
+                        _check_json_schema(schema)
+                    except GrammarError as exc:
+                        raise GrammarError(f"invalid structural_tag: structures[{i}].schema: {str(exc).removeprefix('invalid json_schema: ')}") from None
+                    if not any(s["begin"].startswith(t) for t in triggers):
+                        raise GrammarError(f"invalid structural_tag: structures[{i}].begin {s['begin']!r} starts with none of the triggers")
+                    items.append(xgr.StructuralTagItem(begin=s["begin"], schema=_bounded_strings(schema), end=s["end"]))
+                return xgr.StructuralTag.from_legacy_structural_tag(items, triggers)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err.get("loc", ()))
+            raise GrammarError(f"invalid structural_tag: {loc + ': ' if loc else ''}{err.get('msg', exc)}") from None
+        raise GrammarError(
+            "invalid structural_tag: expected {\"type\": \"structural_tag\", \"format\": {...}} or "
+            "{\"structures\": [{\"begin\", \"schema\", \"end\"}], \"triggers\": [...]}"
+        )
+
+
+def _chain(src: Future, dst: Future) -> None:
+    def copy(f: Future) -> None:
+        if dst.done():
+            return
+        exc = f.exception()
+        if exc is not None:
+            dst.set_exception(exc)
+        else:
+            dst.set_result(f.result())
+
+    src.add_done_callback(copy)
