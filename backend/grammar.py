@@ -14,7 +14,8 @@ The engine uses three things:
   thread cannot be killed and finishes in the background, but it gives its worker slot back, and
   at most ``max_abandoned`` (default ``2 * max_workers``) such abandoned compiles may run at once
   (beyond that, new compiles wait in the queue, and a compile that waits longer than
-  ``compile_timeout_s`` for a worker fails too). Every future therefore resolves within about twice ``compile_timeout_s``.
+  ``compile_timeout_s`` for a worker fails too). Every future therefore resolves within about
+  twice ``compile_timeout_s``.
 * ``GrammarCompiler.matcher(compiled)`` gives a ``GrammarState`` for one sequence.
 * Per step: ``state.fill_bitmask(bitmask, row)`` before the draw (masked logits are set to -inf
   by ``kernels.apply_token_bitmask``), then ``state.accept(token)`` with the drawn token, then
@@ -39,13 +40,14 @@ JSON schema settings and why:
 * ``any_whitespace=True`` with at most ``JSON_MAX_WHITESPACE`` consecutive whitespace characters:
   models may format JSON as they were trained to (compact or indented), but a model cannot
   emit whitespace forever between two tokens of the document.
-* ``minLength``/``maxLength`` on a string without a ``pattern`` are rewritten into the equivalent
+* ``minLength``/``maxLength`` on a string without a ``pattern`` or ``format`` are rewritten into the equivalent
   ``pattern`` ``^[\s\S]{min,max}$`` before compiling. xgrammar 0.2.8 compiles length-bounded
   strings to a bare character class that admits raw control characters (U+0000-U+001F), which
   makes invalid JSON (mlc-ai/xgrammar#800; fixes pending in #822/#880); its ``pattern`` path is
   JSON-string aware and never emits them. Both paths count code points and neither emits escape
-  sequences (``\n``, ``\"``) inside a bounded string. A string with both ``pattern`` and a
-  length bound keeps only the ``pattern`` (xgrammar ignores the bound there).
+  sequences (``\n``, ``\"``) inside a bounded string. A string with both a ``pattern`` (or
+  ``format``) and a length bound keeps only the ``pattern`` (xgrammar ignores the bound there, with
+  a warning), so such output may break the bound.
 * The schema is checked against its JSON Schema meta-schema first (``jsonschema``), so a typo such
   as ``"type": "strin"`` or ``"minLength": -1`` is refused with the meta-schema's message.
 """
