@@ -1,4 +1,4 @@
-"""Structured output: compile per-request constraints with xgrammar, one matcher per sequence.
+r"""Structured output: compile per-request constraints with xgrammar, one matcher per sequence.
 
 Kinds (`SamplingParams.constraint`): ``json_schema``, ``regex``, ``ebnf`` (xgrammar's EBNF, the
 GBNF dialect) and ``structural_tag`` (SGLang's legacy ``{"structures": [...], "triggers": [...]}``
@@ -40,10 +40,10 @@ JSON schema settings and why:
 * ``any_whitespace=True`` with at most ``JSON_MAX_WHITESPACE`` consecutive whitespace characters:
   models may format JSON as they were trained to (compact or indented), but a model cannot
   emit whitespace forever between two tokens of the document.
-* ``minLength``/``maxLength`` on a string without a ``pattern`` or ``format`` are rewritten into the equivalent
-  ``pattern`` ``^[\s\S]{min,max}$`` before compiling. xgrammar 0.2.8 compiles length-bounded
-  strings to a bare character class that admits raw control characters (U+0000-U+001F), which
-  makes invalid JSON (mlc-ai/xgrammar#800; fixes pending in #822/#880); its ``pattern`` path is
+* ``minLength``/``maxLength`` on a string without a ``pattern`` or ``format`` are rewritten into
+  the equivalent ``pattern`` ``^[\s\S]{min,max}$`` before compiling. xgrammar 0.2.8 compiles
+  length-bounded strings to a bare character class that admits raw control characters
+  (U+0000-U+001F), which makes invalid JSON (mlc-ai/xgrammar#800; fixes pending in #822/#880); its ``pattern`` path is
   JSON-string aware and never emits them. Both paths count code points and neither emits escape
   sequences (``\n``, ``\"``) inside a bounded string. A string with both a ``pattern`` (or
   ``format``) and a length bound keeps only the ``pattern`` (xgrammar ignores the bound there, with
@@ -137,7 +137,9 @@ def _load_json(spec: str, kind: str) -> Any:
 
 def _check_json_schema(schema: Any) -> None:
     if not isinstance(schema, (dict, bool)):
-        raise GrammarError(f"invalid json_schema: a schema must be a JSON object or boolean, got {type(schema).__name__}")
+        raise GrammarError(
+            f"invalid json_schema: a schema must be a JSON object or boolean, got {type(schema).__name__}"
+        )
     if isinstance(schema, bool):
         return
     try:
@@ -195,7 +197,8 @@ def _bounded_strings_in_format(fmt: Any) -> Any:
         return fmt
     out = {k: _bounded_strings_in_format(v) for k, v in fmt.items() if k != "json_schema"}
     if "json_schema" in fmt:
-        out["json_schema"] = _bounded_strings(fmt["json_schema"]) if fmt.get("type") == "json_schema" else fmt["json_schema"]
+        inner = fmt["json_schema"]
+        out["json_schema"] = _bounded_strings(inner) if fmt.get("type") == "json_schema" else inner
     return out
 
 
@@ -233,9 +236,13 @@ class GrammarState:
         ``allocate_bitmask``). Other rows are left alone. Stop tokens are set only where the grammar
         may end. Once terminated, the row allows nothing but stop tokens."""
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
-            raise ValueError(f"bitmask must be a 2-D CPU int32 tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+            raise ValueError(
+                f"bitmask must be a 2-D CPU int32 tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}"
+            )
         if bitmask.shape[1] != self._words:
-            raise ValueError(f"bitmask has {bitmask.shape[1]} words per row, the grammar's vocabulary needs {self._words}")
+            raise ValueError(
+                f"bitmask has {bitmask.shape[1]} words per row, the grammar's vocabulary needs {self._words}"
+            )
         if not 0 <= row < bitmask.shape[0]:
             raise IndexError(f"row {row} is out of range for a bitmask of {bitmask.shape[0]} rows")
         self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -577,7 +584,9 @@ class GrammarCompiler:
                 if not isinstance(structures, list) or not structures:
                     raise GrammarError("invalid structural_tag: 'structures' must be a non-empty list")
                 if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
-                    raise GrammarError("invalid structural_tag: 'triggers' must be a non-empty list of non-empty strings")
+                    raise GrammarError(
+                        "invalid structural_tag: 'triggers' must be a non-empty list of non-empty strings"
+                    )
                 items = []
                 for i, s in enumerate(structures):
                     if not isinstance(s, dict) or not all(k in s for k in ("begin", "schema", "end")):
@@ -588,9 +597,12 @@ class GrammarCompiler:
                     try:
                         _check_json_schema(schema)
                     except GrammarError as exc:
-                        raise GrammarError(f"invalid structural_tag: structures[{i}].schema: {str(exc).removeprefix('invalid json_schema: ')}") from None
+                        problem = str(exc).removeprefix("invalid json_schema: ")
+                        raise GrammarError(f"invalid structural_tag: structures[{i}].schema: {problem}") from None
                     if not any(s["begin"].startswith(t) for t in triggers):
-                        raise GrammarError(f"invalid structural_tag: structures[{i}].begin {s['begin']!r} starts with none of the triggers")
+                        raise GrammarError(
+                            f"invalid structural_tag: structures[{i}].begin {s['begin']!r} starts with none of the triggers"
+                        )
                     items.append(xgr.StructuralTagItem(begin=s["begin"], schema=_bounded_strings(schema), end=s["end"]))
                 return xgr.StructuralTag.from_legacy_structural_tag(items, triggers)
         except ValidationError as exc:
