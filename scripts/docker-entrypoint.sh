@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# Container entrypoint: tritonserver on model_repository/ + the OpenAI/SGLang frontend, supervised.
+#
+#   docker-entrypoint.sh [serve]       start both and supervise them (default)
+#   docker-entrypoint.sh healthcheck   exit 0 when the frontend (or, without it, tritonserver) is ready
+#   docker-entrypoint.sh <command...>  run anything else (e.g. bash, python scripts/soak.py ...)
+#
+# Supervision (every WATCHDOG_INTERVAL seconds):
+# - tritonserver exited            -> start it again (the frontend answers 503 meanwhile and
+#                                     reconnects by itself);
+# - the llm model's Python stub died -> restart tritonserver: Triton 2.51 neither restarts the stub of
+#                                     a decoupled model nor fails its in-flight requests (they would
+#                                     hang; triton-inference-server/server#7862), and new requests
+#                                     would get "Stub process is not healthy" while /v2/health/ready
+#                                     still says OK. Killing the server ends the hung streams: the
+#                                     frontend reports an error on each of them;
+# - the frontend exited            -> start it again.
+# More than MAX_RESTARTS restarts within RESTART_WINDOW seconds -> exit 1 (let the orchestrator act).
+# SIGTERM/SIGINT: stop the frontend (uvicorn drains in-flight streams), then tritonserver (it
+# waits up to EXIT_TIMEOUT seconds for in-flight requests), then exit 0.
+#
+# Environment (defaults for the container; the same script runs on a host with other paths):
+#   LLM_MODEL_PATH      HF model directory (default /opt/app/models/demo; the demo is built if missing)
+#   SERVED_MODEL_NAME   model name clients use (default: the model directory's name)
+#   HTTP_PORT GRPC_PORT METRICS_PORT FRONTEND_PORT   8000 8001 8002 9000
+#   FRONTEND            1 (0: tritonserver only)
+#   TRITONSERVER        tritonserver binary (default: tritonserver on PATH)
+#   TRITON_BACKEND_DIR  backend directory (default /opt/tritonserver/backends)
+#   PYTHON              interpreter with the project's dependencies (default python3 on PATH)
+#   TRITON_ARGS FRONTEND_ARGS   extra arguments (word-split)
+#   WATCHDOG_INTERVAL (5) EXIT_TIMEOUT (30) READY_TIMEOUT (600) MAX_RESTARTS (5) RESTART_WINDOW (600)
+#   OPENAI_FRONTEND_API_KEY     read by the frontend: require this bearer token
+#   LLM_* engine settings       read by the llm model (see README: LLM_NUM_KV_BLOCKS, LLM_MAX_MODEL_LEN, ...)
+set -euo pipefail
+
+APP_DIR=${APP_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+PYTHON=${PYTHON:-python3}
+TRITONSERVER=${TRITONSERVER:-tritonserver}
+TRITON_BACKEND_DIR=${TRITON_BACKEND_DIR:-/opt/tritonserver/backends}
+export LLM_MODEL_PATH=${LLM_MODEL_PATH:-$APP_DIR/models/demo}
+HTTP_PORT=${HTTP_PORT:-8000}
+GRPC_PORT=${GRPC_PORT:-8001}
+METRICS_PORT=${METRICS_PORT:-8002}
+FRONTEND_PORT=${FRONTEND_PORT:-9000}
+FRONTEND=${FRONTEND:-1}
+SERVED_MODEL_NAME=${SERVED_MODEL_NAME:-$(basename "$LLM_MODEL_PATH")}
+TRITON_ARGS=${TRITON_ARGS:-}
+FRONTEND_ARGS=${FRONTEND_ARGS:-}
+WATCHDOG_INTERVAL=${WATCHDOG_INTERVAL:-5}
+EXIT_TIMEOUT=${EXIT_TIMEOUT:-30}
+READY_TIMEOUT=${READY_TIMEOUT:-600}
+MAX_RESTARTS=${MAX_RESTARTS:-5}
+RESTART_WINDOW=${RESTART_WINDOW:-600}
+
+log() { echo "[entrypoint $(date -u +%H:%M:%S)] $*" >&2; }
+
+# A child that has exited stays visible to kill -0 until reaped: read its state instead.
+alive() {
+  local state
+  [ -n "$1" ] && state=$(awk '/^State:/ {print $2}' "/proc/$1/status" 2>/dev/null) && [ -n "$state" ] && [ "$state" != Z ]
+}
+
+# 0 when GET url answers 200 within 3 s (Python, so the image needs no curl).
+http_ok() {
+  "$PYTHON" -c 'import sys, urllib.request
+try:
+    sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=3).status == 200 else 1)
+except Exception:
+    sys.exit(1)' "$1"
+}
+
+healthcheck() {
+  if [ "$FRONTEND" = 1 ]; then
+    http_ok "http://127.0.0.1:$FRONTEND_PORT/health"
+  else
+    http_ok "http://127.0.0.1:$HTTP_PORT/v2/health/ready"
+  fi
+}
+
+case "${1:-serve}" in
+  serve) ;;
+  healthcheck) healthcheck; exit $? ;;
+  *) exec "$@" ;;
+esac
+
+cd "$APP_DIR"
+if [ ! -f "$LLM_MODEL_PATH/config.json" ]; then
+  if [ "$LLM_MODEL_PATH" = "$APP_DIR/models/demo" ]; then
+    log "building the demo model into $LLM_MODEL_PATH"
+    "$PYTHON" -m backend.demo_model --out "$LLM_MODEL_PATH"
+  else
+    log "no model at LLM_MODEL_PATH=$LLM_MODEL_PATH (mount a Hugging Face model directory there)"
+    exit 2
+  fi
+fi
+
+TRITON_PID=""
+FRONTEND_PID=""
+STOPPING=0
+RESTARTS=()
+
+start_triton() {
+  # shellcheck disable=SC2086 # TRITON_ARGS is a word list on purpose
+  "$TRITONSERVER" --model-repository="$APP_DIR/model_repository" --backend-directory="$TRITON_BACKEND_DIR" \
+    --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" --metrics-port="$METRICS_PORT" \
+    --allow-metrics=true --exit-timeout-secs="$EXIT_TIMEOUT" $TRITON_ARGS &
+  TRITON_PID=$!
+  log "tritonserver started (pid $TRITON_PID)"
+  local deadline=$((SECONDS + READY_TIMEOUT))
+  until http_ok "http://127.0.0.1:$HTTP_PORT/v2/health/ready"; do
+    if ! alive "$TRITON_PID"; then
+      log "tritonserver exited while loading"
+      return 1
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      log "tritonserver not ready after ${READY_TIMEOUT}s"
+      return 1
+    fi
+    sleep 1
+  done
+  log "tritonserver ready"
+}
+
+start_frontend() {
+  [ "$FRONTEND" = 1 ] || return 0
+  # shellcheck disable=SC2086 # FRONTEND_ARGS is a word list on purpose
+  "$PYTHON" -m openai_frontend --host 0.0.0.0 --port "$FRONTEND_PORT" --triton-url "127.0.0.1:$GRPC_PORT" \
+    --tokenizer-path "$LLM_MODEL_PATH" --model-name "$SERVED_MODEL_NAME" $FRONTEND_ARGS &
+  FRONTEND_PID=$!
+  log "frontend started (pid $FRONTEND_PID) on port $FRONTEND_PORT as model '$SERVED_MODEL_NAME'"
+}
+
+# Stop a process: SIGTERM, then SIGKILL after $2 seconds.
+stop_pid() {
+  local pid=$1 grace=$2
+  alive "$pid" || { [ -z "$pid" ] || wait "$pid" 2>/dev/null || true; return 0; }
+  kill -TERM "$pid" 2>/dev/null || true
+  local deadline=$((SECONDS + grace))
+  while alive "$pid" && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.5; done
+  if alive "$pid"; then
+    log "pid $pid still running after ${grace}s: SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  wait "$pid" 2>/dev/null || true
+}
+
+# Is the llm model's Python-backend stub (a child of tritonserver) alive?
+llm_stub_alive() {
+  local status
+  for status in /proc/[0-9]*/status; do
+    grep -q "^PPid:[[:space:]]*$TRITON_PID\$" "$status" 2>/dev/null || continue
+    if tr '\0' ' ' <"${status%/status}/cmdline" 2>/dev/null | grep -q "triton_python_backend_stub .*/llm/1/model.py"; then
+      return 0
+    fi
+  done
+  return 1
+}
+
+note_restart() {
+  local now=$SECONDS kept=() t
+  for t in "${RESTARTS[@]}"; do
+    [ $((now - t)) -lt "$RESTART_WINDOW" ] && kept+=("$t")
+  done
+  kept+=("$now")
+  RESTARTS=("${kept[@]}")
+  if [ "${#RESTARTS[@]}" -gt "$MAX_RESTARTS" ]; then
+    log "more than $MAX_RESTARTS restarts in ${RESTART_WINDOW}s: giving up"
+    shutdown 1
+  fi
+}
+
+restart_triton() {
+  log "restarting tritonserver: $1"
+  note_restart
+  # In-flight requests of a dead stub never finish, so no grace beyond a few seconds.
+  stop_pid "$TRITON_PID" 5
+  start_triton || shutdown 1
+}
+
+shutdown() {
+  local code=${1:-0}
+  STOPPING=1
+  trap - TERM INT
+  log "shutting down"
+  stop_pid "$FRONTEND_PID" 30
+  stop_pid "$TRITON_PID" $((EXIT_TIMEOUT + 10))
+  exit "$code"
+}
+
+trap 'shutdown 0' TERM INT
+
+start_triton || shutdown 1
+start_frontend
+while [ "$STOPPING" = 0 ]; do
+  sleep "$WATCHDOG_INTERVAL" &
+  wait $! || true # a trapped signal interrupts this wait at once
+  if ! alive "$TRITON_PID"; then
+    wait "$TRITON_PID" 2>/dev/null && rc=0 || rc=$?
+    log "tritonserver exited (status $rc)"
+    note_restart
+    start_triton || shutdown 1
+  elif ! llm_stub_alive; then
+    restart_triton "the llm model's Python stub process is gone"
+  fi
+  if [ "$FRONTEND" = 1 ] && ! alive "$FRONTEND_PID"; then
+    wait "$FRONTEND_PID" 2>/dev/null && rc=0 || rc=$?
+    log "frontend exited (status $rc)"
+    note_restart
+    start_frontend
+  fi
+done
