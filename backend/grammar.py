@@ -189,16 +189,23 @@ def _bounded_strings(schema: Any) -> Any:
     return out
 
 
-def _bounded_strings_in_format(fmt: Any) -> Any:
-    """_bounded_strings for every json_schema inside a structural-tag format tree."""
+def _json_formats(fmt: Any) -> Any:
+    """Every json_schema inside a structural-tag format tree gets what a json_schema constraint
+    gets: _bounded_strings, and at most JSON_MAX_WHITESPACE whitespace characters in a row (unless
+    the format sets its own max_whitespace_cnt)."""
     if isinstance(fmt, list):
-        return [_bounded_strings_in_format(v) for v in fmt]
+        return [_json_formats(v) for v in fmt]
     if not isinstance(fmt, dict):
         return fmt
-    out = {k: _bounded_strings_in_format(v) for k, v in fmt.items() if k != "json_schema"}
+    out = {k: _json_formats(v) for k, v in fmt.items() if k != "json_schema"}
     if "json_schema" in fmt:
         inner = fmt["json_schema"]
-        out["json_schema"] = _bounded_strings(inner) if fmt.get("type") == "json_schema" else inner
+        if fmt.get("type") == "json_schema":
+            out["json_schema"] = _bounded_strings(inner)
+            if out.get("max_whitespace_cnt") is None:
+                out["max_whitespace_cnt"] = JSON_MAX_WHITESPACE
+        else:
+            out["json_schema"] = inner
     return out
 
 
@@ -578,7 +585,7 @@ class GrammarCompiler:
             raise GrammarError(f"invalid structural_tag: type must be 'structural_tag', got {obj.get('type')!r}")
         try:
             if "format" in obj:  # xgrammar's format: {"type": "structural_tag", "format": {...}}
-                return xgr.StructuralTag.model_validate({**obj, "format": _bounded_strings_in_format(obj["format"])})
+                return xgr.StructuralTag.model_validate({**obj, "format": _json_formats(obj["format"])})
             if "structures" in obj:  # SGLang's legacy format
                 structures, triggers = obj.get("structures"), obj.get("triggers")
                 if not isinstance(structures, list) or not structures:
@@ -603,8 +610,9 @@ class GrammarCompiler:
                         raise GrammarError(
                             f"invalid structural_tag: structures[{i}].begin {s['begin']!r} starts with none of the triggers"
                         )
-                    items.append(xgr.StructuralTagItem(begin=s["begin"], schema=_bounded_strings(schema), end=s["end"]))
-                return xgr.StructuralTag.from_legacy_structural_tag(items, triggers)
+                    items.append(xgr.StructuralTagItem(begin=s["begin"], schema=schema, end=s["end"]))
+                tag = xgr.StructuralTag.from_legacy_structural_tag(items, triggers)
+                return xgr.StructuralTag.model_validate(_json_formats(tag.model_dump(mode="json", by_alias=True)))
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = ".".join(str(p) for p in err.get("loc", ()))

@@ -312,6 +312,9 @@ def test_structural_tag_new_format(compiler, tokenizer):
         m = re.fullmatch(r"<answer>(.*)</answer>", text, re.S)
         assert m, text
         jsonschema.validate(json.loads(m.group(1)), inner)
+    # JSON inside a tag has the same whitespace bound as a json_schema constraint
+    assert feed(compiler.matcher(compiled), tokenizer, "<answer>{" + " " * 16 + '"city"')
+    assert not feed(compiler.matcher(compiled), tokenizer, "<answer>{" + " " * 17)
 
 
 def test_structural_tag_legacy_format_and_response_format(compiler, tokenizer):
