@@ -111,6 +111,7 @@ class OutputState:
     released_tail: str = ""  # last few released chars, enough to match a stop across the boundary
     pending_new_ids: list[int] = field(default_factory=list)
     pending_logprobs: dict[str, list] = field(default_factory=dict)
+    hidden_tokens: int = 0  # trailing tokens kept out of the text (a matched stop token)
 
     @property
     def max_stop_len(self) -> int:
@@ -123,19 +124,23 @@ class OutputState:
 
     def on_tokens(self, seq: Sequence, new_ids: list[int], grammar_done: bool = False) -> Optional[RequestOutput]:
         """Feed the step's tokens (already appended to seq); returns the output to send, if any."""
-        delta = self.detok.push(new_ids)
-        total = seq.num_tokens
+        params = seq.params
+        last = new_ids[-1]
+        stop_token = seq.finish_reason is None and (
+            last in params.stop_token_ids or (last in self.eos_ids and not params.ignore_eos)
+        )
+        # As SGLang: a matched stop token ends the text before it (unless no_stop_trim); it
+        # stays in the output ids and counts as a completion token.
+        self.hidden_tokens = 1 if stop_token and not params.no_stop_trim else 0
+        delta = self.detok.push(new_ids[: len(new_ids) - self.hidden_tokens])
+        total = seq.num_tokens - self.hidden_tokens
         self.pending.append(
             _Step(delta.text, list(delta.window_ids), total - len(delta.window_ids), delta.prefix_len, delta.read_offset)
         )
         self.pending_new_ids.extend(new_ids)
-        params = seq.params
 
-        last = new_ids[-1]
         if seq.finish_reason is None:
-            if last in params.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, last
-            elif last in self.eos_ids and not params.ignore_eos:
+            if stop_token:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, last
             elif grammar_done:
                 seq.finish_reason = FinishReason.STOP
@@ -191,7 +196,7 @@ class OutputState:
             first = steps[0]
             # A non-final window ends at read_offset: tokens held back for half a character
             # would make the whole window decode to U+FFFD; they open the next window instead.
-            end = seq.num_tokens if final else steps[-1].read_offset
+            end = seq.num_tokens - self.hidden_tokens if final else steps[-1].read_offset
             window = seq.token_ids[first.window_start : end]
             start, prefix_len = first.window_start, first.prefix_len
         else:

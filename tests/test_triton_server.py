@@ -158,6 +158,49 @@ def test_ensemble_n_samples_with_logprobs_and_penalties(client, hf):
         assert c["text_output"] == "".join(i["text_output"] for i in want)
 
 
+def test_stop_conditions_end_to_end(client, hf):
+    """stop strings (trimmed or kept), stop_token_ids, stop_regex and min_new_tokens through the
+    ensemble, streamed one response per token, against an unconstrained greedy run."""
+    tok, _ = hf
+    prompt = "Stop conditions through the ensemble"
+    base_params = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+
+    def run(**extra):
+        return client.generate("ensemble", {
+            "text_input": prompt, "stream": True, "sampling_parameters": json.dumps({**base_params, **extra}),
+        })
+
+    base = run()
+    text, ids = base["text_output"], base["output_ids"]
+    assert len(ids) == 30 and base["finish_reason"] == "length" and len(text) > 14
+
+    stop = text[8:12]
+    out = run(stop=[stop])
+    assert out["text_output"] == text[: text.index(stop)] and out["finish_reason"] == "stop"
+    assert json.loads(out["meta_info"])["stop_reason"] == stop
+    kept = run(stop=[stop], no_stop_trim=True)
+    assert kept["text_output"] == text[: text.index(stop) + len(stop)]
+
+    stop_id = ids[6]
+    first = ids.index(stop_id)
+    out = run(stop_token_ids=[stop_id])
+    assert out["output_ids"] == ids[: first + 1] and out["finish_reason"] == "stop"
+    assert json.loads(out["meta_info"])["stop_reason"] == stop_id
+    assert out["text_output"] == tok.decode(ids[:first], skip_special_tokens=True)  # the stop token is not text
+    kept = run(stop_token_ids=[stop_id], no_stop_trim=True)
+    assert kept["text_output"] == tok.decode(ids[: first + 1], skip_special_tokens=True)
+
+    # min_new_tokens masks the stop token until enough tokens are out.
+    out = run(stop_token_ids=[stop_id], min_new_tokens=first + 3)
+    assert len(out["output_ids"]) >= first + 3 and stop_id not in out["output_ids"][: first + 3]
+    assert out["output_ids"][:first] == ids[:first]
+
+    target = text[10:13]
+    pattern = "".join(c if c.isalnum() else "\\" + c for c in target)
+    out = run(stop_regex=[pattern])
+    assert out["finish_reason"] == "stop" and out["text_output"] == text[: text.index(target)]
+
+
 def _http(server, path: str, body: dict) -> tuple[int, bytes]:
     req = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(), method="POST")
     try:
