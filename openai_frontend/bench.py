@@ -169,6 +169,47 @@ async def run_raw_load(url: str, *, endpoint: str, stream: bool, concurrency: in
             "tokens_per_s": totals["tokens"] / elapsed, "requests_per_s": totals["requests"] / elapsed}
 
 
+async def run_direct_load(triton_url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
+                          max_tokens: int) -> dict[str, float]:
+    """The same load straight to Triton with TritonLLMClient (no HTTP): what the Triton side
+    alone costs, to set the frontend's numbers against."""
+    from openai_frontend.engine_types import EngineRequest
+    from openai_frontend.triton_client import TritonLLMClient
+
+    client = TritonLLMClient(triton_url)
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+    totals = {"tokens": 0, "requests": 0}
+
+    async def worker() -> None:
+        while True:
+            try:
+                i = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            sp = {"max_new_tokens": max_tokens, "ignore_eos": True}
+            if endpoint == "chat":
+                req = EngineRequest(sp, messages=[{"role": "user", "content": f"Tell me a story number {i}."}],
+                                    stream=stream)
+            else:
+                req = EngineRequest(sp, text_input=f"Story {i}: once upon a time", stream=stream)
+            tokens = 0
+            async for chunk in client.generate(req):
+                tokens += len(chunk.token_ids)
+            totals["tokens"] += tokens
+            totals["requests"] += 1
+
+    try:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    finally:
+        await client.close()
+    return {"seconds": elapsed, "tokens": totals["tokens"], "requests": totals["requests"],
+            "tokens_per_s": totals["tokens"] / elapsed, "requests_per_s": totals["requests"] / elapsed}
+
+
 async def run_load(url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
                    max_tokens: int) -> dict[str, float]:
     queue: asyncio.Queue = asyncio.Queue()
@@ -280,6 +321,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--modes", default="plain,stream", help="order of the runs: plain,stream")
     p.add_argument("--warmup", type=int, default=16, help="requests sent first, not measured")
+    p.add_argument("--direct-triton", default=None, metavar="HOST:PORT",
+                   help="also run each mode straight against this Triton gRPC endpoint (no frontend)")
     p.add_argument("--client", default="raw", choices=["raw", "httpx"],
                    help="raw: a minimal HTTP/1.1 load generator (default; counts SSE events without parsing "
                         "them, so the client is not the bottleneck); httpx: parse every event as a client would")
@@ -291,22 +334,31 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     ctx = _fake_server(args.chunk_delay, args.max_tokens) if args.fake else contextlib.nullcontext(args.url)
     with ctx as url:
-        results = {}
         load = run_raw_load if args.client == "raw" else run_load
         if args.warmup:
             asyncio.run(load(url, endpoint=args.endpoint, stream=True, concurrency=min(args.concurrency, args.warmup),
                                  requests=args.warmup, max_tokens=args.max_tokens))
+        runs: list[tuple[str, Any]] = []
         for mode in args.modes.split(","):
-            stream = mode == "stream"
-            results[mode] = asyncio.run(load(url, endpoint=args.endpoint, stream=stream,
-                                                 concurrency=args.concurrency, requests=args.requests,
-                                                 max_tokens=args.max_tokens))
-            r = results[mode]
-            print(f"{mode:>6}: {r['requests']} requests, {r['tokens']} tokens in {r['seconds']:.2f} s: "
+            runs.append((mode, load))
+            if args.direct_triton:
+                runs.append((f"triton-{mode}", None))
+        sums: dict[str, list[float]] = {}
+        for name, fn in runs:
+            stream = name.endswith("stream")
+            kwargs = dict(endpoint=args.endpoint, stream=stream, concurrency=args.concurrency,
+                          requests=args.requests, max_tokens=args.max_tokens)
+            r = asyncio.run(fn(url, **kwargs) if fn else run_direct_load(args.direct_triton, **kwargs))
+            sums.setdefault(name, []).append(r["tokens_per_s"])
+            print(f"{name:>14}: {r['requests']} requests, {r['tokens']} tokens in {r['seconds']:.2f} s: "
                   f"{r['tokens_per_s']:.1f} tokens/s, {r['requests_per_s']:.2f} requests/s", flush=True)
-        if "plain" in results and "stream" in results:
-            ratio = results["stream"]["tokens_per_s"] / results["plain"]["tokens_per_s"]
-            print(f"streaming / non-streaming throughput: {ratio:.3f}")
+        mean = {k: sum(v) / len(v) for k, v in sums.items()}
+        if "plain" in mean and "stream" in mean:
+            print(f"frontend streaming / non-streaming throughput: {mean['stream'] / mean['plain']:.3f}")
+        if "triton-plain" in mean and "triton-stream" in mean:
+            print(f"Triton alone, streaming / non-streaming: {mean['triton-stream'] / mean['triton-plain']:.3f}")
+            print(f"frontend / Triton alone: non-streaming {mean['plain'] / mean['triton-plain']:.3f}, "
+                  f"streaming {mean['stream'] / mean['triton-stream']:.3f}")
 
 
 if __name__ == "__main__":
