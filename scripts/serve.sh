@@ -2,11 +2,13 @@
 # Sets up the environment, builds the demo model if missing, and serves it on the real
 # tritonserver (and the OpenAI/SGLang frontend when it is present).
 #   scripts/serve.sh [--model-path DIR] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
-#                    [--frontend-port 9000] [--no-frontend]
+#                    [--frontend-port 9000] [--no-frontend] [--tool-call-parser qwen25]
+#                    [--api-key KEY]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_PATH=${LLM_MODEL_PATH:-models/demo}
 HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002 FRONTEND_PORT=9000 FRONTEND=1
+TOOL_CALL_PARSER=${TOOL_CALL_PARSER:-qwen25} API_KEY=${OPENAI_FRONTEND_API_KEY:-}
 while [ $# -gt 0 ]; do
   case "$1" in
     --model-path) MODEL_PATH=$2; shift 2 ;;
@@ -15,6 +17,8 @@ while [ $# -gt 0 ]; do
     --metrics-port) METRICS_PORT=$2; shift 2 ;;
     --frontend-port) FRONTEND_PORT=$2; shift 2 ;;
     --no-frontend) FRONTEND=0; shift ;;
+    --tool-call-parser) TOOL_CALL_PARSER=$2; shift 2 ;;
+    --api-key) API_KEY=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -33,8 +37,8 @@ tritonserver --model-repository="$PWD/model_repository" --backend-directory="$TR
 pids+=($!)
 if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
   until curl -sf "localhost:$HTTP_PORT/v2/health/ready" >/dev/null; do sleep 1; done
-  .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" --port "$FRONTEND_PORT" \
-    --tokenizer-path "$LLM_MODEL_PATH" &
+  OPENAI_FRONTEND_API_KEY="$API_KEY" .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" \
+    --port "$FRONTEND_PORT" --tokenizer-path "$LLM_MODEL_PATH" --tool-call-parser "$TOOL_CALL_PARSER" &
   pids+=($!)
 fi
 wait -n "${pids[@]}"
