@@ -148,8 +148,13 @@ def test_request_timing_histograms_and_finish_reasons(llm_module, monkeypatch):
     run([(0.03, _out([5])), (0.5, _out([], error="boom"))])
     run([(0.03, _out([7], index=0)), (0.01, _out([8], index=1)), (0.05, _out([9], index=0, finish="length")),
          (0.04, _out([], index=1, finish="abort"))], n=2)  # n=2: an aborted sample makes the request abort
+    metrics.rejected("overloaded")
+    metrics.rejected("invalid_argument")
+    metrics.rejected("overloaded")
     metrics.update(_stats())
 
+    assert fake_value("llm_request_rejected_total", reason="overloaded") == 2
+    assert fake_value("llm_request_rejected_total", reason="invalid_argument") == 1
     assert {r: fake_value("llm_request_finished_total", finish_reason=r) for r in ("stop", "length", "abort", "error")} \
         == {"stop": 1, "length": 1, "abort": 2, "error": 1}
     assert fake_value("llm_time_to_first_token_seconds_count") == 4
@@ -303,13 +308,19 @@ def test_n_samples_and_abort(server, client):
     assert value(after, "llm_kv_blocks_used") == 0
 
 
-def test_rejected_requests_do_not_count_as_finished(server, client):
-    before = scrape(server)
+def test_rejected_requests_are_counted_apart(server, client):
     from tritonclient.utils import InferenceServerException
 
-    with pytest.raises(InferenceServerException):
-        _run(client, [5000000], 4)  # out of the vocabulary: refused in execute
-    time.sleep(0.6)
-    after = scrape(server)
+    before = scrape(server)
+    for bad in ([5000000], []):  # out of the vocabulary; empty: refused in execute
+        with pytest.raises(InferenceServerException):
+            _run(client, bad, 4)
+    deadline = time.monotonic() + 10
+    while delta(after := scrape(server), before, "llm_request_rejected_total", reason="invalid_argument") < 2:
+        assert time.monotonic() < deadline, "rejections not published"
+        time.sleep(0.2)
+    assert delta(after, before, "llm_request_rejected_total", reason="invalid_argument") == 2
+    assert delta(after, before, "llm_request_rejected_total", reason="overloaded") == 0
     for r in ("stop", "length", "abort", "error"):
         assert delta(after, before, "llm_request_finished_total", finish_reason=r) == 0
+    assert delta(after, before, "llm_time_to_first_token_seconds_count") == 0

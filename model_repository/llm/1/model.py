@@ -121,12 +121,15 @@ class TritonPythonModel:
                     with self._ids_lock:
                         self._by_triton_id.setdefault(triton_id, set()).add(engine_id)
             except (RequestError, SamplingParamsError) as exc:
+                self._metrics.rejected("invalid_argument")
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
             except EngineOverloaded as exc:
+                self._metrics.rejected("overloaded")
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
             except Exception as exc:  # never let one request take the model down
+                self._metrics.rejected("internal")
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {exc}")), flags=FINAL)
         return None
 
@@ -167,6 +170,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECT_REASONS = ("invalid_argument", "overloaded", "internal")
 
 
 class _Histogram:
@@ -308,6 +312,10 @@ class _Metrics:
         self._finished_metrics = {r: self._finished_family.Metric(labels={"finish_reason": r}) for r in FINISH_REASONS}
         self.finished: dict[str, int] = {r: 0 for r in FINISH_REASONS}
         self._sent_finished: dict[str, int] = dict(self.finished)
+        rejected = self._family("request_rejected_total", "Requests refused before running, by reason", counter=True)
+        self._rejected_metrics = {r: rejected.Metric(labels={"reason": r}) for r in REJECT_REASONS}
+        self._rejected = {r: 0 for r in REJECT_REASONS}
+        self._sent_rejected = dict(self._rejected)
 
     def _family(self, name: str, description: str, counter: bool = False):
         kind = pb_utils.MetricFamily.COUNTER if counter else pb_utils.MetricFamily.GAUGE
@@ -317,6 +325,11 @@ class _Metrics:
 
     def request_timing(self, n: int) -> _RequestTiming:
         return _RequestTiming(self, n)
+
+    def rejected(self, reason: str) -> None:
+        """A request refused in execute (never reached the engine); published with the next update."""
+        with self._lock:
+            self._rejected[reason] += 1
 
     def update(self, s: EngineStats) -> None:
         queries = getattr(s, "prefix_cache_queries", 0)
@@ -340,6 +353,7 @@ class _Metrics:
             with self._lock:
                 histograms = [(h, h.snapshot()) for h in (self.ttft, self.itl, self.e2e)]
                 finished = dict(self.finished)
+                rejected = dict(self._rejected)
             for name, value in gauges.items():
                 if self._sent_gauges.get(name) != value:
                     self._gauges[name].set(value)
@@ -348,6 +362,10 @@ class _Metrics:
                 if value > self._sent_counters[name]:
                     self._counters[name].increment(value - self._sent_counters[name])
                     self._sent_counters[name] = value
+            for reason, value in rejected.items():
+                if value > self._sent_rejected[reason]:
+                    self._rejected_metrics[reason].increment(value - self._sent_rejected[reason])
+                    self._sent_rejected[reason] = value
             # Histograms before finish counts: a scraper that sees a request finished sees its latencies.
             for histogram, (cumulative, total) in histograms:
                 histogram.flush(cumulative, total)
