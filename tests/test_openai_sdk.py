@@ -391,5 +391,7 @@ def test_tool_round_trip(client, tok):
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
     ]
     rendered = tok.apply_chat_template(reference, tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    assert '"temperature": 21' in rendered and "get_weather" in rendered.split("<|im_start|>user")[-1]
+    call_json = json.dumps({"name": call.function.name, "arguments": args})
+    assert f"<|im_start|>assistant\n<tool_call>\n{call_json}\n</tool_call><|im_end|>" in rendered
+    assert '<tool_response>\n{"temperature": 21, "sky": "clear"}\n</tool_response>' in rendered
     assert second.usage.prompt_tokens == len(tok(rendered).input_ids)
