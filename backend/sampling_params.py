@@ -53,7 +53,7 @@ MAX_TOP_LOGPROBS = 64
 class SamplingParams(BaseModel):
     """The parameters the engine implements. Defaults are SGLang's constant ("openai") defaults."""
 
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0

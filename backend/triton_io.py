@@ -8,6 +8,7 @@ when present, override it.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Optional
 
 import numpy as np
@@ -27,16 +28,28 @@ SCALAR_INPUTS: dict[str, str] = {
 LLM_INPUTS = ("input_ids", "stream", "stop_words", "sampling_parameters", "abort_request_id", *SCALAR_INPUTS)
 
 
-def _scalar(arr: np.ndarray) -> Any:
+def _scalar(arr: np.ndarray, name: str = "input") -> Any:
     value = arr.reshape(-1)
     if value.size != 1:
-        raise SamplingParamsError(f"expected a single value, got shape {list(arr.shape)}")
+        raise SamplingParamsError(f"{name}: expected a single value, got shape {list(arr.shape)}")
     item = value[0]
-    return item.decode() if isinstance(item, bytes) else item.item()
+    if isinstance(item, bytes):
+        return _text(item, name)
+    if isinstance(item, str):
+        return item
+    item = item.item()
+    if isinstance(item, float) and not math.isfinite(item):
+        raise SamplingParamsError(f"{name} must be a finite number, got {item}")
+    return item
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+def _text(value: Any, name: str = "input") -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SamplingParamsError(f"{name} is not valid UTF-8") from None
+    return str(value)
 
 
 def parse_llm_inputs(arrays: dict[str, np.ndarray]) -> tuple[list[int], dict[str, Any], bool]:
@@ -46,7 +59,7 @@ def parse_llm_inputs(arrays: dict[str, np.ndarray]) -> tuple[list[int], dict[str
     ids = arrays["input_ids"].reshape(-1).astype(np.int64).tolist()
     raw: dict[str, Any] = {}
     if "sampling_parameters" in arrays:
-        text = _scalar(arrays["sampling_parameters"])
+        text = _scalar(arrays["sampling_parameters"], "sampling_parameters")
         if text:
             try:
                 raw = json.loads(text)
@@ -56,12 +69,12 @@ def parse_llm_inputs(arrays: dict[str, np.ndarray]) -> tuple[list[int], dict[str
                 raise SamplingParamsError("sampling_parameters must be a JSON object")
     for tensor, name in SCALAR_INPUTS.items():
         if tensor in arrays:
-            raw[name] = _scalar(arrays[tensor])
+            raw[name] = _scalar(arrays[tensor], tensor)
     if "stop_words" in arrays:
-        words = [_text(w) for w in arrays["stop_words"].reshape(-1) if _text(w)]
+        words = [w for w in (_text(x, "stop_words") for x in arrays["stop_words"].reshape(-1)) if w]
         if words:
             raw["stop"] = words
-    stream = bool(_scalar(arrays["stream"])) if "stream" in arrays else bool(raw.pop("stream", False))
+    stream = bool(_scalar(arrays["stream"], "stream")) if "stream" in arrays else bool(raw.pop("stream", False))
     raw.pop("stream", None)
     return ids, raw, stream
 
@@ -122,3 +135,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
             continue
         out[name] = cast(value)
     return out
+
+
+def parse_abort_request_id(arr: np.ndarray) -> str:
+    return str(_scalar(arr, "abort_request_id"))

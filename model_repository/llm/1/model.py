@@ -19,7 +19,13 @@ from backend.config import EngineConfig  # noqa: E402
 from backend.engine import EngineOverloaded, EngineStats, LLMEngine, RequestError  # noqa: E402
 from backend.outputs import RequestOutput  # noqa: E402
 from backend.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
-from backend.triton_io import LLM_INPUTS, engine_config_overrides, llm_output_arrays, parse_llm_inputs  # noqa: E402
+from backend.triton_io import (  # noqa: E402
+    LLM_INPUTS,
+    engine_config_overrides,
+    llm_output_arrays,
+    parse_abort_request_id,
+    parse_llm_inputs,
+)  # noqa: E402
 from backend.triton_utils import model_path_from_config  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -134,8 +140,7 @@ class TritonPythonModel:
         return None
 
     def _abort(self, arr) -> None:
-        value = arr.reshape(-1)
-        triton_id = value[0].decode() if value.size and isinstance(value[0], bytes) else str(value[0]) if value.size else ""
+        triton_id = parse_abort_request_id(arr)
         with self._ids_lock:
             engine_ids = self._by_triton_id.pop(triton_id, set())
         for engine_id in engine_ids:
