@@ -194,9 +194,11 @@ def stream_pieces(
     tokenizer_path: str | Path = DEFAULT_TOKENIZER,
     timeout: float = 600.0,
     client: Optional[TritonStreamClient] = None,
+    reorder: bool = True,
     **sampling_options: Any,
 ) -> Iterator[StreamPiece]:
-    """Stream one generation; yields a `StreamPiece` per server response.
+    """Stream one generation; yields a `StreamPiece` per server response, in generation order
+    (`reorder`: responses the ensemble delivered out of order are held back until their turn).
 
     `sampling_options` are build_sampling's keywords (max_tokens, temperature, top_p, top_k,
     min_p, seed, stop, json_params). Closing the iterator early cancels the request.
@@ -208,6 +210,7 @@ def stream_pieces(
     values = build_inputs(model, prompt, chat=chat, system=system, input_ids=input_ids, sampling=sampling,
                           stream=stream, tokenizer=tokenizer)
     client = client or TritonStreamClient(url)
+    order = _InOrder() if reorder else None
     start = time.perf_counter()
     for chunk in client.stream_generate(model, values, timeout=timeout):
         ids = chunk.get("output_ids")
@@ -228,7 +231,7 @@ def stream_pieces(
             text = postprocess_arrays(tokenizer, arrays)["text_output"][0].decode("utf-8")
         else:
             text = ""
-        yield StreamPiece(
+        piece = StreamPiece(
             text=text,
             token_ids=ids_list,
             finish_reason=finish,
@@ -237,6 +240,51 @@ def stream_pieces(
             meta_info=_meta(chunk.get("meta_info")),
             time_s=time.perf_counter() - start,
         )
+        yield from (order.push(piece) if order is not None else [piece])
+    if order is not None:
+        yield from order.flush()
+
+
+class _InOrder:
+    """Puts a stream's responses back in generation order.
+
+    The ensemble runs postprocessing as a separate request per llm response, on any of its
+    instances, and forwards whichever finishes first: two responses close together can reach
+    the client swapped (seen here with postprocessing `count: 2`). Each response carries the
+    cumulative `completion_tokens`, so the tokens it holds start at completion_tokens - len(ids);
+    pieces are released once everything before them has been.
+    """
+
+    def __init__(self) -> None:
+        self.done: dict[Any, int] = {}
+        self.pending: dict[Any, list[StreamPiece]] = {}
+        self.reordered = 0  # responses that arrived before an earlier one
+
+    def push(self, piece: StreamPiece) -> list[StreamPiece]:
+        key = piece.meta_info.get("index", 0)
+        begin = piece.completion_tokens - len(piece.token_ids)
+        done = self.done.get(key, 0)
+        if begin > done:
+            self.reordered += 1
+            self.pending.setdefault(key, []).append(piece)
+            return []
+        out = [piece]
+        done = max(done, piece.completion_tokens)
+        waiting = self.pending.get(key, [])
+        while waiting:
+            nxt = next((p for p in waiting if p.completion_tokens - len(p.token_ids) <= done), None)
+            if nxt is None:
+                break
+            waiting.remove(nxt)
+            out.append(nxt)
+            done = max(done, nxt.completion_tokens)
+        self.done[key] = done
+        return out
+
+    def flush(self) -> list[StreamPiece]:
+        rest = [p for waiting in self.pending.values() for p in waiting]
+        self.pending.clear()
+        return sorted(rest, key=lambda p: (p.completion_tokens - len(p.token_ids), p.completion_tokens))
 
 
 def stream_text(prompt: Optional[str] = None, **kwargs: Any) -> Iterator[str]:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from client.cli import build_inputs, build_sampling, generate_text, stream_pieces
+from client.cli import StreamPiece, _InOrder, build_inputs, build_sampling, generate_text, stream_pieces
 from client.local_server import REPO_ROOT, LocalTritonServer
 
 MAX_NEW = 12
@@ -23,6 +23,18 @@ def test_build_sampling_merges_json_then_named_options():
     values = build_inputs("ensemble", "hi", chat=True, system="sys", sampling=params)
     assert json.loads(values["messages"]) == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
     assert values["stream"] is True and json.loads(values["sampling_parameters"]) == params
+
+
+def test_out_of_order_responses_are_put_back_in_generation_order():
+    def piece(ids, total, finish=""):
+        return StreamPiece(text="".join(f"<{i}>" for i in ids), token_ids=ids, finish_reason=finish,
+                           prompt_tokens=3, completion_tokens=total, meta_info={}, time_s=0.0)
+
+    order = _InOrder()
+    arrivals = [piece([1], 1), piece([3], 3), piece([], 3, "length"), piece([2], 2)]  # 2 overtaken by 3 and the end
+    out = [p for a in arrivals for p in order.push(a)] + order.flush()
+    assert [p.token_ids for p in out] == [[1], [2], [3], []] and out[-1].finish_reason == "length"
+    assert order.reordered == 2
 
 
 @pytest.fixture(scope="module")

@@ -42,19 +42,35 @@ REPO_ROOT = PERF_DIR.parents[1]
 
 
 # ------------------------------------------------------------------ the binary and its libraries
+def _site_dirs() -> list[Path]:
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path]
+    out: list[Path] = []
+    for d in dirs:
+        if d and Path(d).is_dir() and Path(d) not in out:
+            out.append(Path(d))
+    return out
+
+
 def perf_analyzer_binary() -> Path:
+    """$PERF_ANALYZER, else the one tritonclient installed beside this interpreter, else PATH."""
+    env = os.environ.get("PERF_ANALYZER")
+    if env:
+        return Path(env)
     exe = Path(sys.executable).parent / "perf_analyzer"
     if exe.exists():
         return exe
     found = shutil.which("perf_analyzer")
     if found:
         return Path(found)
+    for site in _site_dirs():  # pip install --target DIR puts it in DIR/bin
+        if (site / "bin" / "perf_analyzer").exists():
+            return site / "bin" / "perf_analyzer"
     raise FileNotFoundError("perf_analyzer not found: pip install 'tritonclient[all]==2.51.0'")
 
 
 def _cudart_dir() -> Optional[Path]:
-    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
-        lib = Path(base) / "nvidia" / "cuda_runtime" / "lib"
+    for base in _site_dirs():
+        lib = base / "nvidia" / "cuda_runtime" / "lib"
         if (lib / "libcudart.so.12").exists():
             return lib
     return None

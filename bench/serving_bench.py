@@ -1,0 +1,1163 @@
+"""One serving benchmark, one run, the same prompts everywhere: HF generate, the engine alone,
+tritonserver (ensemble, gRPC streaming), the OpenAI frontend (OpenAI SDK, streaming and not),
+perf_analyzer against the served ensemble, prefix caching on/off and chunked prefill.
+
+    python -m bench.serving_bench [--quick] [--device cpu|cuda] [--concurrency 1 8 64]
+        [--num-requests 64] [--only engine,triton,...] [--skip hf_one_by_one,...] [--out bench/results]
+
+Workload (issue 6): N requests with random-token prompts of 16-512 tokens and max_new_tokens of
+16-256, greedy with ignore_eos so every system generates exactly the same number of tokens
+(and, greedy, the same tokens), one seed for all. Every concurrency level is a closed loop: C
+clients each send their next request as soon as the previous one finished.
+
+Measured per system and level: output tokens/s (all output tokens / wall time of the level),
+requests/s, time to first token (TTFT) p50/p99, inter-token latency (ITL: gaps between streamed
+chunks that carry tokens) p50/p99, end-to-end latency p50/p99.
+
+  hf_one_by_one   transformers generate, one request at a time (c=1 only)
+  hf_static       transformers generate, all N requests as one left-padded batch run to the
+                  longest max_new_tokens (a static-batching server); useful tokens only
+  engine          backend.engine.LLMEngine in this process (add_request + callbacks)
+  triton          tritonserver, `ensemble` model, gRPC bidirectional streaming (tritonclient aio)
+  frontend        python -m openai_frontend in front of that tritonserver, OpenAI SDK
+                  /v1/completions with token-id prompts, streaming
+  frontend_nonstream   the same, stream=False
+  perf_analyzer   client/perf sweep on the served ensemble (csv + profile export saved)
+  prefix          shared 1k-token prefix + short unique suffixes, engine with
+                  enable_prefix_caching off vs on: TTFT ratio, outputs equal token for token
+  chunked         running streams' ITL p99 while a long prompt is prefilled vs without it
+
+Prefix caching is turned off for the main sweep (--main-prefix-caching): the same prompts are
+sent at every level and by every system, and the HF baseline has no cache either.
+
+Writes bench/results/<timestamp>.json, <timestamp>.png (throughput / TTFT / ITL vs concurrency),
+and <timestamp>/ (tritonserver and frontend logs, perf_analyzer csv + profile exports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import struct
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+from client.perf.make_inputs import ids_entries, mixed_workload, usable_vocab, write  # noqa: E402
+
+SECTIONS = ("hf_one_by_one", "hf_static", "engine", "triton", "frontend", "frontend_nonstream", "perf_analyzer",
+            "prefix", "chunked")
+TARGETS = {
+    # ratio name: (minimum or maximum, bound) from issue 6
+    "engine_vs_hf_static": (">=", 2.0),
+    "engine_vs_hf_one_by_one": (">=", 10.0),
+    "triton_vs_engine": (">=", 0.9),
+    "frontend_vs_engine": (">=", 0.8),
+    "frontend_stream_vs_nonstream": (">=", 0.9),
+    "prefix_ttft_off_over_on": (">=", 3.0),
+    "chunked_prefill_itl_p99_ratio": ("<=", 3.0),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ====================================================================== records and metrics
+@dataclass
+class Rec:
+    """One request as its client saw it (perf_counter seconds)."""
+
+    start: float = 0.0
+    end: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrivals of responses carrying tokens
+    tokens: int = 0
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    error: Optional[str] = None
+    cached_tokens: int = 0
+    reordered: int = 0  # responses that arrived out of generation order
+
+
+def pct(values: Sequence[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def metrics(recs: Sequence[Rec], wall: float, streaming: bool = True) -> dict[str, Any]:
+    ok = [r for r in recs if r.error is None]
+    tokens = sum(r.tokens for r in ok)
+    ttft = [1e3 * (r.chunk_times[0] - r.start) for r in ok if streaming and r.chunk_times]
+    itl = [1e3 * (b - a) for r in ok if streaming for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    e2e = [1e3 * (r.end - r.start) for r in ok]
+    tpot = [1e3 * (r.end - r.chunk_times[0]) / (r.tokens - 1) for r in ok
+            if streaming and r.chunk_times and r.tokens > 1]
+    out = {
+        "requests": len(recs),
+        "errors": len(recs) - len(ok),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_s": tokens / wall if wall > 0 else None,
+        "requests_s": len(ok) / wall if wall > 0 else None,
+        "ttft_ms_p50": pct(ttft, 50),
+        "ttft_ms_p99": pct(ttft, 99),
+        "itl_ms_p50": pct(itl, 50),
+        "itl_ms_p99": pct(itl, 99),
+        "tpot_ms_mean": statistics.fmean(tpot) if tpot else None,
+        "e2e_ms_p50": pct(e2e, 50),
+        "e2e_ms_p99": pct(e2e, 99),
+    }
+    reordered = sum(r.reordered for r in recs)
+    if reordered:
+        out["out_of_order_responses"] = reordered
+        out["requests_with_out_of_order_responses"] = sum(r.reordered > 0 for r in recs)
+    errors = [r.error for r in recs if r.error]
+    if errors:
+        out["first_error"] = errors[0][:500]
+    return out
+
+
+async def closed_loop(request: Callable[[int], Awaitable[Rec]], indices: Sequence[int], concurrency: int
+                      ) -> tuple[list[Rec], float]:
+    """`concurrency` clients, each sending its next request when the previous one ends."""
+    it = iter(indices)
+    recs: dict[int, Rec] = {}
+
+    async def client() -> None:
+        for i in it:
+            try:
+                recs[i] = await request(i)
+            except Exception as exc:  # keep measuring the others
+                recs[i] = Rec(start=time.perf_counter(), end=time.perf_counter(), error=f"{type(exc).__name__}: {exc}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(max(1, min(concurrency, len(indices))))))
+    wall = time.perf_counter() - t0
+    return [recs[i] for i in indices], wall
+
+
+# ====================================================================== workload
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    new_tokens: list[int]
+    temperature: float
+    seeds: list[int]
+
+    def sampling(self, i: int) -> dict[str, Any]:
+        p: dict[str, Any] = {"max_new_tokens": self.new_tokens[i], "temperature": self.temperature,
+                             "ignore_eos": True}
+        if self.temperature > 0:
+            p["seed"] = self.seeds[i]
+        return p
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ====================================================================== CPU accounting
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_stats() -> dict[int, tuple[int, float]]:
+    """pid -> (ppid, utime+stime seconds) for every process we can read (Linux /proc)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            raw = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(")") + 2:].split()
+        out[int(d.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK)
+    return out
+
+
+def tree_cpu(root: Optional[int], stats: dict[int, tuple[int, float]]) -> float:
+    """CPU seconds used so far by `root` and its live descendants."""
+    if root is None:
+        return 0.0
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += stats[pid][1]
+        todo.extend(children.get(pid, []))
+    return total
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine was busy (all processes, all cores) since boot."""
+    try:
+        vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return (sum(vals[:8]) - idle) / _TICK
+
+
+class CpuMeter:
+    """Cores used during a measurement by: this process (client, and the engine when in-process),
+    the tritonserver tree, the frontend, and everything else on the machine (other load)."""
+
+    def __init__(self, pids: dict[str, Optional[int]]) -> None:
+        self.pids = pids
+
+    def snapshot(self) -> dict[str, float]:
+        stats = _proc_stats()
+        t = os.times()
+        snap = {"bench_process": t.user + t.system, "machine": machine_busy_s(), "wall": time.perf_counter()}
+        for name, pid in self.pids.items():
+            snap[name] = tree_cpu(pid, stats)
+        return snap
+
+    @staticmethod
+    def cores(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+        wall = max(b["wall"] - a["wall"], 1e-9)
+        out = {k: round((b[k] - a[k]) / wall, 3) for k in a if k != "wall"}
+        ours = sum(v for k, v in out.items() if k != "machine")
+        out["other_load"] = round(max(out.pop("machine") - ours, 0.0), 3)
+        return out
+
+
+# ====================================================================== HF baselines
+def hf_model(model_path: Path, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(device).eval()
+
+
+def _step_timer(device: str):
+    from transformers import StoppingCriteria
+
+    class StepTimer(StoppingCriteria):
+        """Called once per generated token (batch-wide): its timestamps are the token arrivals."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            sync(device)
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StepTimer()
+
+
+def _hf_generate(model, ids, mask, n: int, wl: Workload, seed: Optional[int], device: str):
+    from transformers import StoppingCriteriaList
+
+    timer = _step_timer(device)
+    kwargs: dict[str, Any] = dict(attention_mask=mask, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
+                                  stopping_criteria=StoppingCriteriaList([timer]))
+    if wl.temperature > 0:
+        torch.manual_seed(seed or 0)
+        kwargs.update(do_sample=True, temperature=wl.temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(do_sample=False)
+    with torch.inference_mode():
+        out = model.generate(ids, **kwargs)
+    sync(device)
+    return out, timer.times
+
+
+def hf_one_by_one(model, wl: Workload, indices: Sequence[int], device: str) -> tuple[list[Rec], float]:
+    recs = []
+    t0 = time.perf_counter()
+    for i in indices:
+        ids = torch.tensor([wl.prompts[i]], device=device)
+        rec = Rec(start=time.perf_counter())
+        out, times = _hf_generate(model, ids, torch.ones_like(ids), wl.new_tokens[i], wl, wl.seeds[i], device)
+        rec.end = time.perf_counter()
+        rec.ids = out[0, ids.shape[1]:].tolist()
+        rec.tokens = len(rec.ids)
+        rec.chunk_times = times[: rec.tokens]
+        recs.append(rec)
+    return recs, time.perf_counter() - t0
+
+
+def hf_static_batch(model, wl: Workload, indices: Sequence[int], device: str) -> tuple[list[Rec], float]:
+    prompts = [wl.prompts[i] for i in indices]
+    news = [wl.new_tokens[i] for i in indices]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):  # left padding, as decoder-only batched generation needs
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    t0 = time.perf_counter()
+    out, times = _hf_generate(model, ids.to(device), mask.to(device), max(news), wl, wl.seeds[indices[0]], device)
+    t1 = time.perf_counter()
+    recs = []
+    for row, n in enumerate(news):
+        # A static-batching server answers when the whole batch is done; tokens past n are waste.
+        recs.append(Rec(start=t0, end=t1, chunk_times=times[:n], tokens=n, ids=out[row, width:width + n].tolist()))
+    return recs, t1 - t0
+
+
+# ====================================================================== engine in-process
+def engine_config(args, **overrides):
+    from backend.config import EngineConfig
+
+    kwargs: dict[str, Any] = dict(model_path=args.model_path, device=args.device)
+    kwargs.update(args.engine_args)
+    kwargs.update(overrides)
+    fields = EngineConfig.model_fields
+    dropped = [k for k in kwargs if k not in fields]
+    for k in dropped:
+        kwargs.pop(k)
+    return EngineConfig(**kwargs), dropped
+
+
+def engine_requester(engine, prompts: Sequence[Sequence[int]], sampling: Callable[[int], dict[str, Any]]):
+    async def request(i: int) -> Rec:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        rec = Rec()
+
+        def on_output(out) -> None:  # engine thread
+            now = time.perf_counter()
+            if out.new_token_ids:
+                rec.chunk_times.append(now)
+                rec.ids.extend(out.new_token_ids)
+            rec.cached_tokens = max(rec.cached_tokens, getattr(out, "cached_tokens", 0) or 0)
+            if out.finished:
+                rec.end = now
+                rec.tokens = len(rec.ids)
+                rec.error = out.error
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(rec))
+
+        params = engine.parse_params(sampling(i))
+        rec.start = time.perf_counter()
+        engine.add_request(list(prompts[i]), params, on_output)
+        return await fut
+
+    return request
+
+
+# ====================================================================== tritonserver (ensemble)
+def _ids_from_raw(raw: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(raw) // 4}i", raw[: len(raw) // 4 * 4]))
+
+
+def triton_requester(url: str, wl: Workload, model: str = "ensemble"):
+    import numpy as np
+    import tritonclient.grpc.aio as grpc_aio
+    from tritonclient.grpc import InferInput
+
+    holder: dict[str, Any] = {}
+
+    def client():
+        if "c" not in holder:
+            holder["c"] = grpc_aio.InferenceServerClient(url)
+        return holder["c"]
+
+    def inputs(i: int) -> list:
+        ids = np.asarray(wl.prompts[i], dtype=np.int32)
+        t_ids = InferInput("input_ids", [int(ids.size)], "INT32")
+        t_ids.set_data_from_numpy(ids)
+        t_stream = InferInput("stream", [1], "BOOL")
+        t_stream.set_data_from_numpy(np.array([True]))
+        t_params = InferInput("sampling_parameters", [1], "BYTES")
+        t_params.set_data_from_numpy(np.array([json.dumps(wl.sampling(i)).encode()], dtype=np.object_))
+        return [t_ids, t_stream, t_params]
+
+    async def request(i: int) -> Rec:
+        rec = Rec()
+        done = asyncio.Event()
+        payload = {"model_name": model, "inputs": inputs(i), "request_id": uuid.uuid4().hex,
+                   "parameters": {"triton_enable_empty_final_response": True}}
+
+        async def requests():
+            yield payload
+            await done.wait()
+
+        idx = cidx = -1
+        pieces: list[tuple[int, list[int]]] = []  # (position of the first token, ids)
+        expected = 0
+        rec.start = time.perf_counter()
+        responses = client().stream_infer(requests())
+        try:
+            async for result, error in responses:
+                now = time.perf_counter()
+                if error is not None:
+                    rec.error = str(error)
+                    break
+                resp = result.get_response()
+                if resp.outputs:
+                    if idx < 0:
+                        names = [o.name for o in resp.outputs]
+                        idx, cidx = names.index("output_ids"), names.index("completion_tokens")
+                    new = _ids_from_raw(resp.raw_output_contents[idx])
+                    if new:
+                        rec.chunk_times.append(now)
+                        # completion_tokens is cumulative: where these tokens belong. The ensemble
+                        # may deliver responses out of order (postprocessing on several instances).
+                        begin = _ids_from_raw(resp.raw_output_contents[cidx])[0] - len(new)
+                        rec.reordered += begin != expected
+                        expected = max(expected, begin + len(new))
+                        pieces.append((begin, new))
+                final = resp.parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    break
+        finally:
+            done.set()
+        rec.end = time.perf_counter()
+        rec.ids = [t for _, ids in sorted(pieces, key=lambda p: p[0]) for t in ids]
+        rec.tokens = len(rec.ids)
+        return rec
+
+    async def close() -> None:
+        if "c" in holder:
+            await holder.pop("c").close()
+
+    return request, close
+
+
+# ====================================================================== OpenAI frontend
+class Frontend:
+    def __init__(self, triton_url: str, model_path: Path, log_file: Path, name: str = "demo") -> None:
+        from client.local_server import free_port
+
+        self.port = free_port()
+        self.name = name
+        self.log_file = log_file
+        self.cmd = [sys.executable, "-m", "openai_frontend", "--triton-url", triton_url, "--model-name", name,
+                    "--port", str(self.port), "--host", "127.0.0.1", "--tokenizer-path", str(model_path),
+                    "--log-level", "warning"]
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self, timeout: float = 120.0) -> "Frontend":
+        self._log = open(self.log_file, "ab")
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the frontend exited with code {self.proc.returncode}; see {self.log_file}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError("the frontend did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if getattr(self, "_log", None):
+            self._log.close()
+
+
+def openai_requester(base_url: str, name: str, wl: Workload, stream: bool):
+    import httpx
+    from openai import AsyncOpenAI
+
+    holder: dict[str, Any] = {}
+
+    def client() -> AsyncOpenAI:
+        if "c" not in holder:
+            http = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=4096),
+                                     timeout=httpx.Timeout(1800.0))
+            holder["c"] = AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, http_client=http)
+        return holder["c"]
+
+    async def request(i: int) -> Rec:
+        rec = Rec()
+        extra: dict[str, Any] = {"ignore_eos": True}
+        kwargs: dict[str, Any] = dict(model=name, prompt=list(wl.prompts[i]), max_tokens=wl.new_tokens[i],
+                                      temperature=wl.temperature, extra_body=extra)
+        if wl.temperature > 0:
+            kwargs["seed"] = wl.seeds[i]
+        rec.start = time.perf_counter()
+        if stream:
+            texts = []
+            resp = await client().completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+            async for chunk in resp:
+                now = time.perf_counter()
+                if chunk.choices:
+                    c = chunk.choices[0]
+                    if c.text or not c.finish_reason:
+                        rec.chunk_times.append(now)
+                    texts.append(c.text or "")
+                if chunk.usage is not None:
+                    rec.tokens = chunk.usage.completion_tokens
+            rec.text = "".join(texts)
+        else:
+            resp = await client().completions.create(stream=False, **kwargs)
+            rec.tokens = resp.usage.completion_tokens
+            rec.text = resp.choices[0].text
+        rec.end = time.perf_counter()
+        return rec
+
+    async def close() -> None:
+        if "c" in holder:
+            await holder.pop("c").close()
+
+    return request, close
+
+
+# ====================================================================== the run
+class Bench:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.results: dict[str, Any] = {"systems": {}, "notes": []}
+        from backend.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(args.model_path)
+        prompts, news = mixed_workload(args.num_requests, usable_vocab(self.tokenizer), seed=args.seed,
+                                       min_prompt=args.min_prompt, max_prompt=args.max_prompt,
+                                       min_new=args.min_new, max_new=args.max_new)
+        rng = random.Random(args.seed + 1)
+        self.wl = Workload(prompts, news, args.temperature, [rng.randrange(2**31) for _ in prompts])
+        self.indices = list(range(args.num_requests))
+        self.reference_ids: Optional[list[list[int]]] = None  # engine at the first level
+        self.pids: dict[str, Optional[int]] = {}  # tritonserver / frontend, for CPU accounting
+
+    def cpu(self) -> CpuMeter:
+        return CpuMeter(self.pids)
+
+    def level_indices(self, concurrency: int) -> list[int]:
+        """The requests of one level: all of them, or the first --c1-requests at concurrency 1."""
+        if concurrency == 1 and self.args.c1_requests:
+            return self.indices[: self.args.c1_requests]
+        return self.indices
+
+    async def measure(self, request: Callable[[int], Awaitable[Rec]], concurrency: int,
+                      indices: Optional[Sequence[int]] = None) -> tuple[list[Rec], float, dict[str, float]]:
+        meter = self.cpu()
+        before = meter.snapshot()
+        recs, wall = await closed_loop(request, self.level_indices(concurrency) if indices is None else indices,
+                                       concurrency)
+        return recs, wall, meter.cores(before, meter.snapshot())
+
+    def want(self, section: str) -> bool:
+        return section in self.args.sections
+
+    def record(self, system: str, level: Any, m: dict[str, Any]) -> None:
+        self.results["systems"].setdefault(system, {})[str(level)] = m
+        f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+        log(f"{system:19s} c={str(level):>5s}  {f(m['output_tok_s'])} tok/s  TTFT p50/p99 {f(m['ttft_ms_p50'])}/"
+            f"{f(m['ttft_ms_p99'])} ms  ITL p50/p99 {f(m['itl_ms_p50'], 2)}/{f(m['itl_ms_p99'], 2)} ms"
+            + (f"  errors={m['errors']}" if m["errors"] else "")
+            + (f"  out-of-order responses={m['out_of_order_responses']}" if m.get("out_of_order_responses") else "")
+            + ("  cores " + " ".join(f"{k}={v:.2f}" for k, v in m["cpu_cores"].items()) if m.get("cpu_cores") else ""))
+
+    def check_outputs(self, m: dict[str, Any], recs: list[Rec], by_text: bool = False) -> None:
+        """Fraction of requests whose output equals the engine's (greedy: should be all)."""
+        if self.reference_ids is None or self.wl.temperature > 0:
+            return
+        n = min(len(recs), len(self.reference_ids))
+        if by_text:
+            ref: list = [self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                         for ids in self.reference_ids[:n]]
+            got: list = [r.text for r in recs[:n]]
+        else:
+            ref, got = self.reference_ids[:n], [r.ids for r in recs[:n]]
+        same = sum(a == b for a, b in zip(got, ref))
+        m["outputs_equal_engine"] = same / max(n, 1)
+        # Where the first few differing outputs part from the engine's (ids or text): enough to
+        # tell a numerical near-tie flip (diverges) from reordered responses (swap, same multiset).
+        diffs = []
+        for i, (a, b) in enumerate(zip(got, ref)):
+            if a != b and len(diffs) < 5:
+                k = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), min(len(a), len(b)))
+                diffs.append({"request": i, "at": k, "engine": b[max(k - 2, 0):k + 4], "got": a[max(k - 2, 0):k + 4],
+                              "same_length": len(a) == len(b), "same_multiset": sorted(a) == sorted(b)})
+        if diffs:
+            m["output_diffs"] = diffs
+        m["exact_lengths"] = all(r.tokens == n for r, n in zip(recs, self.wl.new_tokens) if r.error is None)
+
+    # ------------------------------------------------------------------ HF
+    def run_hf(self) -> None:
+        if not (self.want("hf_one_by_one") or self.want("hf_static")):
+            return
+        a = self.args
+        # The engine's dtype rule: an explicit dtype, else bf16 on CUDA and fp32 on CPU.
+        name = a.engine_args.get("dtype")
+        dtype = getattr(torch, name) if name else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
+        model = hf_model(a.model_path, a.device, dtype)
+        hf_one_by_one(model, self.wl, [0], a.device)  # warm-up
+        if self.want("hf_one_by_one"):
+            idx = self.indices[: a.hf_one_by_one_requests] if a.hf_one_by_one_requests else self.indices
+            log(f"HF generate one at a time: {len(idx)} requests")
+            recs, wall = hf_one_by_one(model, self.wl, idx, a.device)
+            m = metrics(recs, wall)
+            m["num_requests_measured"] = len(idx)
+            self.record("hf_one_by_one", 1, m)
+            self.hf_one_ids = [r.ids for r in recs]
+        if self.want("hf_static"):
+            log(f"HF generate, one static batch of {len(self.indices)}")
+            recs, wall = hf_static_batch(model, self.wl, self.indices, a.device)
+            m = metrics(recs, wall)
+            m["padded_tokens_generated"] = len(self.indices) * max(self.wl.new_tokens)
+            self.record("hf_static", len(self.indices), m)
+        del model
+        free_device_memory()
+
+    # ------------------------------------------------------------------ engine
+    def run_engine(self) -> None:
+        if not self.want("engine"):
+            return
+        from backend.engine import LLMEngine
+
+        cfg, dropped = engine_config(self.args, **self.main_prefix_override())
+        if dropped:
+            self.results["notes"].append(f"engine settings not in EngineConfig, ignored: {dropped}")
+        engine = LLMEngine(cfg)
+        engine.start()
+        try:
+            request = engine_requester(engine, self.wl.prompts, self.wl.sampling)
+            asyncio.run(self._warm(request))
+            for c in self.args.concurrency:
+                recs, wall, cores = asyncio.run(self.measure(request, c))
+                m = metrics(recs, wall)
+                m["cpu_cores"] = cores
+                if self.reference_ids is None or len(recs) > len(self.reference_ids):
+                    self.reference_ids = [r.ids for r in recs]
+                self.check_outputs(m, recs)
+                m["preemptions_total"] = engine.stats().num_preemptions
+                self.record("engine", c, m)
+            if hasattr(self, "hf_one_ids") and self.wl.temperature == 0:
+                n = len(self.hf_one_ids)
+                self.results["engine_equals_hf_greedy"] = sum(
+                    a == b for a, b in zip(self.hf_one_ids, self.reference_ids[:n])) / max(n, 1)
+        finally:
+            engine.shutdown()
+            del engine
+            free_device_memory()
+
+    async def _warm(self, request: Callable[[int], Awaitable[Rec]], n: int = 2) -> None:
+        # Short warm-up requests of the workload's own prompts (allocator, kernels, connections).
+        await closed_loop(lambda i: request(i), list(range(min(n, len(self.indices)))), n)
+
+    def main_prefix_override(self) -> dict[str, Any]:
+        mode = self.args.main_prefix_caching
+        return {} if mode == "default" else {"enable_prefix_caching": mode == "on"}
+
+    # ------------------------------------------------------------------ prefix caching
+    def run_prefix(self) -> None:
+        if not self.want("prefix"):
+            return
+        from backend.config import EngineConfig
+        from backend.engine import LLMEngine
+
+        a = self.args
+        if "enable_prefix_caching" not in EngineConfig.model_fields:
+            self.results["prefix"] = {"available": False, "note": "not available: EngineConfig has no "
+                                      "enable_prefix_caching"}
+            log("prefix caching: not available")
+            return
+        rng = random.Random(a.seed + 7)
+        vocab = usable_vocab(self.tokenizer)
+        prefix = [rng.randrange(100, vocab) for _ in range(a.prefix_len)]
+        suffixes = [[rng.randrange(100, vocab) for _ in range(rng.randint(16, 64))] for _ in range(a.prefix_requests + 1)]
+        prompts = [prefix + s for s in suffixes]
+        sampling = lambda i: {"max_new_tokens": a.prefix_new_tokens, "temperature": 0.0, "ignore_eos": True}  # noqa
+        out: dict[str, Any] = {"available": True, "prefix_len": a.prefix_len, "requests": a.prefix_requests,
+                               "concurrency": a.prefix_concurrency, "max_new_tokens": a.prefix_new_tokens}
+        ids: dict[bool, list[list[int]]] = {}
+        for enabled in (False, True):
+            cfg, _ = engine_config(a, enable_prefix_caching=enabled)
+            engine = LLMEngine(cfg)
+            engine.start()
+            try:
+                request = engine_requester(engine, prompts, sampling)
+                # Request 0 warms up and (with caching) puts the prefix in the cache; the rest share it.
+                asyncio.run(closed_loop(request, [0], 1))
+                recs, wall, cores = asyncio.run(self.measure(request, a.prefix_concurrency, list(range(1, len(prompts)))))
+                m = metrics(recs, wall)
+                m["cpu_cores"] = cores
+                m["cached_tokens_mean"] = statistics.fmean(r.cached_tokens for r in recs)
+                ids[enabled] = [r.ids for r in recs]
+                out["on" if enabled else "off"] = m
+                self.record("prefix_cache_" + ("on" if enabled else "off"), a.prefix_concurrency, m)
+            finally:
+                engine.shutdown()
+                request = engine = None  # the closure holds the engine (and its KV pool on CUDA)
+                free_device_memory()
+        out["outputs_equal"] = ids[False] == ids[True]
+        off, on = out["off"]["ttft_ms_p50"], out["on"]["ttft_ms_p50"]
+        out["ttft_p50_off_over_on"] = off / on if off and on else None
+        self.results["prefix"] = out
+
+    # ------------------------------------------------------------------ chunked prefill
+    def run_chunked(self) -> None:
+        if not self.want("chunked"):
+            return
+        from backend.engine import LLMEngine
+
+        a = self.args
+        cfg, _ = engine_config(a, enable_prefix_caching=False)
+        engine = LLMEngine(cfg)
+        long_len = min(a.long_prompt_len, engine.max_model_len - 8)
+        rng = random.Random(a.seed + 11)
+        vocab = usable_vocab(self.tokenizer)
+        streams = [[rng.randrange(100, vocab) for _ in range(32)] for _ in range(a.chunked_streams)]
+        long_prompt = [rng.randrange(100, vocab) for _ in range(long_len)]
+        prompts = streams + [long_prompt]
+        n_s = len(streams)
+
+        def sampling(i: int) -> dict[str, Any]:
+            return {"max_new_tokens": 1 if i == n_s else a.chunked_new_tokens, "temperature": 0.0, "ignore_eos": True}
+
+        out: dict[str, Any] = {"streams": n_s, "long_prompt_len": long_len,
+                               "max_num_batched_tokens": cfg.max_num_batched_tokens}
+        engine.start()
+        try:
+            request = engine_requester(engine, prompts, sampling)
+            asyncio.run(closed_loop(request, [0, n_s], 2))  # warm-up, including one long prefill
+
+            async def run(with_long: bool) -> tuple[list[Rec], Optional[Rec]]:
+                tasks = [asyncio.ensure_future(request(i)) for i in range(n_s)]
+                long_rec = None
+                if with_long:
+                    await asyncio.sleep(0)
+                    # Let every stream get going (a few tokens each), then send the long prompt.
+                    while True:
+                        await asyncio.sleep(0.005)
+                        if engine.stats().generation_tokens_total >= base_tokens + 8 * n_s:
+                            break
+                    long_rec = await request(n_s)
+                return list(await asyncio.gather(*tasks)), long_rec
+
+            base_tokens = engine.stats().generation_tokens_total
+            recs, _ = asyncio.run(run(False))
+            itl_base = [1e3 * (y - x) for r in recs for x, y in zip(r.chunk_times, r.chunk_times[1:])]
+            base_tokens = engine.stats().generation_tokens_total
+            recs2, long_rec = asyncio.run(run(True))
+            t0, t1 = long_rec.start, (long_rec.chunk_times or [long_rec.end])[0]
+            # Gaps of the running streams that overlap the long prompt's prefill (send -> first token).
+            during = [1e3 * (y - x) for r in recs2 for x, y in zip(r.chunk_times, r.chunk_times[1:]) if y > t0 and x < t1]
+            out.update({
+                "itl_ms_p50_without": pct(itl_base, 50),
+                "itl_ms_p99_without": pct(itl_base, 99),
+                "itl_ms_p99_during_prefill": pct(during, 99),
+                "itl_ms_max_during_prefill": max(during) if during else None,
+                "gaps_during_prefill": len(during),
+                "long_prompt_ttft_ms": 1e3 * (t1 - t0),
+            })
+            base = out["itl_ms_p99_without"]
+            out["itl_p99_ratio"] = (out["itl_ms_p99_during_prefill"] / base) if during and base else None
+        finally:
+            engine.shutdown()
+            del engine
+            free_device_memory()
+        self.results["chunked"] = out
+        log(f"chunked prefill: running streams' ITL p99 {out.get('itl_ms_p99_without'):.2f} ms without, "
+            f"{out.get('itl_ms_p99_during_prefill') or float('nan'):.2f} ms while a {long_len}-token prompt is prefilled")
+
+    # ------------------------------------------------------------------ servers
+    def run_servers(self, run_dir: Path) -> None:
+        if not any(self.want(s) for s in ("triton", "frontend", "frontend_nonstream", "perf_analyzer")):
+            return
+        from client.local_server import LocalTritonServer
+
+        a = self.args
+        env = {"LLM_MODEL_PATH": str(a.model_path)}
+        if a.device != "auto":
+            env["LLM_DEVICE"] = a.device
+        for k, v in {**a.engine_args, **self.main_prefix_override()}.items():
+            env[f"LLM_{k.upper()}"] = str(v).lower() if isinstance(v, bool) else str(v)
+        env.update(a.server_env)
+        self.results["server_env"] = env
+        log("starting tritonserver")
+        srv = LocalTritonServer(env=env, log_file=run_dir / "tritonserver.log")
+        srv.start(timeout=600)
+        self.pids["tritonserver"] = srv.process.pid
+        try:
+            if self.want("triton"):
+                request, close = triton_requester(srv.grpc_url, self.wl)
+
+                async def sweep_triton() -> None:
+                    await self._warm(request)
+                    for c in a.concurrency:
+                        recs, wall, cores = await self.measure(request, c)
+                        m = metrics(recs, wall)
+                        m["cpu_cores"] = cores
+                        self.check_outputs(m, recs)
+                        self.record("triton", c, m)
+                    await close()
+
+                asyncio.run(sweep_triton())
+            if self.want("frontend") or self.want("frontend_nonstream"):
+                fe = Frontend(srv.grpc_url, a.model_path, run_dir / "frontend.log").start()
+                self.pids["frontend"] = fe.proc.pid
+                try:
+                    base_url = f"http://127.0.0.1:{fe.port}/v1"
+                    for system, stream in (("frontend", True), ("frontend_nonstream", False)):
+                        if not self.want(system):
+                            continue
+                        request, close = openai_requester(base_url, fe.name, self.wl, stream)
+
+                        async def sweep_frontend() -> None:
+                            await self._warm(request)
+                            for c in a.concurrency:
+                                recs, wall, cores = await self.measure(request, c)
+                                m = metrics(recs, wall, streaming=stream)
+                                m["cpu_cores"] = cores
+                                self.check_outputs(m, recs, by_text=True)
+                                self.record(system, c, m)
+                            await close()
+
+                        asyncio.run(sweep_frontend())
+                finally:
+                    fe.stop()
+                    self.pids.pop("frontend", None)
+            if self.want("perf_analyzer"):
+                self.run_perf_analyzer(srv, run_dir)
+        finally:
+            srv.stop()
+            self.pids.pop("tritonserver", None)
+
+    def run_perf_analyzer(self, srv, run_dir: Path) -> None:
+        from client.perf import run_perf_analyzer as pa
+
+        a = self.args
+        out_dir = run_dir / "perf_analyzer"
+        try:
+            pa.ensure_installed(install=a.install_perf_deps)
+        except Exception as exc:
+            self.results["perf_analyzer"] = {"error": str(exc)}
+            log(f"perf_analyzer unavailable: {exc}")
+            return
+        data = write(out_dir / "input_ensemble_ids.json",
+                     ids_entries(self.wl.prompts, self.wl.new_tokens, temperature=self.wl.temperature,
+                                 seeds=self.wl.seeds if self.wl.temperature > 0 else None))
+        log(f"perf_analyzer sweep on the ensemble: concurrency {a.concurrency}")
+        summary = pa.sweep("ensemble", srv.grpc_url, data, a.concurrency, out_dir,
+                           request_count=a.perf_request_count, metrics_url=srv.metrics_url.replace("http://", ""),
+                           log=log)
+        self.results["perf_analyzer"] = summary
+        for c, level in summary["levels"].items():
+            pr = level.get("profile") or {}
+            pa_row = level.get("perf_analyzer") or {}
+            if pr:
+                m = {"requests": pr.get("requests"), "errors": 0, "output_tokens": pr.get("output_tokens"),
+                     "wall_s": None, "output_tok_s": pr.get("output_tok_s"), "requests_s": pa_row.get("requests_s"),
+                     "ttft_ms_p50": pr.get("ttft_ms_p50"), "ttft_ms_p99": pr.get("ttft_ms_p99"),
+                     "itl_ms_p50": pr.get("itl_ms_p50"), "itl_ms_p99": pr.get("itl_ms_p99")}
+                self.record("perf_analyzer", c, m)
+
+    # ------------------------------------------------------------------ ratios
+    def ratios(self) -> dict[str, Any]:
+        s = self.results["systems"]
+        top = str(max(self.args.concurrency))
+
+        def tput(system: str, level: Optional[str] = None) -> Optional[float]:
+            levels = s.get(system) or {}
+            if not levels:
+                return None
+            m = levels.get(level) if level else next(iter(levels.values()))
+            return (m or {}).get("output_tok_s")
+
+        def div(x, y):
+            return x / y if x and y else None
+
+        eng = tput("engine", top)
+        r: dict[str, Any] = {
+            "concurrency": int(top),
+            "engine_vs_hf_static": div(eng, tput("hf_static")),
+            "engine_vs_hf_one_by_one": div(eng, tput("hf_one_by_one")),
+            "triton_vs_engine": div(tput("triton", top), eng),
+            "frontend_vs_engine": div(tput("frontend", top), eng),
+            "frontend_nonstream_vs_engine": div(tput("frontend_nonstream", top), eng),
+            "frontend_stream_vs_nonstream": div(tput("frontend", top), tput("frontend_nonstream", top)),
+            "prefix_ttft_off_over_on": (self.results.get("prefix") or {}).get("ttft_p50_off_over_on"),
+            "chunked_prefill_itl_p99_ratio": (self.results.get("chunked") or {}).get("itl_p99_ratio"),
+        }
+        per_level = {}
+        for c in map(str, self.args.concurrency):
+            e = tput("engine", c)
+            per_level[c] = {"triton_vs_engine": div(tput("triton", c), e), "frontend_vs_engine": div(tput("frontend", c), e),
+                            "frontend_stream_vs_nonstream": div(tput("frontend", c), tput("frontend_nonstream", c))}
+        r["per_level"] = per_level
+        checks = {}
+        for name, (op, bound) in TARGETS.items():
+            v = r.get(name)
+            checks[name] = {"value": v, "target": f"{op} {bound}",
+                            "met": None if v is None else (v >= bound if op == ">=" else v <= bound)}
+        r["targets"] = checks
+        return r
+
+
+# ====================================================================== output
+def git_info() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD"), "modified": git("status", "--porcelain", "--untracked-files=no").splitlines()}
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "device": device}
+    try:
+        info["affinity_cpus"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = results["systems"]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    styles = {"engine": ("o", "tab:blue"), "triton": ("s", "tab:orange"), "frontend": ("^", "tab:green"),
+              "frontend_nonstream": ("v", "tab:olive"), "perf_analyzer": ("x", "tab:purple")}
+    all_levels: set[int] = set()
+    nan = float("nan")
+    for name, (marker, color) in styles.items():
+        levels = systems.get(name)
+        if not levels:
+            continue
+        xs = sorted(int(c) for c in levels)
+        all_levels.update(xs)
+        get = lambda key: [nan if levels[str(c)].get(key) is None else levels[str(c)][key] for c in xs]  # noqa: E731
+        axes[0].plot(xs, get("output_tok_s"), marker=marker, color=color, label=name)
+        for ax, key in ((axes[1], "ttft_ms"), (axes[2], "itl_ms")):
+            p50, p99 = get(f"{key}_p50"), get(f"{key}_p99")
+            if all(v != v for v in p50):  # no streaming figures (non-streaming)
+                continue
+            ax.plot(xs, p50, marker=marker, color=color, label=f"{name} p50")
+            ax.plot(xs, p99, marker=marker, color=color, linestyle="--", alpha=0.45, label=f"{name} p99")
+    colors = {"hf_static": "tab:red", "hf_one_by_one": "tab:gray"}
+    for name, color in colors.items():
+        levels = systems.get(name)
+        if levels:
+            v = next(iter(levels.values())).get("output_tok_s")
+            if v:
+                axes[0].axhline(v, color=color, linestyle="--", label=f"{name} ({v:.0f} tok/s)")
+    titles = ("output throughput (tok/s)", "time to first token (ms)", "inter-token latency (ms)")
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log", base=2)
+        if all_levels:
+            ax.set_xticks(sorted(all_levels), [str(c) for c in sorted(all_levels)])
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
+    m = results.get("machine", {})
+    fig.suptitle(f"serving_bench {results.get('timestamp', '')}: {m.get('device')} / {m.get('cpu')} "
+                 f"({m.get('cpu_count')} cores), {results['workload']['num_requests']} requests", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_ratios(r: dict[str, Any], results: dict[str, Any]) -> None:
+    print("\n=== ratios (throughput at concurrency %d unless noted) ===" % r["concurrency"])
+    for name, check in r["targets"].items():
+        v = check["value"]
+        met = check["met"]
+        status = "n/a" if met is None else ("met" if met else "MISSED")
+        print(f"  {name:32s} {'-' if v is None else f'{v:7.2f}':>8s}   target {check['target']:6s}  {status}")
+    if r.get("frontend_nonstream_vs_engine") is not None:
+        print(f"  {'frontend_nonstream_vs_engine':32s} {r['frontend_nonstream_vs_engine']:8.2f}")
+    for c, lv in r["per_level"].items():
+        parts = [f"{k}={v:.2f}" for k, v in lv.items() if v is not None]
+        if parts:
+            print(f"  c={c}: " + ", ".join(parts))
+    prefix = results.get("prefix")
+    if prefix and not prefix.get("available", True):
+        print(f"  prefix caching: {prefix['note']}")
+    elif prefix:
+        print(f"  prefix caching outputs equal token for token: {prefix.get('outputs_equal')}")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="small run (16 requests, levels 1 4 16, shorter outputs, fewer prefix/HF requests)")
+    ap.add_argument("--model-path", type=Path, default=REPO_ROOT / "models" / "demo")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="levels (default 1 8 64)")
+    ap.add_argument("--num-requests", type=int, default=None, help="requests per level (default 64)")
+    ap.add_argument("--min-prompt", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--min-new", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=None, help="default 256 (quick: 128)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = greedy (default); > 0 samples with one fixed seed per request everywhere")
+    ap.add_argument("--c1-requests", type=int, default=0,
+                    help="at concurrency 1, measure only the first N requests (every system alike; default all)")
+    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for tritonserver (applied last, e.g. PYTHONPATH=...); repeatable")
+    ap.add_argument("--hf-one-by-one-requests", type=int, default=None,
+                    help="measure HF one-at-a-time on the first N requests only (default all; quick 8)")
+    ap.add_argument("--only", default=None, help=f"comma-separated sections to run: {','.join(SECTIONS)}")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="EngineConfig field for the engine in this process and, as LLM_KEY, for tritonserver "
+                         "(e.g. max_num_seqs=256); repeatable")
+    ap.add_argument("--main-prefix-caching", choices=["off", "on", "default"], default="off",
+                    help="prefix caching in the main sweep (off: the same prompts repeat across levels)")
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--prefix-requests", type=int, default=None, help="default 16 (quick 6)")
+    ap.add_argument("--prefix-concurrency", type=int, default=1)
+    ap.add_argument("--prefix-new-tokens", type=int, default=16)
+    ap.add_argument("--long-prompt-len", type=int, default=3072)
+    ap.add_argument("--chunked-streams", type=int, default=8)
+    ap.add_argument("--chunked-new-tokens", type=int, default=None, help="default 256 (quick 96)")
+    ap.add_argument("--perf-request-count", type=int, default=None,
+                    help="perf_analyzer requests per measurement window (default max(concurrency, 16))")
+    ap.add_argument("--no-install-perf-deps", dest="install_perf_deps", action="store_false",
+                    help="do not install libb64-0d / nvidia-cuda-runtime-cu12 for perf_analyzer when missing")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    args = ap.parse_args(argv)
+
+    q = args.quick
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.concurrency = args.concurrency or ([1, 4, 16] if q else [1, 8, 64])
+    args.num_requests = args.num_requests or (16 if q else 64)
+    args.max_new = args.max_new or (128 if q else 256)
+    args.hf_one_by_one_requests = args.hf_one_by_one_requests if args.hf_one_by_one_requests is not None else (
+        8 if q else 0)
+    args.prefix_requests = args.prefix_requests or (6 if q else 16)
+    args.chunked_new_tokens = args.chunked_new_tokens or (96 if q else 256)
+    sections = set(args.only.split(",")) if args.only else set(SECTIONS)
+    unknown = (sections | set(filter(None, args.skip.split(",")))) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections: {sorted(unknown)} (known: {', '.join(SECTIONS)})")
+    args.sections = sections - set(args.skip.split(","))
+    engine_args: dict[str, Any] = {}
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--engine-arg expects KEY=VALUE, got {item!r}")
+        low = value.lower()
+        engine_args[key] = (True if low in ("true", "on") else False if low in ("false", "off")
+                            else int(value) if value.lstrip("-").isdigit() else value)
+    args.engine_args = engine_args
+    server_env: dict[str, str] = {}
+    for item in args.server_env:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--server-env expects KEY=VALUE, got {item!r}")
+        server_env[key] = value
+    args.server_env = server_env
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if not args.model_path.exists():
+        from backend.demo_model import build_demo_model
+
+        log(f"building the demo model into {args.model_path}")
+        build_demo_model(args.model_path, seed=0)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_dir = args.out / stamp
+    run_dir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(args)
+    wl = bench.wl
+    results = bench.results
+    results.update({
+        "timestamp": stamp,
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.serving_bench", *(argv or sys.argv[1:])]),
+        "machine": machine_info(args.device),
+        "git": git_info(),
+        "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "workload": {"num_requests": args.num_requests, "concurrency": args.concurrency,
+                     "prompt_tokens": [args.min_prompt, args.max_prompt], "max_new_tokens": [args.min_new, args.max_new],
+                     "total_prompt_tokens": sum(map(len, wl.prompts)), "total_output_tokens": sum(wl.new_tokens),
+                     "temperature": args.temperature, "ignore_eos": True, "seed": args.seed,
+                     "main_prefix_caching": args.main_prefix_caching, "engine_args": args.engine_args},
+        "sections": sorted(args.sections),
+    })
+    log(f"workload: {args.num_requests} requests, {results['workload']['total_prompt_tokens']} prompt / "
+        f"{results['workload']['total_output_tokens']} output tokens; levels {args.concurrency}; device {args.device}")
+    t0 = time.perf_counter()
+    steps = (("hf", bench.run_hf), ("engine", bench.run_engine), ("prefix", bench.run_prefix),
+             ("chunked", bench.run_chunked), ("servers", lambda: bench.run_servers(run_dir)))
+    for name, step in steps:
+        try:
+            step()
+        except Exception as exc:  # one broken path must not lose the others' figures
+            import traceback
+
+            traceback.print_exc()
+            results.setdefault("failures", {})[name] = f"{type(exc).__name__}: {exc}"
+            log(f"section {name} failed: {exc}")
+    results["total_s"] = time.perf_counter() - t0
+    results["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    results["ratios"] = bench.ratios()
+    json_path = args.out / f"{stamp}.json"
+    json_path.write_text(json.dumps(results, indent=2, default=str))
+    png_path = args.out / f"{stamp}.png"
+    try:
+        plot(results, png_path)
+    except Exception as exc:
+        log(f"plot failed: {exc}")
+    print_ratios(results["ratios"], results)
+    print(f"\nresults: {json_path}\nplot:    {png_path}\nlogs:    {run_dir}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
