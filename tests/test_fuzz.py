@@ -413,3 +413,17 @@ def test_frontend_survived_fuzzing(stack):
                    json={"model": "demo", "prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     check_healthy(stack)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": "demo", "prompt": [2**32 + 5, 6], "max_tokens": 2}),  # would wrap to 5
+    ("/v1/completions", {"model": "demo", "prompt": [2**70], "max_tokens": 2}),
+    ("/v1/completions", {"model": "demo", "prompt": [-1], "max_tokens": 2}),
+    ("/generate", {"input_ids": [2**32 + 5, 6], "sampling_params": {"max_new_tokens": 2}}),
+    ("/generate", {"input_ids": [2**70], "sampling_params": {"max_new_tokens": 2}}),
+])
+def test_frontend_refuses_token_ids_outside_int32(stack, path, body):
+    """Token ids are sent to Triton as INT32: a larger id must be refused (400), not wrapped
+    around into another, valid token (2**32 + 5 became 5) nor crash the handler (500)."""
+    r = httpx.post(stack.frontend.url + path, json=body, timeout=60)
+    assert r.status_code == 400, (r.status_code, r.text[:300])
