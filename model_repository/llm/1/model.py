@@ -34,12 +34,17 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class _Responder:
     """Sends one request's engine outputs as Triton responses.
 
-    Streaming: one response per engine output. Not streaming: one response per sample (n of
-    them), each when its sample finishes. The response that ends the last sample is final.
+    Streaming: one response per engine output, or per `stream_interval` tokens (SGLang's
+    --stream-interval: fewer, larger responses cost less per token across the ensemble). Not
+    streaming: one response per sample (n of them), each when its sample finishes. The
+    response that ends the last sample is final.
     """
 
-    def __init__(self, sender, params: SamplingParams, stream: bool, on_final=None, metrics=None) -> None:
+    def __init__(
+        self, sender, params: SamplingParams, stream: bool, on_final=None, metrics=None, stream_interval: int = 1
+    ) -> None:
         self.sender = sender
+        self.stream_interval = stream_interval
         self.params = params
         self.stream = stream
         self.buffered: dict[int, RequestOutput] = {}
@@ -62,12 +67,12 @@ class _Responder:
             code = pb_utils.TritonError.INVALID_ARG if out.error_code == "invalid_arg" else pb_utils.TritonError.INTERNAL
             self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error, code)), flags=FINAL)
             return
-        if not self.stream:
-            prev = self.buffered.get(out.index)
-            self.buffered[out.index] = out if prev is None else prev.merge(out)
-            if not out.finished:
-                return
-            out = self.buffered.pop(out.index)
+        prev = self.buffered.pop(out.index, None)
+        if prev is not None:
+            out = prev.merge(out)
+        if not out.finished and (not self.stream or len(out.new_token_ids) < self.stream_interval):
+            self.buffered[out.index] = out
+            return
         last = False
         if out.finished:
             self.remaining -= 1
@@ -86,6 +91,7 @@ class TritonPythonModel:
         if overrides.get("device") is None:
             overrides.pop("device", None)
         self.engine = LLMEngine(EngineConfig(model_path=model_path_from_config(args), **overrides))
+        self.stream_interval = max(1, int(os.environ.get("LLM_STREAM_INTERVAL") or params.get("stream_interval") or 1))
         self._metrics = _Metrics()
         self._last_publish = 0.0
         self.engine.on_step = self._publish
@@ -118,7 +124,9 @@ class TritonPythonModel:
                 prompt_ids, raw, stream = parse_llm_inputs(arrays)
                 params = self.engine.parse_params(raw)
                 triton_id = request.request_id() or ""
-                responder = _Responder(sender, params, stream, metrics=self._metrics)
+                responder = _Responder(
+                    sender, params, stream, metrics=self._metrics, stream_interval=self.stream_interval
+                )
                 engine_id = self.engine.add_request(
                     prompt_ids, params, responder, is_cancelled=sender.is_cancelled
                 )
