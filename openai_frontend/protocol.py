@@ -11,9 +11,14 @@ strings by the handlers; the response models below document their shape and serv
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+# Token ids travel to Triton as INT32: anything outside [0, 2**31) would wrap into another, valid
+# token (2**32 + 5 became 5) or fail deep in numpy, so it is refused here as a 400.
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 class _Strict(BaseModel):
@@ -101,14 +106,14 @@ class _SamplingFields(_Strict):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     length_penalty: float = 1.0
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = None
-    allowed_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[TokenId]] = None
     prompt_logprobs: Optional[int] = None
     # vLLM extra parameters
     guided_json: Optional[Union[str, dict[str, Any]]] = None
@@ -182,7 +187,7 @@ class ChatCompletionRequest(_SamplingFields):
 # Completions
 # ---------------------------------------------------------------------------------------------
 
-PromptType = Union[str, list[str], list[int], list[list[int]]]
+PromptType = Union[str, list[str], list[TokenId], list[list[TokenId]]]
 
 
 class CompletionRequest(_SamplingFields):
@@ -201,13 +206,13 @@ class CompletionRequest(_SamplingFields):
 
 class GenerateRequest(_Strict):
     text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    input_ids: Optional[Union[list[TokenId], list[list[TokenId]]]] = None
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
     rid: Optional[Union[str, list[str]]] = None
     return_logprob: Optional[Union[bool, list[bool]]] = None
     logprob_start_len: Optional[Union[int, list[int]]] = None
     top_logprobs_num: Optional[Union[int, list[int]]] = None
-    token_ids_logprob: Optional[Union[list[int], list[list[int]]]] = None
+    token_ids_logprob: Optional[Union[list[TokenId], list[list[TokenId]]]] = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     # known, not implemented: refused when set
