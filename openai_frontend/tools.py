@@ -357,24 +357,17 @@ def _info_field(info: Any, key: str) -> Optional[str]:
     return getattr(info, key, None)
 
 
-def _common_prefix(strings: list[str]) -> str:
-    if not strings:
-        return ""
-    prefix = strings[0]
-    for s in strings[1:]:
-        while not s.startswith(prefix):
-            prefix = prefix[:-1]
-    return prefix
-
-
 def structural_tag(parser: Any, tools: Sequence[ChatTool], single: bool, parallel: bool) -> Optional[dict[str, Any]]:
     """An xgrammar structural tag forcing tool calls in the parser's own format, or None when the
-    parser cannot describe its format with JSON arguments."""
+    parser cannot describe its format with JSON arguments.
+
+    A named function (`single`): exactly that one call. `required`: one or more calls (one when
+    not `parallel`) to the declared functions, separated by newlines, and nothing else: no text
+    before, between or after them (a model that has called its tools ends its turn)."""
     structure_info = getattr(parser, "structure_info", None)
     if structure_info is None:
         return None
     tags = []
-    triggers: list[str] = []
     try:
         for tool in tools:
             info = structure_info(tool.function.name)
@@ -387,24 +380,16 @@ def structural_tag(parser: Any, tools: Sequence[ChatTool], single: bool, paralle
                 "content": {"type": "json_schema", "json_schema": _parameters(tool)},
                 "end": end,
             })
-            trigger = _info_field(info, "trigger")
-            if trigger and trigger not in triggers:
-                triggers.append(trigger)
     except NotImplementedError:
         return None
     if single:
         return {"type": "structural_tag", "format": tags[0]}
-    if not triggers or any(not any(t["begin"].startswith(tr) for tr in triggers) for t in tags):
-        prefix = _common_prefix([t["begin"] for t in tags])
-        if not prefix:
-            return None
-        triggers = [prefix]
     return {
         "type": "structural_tag",
         "format": {
-            "type": "triggered_tags",
-            "triggers": triggers,
+            "type": "tags_with_separator",
             "tags": tags,
+            "separator": "\n",
             "at_least_one": True,
             "stop_after_first": not parallel,
         },

@@ -738,8 +738,9 @@ def test_tool_choice_required_uses_structural_tag_in_model_format(qwen):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required")
     tag = json.loads(qfake.requests[-1].sampling_params["structural_tag"])
     fmt = tag["format"]
-    assert tag["type"] == "structural_tag" and fmt["type"] == "triggered_tags"
-    assert fmt["triggers"] == ["<tool_call>"] and fmt["at_least_one"] is True and fmt["stop_after_first"] is False
+    # one or more calls separated by newlines and nothing else (no text around them)
+    assert tag["type"] == "structural_tag" and fmt["type"] == "tags_with_separator"
+    assert fmt["separator"] == "\n" and fmt["at_least_one"] is True and fmt["stop_after_first"] is False
     assert [t["begin"] for t in fmt["tags"]] == [
         '<tool_call>\n{"name": "get_weather", "arguments": ', '<tool_call>\n{"name": "get_time", "arguments": ']
     assert fmt["tags"][0]["content"] == {"type": "json_schema", "json_schema": WEATHER["function"]["parameters"]}
@@ -776,6 +777,24 @@ def test_tool_constraints_compile_and_accept_the_parsed_format():
         assert not accepts(grammar, "Hello"), (parser_name, choice)
         _, calls = parse_complete(get_parser(plan.parser_name), sample, plan.tools)
         assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "unit": "c"})]
+
+    # required, in each JSON-arguments format: several calls separated by newlines parse back;
+    # text after the calls, or a second call when parallel_tool_calls is false, is refused
+    second = {"qwen25": '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>',
+              "llama3": '<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC"}}',
+              "mistral": '[TOOL_CALLS] [{"name": "get_time", "arguments": {"tz": "UTC"}}]'}
+    first = {"qwen25": QWEN_CALL, "llama3": samples["llama3"],
+             "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]'}
+    for parser_name in ("qwen25", "llama3", "mistral"):
+        both = first[parser_name] + "\n" + second[parser_name]
+        for parallel in (True, False):
+            plan = plan_tools(tools, "required", parallel, parser_name)
+            grammar = xgr.Grammar.from_structural_tag(plan.constraint[1])
+            assert accepts(grammar, first[parser_name]), parser_name
+            assert accepts(grammar, both) is parallel, (parser_name, parallel)
+            assert not accepts(grammar, first[parser_name] + " and some text"), parser_name
+        _, calls = parse_complete(get_parser(parser_name), both, plan.tools)
+        assert [c.name for c in calls] == ["get_weather", "get_time"], parser_name
 
 
 def test_parse_function_call_endpoint(qwen):

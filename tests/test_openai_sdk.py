@@ -340,19 +340,33 @@ def test_tool_choice_named_is_enforced_streaming_equals_non_streaming(client):
 
 
 def test_tool_choice_required_is_enforced(client):
-    for seed in (1, 2, 3):
-        kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=100, seed=seed,
+    for seed in (1, 2):
+        kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=seed,
                       tool_choice="required", parallel_tool_calls=False)
         r = client.chat.completions.create(**kwargs)
         choice = r.choices[0]
+        # one call and nothing else: the grammar ends after it
         assert choice.finish_reason == "tool_calls", choice
-        assert len(choice.message.tool_calls) == 1
+        assert not choice.message.content and len(choice.message.tool_calls) == 1
         assert choice.message.tool_calls[0].function.name in SCHEMAS
         _check_call(choice.message.tool_calls[0])
-        calls, _, finish = _stream_tool_calls(client, **kwargs)
-        assert finish == "tool_calls"
+        calls, content, finish = _stream_tool_calls(client, **kwargs)
+        assert finish == "tool_calls" and not content
         assert [(c["name"], c["arguments"]) for c in calls] == [
             (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+
+    # parallel calls allowed: one or more calls separated by newlines, no other text. (A random
+    # model may keep calling until max_tokens cuts the last call short: that one stays text.)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=3,
+                                       tool_choice="required")
+    choice = r.choices[0]
+    assert len(choice.message.tool_calls) >= 1
+    for call in choice.message.tool_calls:
+        _check_call(call)
+    if choice.finish_reason == "tool_calls":
+        assert not choice.message.content
+    else:
+        assert choice.finish_reason == "length" and choice.message.content.startswith("<tool_call>")
 
 
 def test_tool_choice_auto_and_none_render_the_tools_or_not(client, tok):
