@@ -8,6 +8,8 @@ locks needed) and rendered in the Prometheus text exposition format (version 0.0
 * `frontend_streams_in_flight`: SSE responses being streamed.
 * `frontend_streams_total`: SSE responses started.
 * `frontend_request_duration_seconds{endpoint}`: histogram, until the last byte was sent.
+* `frontend_triton_out_of_order_responses_total`: stream responses that arrived after a later one
+  of the same sample (should stay 0).
 
 The engine's own metrics (KV blocks, queue, tokens, latencies) are on tritonserver's metrics
 port; these are the HTTP side.
@@ -16,7 +18,7 @@ port; these are the HTTP side.
 from __future__ import annotations
 
 import bisect
-from typing import Iterable
+from typing import Iterable, Optional
 
 # Paths reported under their own name; anything else is "other" (bounded label cardinality).
 ENDPOINTS = frozenset({
@@ -78,7 +80,7 @@ class FrontendMetrics:
 
     # -- exposition ---------------------------------------------------------------------------
 
-    def render(self) -> str:
+    def render(self, out_of_order: Optional[int] = None) -> str:
         lines: list[str] = []
 
         def family(name: str, kind: str, help_text: str, samples: Iterable[str]) -> None:
@@ -99,6 +101,10 @@ class FrontendMetrics:
                [f"frontend_streams_in_flight {self.streams_in_flight}"])
         family("frontend_streams_total", "counter", "Server-sent-event streams started.",
                [f"frontend_streams_total {self.streams_total}"])
+        if out_of_order is not None:
+            family("frontend_triton_out_of_order_responses_total", "counter",
+                   "Stream responses Triton delivered after a later one of the same sample (scrambled text).",
+                   [f"frontend_triton_out_of_order_responses_total {out_of_order}"])
         samples = []
         for e, counts in sorted(self._hist.items()):
             label = _escape(e)

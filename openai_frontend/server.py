@@ -271,7 +271,8 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = ctx.metrics.render(out_of_order=getattr(ctx.client, "out_of_order_responses", None))
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/get_model_info")
     async def model_info() -> Response:

@@ -297,6 +297,7 @@ class TritonLLMClient:
         self.abort_model = abort_model
         self._client: Optional[grpcclient_aio.InferenceServerClient] = None
         self._aborts: set[asyncio.Task] = set()
+        self.out_of_order_responses = 0  # see _out_of_order
 
     def _get(self) -> grpcclient_aio.InferenceServerClient:
         if self._client is None:
@@ -347,6 +348,7 @@ class TritonLLMClient:
             raise unavailable(f"Triton server unavailable: {exc.message()}") from None
         decode = ResponseDecoder()
         multi = request.n > 1
+        seen = [0] * request.n  # completion_tokens so far, per sample: must never go down
         finished = False
         try:
             async for result, error in responses:
@@ -357,9 +359,14 @@ class TritonLLMClient:
                 final = _is_final(response)
                 if response.outputs:
                     chunk = decode(response)
+                    index = 0
                     if multi:
                         index = chunk.meta.get("index", 0)
-                        chunk.index = index if isinstance(index, int) else 0
+                        index = chunk.index = index if isinstance(index, int) and 0 <= index < request.n else 0
+                    if chunk.completion_tokens < seen[index]:
+                        self._out_of_order(request_id, seen[index], chunk.completion_tokens)
+                    else:
+                        seen[index] = chunk.completion_tokens
                     yield chunk
                 if final:
                     finished = True
@@ -377,6 +384,15 @@ class TritonLLMClient:
                     task = asyncio.ensure_future(self._abort(request_id))
                     self._aborts.add(task)
                     task.add_done_callback(self._aborts.discard)
+
+    def _out_of_order(self, request_id: str, before: int, now: int) -> None:
+        """Triton delivered a stream's responses out of order (seen with an ensemble whose
+        postprocessing step has several instances: each response is a separate postprocessing
+        request, forwarded as it completes). The text is then scrambled: counted and logged."""
+        self.out_of_order_responses += 1
+        log.warning("Triton request %s: response with completion_tokens=%d after one with %d "
+                    "(responses out of order; is the ensemble's postprocessing running >1 instance?)",
+                    request_id, now, before)
 
     async def _abort(self, request_id: str) -> None:
         """Ask the engine model to drop `request_id`.
