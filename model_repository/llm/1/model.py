@@ -17,6 +17,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import EngineOverloaded, EngineStats, LLMEngine, RequestError  # noqa: E402
+from backend.outbox import Outbox, StreamResponder  # noqa: E402
 from backend.outputs import RequestOutput  # noqa: E402
 from backend.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
 from backend.triton_io import (  # noqa: E402
@@ -31,56 +32,20 @@ from backend.triton_utils import model_path_from_config  # noqa: E402
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
-class _Responder:
-    """Sends one request's engine outputs as Triton responses.
+def _send_output(sender, params: SamplingParams):
+    def send(out: RequestOutput, last: bool) -> None:
+        tensors = [pb_utils.Tensor(k, v) for k, v in llm_output_arrays(out, params).items()]
+        sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if last else 0)
 
-    Streaming: one response per engine output, or per `stream_interval` tokens (SGLang's
-    --stream-interval: fewer, larger responses cost less per token across the ensemble). Not
-    streaming: one response per sample (n of them), each when its sample finishes. The
-    response that ends the last sample is final.
-    """
+    return send
 
-    def __init__(
-        self, sender, params: SamplingParams, stream: bool, on_final=None, metrics=None, stream_interval: int = 1
-    ) -> None:
-        self.sender = sender
-        self.stream_interval = stream_interval
-        self.params = params
-        self.stream = stream
-        self.buffered: dict[int, RequestOutput] = {}
-        self.on_final = on_final
-        self.remaining = params.n
-        self.failed = False
-        # Latency and finish-reason bookkeeping (arrival = now, inside execute).
-        self.timing = metrics.request_timing(params.n) if metrics is not None else None
 
-    def __call__(self, out: RequestOutput) -> None:
-        if self.failed:
-            return
-        if self.timing is not None:
-            self.timing.on_output(out)
-        if out.error is not None:
-            # One failed sample fails the request: the client gets the reason, once.
-            self.failed = True
-            if self.on_final is not None:
-                self.on_final()
-            code = pb_utils.TritonError.INVALID_ARG if out.error_code == "invalid_arg" else pb_utils.TritonError.INTERNAL
-            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error, code)), flags=FINAL)
-            return
-        prev = self.buffered.pop(out.index, None)
-        if prev is not None:
-            out = prev.merge(out)
-        if not out.finished and (not self.stream or len(out.new_token_ids) < self.stream_interval):
-            self.buffered[out.index] = out
-            return
-        last = False
-        if out.finished:
-            self.remaining -= 1
-            last = self.remaining == 0
-        if last and self.on_final is not None:
-            self.on_final()
-        tensors = [pb_utils.Tensor(k, v) for k, v in llm_output_arrays(out, self.params).items()]
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if last else 0)
+def _send_error(sender):
+    def send(out: RequestOutput) -> None:
+        code = pb_utils.TritonError.INVALID_ARG if out.error_code == "invalid_arg" else pb_utils.TritonError.INTERNAL
+        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error, code)), flags=FINAL)
+
+    return send
 
 
 class TritonPythonModel:
@@ -93,6 +58,8 @@ class TritonPythonModel:
         self.engine = LLMEngine(EngineConfig(model_path=model_path_from_config(args), **overrides))
         self.stream_interval = max(1, int(os.environ.get("LLM_STREAM_INTERVAL") or params.get("stream_interval") or 1))
         self._metrics = _Metrics()
+        # Responses go out on their own thread, merged when they pile up (backend/outbox.py).
+        self._outbox = Outbox("llm-responses")
         self._last_publish = 0.0
         self.engine.on_step = self._publish
         # Triton request id -> engine request ids, for abort_request_id: cancelling an ensemble
@@ -124,8 +91,14 @@ class TritonPythonModel:
                 prompt_ids, raw, stream = parse_llm_inputs(arrays)
                 params = self.engine.parse_params(raw)
                 triton_id = request.request_id() or ""
-                responder = _Responder(
-                    sender, params, stream, metrics=self._metrics, stream_interval=self.stream_interval
+                responder = StreamResponder(
+                    self._outbox,
+                    params.n,
+                    stream,
+                    _send_output(sender, params),
+                    _send_error(sender),
+                    stream_interval=self.stream_interval,
+                    on_output=self._metrics.request_timing(params.n).on_output,
                 )
                 engine_id = self.engine.add_request(
                     prompt_ids, params, responder, is_cancelled=sender.is_cancelled
@@ -173,6 +146,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.engine.shutdown()
+        self._outbox.close()
 
 
 # Latency histogram bounds in seconds (vLLM's, so dashboards carry over), `+Inf` added.
@@ -237,7 +211,7 @@ class _Histogram:
 class _RequestTiming:
     """One request's clock: arrival (in execute), first token, each later token, the end.
 
-    Called by _Responder with every engine output, before anything is sent, on the engine thread.
+    Called by the StreamResponder with every engine output, before anything is sent, on the engine thread.
     TTFT is arrival to the first output carrying tokens; inter-token latency is the gap between
     a sample's outputs divided over the tokens the later one carries (observed once per token);
     end-to-end is arrival to the output that ends the request, whose finish reason is counted

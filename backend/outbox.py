@@ -1,0 +1,147 @@
+"""Engine outputs to a request's responses, sent from a thread of their own.
+
+The engine calls a request's output callback from its step loop. Sending a Triton response is
+an IPC round trip to the server process (on the order of 0.1 ms), so sending 64 of them inline
+would add several milliseconds to every step of a 64-sequence batch: the step loop would spend
+its time on IPC instead of the model. Here the step loop only merges the output into the
+request's pending one and hands the request to an `Outbox`; one sender thread sends what is
+pending. When sending keeps up, every token still goes out as soon as it is generated; when it
+falls behind (many streams, busy cores), the outputs that piled up for a request are merged
+into one response, so the number of responses per step adapts to what the transport can carry
+instead of slowing the engine. Order per request is kept: only the sender thread sends, and it
+always sends a request's merged output as one response.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Optional
+
+from backend.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+SendOutput = Callable[[RequestOutput, bool], None]  # (output, is_last_response)
+SendError = Callable[[RequestOutput], None]
+
+
+class StreamResponder:
+    """One request's engine outputs (its `n` samples) as responses.
+
+    Streaming: one response per merged output of a sample, at least `stream_interval` new tokens
+    each (SGLang's --stream-interval) unless it finishes the sample. Not streaming: one response
+    per sample, when it finishes. The response that ends the last sample is the last one; an
+    error on any sample ends the request with that error, once.
+    """
+
+    def __init__(
+        self,
+        outbox: "Outbox",
+        n: int,
+        stream: bool,
+        send_output: SendOutput,
+        send_error: SendError,
+        stream_interval: int = 1,
+        on_output: Optional[Callable[[RequestOutput], None]] = None,
+        on_final: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self._outbox = outbox
+        self._stream = stream
+        self._interval = max(1, stream_interval)
+        self._send_output = send_output
+        self._send_error = send_error
+        self._on_output = on_output
+        self.on_final = on_final
+        self._remaining = n
+        self._lock = threading.Lock()
+        self._pending: dict[int, RequestOutput] = {}  # sample index -> merged, not yet sent
+        self._ready: set[int] = set()  # indices whose pending output should go out now
+        self._error: Optional[RequestOutput] = None
+        self._done = False  # error taken or last response taken: nothing more is sent
+
+    def __call__(self, out: RequestOutput) -> None:
+        """The engine's output callback (step-loop thread): merge, never send."""
+        if self._on_output is not None:
+            self._on_output(out)
+        with self._lock:
+            if self._done or self._error is not None:
+                return
+            if out.error is not None:
+                self._error = out
+            else:
+                prev = self._pending.get(out.index)
+                merged = out if prev is None else prev.merge(out)
+                self._pending[out.index] = merged
+                if merged.finished or (self._stream and len(merged.new_token_ids) >= self._interval):
+                    self._ready.add(out.index)
+                else:
+                    return
+        self._outbox.put(self)
+
+    def flush(self) -> None:
+        """Send what is ready (sender thread)."""
+        with self._lock:
+            if self._done:
+                return
+            error = self._error
+            batch: list[tuple[RequestOutput, bool]] = []
+            if error is not None:
+                self._done = True
+            else:
+                for index in sorted(self._ready):
+                    out = self._pending.pop(index)
+                    last = False
+                    if out.finished:
+                        self._remaining -= 1
+                        last = self._remaining == 0
+                    batch.append((out, last))
+                self._ready.clear()
+                self._done = any(last for _, last in batch)
+        if error is not None or self._done:
+            if self.on_final is not None:
+                self.on_final()
+        if error is not None:
+            self._send_error(error)
+            return
+        for out, last in batch:
+            self._send_output(out, last)
+
+
+class Outbox:
+    """A sender thread flushing the responders handed to it, each once per wake-up."""
+
+    def __init__(self, name: str = "outbox") -> None:
+        self._cond = threading.Condition()
+        self._queue: dict[StreamResponder, None] = {}  # insertion-ordered set
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, responder: StreamResponder) -> None:
+        with self._cond:
+            if responder not in self._queue:
+                self._queue[responder] = None
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopped:
+                    self._cond.wait()
+                if not self._queue and self._stopped:
+                    return
+                batch = list(self._queue)
+                self._queue.clear()
+            for responder in batch:
+                try:
+                    responder.flush()
+                except Exception:  # one request's failed send must not stop the others'
+                    log.exception("sending a response failed")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop the thread."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout)

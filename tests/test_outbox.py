@@ -1,0 +1,126 @@
+"""backend/outbox.py: responses leave on the sender thread, merged when they pile up, in order."""
+
+import threading
+import time
+
+from backend.outbox import Outbox, StreamResponder
+from backend.outputs import RequestOutput
+
+
+def _out(tokens, start, index=0, finish=None, error=None):
+    return RequestOutput(
+        request_id="r",
+        new_token_ids=list(tokens),
+        window_ids=list(tokens),
+        window_start=start,
+        prefix_len=0,
+        text="".join(f"<{t}>" for t in tokens),
+        prompt_tokens=3,
+        completion_tokens=start + len(tokens),
+        finish_reason=finish,
+        error=error,
+        index=index,
+    )
+
+
+class _Recorder:
+    def __init__(self, block: threading.Event | None = None):
+        self.sent: list[tuple[RequestOutput, bool]] = []
+        self.errors: list[RequestOutput] = []
+        self.block = block
+        self.threads: set[str] = set()
+
+    def output(self, out, last):
+        if self.block is not None:
+            self.block.wait(5)
+        self.threads.add(threading.current_thread().name)
+        self.sent.append((out, last))
+
+    def error(self, out):
+        self.errors.append(out)
+
+
+def _wait(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_streams_each_output_from_the_sender_thread_when_it_keeps_up():
+    box, rec = Outbox("test-outbox"), _Recorder()
+    finals = []
+    r = StreamResponder(box, 1, True, rec.output, rec.error, on_final=lambda: finals.append(1))
+    for i in range(5):
+        r(_out([i], i, finish="length" if i == 4 else None))
+        _wait(lambda: len(rec.sent) == i + 1)
+    assert [o.new_token_ids for o, _ in rec.sent] == [[0], [1], [2], [3], [4]]
+    assert [last for _, last in rec.sent] == [False] * 4 + [True]
+    assert rec.threads == {"test-outbox"} and finals == [1]
+    box.close()
+
+
+def test_outputs_that_pile_up_while_sending_is_slow_merge_in_order():
+    gate = threading.Event()
+    box, rec = Outbox(), _Recorder(block=gate)
+    r = StreamResponder(box, 1, True, rec.output, rec.error)
+    r(_out([0], 0))  # the sender takes this one and blocks in send
+    _wait(lambda: not box._queue)
+    for i in range(1, 10):
+        r(_out([i], i, finish="stop" if i == 9 else None))
+    gate.set()
+    _wait(lambda: len(rec.sent) == 2)
+    (first, l1), (merged, l2) = rec.sent
+    assert first.new_token_ids == [0] and not l1
+    assert merged.new_token_ids == list(range(1, 10)) and merged.text == "".join(f"<{i}>" for i in range(1, 10))
+    assert merged.finish_reason == "stop" and merged.completion_tokens == 10 and l2
+    box.close()
+
+
+def test_stream_interval_non_streaming_and_n_samples():
+    box, rec = Outbox(), _Recorder()
+    r = StreamResponder(box, 1, True, rec.output, rec.error, stream_interval=3)
+    for i in range(7):
+        r(_out([i], i, finish="length" if i == 6 else None))
+    _wait(lambda: rec.sent and rec.sent[-1][1])
+    assert all(len(o.new_token_ids) >= 3 for o, _ in rec.sent[:-1])
+    assert sum((o.new_token_ids for o, _ in rec.sent), []) == list(range(7))
+
+    rec2 = _Recorder()
+    r2 = StreamResponder(box, 2, False, rec2.output, rec2.error)
+    for i in range(4):
+        r2(_out([i], i, index=0, finish="length" if i == 3 else None))
+        r2(_out([10 + i], i, index=1, finish="stop" if i == 3 else None))
+    _wait(lambda: len(rec2.sent) == 2)
+    assert [(o.index, o.new_token_ids, last) for o, last in rec2.sent] == [
+        (0, [0, 1, 2, 3], False), (1, [10, 11, 12, 13], True)]
+    assert [last for _, last in rec2.sent] == [False, True]  # exactly the last response is final
+    box.close()
+
+
+def test_an_error_is_sent_once_and_nothing_after_it():
+    box, rec = Outbox(), _Recorder()
+    finals = []
+    r = StreamResponder(box, 2, True, rec.output, rec.error, on_final=lambda: finals.append(1))
+    r(_out([1], 0))
+    _wait(lambda: len(rec.sent) == 1)
+    r(_out([], 1, index=1, error="boom"))
+    r(_out([2], 1))
+    _wait(lambda: rec.errors)
+    time.sleep(0.05)
+    assert [e.error for e in rec.errors] == ["boom"] and len(rec.sent) == 1 and finals == [1]
+    box.close()
+
+
+def test_a_failing_send_does_not_stop_the_sender():
+    box, rec = Outbox(), _Recorder()
+
+    def broken(out, last):
+        raise RuntimeError("stream gone")
+
+    bad = StreamResponder(box, 1, True, broken, rec.error)
+    good = StreamResponder(box, 1, True, rec.output, rec.error)
+    bad(_out([1], 0))
+    good(_out([2], 0, finish="stop"))
+    _wait(lambda: len(rec.sent) == 1)
+    box.close()
