@@ -117,7 +117,9 @@ class AttentionGroup:
 
     token_index: torch.Tensor  # [Tg] packed indices of the group's new tokens
     query_slots: torch.Tensor  # [Tg] flat index row * max_q + i into the group's padded queries
-    gather_slots: Optional[torch.Tensor]  # [n, max_k] cache slots of each sequence's context
+    # [n * max_blocks] each sequence's block table, padded with block 0 (masked). Gathering whole
+    # blocks (rows of block_size * head_dim) is ~3x faster than gathering single slots.
+    gather_blocks: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]  # [n, 1, max_q, max_k] key visible to query
     num_seqs: int
     max_q: int
@@ -284,13 +286,12 @@ class ModelRunner:
                                    block_tables=tables.to(torch.int32).to(dev), context_lens=lens.to(torch.int32).to(dev))
                 )
                 continue
-            gather = (tables[:, :, None] * bs + torch.arange(bs)[None, None, :]).reshape(len(members), max_k)
             mask = (torch.arange(max_k)[None, None, :] <= qpos[:, :, None])[:, None]
             groups.append(
                 AttentionGroup(
                     token_index=token_index_t,
                     query_slots=query_slots_t,
-                    gather_slots=gather.to(dev),
+                    gather_blocks=tables.reshape(-1).to(dev),
                     mask=mask.to(dev),
                     num_seqs=len(members),
                     max_q=max_q,
@@ -340,8 +341,8 @@ class ModelRunner:
                     )
                     attn[g.token_index] = out.reshape(g.num_seqs, q_size)
                     continue
-                keys = self.k_cache[li][:, g.gather_slots]  # [kvh, n, max_k, d]
-                values = self.v_cache[li][:, g.gather_slots]
+                keys = self._gather(self.k_cache[li], g)  # [kvh, n, max_k, d]
+                values = self._gather(self.v_cache[li], g)
                 qp = q.new_zeros((g.num_seqs * g.max_q, c.num_heads, c.head_dim))
                 qp.index_copy_(0, g.query_slots, q[g.token_index])
                 out = self._attention(qp.view(g.num_seqs, g.max_q, c.num_heads, c.head_dim), keys, values, g.mask)
@@ -352,6 +353,11 @@ class ModelRunner:
             h = h + F.linear(F.silu(gate) * up, layer["down"])
         h = _rms_norm(h[batch.logits_index], self.final_norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
+
+    def _gather(self, cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        kvh, _, d = cache.shape
+        blocks = cache.view(kvh, self.num_blocks, self.block_size * d)
+        return torch.index_select(blocks, 1, g.gather_blocks).view(kvh, g.num_seqs, -1, d)
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, max_q, H, d], keys/values [kvh, B, max_k, d], mask [B, 1, max_q, max_k] -> [B, max_q, H, d].
