@@ -34,6 +34,8 @@ from backend.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
+CANCEL_POLL_S = 0.05
+
 OutputCallback = Callable[[RequestOutput], None]
 
 
@@ -101,6 +103,7 @@ class LLMEngine:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._num_steps = 0
+        self._next_cancel_poll = 0.0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self.on_step: Optional[Callable[[EngineStats], None]] = None
@@ -398,7 +401,7 @@ class LLMEngine:
             params=params,
             seed=seq.seed,
             step=seq.num_output_tokens,
-            prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if params.has_penalties else (),
+            prompt_ids=seq.prompt_tensor() if params.has_penalties else (),
             output_ids=seq.output_ids if params.has_penalties else (),
             suppress_ids=suppress,
             grammar=tracked.grammar,
@@ -458,6 +461,13 @@ class LLMEngine:
         self._compiling = still
 
     def _check_cancelled(self) -> None:
+        # is_cancelled may be an IPC round trip (Triton's response sender asks the server): once
+        # per sequence per step would cost the step loop more than the model on small models, so
+        # it is polled every CANCEL_POLL_S; aborts by request id act on the next step.
+        now = time.monotonic()
+        if now < self._next_cancel_poll:
+            return
+        self._next_cancel_poll = now + CANCEL_POLL_S
         for rid, tracked in list(self._tracked.items()):
             check = tracked.seq.is_cancelled
             if check is not None and check():
