@@ -161,10 +161,10 @@ def _token_stats(rows: list[SamplingRow], V: int) -> tuple[torch.Tensor, torch.T
     out_ids = torch.full((R, width_out), V, dtype=torch.long)
     prompt_ids = torch.full((R, width_prompt), V, dtype=torch.long)
     for j, r in enumerate(rows):
-        if r.output_ids:
-            out_ids[j, : len(r.output_ids)] = torch.as_tensor(list(r.output_ids))
-        if r.prompt_ids:
-            prompt_ids[j, : len(r.prompt_ids)] = torch.as_tensor(list(r.prompt_ids))
+        if len(r.output_ids):
+            out_ids[j, : len(r.output_ids)] = torch.as_tensor(r.output_ids)
+        if len(r.prompt_ids):
+            prompt_ids[j, : len(r.prompt_ids)] = torch.as_tensor(r.prompt_ids)
     counts = torch.zeros((R, V + 1), dtype=torch.int32).scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
     present = torch.zeros((R, V + 1), dtype=torch.bool).scatter_(1, prompt_ids, True)
     return counts[:, :V], present[:, :V]

@@ -7,6 +7,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
+
 from backend.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -67,6 +69,13 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def prompt_tensor(self) -> torch.Tensor:
+        """The prompt ids as a tensor, built once (penalties need them every step)."""
+        t = self.__dict__.get("_prompt_tensor")
+        if t is None:
+            t = self.__dict__["_prompt_tensor"] = torch.tensor(self.token_ids[: self.num_prompt_tokens], dtype=torch.long)
+        return t
 
     @property
     def is_finished(self) -> bool:
