@@ -34,7 +34,7 @@ from backend.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-CANCEL_POLL_S = 0.05
+CANCEL_POLL_S = 0.1
 
 OutputCallback = Callable[[RequestOutput], None]
 
@@ -463,7 +463,8 @@ class LLMEngine:
     def _check_cancelled(self) -> None:
         # is_cancelled may be an IPC round trip (Triton's response sender asks the server): once
         # per sequence per step would cost the step loop more than the model on small models, so
-        # it is polled every CANCEL_POLL_S; aborts by request id act on the next step.
+        # it is polled every CANCEL_POLL_S (0.1 s: a cancelled stream frees its blocks within that);
+    # aborts by request id act on the next step.
         now = time.monotonic()
         if now < self._next_cancel_poll:
             return
