@@ -464,7 +464,7 @@ class LLMEngine:
         # is_cancelled may be an IPC round trip (Triton's response sender asks the server): once
         # per sequence per step would cost the step loop more than the model on small models, so
         # it is polled every CANCEL_POLL_S (0.1 s: a cancelled stream frees its blocks within that);
-    # aborts by request id act on the next step.
+        # aborts by request id act on the next step.
         now = time.monotonic()
         if now < self._next_cancel_poll:
             return
