@@ -35,6 +35,8 @@ class EngineConfig(BaseModel):
     # Loading a serialized CustomLogitProcessor runs code from the request: off unless enabled.
     enable_custom_logit_processor: bool = False
     sampling_defaults: Literal["model", "openai"] = "model"
+    # CPU threads for the model's torch ops (process-wide). None: torch's default.
+    torch_threads: Optional[int] = Field(default=None, ge=1)
 
     def prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:

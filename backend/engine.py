@@ -76,6 +76,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
         model_path = Path(config.model_path)
         self.tokenizer = load_tokenizer(model_path)
         device = torch.device(config.device)

@@ -14,6 +14,7 @@ always sends a request's merged output as one response.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from typing import Callable, Optional
@@ -109,11 +110,24 @@ class StreamResponder:
 
 
 class Outbox:
-    """A sender thread flushing the responders handed to it, each once per wake-up."""
+    """A sender thread flushing the responders handed to it, oldest first.
 
-    def __init__(self, name: str = "outbox") -> None:
+    `responses_per_step` caps how many responders are flushed per engine step (`tick`). Every
+    response crosses the server's ensemble, a postprocessing call and gRPC: on a small CPU
+    machine those cost more than the model's step once there are dozens of streams, and the
+    whole server slows down. With a cap, a stream that has to wait keeps accumulating tokens and
+    goes out as one larger response a few steps later, so the response rate per step stays
+    bounded while every token still arrives, in order. None: no cap (one response per stream
+    per step). When no step comes for `idle_release_s` (the engine went idle), what is queued
+    is released anyway.
+    """
+
+    def __init__(self, name: str = "outbox", responses_per_step: Optional[int] = None, idle_release_s: float = 0.02) -> None:
         self._cond = threading.Condition()
-        self._queue: dict[StreamResponder, None] = {}  # insertion-ordered set
+        self._queue: dict[StreamResponder, None] = {}  # insertion-ordered set: oldest first
+        self._budget = responses_per_step if responses_per_step and responses_per_step > 0 else None
+        self._credits = self._budget or 0
+        self._idle_release_s = idle_release_s
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -124,15 +138,37 @@ class Outbox:
                 self._queue[responder] = None
                 self._cond.notify()
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopped:
+    def tick(self) -> None:
+        """An engine step ended: another `responses_per_step` may go out."""
+        if self._budget is None:
+            return
+        with self._cond:
+            self._credits = self._budget
+            self._cond.notify()
+
+    def _take(self) -> Optional[list[StreamResponder]]:
+        with self._cond:
+            while True:
+                if self._stopped and not self._queue:
+                    return None
+                if self._queue and (self._budget is None or self._credits > 0 or self._stopped):
+                    break
+                if self._queue:
+                    if not self._cond.wait(self._idle_release_s):
+                        self._credits = self._budget or 0
+                else:
                     self._cond.wait()
-                if not self._queue and self._stopped:
-                    return
+            if self._budget is None or self._stopped:
                 batch = list(self._queue)
-                self._queue.clear()
+            else:
+                batch = list(itertools.islice(self._queue, self._credits))
+                self._credits -= len(batch)
+            for responder in batch:
+                del self._queue[responder]
+            return batch
+
+    def _run(self) -> None:
+        while (batch := self._take()) is not None:
             for responder in batch:
                 try:
                     responder.flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any, Optional
 
 import numpy as np
@@ -127,6 +128,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "max_waiting_requests": int,
         "enable_prefix_caching": _flag,
         "enable_custom_logit_processor": _flag,
+        "torch_threads": int,
     }
     out: dict[str, Any] = {}
     for name, cast in fields.items():
@@ -135,6 +137,14 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
             continue
         out[name] = cast(value)
     return out
+
+
+def server_torch_threads() -> int:
+    """CPU threads for the engine inside tritonserver: all cores but one. The server process and
+    the postprocessing stubs handle every streamed response while the engine computes; with as
+    many torch threads as cores, one of them is always descheduled and the others spin at its
+    barrier (measured on 2 cores: 0.54x the in-process engine at concurrency 1; one thread 0.96x)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def parse_abort_request_id(arr: np.ndarray) -> str:

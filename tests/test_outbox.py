@@ -124,3 +124,39 @@ def test_a_failing_send_does_not_stop_the_sender():
     good(_out([2], 0, finish="stop"))
     _wait(lambda: len(rec.sent) == 1)
     box.close()
+
+
+def test_responses_per_step_caps_flushes_per_tick_and_waiting_streams_merge():
+    box = Outbox(responses_per_step=2, idle_release_s=30)
+    recs = [_Recorder() for _ in range(6)]
+    rs = [StreamResponder(box, 1, True, rec.output, rec.error) for rec in recs]
+    sent = lambda: sum(len(rec.sent) for rec in recs)  # noqa: E731
+    for r in rs:
+        r(_out([0], 0))
+    _wait(lambda: sent() == 2)
+    time.sleep(0.05)
+    assert sent() == 2  # the other four wait for the next step
+    for r in rs:
+        r(_out([1], 1, finish="length"))  # the two sent ones queue again, behind the waiting four
+    box.tick()
+    _wait(lambda: sent() == 4)
+    time.sleep(0.05)
+    assert sent() == 4
+    # the oldest waiting ones went out, each with both tokens in one response
+    assert [rec.sent[0][0].new_token_ids for rec in recs[2:4]] == [[0, 1], [0, 1]]
+    box.tick()
+    _wait(lambda: sent() == 6)
+    box.close()  # close sends what is still queued
+    for rec in recs:
+        assert sum((o.new_token_ids for o, _ in rec.sent), []) == [0, 1]
+        assert [last for _, last in rec.sent][-1] is True
+
+
+def test_queued_responses_are_released_when_no_step_comes():
+    box, rec = Outbox(responses_per_step=1, idle_release_s=0.05), _Recorder()
+    rs = [StreamResponder(box, 1, True, rec.output, rec.error) for _ in range(3)]
+    for r in rs:
+        r(_out([0], 0, finish="stop"))
+    _wait(lambda: len(rec.sent) == 3, timeout=2)  # no tick at all: the engine is idle
+    assert all(last for _, last in rec.sent)
+    box.close()

@@ -26,6 +26,7 @@ from backend.triton_io import (  # noqa: E402
     llm_output_arrays,
     parse_abort_request_id,
     parse_llm_inputs,
+    server_torch_threads,
 )  # noqa: E402
 from backend.triton_utils import model_path_from_config  # noqa: E402
 
@@ -55,13 +56,21 @@ class TritonPythonModel:
         overrides = engine_config_overrides(params, dict(os.environ))
         if overrides.get("device") is None:
             overrides.pop("device", None)
-        self.engine = LLMEngine(EngineConfig(model_path=model_path_from_config(args), **overrides))
+        config = EngineConfig(model_path=model_path_from_config(args), **overrides)
+        if config.torch_threads is None and config.device == "cpu":
+            config = config.model_copy(update={"torch_threads": server_torch_threads()})
+        self.engine = LLMEngine(config)
         self.stream_interval = max(1, int(os.environ.get("LLM_STREAM_INTERVAL") or params.get("stream_interval") or 1))
         self._metrics = _Metrics()
-        # Responses go out on their own thread, merged when they pile up (backend/outbox.py).
-        self._outbox = Outbox("llm-responses")
+        # Responses go out on their own thread, merged when they pile up, at most
+        # max_responses_per_step per engine step (backend/outbox.py). auto: 16 on CPU, where
+        # each response's trip through the ensemble costs about as much CPU as a step of a
+        # small model; no cap on GPU hosts.
+        cap = os.environ.get("LLM_MAX_RESPONSES_PER_STEP") or params.get("max_responses_per_step") or "auto"
+        per_step = (16 if config.device == "cpu" else 0) if cap == "auto" else int(cap)
+        self._outbox = Outbox("llm-responses", responses_per_step=per_step)
         self._last_publish = 0.0
-        self.engine.on_step = self._publish
+        self.engine.on_step = self._on_step
         # Triton request id -> engine request ids, for abort_request_id: cancelling an ensemble
         # stream does not reach this model's running request in Triton 2.51, so the frontend
         # sends an explicit abort naming the ensemble request's id (which Triton propagates).
@@ -134,6 +143,10 @@ class TritonPythonModel:
                 ids.discard(engine_id)
                 if not ids:
                     del self._by_triton_id[triton_id]
+
+    def _on_step(self, stats: EngineStats) -> None:
+        self._outbox.tick()
+        self._publish(stats)
 
     def _publish(self, stats: EngineStats, force: bool = False) -> None:
         # Metric updates cross into the server process: throttle them, but never leave an idle
