@@ -3,13 +3,12 @@
 The engine calls a request's output callback from its step loop. Sending a Triton response is
 an IPC round trip to the server process (on the order of 0.1 ms), so sending 64 of them inline
 would add several milliseconds to every step of a 64-sequence batch: the step loop would spend
-its time on IPC instead of the model. Here the step loop only merges the output into the
-request's pending one and hands the request to an `Outbox`; one sender thread sends what is
-pending. When sending keeps up, every token still goes out as soon as it is generated; when it
-falls behind (many streams, busy cores), the outputs that piled up for a request are merged
-into one response, so the number of responses per step adapts to what the transport can carry
-instead of slowing the engine. Order per request is kept: only the sender thread sends, and it
-always sends a request's merged output as one response.
+its time on IPC instead of the model. Here the step loop only queues the output on its request
+and hands the request to an `Outbox`; one sender thread sends what is queued, so order per
+request is kept, and every output is its own response (exactly one per token at
+stream_interval 1). With a cap on responses per engine step, the requests the cap holds back
+merge what they accumulate into one response each, so the response rate stays bounded however
+many streams run, and no token is lost.
 """
 
 from __future__ import annotations
@@ -30,10 +29,12 @@ SendError = Callable[[RequestOutput], None]
 class StreamResponder:
     """One request's engine outputs (its `n` samples) as responses.
 
-    Streaming: one response per merged output of a sample, at least `stream_interval` new tokens
-    each (SGLang's --stream-interval) unless it finishes the sample. Not streaming: one response
-    per sample, when it finishes. The response that ends the last sample is the last one; an
-    error on any sample ends the request with that error, once.
+    Streaming: one response per output of a sample, at least `stream_interval` new tokens each
+    (SGLang's --stream-interval) unless it finishes the sample. Not streaming: one response per
+    sample, when it finishes. The response that ends the last sample is the last one; an error
+    on any sample ends the request with that error, once. Every output goes out as its own
+    response, in order, except while the outbox's per-step cap holds the request back: then what
+    accumulates is merged into one response per sample.
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class StreamResponder:
         on_final: Optional[Callable[[], None]] = None,
     ) -> None:
         self._outbox = outbox
+        self._merge = outbox.merges
         self._stream = stream
         self._interval = max(1, stream_interval)
         self._send_output = send_output
@@ -56,13 +58,14 @@ class StreamResponder:
         self.on_final = on_final
         self._remaining = n
         self._lock = threading.Lock()
-        self._pending: dict[int, RequestOutput] = {}  # sample index -> merged, not yet sent
-        self._ready: set[int] = set()  # indices whose pending output should go out now
+        self._partial: dict[int, RequestOutput] = {}  # sample index -> below stream_interval yet
+        self._outgoing: list[RequestOutput] = []  # ready to send, in order
         self._error: Optional[RequestOutput] = None
         self._done = False  # error taken or last response taken: nothing more is sent
+        self.deferred = False  # set by the outbox while the cap holds this request back
 
     def __call__(self, out: RequestOutput) -> None:
-        """The engine's output callback (step-loop thread): merge, never send."""
+        """The engine's output callback (step-loop thread): queue or merge, never send."""
         if self._on_output is not None:
             self._on_output(out)
         with self._lock:
@@ -71,14 +74,22 @@ class StreamResponder:
             if out.error is not None:
                 self._error = out
             else:
-                prev = self._pending.get(out.index)
-                merged = out if prev is None else prev.merge(out)
-                self._pending[out.index] = merged
-                if merged.finished or (self._stream and len(merged.new_token_ids) >= self._interval):
-                    self._ready.add(out.index)
-                else:
+                prev = self._partial.pop(out.index, None)
+                if prev is not None:
+                    out = prev.merge(out)
+                if not out.finished and not (self._stream and len(out.new_token_ids) >= self._interval):
+                    self._partial[out.index] = out
                     return
+                self._enqueue(out)
         self._outbox.put(self)
+
+    def _enqueue(self, out: RequestOutput) -> None:
+        if self._merge and self.deferred:
+            for i in range(len(self._outgoing) - 1, -1, -1):
+                if self._outgoing[i].index == out.index:
+                    self._outgoing[i] = self._outgoing[i].merge(out)
+                    return
+        self._outgoing.append(out)
 
     def flush(self) -> None:
         """Send what is ready (sender thread)."""
@@ -90,14 +101,13 @@ class StreamResponder:
             if error is not None:
                 self._done = True
             else:
-                for index in sorted(self._ready):
-                    out = self._pending.pop(index)
+                for out in self._outgoing:
                     last = False
                     if out.finished:
                         self._remaining -= 1
                         last = self._remaining == 0
                     batch.append((out, last))
-                self._ready.clear()
+                self._outgoing = []
                 self._done = any(last for _, last in batch)
         if error is not None or self._done:
             if self.on_final is not None:
@@ -132,6 +142,11 @@ class Outbox:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def merges(self) -> bool:
+        """Whether responders held back by the cap merge what they accumulate (only with a cap)."""
+        return self._budget is not None
+
     def put(self, responder: StreamResponder) -> None:
         with self._cond:
             if responder not in self._queue:
@@ -165,6 +180,9 @@ class Outbox:
                 self._credits -= len(batch)
             for responder in batch:
                 del self._queue[responder]
+                responder.deferred = False
+            for responder in self._queue:  # held back by the cap: merge until their turn
+                responder.deferred = True
             return batch
 
     def _run(self) -> None:

@@ -3,6 +3,8 @@
 import threading
 import time
 
+import pytest
+
 from backend.outbox import Outbox, StreamResponder
 from backend.outputs import RequestOutput
 
@@ -60,20 +62,18 @@ def test_streams_each_output_from_the_sender_thread_when_it_keeps_up():
     box.close()
 
 
-def test_outputs_that_pile_up_while_sending_is_slow_merge_in_order():
+@pytest.mark.parametrize("cap", [None, 64])
+def test_every_output_is_its_own_response_when_the_cap_holds_nothing_back(cap):
+    # even when the sender lags (blocked in send) and outputs pile up on the request
     gate = threading.Event()
-    box, rec = Outbox(), _Recorder(block=gate)
+    box, rec = Outbox(responses_per_step=cap), _Recorder(block=gate)
     r = StreamResponder(box, 1, True, rec.output, rec.error)
-    r(_out([0], 0))  # the sender takes this one and blocks in send
-    _wait(lambda: not box._queue)
-    for i in range(1, 10):
+    for i in range(10):
         r(_out([i], i, finish="stop" if i == 9 else None))
     gate.set()
-    _wait(lambda: len(rec.sent) == 2)
-    (first, l1), (merged, l2) = rec.sent
-    assert first.new_token_ids == [0] and not l1
-    assert merged.new_token_ids == list(range(1, 10)) and merged.text == "".join(f"<{i}>" for i in range(1, 10))
-    assert merged.finish_reason == "stop" and merged.completion_tokens == 10 and l2
+    _wait(lambda: len(rec.sent) == 10)
+    assert [o.new_token_ids for o, _ in rec.sent] == [[i] for i in range(10)]
+    assert [last for _, last in rec.sent] == [False] * 9 + [True]
     box.close()
 
 
