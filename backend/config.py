@@ -24,7 +24,7 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     # Prefill tokens per step while other sequences decode (chunked prefill keeps their
-    # inter-token latency bounded). None: 256 on CPU, 512 on CUDA.
+    # inter-token latency bounded). None: 128 on CPU, 512 on CUDA.
     max_prefill_tokens_while_decoding: Optional[int] = None
     max_model_len: Optional[int] = None
     seed: int = 0
@@ -41,7 +41,7 @@ class EngineConfig(BaseModel):
     def prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:
             return self.max_prefill_tokens_while_decoding
-        return 512 if self.device.startswith("cuda") else 256
+        return 512 if self.device.startswith("cuda") else 128
 
     def torch_dtype(self) -> Optional[torch.dtype]:
         return getattr(torch, self.dtype) if self.dtype else None
