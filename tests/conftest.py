@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -42,6 +43,32 @@ def ensure_demo_model(path: Path = DEMO_MODEL_DIR, seed: int = 0) -> Path:
 def demo_model_path() -> Path:
     """Path of the demo HF model directory (models/demo under the repository)."""
     return ensure_demo_model()
+
+
+@pytest.fixture(scope="session")
+def start_triton(demo_model_path, tmp_path_factory):
+    """Starts the real tritonserver on model_repository/ (free ports) with the demo model:
+    `with start_triton(num_kv_blocks=256, max_model_len=1024) as server: ...`. Prints the end of
+    the server's log when it does not come up."""
+    from client.local_server import LocalTritonServer
+
+    @contextlib.contextmanager
+    def start(num_kv_blocks: int, max_model_len: int, name: str = "triton"):
+        log = tmp_path_factory.mktemp(name) / "server.log"
+        env = {"LLM_MODEL_PATH": str(demo_model_path), "LLM_NUM_KV_BLOCKS": str(num_kv_blocks),
+               "LLM_MAX_MODEL_LEN": str(max_model_len)}
+        server = LocalTritonServer(env=env, log_file=log)
+        try:
+            server.start(timeout=240)
+        except Exception:
+            print(log.read_text()[-5000:])
+            raise
+        try:
+            yield server
+        finally:
+            server.stop()
+
+    return start
 
 
 class _FakeTensor:

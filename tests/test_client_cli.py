@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from client.cli import StreamPiece, _InOrder, build_inputs, build_sampling, generate_text, stream_pieces
-from client.local_server import REPO_ROOT, LocalTritonServer
+from client.local_server import REPO_ROOT
 
 MAX_NEW = 12
 GREEDY = {"temperature": 0.0, "json_params": {"ignore_eos": True}, "max_tokens": MAX_NEW}
@@ -38,19 +38,9 @@ def test_out_of_order_responses_are_put_back_in_generation_order():
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("triton_cli") / "server.log"
-    srv = LocalTritonServer(
-        env={"LLM_MODEL_PATH": str(demo_model_path), "LLM_NUM_KV_BLOCKS": "256", "LLM_MAX_MODEL_LEN": "1024"},
-        log_file=log,
-    )
-    try:
-        srv.start(timeout=240)
-    except Exception:
-        print(log.read_text()[-5000:])
-        raise
-    yield srv
-    srv.stop()
+def server(start_triton):
+    with start_triton(num_kv_blocks=256, max_model_len=1024, name="triton_cli") as srv:
+        yield srv
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

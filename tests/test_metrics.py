@@ -202,19 +202,9 @@ def test_engine_stats_published_as_deltas(llm_module):
 
 # --------------------------------------------------------------------------- the real server
 @pytest.fixture(scope="module")
-def server(demo_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("triton") / "server.log"
-    srv = LocalTritonServer(
-        env={"LLM_MODEL_PATH": str(demo_model_path), "LLM_NUM_KV_BLOCKS": "128", "LLM_MAX_MODEL_LEN": "512"},
-        log_file=log,
-    )
-    try:
-        srv.start(timeout=240)
-    except Exception:
-        print(log.read_text()[-5000:])
-        raise
-    yield srv
-    srv.stop()
+def server(start_triton):
+    with start_triton(num_kv_blocks=128, max_model_len=512) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import jsonschema
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from client.local_server import LocalTritonServer
 from client.triton_stream import TritonStreamClient
 from tests.test_grammar import EXPR_EBNF, REGEX, SCHEMA, parse_expr
 
@@ -27,19 +26,9 @@ MAX_NEW = 512  # the schema's documents take about 150-300 tokens of the demo mo
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("triton") / "server.log"
-    srv = LocalTritonServer(
-        env={"LLM_MODEL_PATH": str(demo_model_path), "LLM_NUM_KV_BLOCKS": "2048", "LLM_MAX_MODEL_LEN": "1024"},
-        log_file=log,
-    )
-    try:
-        srv.start(timeout=240)
-    except Exception:
-        print(log.read_text()[-5000:])
-        raise
-    yield srv
-    srv.stop()
+def server(start_triton):
+    with start_triton(num_kv_blocks=2048, max_model_len=1024) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -19,19 +19,9 @@ MAX_NEW = 20
 
 
 @pytest.fixture(scope="module")
-def server(demo_model_path, tmp_path_factory):
-    log = tmp_path_factory.mktemp("triton") / "server.log"
-    srv = LocalTritonServer(
-        env={"LLM_MODEL_PATH": str(demo_model_path), "LLM_NUM_KV_BLOCKS": "256", "LLM_MAX_MODEL_LEN": "1024"},
-        log_file=log,
-    )
-    try:
-        srv.start(timeout=240)
-    except Exception:
-        print(log.read_text()[-5000:])
-        raise
-    yield srv
-    srv.stop()
+def server(start_triton):
+    with start_triton(num_kv_blocks=256, max_model_len=1024) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
