@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -136,3 +136,41 @@ def postprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict
         "prompt_tokens": np.array([int(_scalar(arrays, "prompt_tokens") or 0)], dtype=np.int32),
         "completion_tokens": np.array([int(_scalar(arrays, "completion_tokens") or 0)], dtype=np.int32),
     }
+
+
+def input_arrays(pb_utils: Any, request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The request's input tensors among `names` as numpy arrays; absent optional inputs are left out."""
+    arrays = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy()
+    return arrays
+
+
+def respond_each(
+    pb_utils: Any,
+    requests: list,
+    names: tuple[str, ...],
+    transform: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]],
+    model: str,
+) -> list:
+    """`execute` of a one-response-per-request model: each request's inputs through `transform`.
+
+    A ValueError is the request's own fault (INVALID_ARG); anything else is INTERNAL. Either way
+    only that request gets the error, never the others of the batch.
+    """
+    errors = pb_utils.TritonError
+    responses = []
+    for request in requests:
+        try:
+            outputs = transform(input_arrays(pb_utils, request, names))
+            tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
+            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+        except ValueError as exc:
+            error = errors(str(exc), errors.INVALID_ARG)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+        except Exception as exc:
+            error = errors(f"{model} internal error: {type(exc).__name__}: {exc}", errors.INTERNAL)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+    return responses

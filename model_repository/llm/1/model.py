@@ -28,7 +28,7 @@ from backend.triton_io import (  # noqa: E402
     parse_llm_inputs,
     server_torch_threads,
 )  # noqa: E402
-from backend.triton_utils import model_path_from_config  # noqa: E402
+from backend.triton_utils import input_arrays, model_path_from_config  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -88,11 +88,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                arrays = {}
-                for name in LLM_INPUTS:
-                    tensor = pb_utils.get_input_tensor_by_name(request, name)
-                    if tensor is not None:
-                        arrays[name] = tensor.as_numpy()
+                arrays = input_arrays(pb_utils, request, LLM_INPUTS)
                 if "abort_request_id" in arrays:
                     self._abort(arrays["abort_request_id"])
                     sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
