@@ -7,23 +7,20 @@ optional usage chunk, then `data: [DONE]`. Non-streaming aggregates the same eng
 
 from __future__ import annotations
 
-import logging
 import json
 import time
 from typing import Any, AsyncIterator, Optional
 
 from starlette.responses import Response
 
-from openai_frontend.common import Context, dumps, error_event, json_response, usage
+from openai_frontend.common import Context, dumps, json_response, usage
 from openai_frontend.engine_types import EngineRequest, TokenLogprob
-from openai_frontend.errors import APIError, bad_request, unsupported
+from openai_frontend.errors import bad_request, unsupported
 from openai_frontend.logprobs import TokenNamer, chat_logprobs
 from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
 from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported
-from openai_frontend.streams import DONE_EVENT, StartedStream, iterate_choices, sse_response, start_stream
+from openai_frontend.streams import StartedStream, iterate_choices, sse_events, sse_response, start_stream
 from openai_frontend.tools import ToolCallStreamer, ToolPlan, get_parser, new_call_id, parse_complete, plan_tools
-
-log = logging.getLogger(__name__)
 
 
 def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -114,7 +111,7 @@ class ChatHandler:
         namer = TokenNamer(ctx.files, bool(req.return_tokens_as_token_ids)) if req.logprobs else None
         if req.stream:
             stream = await start_stream(ctx.client, requests)
-            body = self._stream(stream, req, plan, model, completion_id, created, namer)
+            body = sse_events(stream, self._stream(stream, req, plan, model, completion_id, created, namer))
             return sse_response(body, hooks=ctx.stream_hooks)
         return await self._complete(requests, req, plan, model, completion_id, created, namer)
 
@@ -200,53 +197,44 @@ class ChatHandler:
                 tail += ',"usage":' + dumps(usage(prompt_tokens, choices[i].completion_tokens))
             return f'{head}{i},"delta":{delta},"logprobs":{logprobs},"finish_reason":{f}{tail}}}\n\n'
 
-        try:
-            yield "".join(event(i, '{"role":"assistant","content":""}') for i in range(n)).encode()
-            async for i, chunk in stream:
-                c = choices[i]
-                c.completion_tokens = chunk.completion_tokens
-                prompt_tokens = chunk.prompt_tokens or prompt_tokens
-                if include_usage and cached is None:
-                    cached = chunk.cached_tokens
-                text = chunk.text
-                parts: list[str] = []
-                deltas: list[dict[str, Any]] = []
-                if c.tools is not None:
-                    normal, deltas = c.tools.feed(text) if text else ("", [])
-                    if chunk.finish_reason:
-                        more_text, more = c.tools.finish()
-                        normal += more_text
-                        deltas += more
-                    text = normal
-                logprobs = "null"
-                if namer is not None:
-                    lps = chunk.logprobs()
-                    if lps:
-                        logprobs = dumps(chat_logprobs(lps, namer))
-                finish = chunk.finish_reason
-                if finish == "stop" and c.tools is not None and c.tools.has_calls:
-                    finish = "tool_calls"
-                if deltas:
-                    if text or logprobs != "null":
-                        parts.append(event(i, '{"content":' + dumps(text) + "}", None, logprobs))
-                    parts.append(event(i, '{"tool_calls":' + dumps(deltas) + "}", finish))
-                elif text or logprobs != "null":
-                    parts.append(event(i, '{"content":' + dumps(text) + "}", finish, logprobs))
-                elif finish:
-                    parts.append(event(i, "{}", finish))
-                if parts:
-                    yield "".join(parts).encode()
-            if include_usage:
-                total = sum(c.completion_tokens for c in choices)
-                yield (
-                    f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},'
-                    f'"model":{dumps(model)},"choices":[],"usage":{dumps(usage(prompt_tokens, total, cached))}}}\n\n'
-                ).encode()
-        except APIError as exc:
-            yield error_event(exc)
-        except Exception as exc:  # the response has started: report in the stream
-            log.exception("error while streaming")
-            yield error_event(APIError(500, f"Internal server error: {exc}"))
-        finally:
-            await stream.aclose()
-        yield DONE_EVENT
+        yield "".join(event(i, '{"role":"assistant","content":""}') for i in range(n)).encode()
+        async for i, chunk in stream:
+            c = choices[i]
+            c.completion_tokens = chunk.completion_tokens
+            prompt_tokens = chunk.prompt_tokens or prompt_tokens
+            if include_usage and cached is None:
+                cached = chunk.cached_tokens
+            text = chunk.text
+            parts: list[str] = []
+            deltas: list[dict[str, Any]] = []
+            if c.tools is not None:
+                normal, deltas = c.tools.feed(text) if text else ("", [])
+                if chunk.finish_reason:
+                    more_text, more = c.tools.finish()
+                    normal += more_text
+                    deltas += more
+                text = normal
+            logprobs = "null"
+            if namer is not None:
+                lps = chunk.logprobs()
+                if lps:
+                    logprobs = dumps(chat_logprobs(lps, namer))
+            finish = chunk.finish_reason
+            if finish == "stop" and c.tools is not None and c.tools.has_calls:
+                finish = "tool_calls"
+            if deltas:
+                if text or logprobs != "null":
+                    parts.append(event(i, '{"content":' + dumps(text) + "}", None, logprobs))
+                parts.append(event(i, '{"tool_calls":' + dumps(deltas) + "}", finish))
+            elif text or logprobs != "null":
+                parts.append(event(i, '{"content":' + dumps(text) + "}", finish, logprobs))
+            elif finish:
+                parts.append(event(i, "{}", finish))
+            if parts:
+                yield "".join(parts).encode()
+        if include_usage:
+            total = sum(c.completion_tokens for c in choices)
+            yield (
+                f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},'
+                f'"model":{dumps(model)},"choices":[],"usage":{dumps(usage(prompt_tokens, total, cached))}}}\n\n'
+            ).encode()

@@ -6,23 +6,20 @@ its n choices, indexed prompt * n + i.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, AsyncIterator, Optional, Union
 
 from starlette.responses import Response
 
-from openai_frontend.common import Context, dumps, error_event, json_response, usage
+from openai_frontend.common import Context, dumps, json_response, usage
 from openai_frontend.engine_types import EngineRequest
-from openai_frontend.errors import APIError, bad_request
+from openai_frontend.errors import bad_request
 from openai_frontend.logprobs import CompletionLogprobs, TokenNamer
 from openai_frontend.protocol import CompletionRequest
 from openai_frontend.sampling import build_sampling_params, check_unsupported
-from openai_frontend.streams import DONE_EVENT, StartedStream, iterate_choices, sse_response, start_stream
+from openai_frontend.streams import StartedStream, iterate_choices, sse_events, sse_response, start_stream
 
 Prompt = Union[str, list[int]]
-
-log = logging.getLogger(__name__)
 
 
 def split_prompts(prompt: Any) -> list[Prompt]:
@@ -82,7 +79,7 @@ class CompletionHandler:
         namer = TokenNamer(ctx.files, bool(req.return_tokens_as_token_ids)) if req.logprobs is not None else None
         if req.stream:
             stream = await start_stream(ctx.client, requests)
-            body = self._stream(stream, req, k, echoes, model, completion_id, created, namer)
+            body = sse_events(stream, self._stream(stream, req, k, echoes, model, completion_id, created, namer))
             return sse_response(body, hooks=ctx.stream_hooks)
         return await self._complete(requests, req.n, echoes, model, completion_id, created, namer)
 
@@ -151,41 +148,32 @@ class CompletionHandler:
         logprobs = [CompletionLogprobs(namer) if namer else None for _ in range(k)]
         cached: list[Optional[int]] = [None] * k
         n = req.n
-        try:
-            async for j, chunk in stream:
-                completion_tokens[j] = chunk.completion_tokens
-                prompt_tokens[j] = chunk.prompt_tokens or prompt_tokens[j]
-                if include_usage and cached[j] is None:
-                    cached[j] = chunk.cached_tokens
-                text = chunk.text
-                if not echoed[j]:
-                    echoed[j] = True
-                    text = echoes[j] + text
-                lp_json = "null"
-                lp = logprobs[j]
-                if lp is not None:
-                    items = chunk.logprobs()
-                    if items:
-                        lp_json = dumps(lp.add(items))
-                finish = chunk.finish_reason
-                if not text and not finish and lp_json == "null":
-                    continue
-                f = "null" if finish is None else f'"{finish}"'
-                tail = "}]"
-                if continuous:
-                    tail += ',"usage":' + dumps(usage(prompt_tokens[j], completion_tokens[j]))
-                yield f'{head}{j},"text":{dumps(text)},"logprobs":{lp_json},"finish_reason":{f}{tail}}}\n\n'.encode()
-            if include_usage:
-                u = usage(sum(prompt_tokens[::n]), sum(completion_tokens), _cached(cached[::n]))
-                yield (
-                    f'data: {{"id":{dumps(completion_id)},"object":"text_completion","created":{created},'
-                    f'"model":{dumps(model)},"choices":[],"usage":{dumps(u)}}}\n\n'
-                ).encode()
-        except APIError as exc:
-            yield error_event(exc)
-        except Exception as exc:  # the response has started: report in the stream
-            log.exception("error while streaming")
-            yield error_event(APIError(500, f"Internal server error: {exc}"))
-        finally:
-            await stream.aclose()
-        yield DONE_EVENT
+        async for j, chunk in stream:
+            completion_tokens[j] = chunk.completion_tokens
+            prompt_tokens[j] = chunk.prompt_tokens or prompt_tokens[j]
+            if include_usage and cached[j] is None:
+                cached[j] = chunk.cached_tokens
+            text = chunk.text
+            if not echoed[j]:
+                echoed[j] = True
+                text = echoes[j] + text
+            lp_json = "null"
+            lp = logprobs[j]
+            if lp is not None:
+                items = chunk.logprobs()
+                if items:
+                    lp_json = dumps(lp.add(items))
+            finish = chunk.finish_reason
+            if not text and not finish and lp_json == "null":
+                continue
+            f = "null" if finish is None else f'"{finish}"'
+            tail = "}]"
+            if continuous:
+                tail += ',"usage":' + dumps(usage(prompt_tokens[j], completion_tokens[j]))
+            yield f'{head}{j},"text":{dumps(text)},"logprobs":{lp_json},"finish_reason":{f}{tail}}}\n\n'.encode()
+        if include_usage:
+            u = usage(sum(prompt_tokens[::n]), sum(completion_tokens), _cached(cached[::n]))
+            yield (
+                f'data: {{"id":{dumps(completion_id)},"object":"text_completion","created":{created},'
+                f'"model":{dumps(model)},"choices":[],"usage":{dumps(u)}}}\n\n'
+            ).encode()

@@ -17,23 +17,20 @@ re-encoding of everything before it.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
 from starlette.responses import Response
 
-from openai_frontend.common import Context, dumps, error_event, json_response
+from openai_frontend.common import Context, dumps, json_response
 from openai_frontend.engine_types import INPUT_LOGPROB_KEYS, OUTPUT_LOGPROB_KEYS, EngineChunk, EngineRequest
-from openai_frontend.errors import APIError, bad_request, unsupported
+from openai_frontend.errors import bad_request, unsupported
 from openai_frontend.protocol import GenerateRequest
 from openai_frontend.sampling import check_custom_logit_processor, check_stop
-from openai_frontend.streams import DONE_EVENT, StartedStream, iterate_choices, sse_response, start_stream
+from openai_frontend.streams import StartedStream, iterate_choices, sse_events, sse_response, start_stream
 
 _LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob")
-
-log = logging.getLogger(__name__)
 
 
 def _check_unsupported(req: GenerateRequest, ctx: Context) -> None:
@@ -231,7 +228,7 @@ class GenerateHandler:
         outs = [_Out(rid, lp, start) for rid, lp in zip(rids, want_logprob)]
         if req.stream:
             stream = await start_stream(self.ctx.client, requests)
-            return sse_response(self._stream(stream, outs, multi), hooks=self.ctx.stream_hooks)
+            return sse_response(sse_events(stream, self._stream(stream, outs, multi)), hooks=self.ctx.stream_hooks)
         it = iterate_choices(self.ctx.client, requests)
         try:
             async for j, chunk in it:
@@ -242,22 +239,13 @@ class GenerateHandler:
         return json_response(results if multi else results[0])
 
     async def _stream(self, stream: StartedStream, outs: list[_Out], multi: bool) -> AsyncIterator[bytes]:
-        try:
-            async for j, chunk in stream:
-                o = outs[j]
-                o.add(chunk, True)
-                if not chunk.text and not chunk.finish_reason and not chunk.token_ids:
-                    continue
-                index = f',"index":{j}' if multi else ""
-                yield (
-                    f'data: {{"text":"{o.text_json}","output_ids":[{o.ids_json}],'
-                    f'"meta_info":{o.meta_json()}{index}}}\n\n'
-                ).encode()
-        except APIError as exc:
-            yield error_event(exc)
-        except Exception as exc:  # the response has started: report in the stream
-            log.exception("error while streaming")
-            yield error_event(APIError(500, f"Internal server error: {exc}"))
-        finally:
-            await stream.aclose()
-        yield DONE_EVENT
+        async for j, chunk in stream:
+            o = outs[j]
+            o.add(chunk, True)
+            if not chunk.text and not chunk.finish_reason and not chunk.token_ids:
+                continue
+            index = f',"index":{j}' if multi else ""
+            yield (
+                f'data: {{"text":"{o.text_json}","output_ids":[{o.ids_json}],'
+                f'"meta_info":{o.meta_json()}{index}}}\n\n'
+            ).encode()

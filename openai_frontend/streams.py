@@ -5,6 +5,8 @@
   choice + the chunk's sample index. One prompt (the common case) needs no extra task; several
   are pumped by one task each into a queue. Closing the iterator (or cancelling its consumer)
   closes every stream, which cancels their gRPC calls.
+* `sse_events`: a handler's event generator as an SSE body: errors after the start become error
+  events, the engine stream is closed, `[DONE]` ends it.
 * `start_stream`: waits for the first chunk before the HTTP response starts, so errors the
   engine reports up front (bad parameters, overload, Triton down) get a real status code even
   with `stream: true`.
@@ -24,7 +26,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from openai_frontend.common import error_event
 from openai_frontend.engine_types import EngineChunk, EngineClient, EngineRequest
+from openai_frontend.errors import APIError
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +115,26 @@ async def start_stream(client: EngineClient, requests: Sequence[EngineRequest]) 
         await it.aclose()
         raise
     return StartedStream(it, first)
+
+
+async def sse_events(stream: StartedStream, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An SSE body from `events` (built on `stream`): once the response has started an error can
+    only be reported in the stream, as an error event; the engine stream is always closed; the
+    body ends with [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as exc:
+        yield error_event(exc)
+    except Exception as exc:
+        log.exception("error while streaming")
+        yield error_event(APIError(500, f"Internal server error: {exc}"))
+    finally:
+        try:
+            await events.aclose()  # type: ignore[attr-defined]
+        finally:
+            await stream.aclose()
+    yield DONE_EVENT
 
 
 class _Disconnect:
