@@ -62,6 +62,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from client.perf.make_inputs import ids_entries, mixed_workload, usable_vocab, write  # noqa: E402
+from client.perf.run_perf_analyzer import percentile as pct  # noqa: E402
 
 SECTIONS = ("hf_one_by_one", "hf_static", "engine", "triton", "frontend", "frontend_nonstream", "perf_analyzer",
             "prefix", "chunked")
@@ -95,15 +96,6 @@ class Rec:
     error: Optional[str] = None
     cached_tokens: int = 0
     reordered: int = 0  # responses that arrived out of generation order
-
-
-def pct(values: Sequence[float], q: float) -> Optional[float]:
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def metrics(recs: Sequence[Rec], wall: float, streaming: bool = True) -> dict[str, Any]:

@@ -141,7 +141,8 @@ def command(model: str, url: str, input_data: Path, concurrency: int, request_co
     return cmd + list(extra)
 
 
-def _pct(values: list[float], q: float) -> Optional[float]:
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """The q-th percentile (0-100), linear between the nearest ranks; None for no values."""
     if not values:
         return None
     xs = sorted(values)
@@ -185,10 +186,10 @@ def summarize_profile(path: Path) -> dict[str, Any]:
             "requests": len(starts),
             "output_tokens": tokens,
             "output_tok_s": tokens / span if span > 0 else None,
-            "ttft_ms_p50": _pct(ttft, 50),
-            "ttft_ms_p99": _pct(ttft, 99),
-            "itl_ms_p50": _pct(itl, 50),
-            "itl_ms_p99": _pct(itl, 99),
+            "ttft_ms_p50": percentile(ttft, 50),
+            "ttft_ms_p99": percentile(ttft, 99),
+            "itl_ms_p50": percentile(itl, 50),
+            "itl_ms_p99": percentile(itl, 99),
             "mean_itl_ms": statistics.fmean(itl) if itl else None,
         }
     return out
