@@ -168,9 +168,9 @@ class Outbox:
                     return None
                 if self._queue and (self._budget is None or self._credits > 0 or self._stopped):
                     break
-                if self._queue:
+                if self._queue:  # out of credits (so there is a cap): wait for a step
                     if not self._cond.wait(self._idle_release_s):
-                        self._credits = self._budget or 0
+                        self._credits = self._budget
                 else:
                     self._cond.wait()
             if self._budget is None or self._stopped:

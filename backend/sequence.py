@@ -54,6 +54,7 @@ class Sequence:
     wait_for: Optional["Sequence"] = None
     index: int = 0  # which of the request's n samples this is
     seed: int = 0  # effective seed: the request's, or one drawn for it
+    _prompt_tensor: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -72,10 +73,9 @@ class Sequence:
 
     def prompt_tensor(self) -> torch.Tensor:
         """The prompt ids as a tensor, built once (penalties need them every step)."""
-        t = self.__dict__.get("_prompt_tensor")
-        if t is None:
-            t = self.__dict__["_prompt_tensor"] = torch.tensor(self.token_ids[: self.num_prompt_tokens], dtype=torch.long)
-        return t
+        if self._prompt_tensor is None:
+            self._prompt_tensor = torch.tensor(self.token_ids[: self.num_prompt_tokens], dtype=torch.long)
+        return self._prompt_tensor
 
     @property
     def is_finished(self) -> bool:
