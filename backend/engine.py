@@ -403,6 +403,7 @@ class LLMEngine:
             params=params,
             seed=seq.seed,
             step=seq.num_output_tokens,
+            seq_id=seq.seq_id,
             prompt_ids=seq.prompt_tensor() if params.has_penalties else (),
             output_ids=seq.output_ids if params.has_penalties else (),
             suppress_ids=suppress,
@@ -493,6 +494,7 @@ class LLMEngine:
     def _forget(self, tracked: _Tracked) -> None:
         rid = tracked.seq.request_id
         self._tracked.pop(rid, None)
+        self.sampler.release(tracked.seq.seq_id)
         members = self._groups.get(tracked.group)
         if members is not None and all(m not in self._tracked for m in members):
             del self._groups[tracked.group]

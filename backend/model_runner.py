@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import kernels
+from kernels import cpu_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -139,11 +140,12 @@ class BatchInput:
     logits_index: torch.Tensor  # [S] packed index of each token whose logits are needed
 
 
-def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True) -> list[list[int]]:
+def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True, paged_decode: bool = False) -> list[list[int]]:
     """Sequence indices grouped so that padding stays within about 2x of the real work.
 
     `fine=False` (GPUs, where launches cost more than padded FLOPs) only separates decodes
-    from prefill chunks.
+    from prefill chunks. `paged_decode`: decodes read the cache in place, unpadded, so they
+    are one group whatever their lengths.
     """
     order = sorted(range(len(q_lens)), key=lambda i: (q_lens[i] > 1, num_blocks[i], q_lens[i]))
     groups: list[list[int]] = []
@@ -152,7 +154,8 @@ def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True) -
             g = groups[-1]
             first = g[0]
             same_kind = (q_lens[first] > 1) == (q_lens[i] > 1)
-            if same_kind and (not fine or (num_blocks[i] <= 2 * num_blocks[first] and q_lens[i] <= 2 * max(q_lens[first], 1))):
+            coarse = not fine or (paged_decode and q_lens[i] == 1)
+            if same_kind and (coarse or (num_blocks[i] <= 2 * num_blocks[first] and q_lens[i] <= 2 * max(q_lens[first], 1))):
                 g.append(i)
                 continue
         groups.append([i])
@@ -184,9 +187,16 @@ class ModelRunner:
         self.v_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
         self.inv_freq = _rope_inv_freq(c).to(self.device)
         self.attn_scale = c.head_dim**-0.5
-        # Decode attention straight from the paged cache with the Triton kernel (CUDA only;
-        # LLM_PAGED_DECODE=0 falls back to SDPA over gathered blocks).
-        self.use_paged_decode = self.device.type == "cuda" and os.environ.get("LLM_PAGED_DECODE", "1") != "0"
+        # Decode attention: "triton" (the Triton kernel reading the paged cache in place, CUDA),
+        # "cpu" (the C++ kernel doing the same, when it builds) or "gather" (each sequence's
+        # blocks gathered into a padded batch for SDPA / matmul-softmax). LLM_PAGED_DECODE=0
+        # forces "gather".
+        if os.environ.get("LLM_PAGED_DECODE", "1") == "0":
+            self.decode_attention = "gather"
+        elif self.device.type == "cuda":
+            self.decode_attention = "triton"
+        else:
+            self.decode_attention = "cpu" if cpu_attention.load() is not None else "gather"
 
     # ---------------------------------------------------------------- weights
     def _load_weights(self, path: Path) -> None:
@@ -260,32 +270,35 @@ class ModelRunner:
 
         groups = []
         q_lens = [len(c[0]) for c in chunks]
-        paged_decode = self.use_paged_decode
-        for members in _split_groups(q_lens, [len(c[2]) for c in chunks], fine=self.device.type != "cuda"):
+        paged_decode = self.decode_attention != "gather"
+        for members in _split_groups(q_lens, [len(c[2]) for c in chunks], fine=self.device.type != "cuda", paged_decode=paged_decode):
             max_q = max(q_lens[i] for i in members)
             max_blocks = max(len(chunks[i][2]) for i in members)
             max_k = max_blocks * bs
-            tables = torch.zeros((len(members), max_blocks), dtype=torch.long)
-            qpos = torch.zeros((len(members), max_q), dtype=torch.long)
+            # Plain lists first, one tensor each: a tensor op per sequence cost more than the step's attention.
+            table_rows: list[list[int]] = []
+            qpos_rows: list[list[int]] = []
             token_index: list[int] = []
             query_slots: list[int] = []
             for row, i in enumerate(members):
                 ids, start, table, _ = chunks[i]
                 n = len(ids)
-                tables[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+                table_rows.append(list(table) + [0] * (max_blocks - len(table)))
                 # Padding queries see key 0 only, so their (discarded) rows stay finite.
-                qpos[row, :n] = torch.arange(start, start + n)
+                qpos_rows.append(list(range(start, start + n)) + [0] * (max_q - n))
                 token_index.extend(range(bases[i], bases[i] + n))
                 query_slots.extend(range(row * max_q, row * max_q + n))
             token_index_t = torch.tensor(token_index, dtype=torch.long).to(dev)
             query_slots_t = torch.tensor(query_slots, dtype=torch.long).to(dev)
             if paged_decode and max_q == 1:
-                lens = qpos[:, 0] + 1
                 groups.append(
                     AttentionGroup(token_index_t, query_slots_t, None, None, len(members), 1,
-                                   block_tables=tables.to(torch.int32).to(dev), context_lens=lens.to(torch.int32).to(dev))
+                                   block_tables=torch.tensor(table_rows, dtype=torch.int32).to(dev),
+                                   context_lens=torch.tensor([r[0] + 1 for r in qpos_rows], dtype=torch.int32).to(dev))
                 )
                 continue
+            tables = torch.tensor(table_rows, dtype=torch.long)
+            qpos = torch.tensor(qpos_rows, dtype=torch.long)
             mask = (torch.arange(max_k)[None, None, :] <= qpos[:, :, None])[:, None]
             groups.append(
                 AttentionGroup(
@@ -337,7 +350,7 @@ class ModelRunner:
                 if g.block_tables is not None:
                     out = kernels.paged_decode_attention(
                         q[g.token_index], self.k_cache[li], self.v_cache[li], g.block_tables, g.context_lens,
-                        self.block_size, self.attn_scale, use_triton=True,
+                        self.block_size, self.attn_scale, use_triton=self.decode_attention == "triton",
                     )
                     attn[g.token_index] = out.reshape(g.num_seqs, q_size)
                     continue

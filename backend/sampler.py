@@ -25,6 +25,8 @@ class SamplingRow:
     params: SamplingParams
     seed: int
     step: int  # output position of the token being drawn (the noise offset)
+    # Penalty rows: the sequence (its id keys the running counts), prompt ids and output ids.
+    seq_id: Optional[int] = None
     prompt_ids: Seq[int] = ()
     output_ids: Seq[int] = ()
     suppress_ids: Seq[int] = ()  # tokens that may not be drawn yet (EOS/stop under min_new_tokens)
@@ -69,9 +71,83 @@ def logprobs_at(
     return out
 
 
+class TokenCounts:
+    """Each penalized sequence's output-token counts and prompt-token presence, as rows of two
+    [slots, V] tables that every step updates with only the tokens drawn since the last one.
+
+    Recounting each sequence's whole history every step cost O(length) per row and was a tenth
+    of a decode step. A row is taken the first time a sequence is sampled and given back by
+    `release` when it ends.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.counts: Optional[torch.Tensor] = None  # [slots, V] int32
+        self.prompt_mask: Optional[torch.Tensor] = None  # [slots, V] bool
+        self._slot: dict[int, list[int]] = {}  # seq id -> [slot, number of output ids counted]
+        self._free: list[int] = []
+
+    def _grow(self, device: torch.device) -> None:
+        old = 0 if self.counts is None else self.counts.shape[0]
+        size = max(16, 2 * old)
+        counts = torch.zeros((size, self.vocab_size), dtype=torch.int32, device=device)
+        mask = torch.zeros((size, self.vocab_size), dtype=torch.bool, device=device)
+        if old:
+            counts[:old] = self.counts
+            mask[:old] = self.prompt_mask
+        self.counts, self.prompt_mask = counts, mask
+        self._free.extend(range(size - 1, old - 1, -1))
+
+    def rows(self, rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Counts [R, V] and prompt presence [R, V] for these rows, brought up to date."""
+        slots: list[int] = []
+        upd_slots: list[int] = []
+        upd_ids: list[int] = []
+        V = self.vocab_size
+        for r in rows:
+            if r.seq_id is None:
+                raise ValueError("a penalized sampling row needs its sequence id")
+            entry = self._slot.get(r.seq_id)
+            if entry is None:
+                if not self._free:
+                    self._grow(device)
+                slot = self._free.pop()
+                self.counts[slot].zero_()
+                self.prompt_mask[slot].zero_()
+                prompt = torch.as_tensor(r.prompt_ids, dtype=torch.long, device=device)
+                self.prompt_mask[slot, prompt[(prompt >= 0) & (prompt < V)]] = True
+                entry = self._slot[r.seq_id] = [slot, 0]
+            slot, counted = entry
+            new = [t for t in r.output_ids[counted:] if 0 <= t < V]
+            if new:
+                upd_slots.extend([slot] * len(new))
+                upd_ids.extend(new)
+            entry[1] = len(r.output_ids)
+            slots.append(slot)
+        if upd_ids:
+            index = (torch.tensor(upd_slots, device=device), torch.tensor(upd_ids, device=device))
+            self.counts.index_put_(index, torch.ones(len(upd_ids), dtype=torch.int32, device=device), accumulate=True)
+        idx = torch.tensor(slots, device=device)
+        return self.counts.index_select(0, idx), self.prompt_mask.index_select(0, idx)
+
+    def release(self, seq_id: int) -> None:
+        entry = self._slot.pop(seq_id, None)
+        if entry is not None:
+            self._free.append(entry[0])
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._slot)
+
+
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self.token_counts = TokenCounts(vocab_size)
+
+    def release(self, seq_id: int) -> None:
+        """The sequence is finished: drop its penalty counts."""
+        self.token_counts.release(seq_id)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -93,12 +169,12 @@ class Sampler:
         logits = logits.float().contiguous()
         pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if pen:
-            counts, prompt_mask = _token_stats([rows[i] for i in pen], V)
+            counts, prompt_mask = self.token_counts.rows([rows[i] for i in pen], dev)
             p = [rows[i].params for i in pen]
             logits[pen] = kernels.apply_penalties(
                 logits[pen],
-                counts.to(dev),
-                prompt_mask.to(dev),
+                counts,
+                prompt_mask,
                 torch.tensor([x.frequency_penalty for x in p], device=dev),
                 torch.tensor([x.presence_penalty for x in p], device=dev),
                 torch.tensor([x.repetition_penalty for x in p], device=dev),
@@ -150,24 +226,6 @@ class Sampler:
                 p = rows[i].params
                 lps[i] = logprobs_at(logprobs[j : j + 1], [tokens[i]], p.top_logprobs_num, p.token_ids_logprob)[0]
         return SamplerOutput(tokens, lps)
-
-
-def _token_stats(rows: list[SamplingRow], V: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row output-token counts [R, V] and prompt-token presence [R, V], by two scatters over
-    padded id matrices (index V is a scratch column), not a Python loop of tensor ops."""
-    R = len(rows)
-    width_out = max(1, max(len(r.output_ids) for r in rows))
-    width_prompt = max(1, max(len(r.prompt_ids) for r in rows))
-    out_ids = torch.full((R, width_out), V, dtype=torch.long)
-    prompt_ids = torch.full((R, width_prompt), V, dtype=torch.long)
-    for j, r in enumerate(rows):
-        if len(r.output_ids):
-            out_ids[j, : len(r.output_ids)] = torch.as_tensor(r.output_ids)
-        if len(r.prompt_ids):
-            prompt_ids[j, : len(r.prompt_ids)] = torch.as_tensor(r.prompt_ids)
-    counts = torch.zeros((R, V + 1), dtype=torch.int32).scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.int32))
-    present = torch.zeros((R, V + 1), dtype=torch.bool).scatter_(1, prompt_ids, True)
-    return counts[:, :V], present[:, :V]
 
 
 def _apply_custom(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> torch.Tensor:

@@ -210,13 +210,22 @@ def paged_decode_attention(
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged KV cache: q [B, H, d], caches [kvh, slots, d],
-    block_tables [B, max_blocks], context_lens [B] -> [B, H, d]. See paged_attention.py."""
+    block_tables [B, max_blocks], context_lens [B] -> [B, H, d].
+
+    The Triton kernel (paged_attention.py) when Triton is chosen; otherwise, for CPU tensors,
+    the C++ kernel (csrc/paged_attention_cpu.cpp) when it is built, else the torch reference."""
     if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError("q must be [B, H, d] and the caches [kvh, slots, d]")
+    args = (q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
     if _want_triton(q, use_triton):
         from . import paged_attention, triton_ops
 
         if q.is_cuda == triton_ops.interpreted():
             raise RuntimeError("paged_decode_attention: Triton mode does not match the tensor's device (TRITON_INTERPRET)")
-        return paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+        return paged_attention.paged_decode_attention(*args)
+    if not q.is_cuda:
+        from . import cpu_attention
+
+        if cpu_attention.load() is not None:
+            return cpu_attention.paged_decode_attention(*args)
+    return reference.paged_decode_attention(*args)

@@ -86,12 +86,29 @@ def test_paged_decode_kernel_path_equals_hf_generate(demo_model_path, hf_model):
     if ops.interpreted() == (TEST_DEVICE == "cuda"):
         pytest.skip("Triton mode does not match the device")
     eng = make_engine(demo_model_path, num_kv_blocks=128, block_size=16, max_num_batched_tokens=256, max_model_len=512)
-    eng.model.use_paged_decode = True
+    eng.model.decode_attention = "triton"
     try:
         prompts = _prompts(eng, 3, seed=4)
         outs = eng.generate(prompts, greedy(eng, max_new_tokens=6))
         for p, out in zip(prompts, outs):
             assert out.new_token_ids == hf_greedy(hf_model, p, 6)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("decode_attention", ["cpu", "gather"])
+def test_cpu_decode_attention_paths_equal_hf_generate(demo_model_path, hf_model, decode_attention):
+    """Both CPU decode paths (the C++ kernel reading the cache in place, and the gathered
+    padded batch it replaced): same greedy tokens as HF, with sequences of mixed lengths."""
+    if TEST_DEVICE != "cpu":
+        pytest.skip("CPU paths")
+    eng = make_engine(demo_model_path, num_kv_blocks=128, block_size=16, max_num_batched_tokens=256, max_model_len=512)
+    eng.model.decode_attention = decode_attention
+    try:
+        prompts = _prompts(eng, 4, seed=7)
+        outs = eng.generate(prompts, greedy(eng, max_new_tokens=8))
+        for p, out in zip(prompts, outs):
+            assert out.new_token_ids == hf_greedy(hf_model, p, 8)
     finally:
         eng.shutdown()
 

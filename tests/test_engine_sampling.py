@@ -46,6 +46,7 @@ def _pool_free(request):
     if "engine" in request.fixturenames:
         eng = request.getfixturevalue("engine")
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        assert eng.sampler.token_counts.num_tracked == 0  # penalty counts released with their sequences
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -238,3 +239,33 @@ def test_custom_logit_processor_needs_the_flag(demo_model_path, engine):
             eng.add_request([1], eng.parse_params({"custom_logit_processor": "not json"}), lambda o: None)
     finally:
         eng.shutdown()
+
+
+def test_token_counts_stay_equal_to_a_full_recount():
+    """Penalty counts are kept incrementally (only new tokens scattered each step); slots are
+    reused after release and grown past their initial size."""
+    from backend.sampler import SamplingRow, TokenCounts
+
+    V = 50
+    counts = TokenCounts(V)
+    rng = random.Random(3)
+    params = object()
+    seqs = {i: ([rng.randrange(V) for _ in range(rng.randint(1, 9))], []) for i in range(20)}
+    for step in range(12):
+        live = [i for i in seqs if (i + step) % 5]  # not every sequence samples every step
+        for i in live:
+            seqs[i][1].extend(rng.randrange(V) for _ in range(rng.choice([1, 1, 3])))
+        rows = [SamplingRow(params=params, seed=0, step=0, seq_id=i, prompt_ids=seqs[i][0], output_ids=list(seqs[i][1])) for i in live]
+        got_counts, got_prompt = counts.rows(rows, torch.device("cpu"))
+        for r, i in enumerate(live):
+            want = torch.bincount(torch.tensor(seqs[i][1], dtype=torch.long), minlength=V).to(torch.int32)
+            assert torch.equal(got_counts[r], want)
+            assert torch.equal(got_prompt[r], torch.bincount(torch.tensor(seqs[i][0]), minlength=V) > 0)
+        if step == 6:  # finished sequences give their rows back; new ones must start from zero
+            for i in list(seqs)[:5]:
+                counts.release(i)
+                del seqs[i]
+            for i in range(100, 105):
+                seqs[i] = ([rng.randrange(V)], [])
+    assert counts.num_tracked == len(seqs)
+    assert counts.counts.shape[0] >= 20

@@ -1,5 +1,6 @@
-"""The paged decode-attention kernel vs its torch reference (and vs plain attention on a
-contiguous copy of each context), under TRITON_INTERPRET=1 on CPU or compiled on CUDA."""
+"""The paged decode-attention kernels vs their torch reference (and vs plain attention on a
+contiguous copy of each context): the Triton kernel under TRITON_INTERPRET=1 on CPU or compiled
+on CUDA, and the C++ CPU kernel."""
 
 import os
 
@@ -11,6 +12,7 @@ if not torch.cuda.is_available():
 import pytest
 
 import kernels
+from kernels import cpu_attention
 from kernels import reference as ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,3 +67,45 @@ def test_bf16_cache_on_cuda():
     got = kernels.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.125, use_triton=True)
     want = ref.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def _cpu_case(*args, **kw):
+    return [t.cpu() for t in _case(*args, **kw)]
+
+
+@pytest.mark.parametrize("B,H,kvh,D,block_size", [(5, 4, 2, 32, 16), (3, 14, 2, 64, 16), (4, 8, 8, 16, 8), (2, 6, 1, 48, 4), (3, 4, 4, 128, 16)])
+def test_cpu_kernel_matches_reference(B, H, kvh, D, block_size):
+    assert cpu_attention.load() is not None, cpu_attention.error()
+    q, kc, vc, tables, lens = _cpu_case(B, H, kvh, D, block_size, num_blocks=64, seed=B * 17 + D)
+    scale = D ** -0.5
+    got = kernels.paged_decode_attention(q, kc, vc, tables, lens, block_size, scale, use_triton=False)
+    want = ref.paged_decode_attention(q, kc, vc, tables, lens, block_size, scale)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_kernel_half_caches(dtype):
+    q, kc, vc, tables, lens = _cpu_case(6, 4, 2, 32, 16, num_blocks=64, seed=5, dtype=dtype)
+    got = cpu_attention.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.17)
+    want = ref.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.17)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_kernel_reads_a_layer_slice_of_the_cache():
+    # The model runner passes k_cache[layer]: a view with a storage offset.
+    q, kc, vc, tables, lens = _cpu_case(4, 4, 2, 32, 16, num_blocks=32, seed=9)
+    stacked_k = torch.stack([torch.randn_like(kc), kc])
+    stacked_v = torch.stack([torch.randn_like(vc), vc])
+    got = cpu_attention.paged_decode_attention(q, stacked_k[1], stacked_v[1], tables, lens, 16, 0.17)
+    torch.testing.assert_close(got, ref.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.17), atol=2e-5, rtol=1e-4)
+
+
+def test_cpu_kernel_rejects_bad_tables():
+    q, kc, vc, tables, lens = _cpu_case(2, 4, 2, 32, 16, num_blocks=8, seed=1)
+    bad = tables.clone()
+    bad[0, 0] = 10_000
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_attention.paged_decode_attention(q, kc, vc, bad, lens, 16, 0.17)
+    with pytest.raises(RuntimeError, match="context length"):
+        cpu_attention.paged_decode_attention(q, kc, vc, tables, torch.zeros_like(lens), 16, 0.17)
