@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -32,6 +33,32 @@ POSTPROCESSING_INPUTS = (
     "prompt_tokens",
     "completion_tokens",
 )
+
+
+# Polls once a second; ends when either side is gone; kills the stub only if the server is.
+_WATCHER = (
+    'while kill -0 "$0" 2>/dev/null && kill -0 "$1" 2>/dev/null; do sleep 1; done; '
+    'kill -0 "$0" 2>/dev/null || kill -9 "$1" 2>/dev/null'
+)
+
+
+def exit_with_server() -> Optional[subprocess.Popen]:
+    """Makes this Python-backend stub die with tritonserver.
+
+    When tritonserver is killed (a crash, SIGKILL, the OOM killer), the 2.51 stub's health
+    thread notices and destroys the stub, but its destructor waits for the GIL, which the main
+    thread holds while it waits on the dead server for ever: the stub, with the model's weights
+    and KV cache, outlives the server indefinitely (seen here after SIGKILL under load). No
+    thread of this process can help, since it would need that GIL; a one-line shell watcher
+    outside the process can, at no cost while the server lives.
+    """
+    try:
+        return subprocess.Popen(
+            ["/bin/sh", "-c", _WATCHER, str(os.getppid()), str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+    except OSError:  # no /bin/sh: the stub keeps Triton's own behaviour
+        return None
 
 
 def repo_root() -> Path:

@@ -305,6 +305,8 @@ async def _until(cond, timeout: float, message: str) -> None:
 def test_tritonserver_killed_under_load_503_then_recovers(entry):
     load = _Load(entry.url)
     old_pid = entry.tritonserver_pid()
+    old_stubs = [p for p in _children(old_pid) if _exe_name(p) == "triton_python_backend_stub"]
+    assert len(old_stubs) >= 3, old_stubs  # preprocessing, llm, postprocessing
 
     async def scenario():
         task = asyncio.create_task(load.run())
@@ -335,6 +337,12 @@ def test_tritonserver_killed_under_load_503_then_recovers(entry):
     assert "tritonserver exited" in entry.log(), entry.supervisor_lines()
     drained, m = soak.wait_drained(entry.metrics_url, timeout=20)
     assert drained, m
+    # The crashed server's stubs (weights, KV cache) must not outlive it.
+    deadline = time.monotonic() + 15
+    while [p for p in old_stubs if Path(f"/proc/{p}").exists()] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    survivors = [p for p in old_stubs if Path(f"/proc/{p}").exists() and _exe_name(p) == "triton_python_backend_stub"]
+    assert not survivors, f"stubs of the killed tritonserver still running: {survivors}"
 
 
 # ------------------------------------------------------------------------------ stub crash

@@ -28,7 +28,7 @@ from backend.triton_io import (  # noqa: E402
     parse_llm_inputs,
     server_torch_threads,
 )  # noqa: E402
-from backend.triton_utils import input_arrays, model_path_from_config  # noqa: E402
+from backend.triton_utils import exit_with_server, input_arrays, model_path_from_config  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -51,6 +51,7 @@ def _send_error(sender):
 
 class TritonPythonModel:
     def initialize(self, args):
+        self._watcher = exit_with_server()
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         overrides = engine_config_overrides(params, dict(os.environ))

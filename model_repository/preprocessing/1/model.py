@@ -11,6 +11,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from backend.tokenizer import load_tokenizer  # noqa: E402
 from backend.triton_utils import (  # noqa: E402
+    exit_with_server,
     PREPROCESSING_INPUTS,
     model_path_from_config,
     preprocess_arrays,
@@ -20,6 +21,7 @@ from backend.triton_utils import (  # noqa: E402
 
 class TritonPythonModel:
     def initialize(self, args):
+        self._watcher = exit_with_server()
         self.model_path = model_path_from_config(args)
         self.tokenizer = load_tokenizer(self.model_path)
         pb_utils.Logger.log_info(f"preprocessing ready: tokenizer from {self.model_path}")
