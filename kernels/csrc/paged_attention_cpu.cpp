@@ -150,6 +150,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Without the GIL, like torch's own ops: inside tritonserver the response sender thread
+  // shares this process with the step loop and must not stall for the attention's duration.
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (q [B,H,d], caches [kvh,slots,d])");
+        "decode attention over a paged KV cache (q [B,H,d], caches [kvh,slots,d])",
+        py::call_guard<py::gil_scoped_release>());
 }
