@@ -26,6 +26,10 @@ class EngineConfig(BaseModel):
     # Prefill tokens per step while other sequences decode (chunked prefill keeps their
     # inter-token latency bounded). None: 128 on CPU, 512 on CUDA.
     max_prefill_tokens_while_decoding: Optional[int] = None
+    # While others decode, a prefill token at context c counts 1 + c / this against that cap:
+    # a chunk's attention grows with its context, and on CPU a 128-token chunk at 3k context
+    # took 4x the time of one at the start. None: 1024 on CPU, 0 (off) on CUDA.
+    prefill_context_unit: Optional[int] = Field(default=None, ge=0)
     max_model_len: Optional[int] = None
     seed: int = 0
     # Requests past this many waiting ones are refused as overloaded (bounded memory under load).
@@ -42,6 +46,11 @@ class EngineConfig(BaseModel):
         if self.max_prefill_tokens_while_decoding is not None:
             return self.max_prefill_tokens_while_decoding
         return 512 if self.device.startswith("cuda") else 128
+
+    def prefill_unit(self) -> int:
+        if self.prefill_context_unit is not None:
+            return self.prefill_context_unit
+        return 0 if self.device.startswith("cuda") else 1024
 
     def torch_dtype(self) -> Optional[torch.dtype]:
         return getattr(torch, self.dtype) if self.dtype else None

@@ -88,7 +88,8 @@ class LLMEngine:
         )
         self.block_manager = BlockManager(probe.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_cap()
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_cap(),
+            prefill_context_unit=config.prefill_unit(),
         )
         self.sampler = Sampler(self.model.config.vocab_size)
         self._seed_rng = random.Random(config.seed)

@@ -121,12 +121,17 @@ class AttentionGroup:
     # [n * max_blocks] each sequence's block table, padded with block 0 (masked). Gathering whole
     # blocks (rows of block_size * head_dim) is ~3x faster than gathering single slots.
     gather_blocks: Optional[torch.Tensor]
-    mask: Optional[torch.Tensor]  # [n, 1, max_q, max_k] key visible to query
+    # [1, n, g * max_q, max_k] key visible to query, with the g query heads that share a KV head
+    # folded into the query rows (see ModelRunner._attention). Built once per step, not per layer.
+    mask: Optional[torch.Tensor]
     num_seqs: int
     max_q: int
     # Decode groups on CUDA read the paged cache in place (kernels.paged_decode_attention).
     block_tables: Optional[torch.Tensor] = None  # [n, max_blocks] int32
     context_lens: Optional[torch.Tensor] = None  # [n] int32
+    # The mask as SDPA's additive float bias (0 / -inf); SDPA would otherwise convert the
+    # boolean mask again in every layer (at a 3k context that was a fifth of a prefill step).
+    attn_bias: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -138,6 +143,7 @@ class BatchInput:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     groups: list[AttentionGroup]
     logits_index: torch.Tensor  # [S] packed index of each token whose logits are needed
+    max_position: int = 0
 
 
 def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True, paged_decode: bool = False) -> list[list[int]]:
@@ -186,6 +192,10 @@ class ModelRunner:
         self.k_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
         self.inv_freq = _rope_inv_freq(c).to(self.device)
+        # cos/sin per position, computed once: evaluating them every step cost more than the
+        # step's attention on CPU (large arguments take the slow range reduction).
+        self._rope_cos = self._rope_sin = torch.empty(0, device=self.device)
+        self._extend_rope(c.max_position_embeddings)
         self.attn_scale = c.head_dim**-0.5
         # Decode attention: "triton" (the Triton kernel reading the paged cache in place, CUDA),
         # "cpu" (the C++ kernel doing the same, when it builds) or "gather" (each sequence's
@@ -197,6 +207,13 @@ class ModelRunner:
             self.decode_attention = "triton"
         else:
             self.decode_attention = "cpu" if cpu_attention.load() is not None else "gather"
+
+    def _extend_rope(self, length: int) -> None:
+        # Same arithmetic as computing them per step (and as HF): position * inv_freq in float32.
+        freqs = torch.arange(length, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._rope_cos = emb.cos().to(self.dtype)
+        self._rope_sin = emb.sin().to(self.dtype)
 
     # ---------------------------------------------------------------- weights
     def _load_weights(self, path: Path) -> None:
@@ -269,6 +286,7 @@ class ModelRunner:
                 logits_index.extend(base + r for r in rows)
 
         groups = []
+        gqa = self.config.num_heads // self.config.num_kv_heads
         q_lens = [len(c[0]) for c in chunks]
         paged_decode = self.decode_attention != "gather"
         for members in _split_groups(q_lens, [len(c[2]) for c in chunks], fine=self.device.type != "cuda", paged_decode=paged_decode):
@@ -299,15 +317,19 @@ class ModelRunner:
                 continue
             tables = torch.tensor(table_rows, dtype=torch.long)
             qpos = torch.tensor(qpos_rows, dtype=torch.long)
-            mask = (torch.arange(max_k)[None, None, :] <= qpos[:, :, None])[:, None]
+            n = len(members)
+            visible = torch.arange(max_k)[None, None, :] <= qpos[:, :, None]  # [n, max_q, max_k]
+            mask = visible[:, None].expand(n, gqa, max_q, max_k).reshape(1, n, gqa * max_q, max_k).to(dev)
+            sdpa = self.device.type == "cuda" or max_q > 1
             groups.append(
                 AttentionGroup(
                     token_index=token_index_t,
                     query_slots=query_slots_t,
                     gather_blocks=tables.reshape(-1).to(dev),
-                    mask=mask.to(dev),
-                    num_seqs=len(members),
+                    mask=mask,
+                    num_seqs=n,
                     max_q=max_q,
+                    attn_bias=torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf")) if sdpa else None,
                 )
             )
         return BatchInput(
@@ -316,6 +338,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev),
             groups=groups,
             logits_index=torch.tensor(logits_index, dtype=torch.long).to(dev),
+            max_position=max(positions, default=0),
         )
 
     # ---------------------------------------------------------------- forward
@@ -323,10 +346,10 @@ class ModelRunner:
     def forward(self, batch: BatchInput) -> torch.Tensor:
         """Runs the step, writes the new K/V into the cache, returns float32 logits [S, vocab]."""
         c = self.config
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(self.dtype)[:, None, :]
-        sin = emb.sin().to(self.dtype)[:, None, :]
+        if batch.max_position >= self._rope_cos.shape[0]:
+            self._extend_rope(2 * (batch.max_position + 1))
+        cos = self._rope_cos[batch.positions][:, None, :]
+        sin = self._rope_sin[batch.positions][:, None, :]
 
         h = self.embed[batch.input_ids]
         q_size = c.num_heads * c.head_dim
@@ -358,7 +381,7 @@ class ModelRunner:
                 values = self._gather(self.v_cache[li], g)
                 qp = q.new_zeros((g.num_seqs * g.max_q, c.num_heads, c.head_dim))
                 qp.index_copy_(0, g.query_slots, q[g.token_index])
-                out = self._attention(qp.view(g.num_seqs, g.max_q, c.num_heads, c.head_dim), keys, values, g.mask)
+                out = self._attention(qp.view(g.num_seqs, g.max_q, c.num_heads, c.head_dim), keys, values, g)
                 attn[g.token_index] = out.reshape(g.num_seqs * g.max_q, q_size)[g.query_slots]
             h = h + F.linear(attn, layer["o"])
             x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
@@ -372,8 +395,8 @@ class ModelRunner:
         blocks = cache.view(kvh, self.num_blocks, self.block_size * d)
         return torch.index_select(blocks, 1, g.gather_blocks).view(kvh, g.num_seqs, -1, d)
 
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [B, max_q, H, d], keys/values [kvh, B, max_k, d], mask [B, 1, max_q, max_k] -> [B, max_q, H, d].
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        """q [B, max_q, H, d], keys/values [kvh, B, max_k, d], the group's masks -> [B, max_q, H, d].
 
         GQA without repeating K/V: the g query heads sharing a KV head are folded into the
         query length, so each KV head is read once, and the KV head is the leading batch dim
@@ -387,11 +410,10 @@ class ModelRunner:
         g = c.num_heads // c.num_kv_heads
         kvh = c.num_kv_heads
         qg = q.view(B, max_q, kvh, g, c.head_dim).permute(2, 0, 3, 1, 4).reshape(kvh, B, g * max_q, c.head_dim)
-        m = mask[:, 0, None].expand(B, g, max_q, mask.shape[-1]).reshape(1, B, g * max_q, mask.shape[-1])
-        if q.is_cuda or max_q > 1:
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=m, scale=self.attn_scale)
+        if group.attn_bias is not None:
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=group.attn_bias, scale=self.attn_scale)
         else:
             scores = torch.matmul(qg * self.attn_scale, keys.transpose(-1, -2))
-            scores = scores.masked_fill_(~m, float("-inf")).softmax(dim=-1)
+            scores = scores.masked_fill_(~group.mask, float("-inf")).softmax(dim=-1)
             out = torch.matmul(scores.to(values.dtype), values)
         return out.view(kvh, B, g, max_q, c.head_dim).permute(1, 3, 0, 2, 4).reshape(B, max_q, c.num_heads, c.head_dim)

@@ -35,6 +35,11 @@ def _prefilled(seq: Sequence) -> bool:
     return seq.status is SequenceStatus.FINISHED or seq.num_computed_tokens >= seq.num_prompt_tokens
 
 
+# Smallest prefill chunk while others decode, whatever its context weight: a 30k-token prompt
+# still advances by a block or two per step.
+MIN_PREFILL_CHUNK = 32
+
+
 class Scheduler:
     def __init__(
         self,
@@ -42,6 +47,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_prefill_tokens_while_decoding: Optional[int] = None,
+        prefill_context_unit: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -49,6 +55,8 @@ class Scheduler:
         # While streams are decoding, a step's prefill work is capped so their inter-token
         # latency stays bounded; an idle batch prefills with the whole budget.
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding or max_num_batched_tokens
+        # Context-weighted cap (EngineConfig.prefill_context_unit); 0 counts every token as 1.
+        self.prefill_context_unit = prefill_context_unit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -67,18 +75,26 @@ class Scheduler:
 
         decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         prefill_left = self.max_prefill_tokens_while_decoding if decoding else budget
+        weight = (lambda start: 1 + start / self.prefill_context_unit) if decoding and self.prefill_context_unit else (lambda start: 1)
+
+        def chunk(start: int, remaining: int) -> int:
+            # Tokens of a prefill chunk starting at `start` that fit what is left of the cap,
+            # at least MIN_PREFILL_CHUNK (as the cap allows) so a long prompt keeps moving.
+            fit = int(prefill_left / weight(start))
+            return min(remaining, budget, max(fit, min(MIN_PREFILL_CHUNK, prefill_left)))
 
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget) if remaining == 1 else min(remaining, budget, prefill_left)
+            start = seq.num_computed_tokens
+            n = min(remaining, budget) if remaining == 1 else chunk(start, remaining)
             if n <= 0:
                 i += 1
                 continue
             if remaining > 1:
-                prefill_left -= n
+                prefill_left -= max(1, round(n * weight(start)))
             target = seq.num_computed_tokens + n
             while not bm.can_allocate(seq, target) and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
@@ -100,7 +116,8 @@ class Scheduler:
                 break  # its sibling's prompt blocks are about to be cached: share them
             hits = bm.match_prefix(seq)
             start = len(hits) * bm.block_size
-            n = min(seq.num_tokens - start, budget, prefill_left if seq.num_tokens - start > 1 else budget)
+            remaining = seq.num_tokens - start
+            n = chunk(start, remaining) if remaining > 1 else min(remaining, budget)
             if n <= 0:
                 break
             if not bm.can_admit(seq, hits, start + n):
@@ -118,7 +135,7 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             if n > 1:
-                prefill_left -= n
+                prefill_left -= max(1, round(n * weight(start)))
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:

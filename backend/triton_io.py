@@ -122,6 +122,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "max_num_seqs": int,
         "max_num_batched_tokens": int,
         "max_prefill_tokens_while_decoding": int,
+        "prefill_context_unit": int,
         "max_model_len": int,
         "sampling_defaults": str,
         "seed": int,
