@@ -89,18 +89,24 @@ def llm_output_arrays(out: RequestOutput, params: SamplingParams) -> dict[str, n
     }
     if out.logprobs:
         meta.update(out.logprobs)
-    return {
+    arrays = {
         "output_ids": np.asarray(out.new_token_ids, dtype=np.int32),
         "detok_ids": np.asarray(out.window_ids, dtype=np.int32),
         "detok_prefix_len": np.asarray([out.prefix_len], dtype=np.int32),
-        "detok_trim": np.asarray([out.trim], dtype=np.int32),
-        "skip_special_tokens": np.asarray([params.skip_special_tokens], dtype=bool),
-        "spaces_between_special_tokens": np.asarray([params.spaces_between_special_tokens], dtype=bool),
         "finish_reason": np.asarray([out.finish_reason or ""], dtype=object),
         "meta_info": np.asarray([json.dumps(meta)], dtype=object),
         "prompt_tokens": np.asarray([out.prompt_tokens], dtype=np.int32),
         "completion_tokens": np.asarray([out.completion_tokens], dtype=np.int32),
     }
+    # Detokenization hints for postprocessing, left out when they hold its default: every tensor
+    # of a streamed response costs the llm stub, the ensemble and postprocessing a copy.
+    if out.trim:
+        arrays["detok_trim"] = np.asarray([out.trim], dtype=np.int32)
+    if not params.skip_special_tokens:
+        arrays["skip_special_tokens"] = np.asarray([False], dtype=bool)
+    if not params.spaces_between_special_tokens:
+        arrays["spaces_between_special_tokens"] = np.asarray([False], dtype=bool)
+    return arrays
 
 
 def _flag(value: str) -> bool:

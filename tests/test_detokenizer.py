@@ -228,3 +228,26 @@ def test_postprocessing_model_py(fake_pb_utils, demo_model_path, monkeypatch, to
     assert set(outs) == {"text_output", "output_ids", "finish_reason", "meta_info", "prompt_tokens", "completion_tokens"}
     assert "prefix_len 99" in responses[1].error.message() and responses[1].error.code() == "INVALID_ARG"
     assert "required" in responses[2].error.message()
+
+
+def test_llm_response_omits_default_hints_and_postprocessing_reads_them_back(tok):
+    """The llm response leaves out detok_trim / skip_special_tokens /
+    spaces_between_special_tokens when they hold postprocessing's defaults; either way the text
+    is what postprocessing decodes with the request's own settings."""
+    from backend.outputs import RequestOutput
+    from backend.sampling_params import SamplingParams
+    from backend.triton_io import llm_output_arrays
+
+    special = tok.convert_tokens_to_ids(tok.all_special_tokens[0])
+    window = tok.encode("Hi there", add_special_tokens=False) + [special]
+    for skip, trim in ((True, 0), (False, 0), (True, 2), (False, 3)):
+        params = SamplingParams(skip_special_tokens=skip)
+        out = RequestOutput(request_id="r", new_token_ids=window[1:], window_ids=window, window_start=0, prefix_len=1,
+                            text="", prompt_tokens=4, completion_tokens=len(window) - 1, trim=trim)
+        arrays = llm_output_arrays(out, params)
+        assert ("skip_special_tokens" in arrays) == (not skip) and ("detok_trim" in arrays) == bool(trim)
+        assert "spaces_between_special_tokens" not in arrays
+        text = postprocess_arrays(tok, {k: (np.array([x.encode() for x in v], dtype=object) if v.dtype == object else v)
+                                        for k, v in arrays.items()})["text_output"][0].decode()
+        full = tok.decode(window[1:], skip_special_tokens=skip)
+        assert text == (full[: len(full) - trim] if trim else full), (skip, trim)
