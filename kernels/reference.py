@@ -48,12 +48,22 @@ def apply_penalties(
     frequency/presence penalties (on output tokens only), in vLLM's order."""
     cnt = output_token_counts
     in_output = cnt > 0
-    seen = in_output | prompt_token_mask.to(torch.bool)
-    rep = repetition_penalty.to(torch.float32)[:, None]
-    x = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    x = x - frequency_penalty.to(torch.float32)[:, None] * cnt.to(torch.float32)
-    x = x - presence_penalty.to(torch.float32)[:, None] * in_output.to(torch.float32)
-    return x
+    # A term whose penalty is neutral in every row is skipped: it would change nothing
+    # (x / 1, x * 1 and x - 0 are exact), and on the CPU path these full [B, V] passes were most
+    # of the sampler's time for the usual single penalty from generation_config.json.
+    x = logits
+    if bool((repetition_penalty != 1).any()):
+        # Only the seen tokens change (a few hundred of the vocabulary): gather, scale, scatter.
+        rows, cols = (in_output | prompt_token_mask.to(torch.bool)).nonzero(as_tuple=True)
+        v = logits[rows, cols]
+        rep = repetition_penalty.to(device=logits.device, dtype=torch.float32)[rows]
+        x = logits.clone()
+        x[rows, cols] = torch.where(v > 0, v / rep, v * rep)
+    if bool((frequency_penalty != 0).any()):
+        x = x - frequency_penalty.to(torch.float32)[:, None] * cnt.to(torch.float32)
+    if bool((presence_penalty != 0).any()):
+        x = x - presence_penalty.to(torch.float32)[:, None] * in_output.to(torch.float32)
+    return x if x is not logits else logits.clone()
 
 
 # ---------------------------------------------------------------------------------------------
