@@ -198,8 +198,9 @@ class Sampler:
         if custom:
             logits = _apply_custom(logits, rows, custom)
 
-        temps = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=torch.float32)
-        logits = kernels.apply_temperature(logits, temps, use_triton=use_triton)
+        if any(r.params.temperature > 0 for r in rows):  # rows at temperature 0 come back unscaled anyway
+            temps = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=torch.float32)
+            logits = kernels.apply_temperature(logits, temps, use_triton=use_triton)
 
         want_lp = [i for i, r in enumerate(rows) if r.params.return_logprob]
         logprobs = kernels.log_softmax(logits[want_lp], use_triton=use_triton) if want_lp else None
