@@ -10,8 +10,10 @@ gathering blocks for torch attention.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -39,8 +41,11 @@ def load() -> Any:
                 _put_ninja_on_path()
 
                 _module = build(
-                    name="llm_paged_attention_cpu",
+                    name=f"llm_paged_attention_cpu_{_cpu_tag()}",
                     sources=[str(_SOURCE)],
+                    # native: AVX2/FMA where the CPU has them; fast-math: the softmax's exp is
+                    # vectorized (libmvec). Together ~1.7x on the demo shapes; the kernel stays
+                    # within 1e-6 of the float32 reference (tests/test_paged_attention.py).
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
                     verbose=False,
@@ -49,6 +54,19 @@ def load() -> Any:
                 _error = f"{type(exc).__name__}: {exc}"
                 log.warning("CPU paged-attention kernel unavailable, using gathered torch attention: %s", _error)
         return _module
+
+
+def _cpu_tag() -> str:
+    # The build uses -march=native: a home directory shared by machines with different CPUs
+    # must not hand one machine's build to another (illegal instruction), so the cache entry is
+    # named after the CPU's instruction-set flags.
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
 def _put_ninja_on_path() -> None:
