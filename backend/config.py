@@ -28,7 +28,7 @@ class EngineConfig(BaseModel):
     max_prefill_tokens_while_decoding: Optional[int] = None
     # While others decode, a prefill token at context c counts 1 + c / this against that cap:
     # a chunk's attention grows with its context, and on CPU a 128-token chunk at 3k context
-    # took 4x the time of one at the start. None: 1024 on CPU, 0 (off) on CUDA.
+    # took 3x the time of one at the start. None: 1024 on CPU, 0 (off) on CUDA.
     prefill_context_unit: Optional[int] = Field(default=None, ge=0)
     max_model_len: Optional[int] = None
     seed: int = 0

@@ -122,11 +122,13 @@ class AttentionGroup:
     # blocks (rows of block_size * head_dim) is ~3x faster than gathering single slots.
     gather_blocks: Optional[torch.Tensor]
     # [1, n, g * max_q, max_k] key visible to query, with the g query heads that share a KV head
-    # folded into the query rows (see ModelRunner._attention). Built once per step, not per layer.
+    # folded into the query rows (see ModelRunner._attention). Built once per step, not per
+    # layer; for the explicit matmul-softmax path (SDPA groups carry attn_bias instead).
     mask: Optional[torch.Tensor]
     num_seqs: int
     max_q: int
-    # Decode groups on CUDA read the paged cache in place (kernels.paged_decode_attention).
+    # Decode groups read the paged cache in place when a kernel is available (Triton on CUDA,
+    # C++ on CPU: kernels.paged_decode_attention); these replace gather_blocks and the masks.
     block_tables: Optional[torch.Tensor] = None  # [n, max_blocks] int32
     context_lens: Optional[torch.Tensor] = None  # [n] int32
     # The mask as SDPA's additive float bias (0 / -inf); SDPA would otherwise convert the
@@ -326,7 +328,7 @@ class ModelRunner:
                     token_index=token_index_t,
                     query_slots=query_slots_t,
                     gather_blocks=tables.reshape(-1).to(dev),
-                    mask=mask,
+                    mask=None if sdpa else mask,
                     num_seqs=n,
                     max_q=max_q,
                     attn_bias=torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf")) if sdpa else None,
