@@ -16,6 +16,10 @@
 # build of the same 2.51 backend that the nvidia-pytriton wheel ships (python_backend_stubs/3.11),
 # placed where tritonserver looks for it.
 #
+# Decode attention here is the Triton kernel on the GPU. The C++ CPU kernel (kernels/csrc) is not
+# built into the image (no Python headers); run on CPU in this image, the engine logs that and
+# uses the gathered-block attention instead.
+#
 # torch: requirements.txt pins torch==2.13.0, which CI installs as its CPU build. Here the CUDA build
 # of the same version comes from TORCH_INDEX_URL; pick the CUDA variant your driver supports
 # (cu126 runs on the drivers the 24.10 image supports: R560+, or R470/R525/R535/R545 on data
