@@ -194,6 +194,11 @@ start_frontend
 while [ "$STOPPING" = 0 ]; do
   sleep "$WATCHDOG_INTERVAL" &
   wait $! || true # a trapped signal interrupts this wait at once
+  if alive "$TRITON_PID" && ! llm_stub_alive; then
+    # A tritonserver that is being killed hands its children to init a moment before it shows
+    # as exited: look again before blaming the stub.
+    sleep 1
+  fi
   if ! alive "$TRITON_PID"; then
     wait "$TRITON_PID" 2>/dev/null && rc=0 || rc=$?
     log "tritonserver exited (status $rc)"
