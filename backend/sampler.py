@@ -25,10 +25,11 @@ class SamplingRow:
     params: SamplingParams
     seed: int
     step: int  # output position of the token being drawn (the noise offset)
-    # Penalty rows: the sequence (its id keys the running counts), prompt ids and output ids.
+    # Penalty rows: the sequence (its id keys the running counts) and its token ids, prompt
+    # first (the list itself, not a copy: only what is new since the last step is read).
     seq_id: Optional[int] = None
-    prompt_ids: Seq[int] = ()
-    output_ids: Seq[int] = ()
+    token_ids: Seq[int] = ()
+    num_prompt_tokens: int = 0
     suppress_ids: Seq[int] = ()  # tokens that may not be drawn yet (EOS/stop under min_new_tokens)
     grammar: Any = None  # backend.grammar.GrammarState
     custom_processor: Any = None  # a loaded CustomLogitProcessor
@@ -114,15 +115,15 @@ class TokenCounts:
                 slot = self._free.pop()
                 self.counts[slot].zero_()
                 self.prompt_mask[slot].zero_()
-                prompt = torch.as_tensor(r.prompt_ids, dtype=torch.long, device=device)
+                prompt = torch.as_tensor(r.token_ids[: r.num_prompt_tokens], dtype=torch.long, device=device)
                 self.prompt_mask[slot, prompt[(prompt >= 0) & (prompt < V)]] = True
                 entry = self._slot[r.seq_id] = [slot, 0]
             slot, counted = entry
-            new = [t for t in r.output_ids[counted:] if 0 <= t < V]
+            new = [t for t in r.token_ids[r.num_prompt_tokens + counted :] if 0 <= t < V]
             if new:
                 upd_slots.extend([slot] * len(new))
                 upd_ids.extend(new)
-            entry[1] = len(r.output_ids)
+            entry[1] = len(r.token_ids) - r.num_prompt_tokens
             slots.append(slot)
         if upd_ids:
             index = (torch.tensor(upd_slots, device=device), torch.tensor(upd_ids, device=device))

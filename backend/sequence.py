@@ -7,8 +7,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import torch
-
 from backend.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -54,7 +52,6 @@ class Sequence:
     wait_for: Optional["Sequence"] = None
     index: int = 0  # which of the request's n samples this is
     seed: int = 0  # effective seed: the request's, or one drawn for it
-    _prompt_tensor: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -70,12 +67,6 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    def prompt_tensor(self) -> torch.Tensor:
-        """The prompt ids as a tensor, built once (penalties need them every step)."""
-        if self._prompt_tensor is None:
-            self._prompt_tensor = torch.tensor(self.token_ids[: self.num_prompt_tokens], dtype=torch.long)
-        return self._prompt_tensor
 
     @property
     def is_finished(self) -> bool:

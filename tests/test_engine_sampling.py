@@ -255,7 +255,8 @@ def test_token_counts_stay_equal_to_a_full_recount():
         live = [i for i in seqs if (i + step) % 5]  # not every sequence samples every step
         for i in live:
             seqs[i][1].extend(rng.randrange(V) for _ in range(rng.choice([1, 1, 3])))
-        rows = [SamplingRow(params=params, seed=0, step=0, seq_id=i, prompt_ids=seqs[i][0], output_ids=list(seqs[i][1])) for i in live]
+        rows = [SamplingRow(params=params, seed=0, step=0, seq_id=i, token_ids=seqs[i][0] + seqs[i][1],
+                            num_prompt_tokens=len(seqs[i][0])) for i in live]
         got_counts, got_prompt = counts.rows(rows, torch.device("cpu"))
         for r, i in enumerate(live):
             want = torch.bincount(torch.tensor(seqs[i][1], dtype=torch.long), minlength=V).to(torch.int32)
