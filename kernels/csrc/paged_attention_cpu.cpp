@@ -35,6 +35,20 @@ inline void prefetch_block(const scalar_t* p, int64_t elems) {
   for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(scalar_t)); off += 64) __builtin_prefetch(c + off);
 }
 
+// Calls fn(t, row) for the context's tokens t = 0..L-1 in order, row being token t's D values
+// (as float) in one KV head's cache `head`. A block's rows are contiguous (slot stride == D).
+template <typename scalar_t, typename Fn>
+inline void for_each_row(const scalar_t* head, const int32_t* table, int64_t L, int64_t block_size, int64_t D,
+                         float* buf, Fn&& fn) {
+  const int64_t num_blocks = (L + block_size - 1) / block_size;
+  for (int64_t i = 0; i < num_blocks; ++i) {
+    const int64_t t0 = i * block_size, n = std::min(block_size, L - t0);
+    const scalar_t* block = head + static_cast<int64_t>(table[i]) * block_size * D;
+    if (i + 1 < num_blocks) prefetch_block(head + static_cast<int64_t>(table[i + 1]) * block_size * D, block_size * D);
+    for (int64_t j = 0; j < n; ++j) fn(t0 + j, as_float(block + j * D, buf, D));
+  }
+}
+
 // DIM > 0 fixes the head size at compile time so the inner loops vectorize; 0 is any size.
 template <typename scalar_t, int DIM>
 void decode(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out, const int32_t* tables,
@@ -47,30 +61,22 @@ void decode(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / kvh, h = w % kvh;
       const int64_t L = lens[b];
-      const int64_t num_blocks = (L + block_size - 1) / block_size;
       const int32_t* table = tables + b * max_blocks;
       const scalar_t* kh = k + h * head_stride;
       const scalar_t* vh = v + h * head_stride;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[(b * H + h * G + g) * D + d]) * scale;
       scores.resize(G * L);
-      // A block's rows are contiguous (slot stride == D): each row is read once for the G
-      // query heads that share this KV head.
-      for (int64_t i = 0; i < num_blocks; ++i) {
-        const int64_t t0 = i * block_size, n = std::min(block_size, L - t0);
-        const scalar_t* kb = kh + static_cast<int64_t>(table[i]) * block_size * D;
-        if (i + 1 < num_blocks) prefetch_block(kh + static_cast<int64_t>(table[i + 1]) * block_size * D, block_size * D);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* r = as_float(kb + j * D, rows.data(), D);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + g * D;
-            float s = 0.f;
+      // Each K row is read once for the G query heads that share this KV head.
+      for_each_row(kh, table, L, block_size, D, rows.data(), [&](int64_t t, const float* r) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * r[d];
-            scores[g * L + t0 + j] = s;
-          }
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * r[d];
+          scores[g * L + t] = s;
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
         const float m = *std::max_element(sg, sg + L);
@@ -82,20 +88,14 @@ void decode(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
         denom[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < num_blocks; ++i) {
-        const int64_t t0 = i * block_size, n = std::min(block_size, L - t0);
-        const scalar_t* vb = vh + static_cast<int64_t>(table[i]) * block_size * D;
-        if (i + 1 < num_blocks) prefetch_block(vh + static_cast<int64_t>(table[i + 1]) * block_size * D, block_size * D);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* r = as_float(vb + j * D, rows.data(), D);
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * L + t0 + j];
-            float* ag = acc.data() + g * D;
+      for_each_row(vh, table, L, block_size, D, rows.data(), [&](int64_t t, const float* r) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + t];
+          float* ag = acc.data() + g * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * r[d];
-          }
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * r[d];
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           out[(b * H + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d] / denom[g]);
