@@ -22,6 +22,7 @@ import regex
 import torch
 
 from backend.block_manager import BlockManager
+from backend.cancel_watch import CancelWatch
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.model_runner import ModelRunner
@@ -106,6 +107,7 @@ class LLMEngine:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._num_steps = 0
+        self._cancel_watch = CancelWatch(CANCEL_POLL_S)
         self._next_cancel_poll = 0.0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -238,8 +240,10 @@ class LLMEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
             self._thread.start()
+            self._cancel_watch.start(self.abort)
 
     def shutdown(self) -> None:
+        self._cancel_watch.stop()
         self._stop.set()
         self._wakeup.set()
         if self._thread is not None:
@@ -429,6 +433,8 @@ class LLMEngine:
                         self._emit(c, out)
                     continue
                 self._groups[group] = [c.seq.request_id for c in children]
+                if children[0].seq.is_cancelled is not None:  # the n samples share their caller's
+                    self._cancel_watch.watch(group, children[0].seq.is_cancelled)
                 for tracked in children:
                     rid = tracked.seq.request_id
                     self._tracked[rid] = tracked
@@ -465,17 +471,16 @@ class LLMEngine:
         self._compiling = still
 
     def _check_cancelled(self) -> None:
-        # is_cancelled may be an IPC round trip (Triton's response sender asks the server): once
-        # per sequence per step would cost the step loop more than the model on small models, so
-        # it is polled every CANCEL_POLL_S (0.1 s: a cancelled stream frees its blocks within that);
-        # aborts by request id act on the next step.
+        # A started engine has the cancel watch's thread polling (backend/cancel_watch.py); an
+        # engine stepped by hand polls here, as rarely (is_cancelled may be an IPC round trip).
+        if self._cancel_watch.running or not self._cancel_watch:
+            return
         now = time.monotonic()
         if now < self._next_cancel_poll:
             return
         self._next_cancel_poll = now + CANCEL_POLL_S
-        for rid, tracked in list(self._tracked.items()):
-            check = tracked.seq.is_cancelled
-            if check is not None and check():
+        for group in self._cancel_watch.poll():
+            for rid in self._groups.get(group, []):
                 self._end(rid, FinishReason.ABORT)
 
     def _end(self, request_id: str, reason: FinishReason, error: Optional[str] = None, code: str = "internal") -> None:
@@ -499,6 +504,7 @@ class LLMEngine:
         members = self._groups.get(tracked.group)
         if members is not None and all(m not in self._tracked for m in members):
             del self._groups[tracked.group]
+            self._cancel_watch.unwatch(tracked.group)
 
     @staticmethod
     def _emit(tracked: _Tracked, out: RequestOutput) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -59,6 +60,35 @@ def exit_with_server() -> Optional[subprocess.Popen]:
         )
     except OSError:  # no /bin/sh: the stub keeps Triton's own behaviour
         return None
+
+
+class GuardedSender:
+    """A decoupled request's response sender whose cancellation may be polled from any thread.
+
+    Triton 2.51 releases a request's response factory once its final response is sent, and an
+    `is_cancelled()` after that dereferences the freed factory in the server: tritonserver died
+    with SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled when a poll thread asked a stream
+    that had just finished. So polls and the final send share a lock, and once the final
+    response is on its way every poll answers False without asking the server.
+    """
+
+    __slots__ = ("_sender", "_final_flag", "_lock", "_closed")
+
+    def __init__(self, sender: Any, final_flag: int) -> None:
+        self._sender = sender
+        self._final_flag = final_flag
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def is_cancelled(self) -> bool:
+        with self._lock:
+            return False if self._closed else bool(self._sender.is_cancelled())
+
+    def send(self, response: Any, final: bool) -> None:
+        if final:
+            with self._lock:  # waits for a poll in flight; none starts after this
+                self._closed = True
+        self._sender.send(response, flags=self._final_flag if final else 0)
 
 
 def repo_root() -> Path:

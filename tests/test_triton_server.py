@@ -232,6 +232,34 @@ def test_cancelled_stream_frees_its_blocks(server, client, hf):
     wait_blocks_free(server)
 
 
+def test_streams_ending_while_cancellation_is_polled_keep_the_server_up(server, client):
+    """is_cancelled() on a stream whose final response had just been sent is a use after free
+    in tritonserver (it died once with SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled).
+    Cancellation is polled from a thread of its own every 0.1 s; short streams ending all the
+    time keep putting finished streams in that window. A use after free need not crash, so the
+    deterministic check is test_cancel_watch's GuardedSender tests; this one runs the real path."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> int:
+        c = TritonStreamClient(server.grpc_url)
+        events = list(c.stream_generate("llm", {
+            "input_ids": [3 + i % 50, 7, 11], "max_tokens": 1 + i % 6, "stream": True,
+            "sampling_parameters": GREEDY,
+        }, timeout=60))
+        return sum(len(e["output_ids"]) for e in events)
+
+    deadline = time.monotonic() + 3.0  # ~30 polls
+    n = 0
+    with ThreadPoolExecutor(24) as pool:
+        while time.monotonic() < deadline:
+            counts = list(pool.map(one, range(n, n + 48)))
+            assert counts == [1 + i % 6 for i in range(n, n + 48)]
+            n += 48
+    assert server.process.poll() is None, "tritonserver died"
+    ok = client.generate("llm", {"input_ids": [1, 2, 3], "max_tokens": 4, "sampling_parameters": GREEDY})
+    assert len(ok["output_ids"]) == 4
+
+
 @pytest.mark.parametrize(
     "values, reason",
     [

@@ -28,23 +28,24 @@ from backend.triton_io import (  # noqa: E402
     parse_llm_inputs,
     server_torch_threads,
 )  # noqa: E402
-from backend.triton_utils import exit_with_server, input_arrays, model_path_from_config  # noqa: E402
+from backend.triton_utils import GuardedSender, exit_with_server, input_arrays, model_path_from_config  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+METRICS_INTERVAL_S = 1.0
 
 
-def _send_output(sender, params: SamplingParams):
+def _send_output(sender: GuardedSender, params: SamplingParams):
     def send(out: RequestOutput, last: bool) -> None:
         tensors = [pb_utils.Tensor(k, v) for k, v in llm_output_arrays(out, params).items()]
-        sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if last else 0)
+        sender.send(pb_utils.InferenceResponse(output_tensors=tensors), final=last)
 
     return send
 
 
-def _send_error(sender):
+def _send_error(sender: GuardedSender):
     def send(out: RequestOutput) -> None:
         code = pb_utils.TritonError.INVALID_ARG if out.error_code == "invalid_arg" else pb_utils.TritonError.INTERNAL
-        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error, code)), flags=FINAL)
+        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(out.error, code)), final=True)
 
     return send
 
@@ -97,17 +98,18 @@ class TritonPythonModel:
                 prompt_ids, raw, stream = parse_llm_inputs(arrays)
                 params = self.engine.parse_params(raw)
                 triton_id = request.request_id() or ""
+                guarded = GuardedSender(sender, FINAL)
                 responder = StreamResponder(
                     self._outbox,
                     params.n,
                     stream,
-                    _send_output(sender, params),
-                    _send_error(sender),
+                    _send_output(guarded, params),
+                    _send_error(guarded),
                     stream_interval=self.stream_interval,
                     on_output=self._metrics.request_timing(params.n).on_output,
                 )
                 engine_id = self.engine.add_request(
-                    prompt_ids, params, responder, is_cancelled=sender.is_cancelled
+                    prompt_ids, params, responder, is_cancelled=guarded.is_cancelled
                 )
                 if triton_id:
                     responder.on_final = lambda t=triton_id, e=engine_id: self._forget(t, e)
@@ -146,11 +148,13 @@ class TritonPythonModel:
         self._publish(stats)
 
     def _publish(self, stats: EngineStats, force: bool = False) -> None:
-        # Metric updates cross into the server process: throttle them, but never leave an idle
-        # engine showing stale numbers.
+        # Every metric update is an IPC round trip to the server that holds the GIL (the
+        # histograms alone are ~60 series), on the engine thread: publish at most once per
+        # METRICS_INTERVAL_S while busy (Triton's own metrics refresh every 2 s), but never
+        # leave an idle engine showing stale numbers.
         now = time.monotonic()
         idle = stats.num_running == 0 and stats.num_waiting == 0
-        if force or idle or now - self._last_publish > 0.2:
+        if force or idle or now - self._last_publish > METRICS_INTERVAL_S:
             self._last_publish = now
             self._metrics.update(stats)
 
@@ -351,10 +355,6 @@ class _Metrics:
                 histograms = [(h, h.snapshot()) for h in (self.ttft, self.itl, self.e2e)]
                 finished = dict(self.finished)
                 rejected = dict(self._rejected)
-            for name, value in gauges.items():
-                if self._sent_gauges.get(name) != value:
-                    self._gauges[name].set(value)
-                    self._sent_gauges[name] = value
             for name, value in counters.items():
                 if value > self._sent_counters[name]:
                     self._counters[name].increment(value - self._sent_counters[name])
@@ -376,3 +376,9 @@ class _Metrics:
                         )
                     metric.increment(value - sent)
                     self._sent_finished[reason] = value
+            # Gauges last: a scraper that sees the engine drained (nothing running, no KV blocks
+            # used) sees every request it finished counted.
+            for name, value in gauges.items():
+                if self._sent_gauges.get(name) != value:
+                    self._gauges[name].set(value)
+                    self._sent_gauges[name] = value
