@@ -30,6 +30,12 @@ class EngineConfig(BaseModel):
     # a chunk's attention grows with its context, and on CPU a 128-token chunk at 3k context
     # took 3x the time of one at the start. None: 1024 on CPU, 0 (off) on CUDA.
     prefill_context_unit: Optional[int] = Field(default=None, ge=0)
+    # While others decode, the cap above grows to this many prefill tokens per decoding sequence
+    # when that is more: a step's decode work sets its duration, so a prefill share proportional
+    # to it inflates inter-token latency by about the same factor at any batch size, while a
+    # fixed cap makes a large batch take hundreds of steps to admit its prompts. None: 6 on CPU,
+    # 0 (off) on CUDA.
+    prefill_tokens_per_decode: Optional[int] = Field(default=None, ge=0)
     max_model_len: Optional[int] = None
     seed: int = 0
     # Requests past this many waiting ones are refused as overloaded (bounded memory under load).
@@ -51,6 +57,11 @@ class EngineConfig(BaseModel):
         if self.prefill_context_unit is not None:
             return self.prefill_context_unit
         return 0 if self.device.startswith("cuda") else 1024
+
+    def prefill_per_decode(self) -> int:
+        if self.prefill_tokens_per_decode is not None:
+            return self.prefill_tokens_per_decode
+        return 0 if self.device.startswith("cuda") else 6
 
     def torch_dtype(self) -> Optional[torch.dtype]:
         return getattr(torch, self.dtype) if self.dtype else None

@@ -90,7 +90,7 @@ class LLMEngine:
         self.block_manager = BlockManager(probe.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_cap(),
-            prefill_context_unit=config.prefill_unit(),
+            prefill_context_unit=config.prefill_unit(), prefill_tokens_per_decode=config.prefill_per_decode(),
         )
         self.sampler = Sampler(self.model.config.vocab_size)
         self._seed_rng = random.Random(config.seed)

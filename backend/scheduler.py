@@ -48,6 +48,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_prefill_tokens_while_decoding: Optional[int] = None,
         prefill_context_unit: int = 0,
+        prefill_tokens_per_decode: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -57,6 +58,8 @@ class Scheduler:
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding or max_num_batched_tokens
         # Context-weighted cap (EngineConfig.prefill_context_unit); 0 counts every token as 1.
         self.prefill_context_unit = prefill_context_unit
+        # ... and the cap grows with the decode batch (EngineConfig.prefill_tokens_per_decode).
+        self.prefill_tokens_per_decode = prefill_tokens_per_decode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -73,8 +76,10 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         bm = self.block_manager
 
-        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
-        prefill_left = self.max_prefill_tokens_while_decoding if decoding else budget
+        num_decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        decoding = num_decoding > 0
+        cap = max(self.max_prefill_tokens_while_decoding, self.prefill_tokens_per_decode * num_decoding)
+        prefill_left = cap if decoding else budget
         weight = (lambda start: 1 + start / self.prefill_context_unit) if decoding and self.prefill_context_unit else (lambda start: 1)
 
         def chunk(start: int, remaining: int) -> int:

@@ -129,6 +129,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "max_num_batched_tokens": int,
         "max_prefill_tokens_while_decoding": int,
         "prefill_context_unit": int,
+        "prefill_tokens_per_decode": int,
         "max_model_len": int,
         "sampling_defaults": str,
         "seed": int,

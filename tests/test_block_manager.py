@@ -87,6 +87,36 @@ def test_prefill_cap_while_decoding_weighs_tokens_by_context():
     assert [s.num_new_tokens for s in plain.schedule()] == [1, 128]
 
 
+def test_prefill_cap_while_decoding_grows_with_the_decode_batch():
+    """With prefill_tokens_per_decode, the cap is the larger of the fixed cap and that many
+    tokens per decoding sequence: a few decoders keep the fixed cap, a large batch admits more."""
+    bm = BlockManager(num_blocks=4096, block_size=16)
+
+    def prefill_tokens(num_decoders: int) -> int:
+        sched = Scheduler(bm, max_num_seqs=128, max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=128,
+                          prefill_tokens_per_decode=6)
+        for _ in range(num_decoders):
+            d = _seq(4)
+            d.num_computed_tokens = 4
+            d.token_ids.append(9)
+            bm.allocate(d, 5)
+            sched.running.append(d)
+        long = _seq(3000)
+        sched.add(long)
+        step = sched.schedule()
+        assert sum(1 for item in step if item.seq is not long) == num_decoders  # every decode goes
+        (chunk,) = [item.num_new_tokens for item in step if item.seq is long]
+        for item in step:
+            bm.free(item.seq)
+        return chunk
+
+    assert prefill_tokens(0) == 2048  # nothing decodes: the whole budget
+    assert prefill_tokens(4) == 128  # 4 x 6 < 128: the fixed cap
+    assert prefill_tokens(40) == 240
+    assert prefill_tokens(64) == 384
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_scheduler_preempts_newest_when_pool_runs_dry():
     bm = BlockManager(num_blocks=4, block_size=4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
