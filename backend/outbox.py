@@ -150,8 +150,13 @@ class Outbox:
     def put(self, responder: StreamResponder) -> None:
         with self._cond:
             if responder not in self._queue:
+                was_empty = not self._queue
                 self._queue[responder] = None
-                self._cond.notify()
+                # Wake the sender only when it can act: it has credits, or it sleeps without a
+                # timeout on an empty queue. Out of credits it waits for the next tick; waking it
+                # for each of a step's 64 outputs only made it take the GIL from the step loop.
+                if was_empty or self._budget is None or self._credits > 0:
+                    self._cond.notify()
 
     def tick(self) -> None:
         """An engine step ended: another `responses_per_step` may go out."""

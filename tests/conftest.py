@@ -108,7 +108,10 @@ class FakeRequest:
     """A Triton request holding numpy inputs, for driving model.py files without a server."""
 
     def __init__(self, **inputs) -> None:
-        self.inputs = {k: _FakeTensor(k, v) for k, v in inputs.items()}
+        self._inputs = [_FakeTensor(k, v) for k, v in inputs.items()]
+
+    def inputs(self) -> list:
+        return list(self._inputs)
 
 
 @pytest.fixture
@@ -122,7 +125,7 @@ def fake_pb_utils(monkeypatch):
     mod.TritonError = _FakeTritonError
     mod.InferenceResponse = _FakeResponse
     mod.Logger = types.SimpleNamespace(log_info=lambda msg: None, log_warn=lambda msg: None, log_error=lambda msg: None)
-    mod.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
+    mod.get_input_tensor_by_name = lambda request, name: next((t for t in request.inputs() if t.name() == name), None)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", mod)
     return mod
 
