@@ -146,6 +146,7 @@ class BatchInput:
     groups: list[AttentionGroup]
     logits_index: torch.Tensor  # [S] packed index of each token whose logits are needed
     max_position: int = 0
+    decode_only: bool = False  # every sequence decodes one token: groups is one paged group, in order
 
 
 def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True, paged_decode: bool = False) -> list[list[int]]:
@@ -291,7 +292,15 @@ class ModelRunner:
         gqa = self.config.num_heads // self.config.num_kv_heads
         q_lens = [len(c[0]) for c in chunks]
         paged_decode = self.decode_attention != "gather"
-        for members in _split_groups(q_lens, [len(c[2]) for c in chunks], fine=self.device.type != "cuda", paged_decode=paged_decode):
+        # A decode-only step is one paged group in packed order: the forward pass then hands
+        # the kernel every query as is, without gathering them or scattering the result.
+        decode_only = paged_decode and bool(q_lens) and all(n == 1 for n in q_lens)
+        split = (
+            [list(range(len(chunks)))]
+            if decode_only
+            else _split_groups(q_lens, [len(c[2]) for c in chunks], fine=self.device.type != "cuda", paged_decode=paged_decode)
+        )
+        for members in split:
             max_q = max(q_lens[i] for i in members)
             max_blocks = max(len(chunks[i][2]) for i in members)
             max_k = max_blocks * bs
@@ -341,6 +350,7 @@ class ModelRunner:
             groups=groups,
             logits_index=torch.tensor(logits_index, dtype=torch.long).to(dev),
             max_position=max(positions, default=0),
+            decode_only=decode_only,
         )
 
     # ---------------------------------------------------------------- forward
@@ -359,19 +369,30 @@ class ModelRunner:
         for li, layer in enumerate(self.layers):
             x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(-1, c.num_heads, c.head_dim)
-            k = k.view(-1, c.num_kv_heads, c.head_dim)
-            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
             if c.qk_norm:
-                q = _rms_norm(q, layer["q_norm"], c.rms_norm_eps)
-                k = _rms_norm(k, layer["k_norm"], c.rms_norm_eps)
-            q = _rotate(q, cos, sin)
-            k = _rotate(k, cos, sin)
+                q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+                q = _rms_norm(q.reshape(-1, c.num_heads, c.head_dim), layer["q_norm"], c.rms_norm_eps)
+                k = _rms_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), layer["k_norm"], c.rms_norm_eps)
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            else:
+                # Query and key heads rotate as one tensor: half the ops of rotating each (every
+                # op is a dispatch the small-model CPU step pays for), the same arithmetic.
+                qk = _rotate(qkv[:, : q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             self.k_cache[li].index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             self.v_cache[li].index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-            attn = q.new_empty((q.shape[0], q_size))
-            for g in batch.groups:
+            if batch.decode_only:  # one decode group holding every token, in order
+                g = batch.groups[0]
+                attn = kernels.paged_decode_attention(
+                    q.contiguous(), self.k_cache[li], self.v_cache[li], g.block_tables, g.context_lens,
+                    self.block_size, self.attn_scale, use_triton=self.decode_attention == "triton",
+                ).reshape(-1, q_size)
+                groups = ()
+            else:
+                attn = q.new_empty((q.shape[0], q_size))
+                groups = batch.groups
+            for g in groups:
                 if g.block_tables is not None:
                     out = kernels.paged_decode_attention(
                         q[g.token_index], self.k_cache[li], self.v_cache[li], g.block_tables, g.context_lens,
