@@ -631,7 +631,7 @@ class Bench:
         free_device_memory()
 
     # ------------------------------------------------------------------ engine
-    def run_engine(self) -> None:
+    def run_engine(self, system: str = "engine", levels: Optional[Sequence[int]] = None) -> None:
         if not self.want("engine"):
             return
         from backend.engine import LLMEngine
@@ -644,7 +644,7 @@ class Bench:
         try:
             request = engine_requester(engine, self.wl.prompts, self.wl.sampling)
             asyncio.run(self._warm(request))
-            for c in self.args.concurrency:
+            for c in levels or self.args.concurrency:
                 recs, wall, cores = asyncio.run(self.measure(request, c))
                 m = metrics(recs, wall)
                 m["cpu_cores"] = cores
@@ -652,8 +652,8 @@ class Bench:
                     self.reference_ids = [r.ids for r in recs]
                 self.check_outputs(m, recs)
                 m["preemptions_total"] = engine.stats().num_preemptions
-                self.record("engine", c, m)
-            if hasattr(self, "hf_one_ids") and self.wl.temperature == 0:
+                self.record(system, c, m)
+            if system == "engine" and hasattr(self, "hf_one_ids") and self.wl.temperature == 0:
                 n = len(self.hf_one_ids)
                 self.results["engine_equals_hf_greedy"] = sum(
                     a == b for a, b in zip(self.hf_one_ids, self.reference_ids[:n])) / max(n, 1)
@@ -783,6 +783,14 @@ class Bench:
             f"{out.get('itl_ms_p99_during_prefill') or float('nan'):.2f} ms while a {long_len}-token prompt is prefilled")
 
     # ------------------------------------------------------------------ servers
+    def run_engine_after(self) -> None:
+        """The engine again at the top level, after the servers: this machine's speed drifts by
+        tens of percent over minutes, so the server paths are compared with the mean of the
+        engine runs that bracket them (both are in the JSON, and their ratio as engine_drift)."""
+        systems = self.results["systems"]
+        if self.want("engine") and (systems.get("triton") or systems.get("frontend")):
+            self.run_engine("engine_after", [max(self.args.concurrency)])
+
     def run_servers(self, run_dir: Path) -> None:
         if not any(self.want(s) for s in ("triton", "frontend", "frontend_nonstream", "perf_analyzer")):
             return
@@ -890,20 +898,24 @@ class Bench:
             return x / y if x and y else None
 
         eng = tput("engine", top)
+        after = tput("engine_after", top)
+        # HF ran just before the first engine run; the servers ran between the two engine runs.
+        bracket = (eng + after) / 2 if eng and after else eng
         r: dict[str, Any] = {
             "concurrency": int(top),
             "engine_vs_hf_static": div(eng, tput("hf_static")),
             "engine_vs_hf_one_by_one": div(eng, tput("hf_one_by_one")),
-            "triton_vs_engine": div(tput("triton", top), eng),
-            "frontend_vs_engine": div(tput("frontend", top), eng),
-            "frontend_nonstream_vs_engine": div(tput("frontend_nonstream", top), eng),
+            "engine_drift": div(after, eng),
+            "triton_vs_engine": div(tput("triton", top), bracket),
+            "frontend_vs_engine": div(tput("frontend", top), bracket),
+            "frontend_nonstream_vs_engine": div(tput("frontend_nonstream", top), bracket),
             "frontend_stream_vs_nonstream": div(tput("frontend", top), tput("frontend_nonstream", top)),
             "prefix_ttft_off_over_on": (self.results.get("prefix") or {}).get("ttft_p50_off_over_on"),
             "chunked_prefill_itl_p99_ratio": (self.results.get("chunked") or {}).get("itl_p99_ratio"),
         }
         per_level = {}
         for c in map(str, self.args.concurrency):
-            e = tput("engine", c)
+            e = bracket if c == top else tput("engine", c)
             per_level[c] = {"triton_vs_engine": div(tput("triton", c), e), "frontend_vs_engine": div(tput("frontend", c), e),
                             "frontend_stream_vs_nonstream": div(tput("frontend", c), tput("frontend_nonstream", c))}
         r["per_level"] = per_level
@@ -1009,6 +1021,9 @@ def print_ratios(r: dict[str, Any], results: dict[str, Any]) -> None:
         print(f"  {name:32s} {'-' if v is None else f'{v:7.2f}':>8s}   target {check['target']:6s}  {status}")
     if r.get("frontend_nonstream_vs_engine") is not None:
         print(f"  {'frontend_nonstream_vs_engine':32s} {r['frontend_nonstream_vs_engine']:8.2f}")
+    if r.get("engine_drift") is not None:
+        print(f"  {'engine_drift (after / before)':32s} {r['engine_drift']:8.2f}   server paths at c={r['concurrency']} "
+              "are compared with the mean of both engine runs")
     for c, lv in r["per_level"].items():
         parts = [f"{k}={v:.2f}" for k, v in lv.items() if v is not None]
         if parts:
@@ -1126,7 +1141,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         f"{results['workload']['total_output_tokens']} output tokens; levels {args.concurrency}; device {args.device}")
     t0 = time.perf_counter()
     steps = (("hf", bench.run_hf), ("engine", bench.run_engine), ("prefix", bench.run_prefix),
-             ("chunked", bench.run_chunked), ("servers", lambda: bench.run_servers(run_dir)))
+             ("chunked", bench.run_chunked), ("servers", lambda: bench.run_servers(run_dir)),
+             ("engine_after", bench.run_engine_after))
     for name, step in steps:
         try:
             step()
