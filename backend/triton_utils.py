@@ -195,7 +195,7 @@ def postprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict
     }
 
 
-def input_arrays(pb_utils: Any, request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+def input_arrays(request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     """The request's input tensors among `names` as numpy arrays; absent optional inputs are left out.
 
     One pass over request.inputs(): pb_utils.get_input_tensor_by_name builds the whole input
@@ -221,7 +221,7 @@ def respond_each(
     responses = []
     for request in requests:
         try:
-            outputs = transform(input_arrays(pb_utils, request, names))
+            outputs = transform(input_arrays(request, names))
             tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         except ValueError as exc:

@@ -116,8 +116,8 @@ class FakeRequest:
 
 @pytest.fixture
 def fake_pb_utils(monkeypatch):
-    """A minimal `triton_python_backend_utils` (Tensor, InferenceResponse, TritonError, Logger,
-    get_input_tensor_by_name), installed in sys.modules so model.py files import it."""
+    """A minimal `triton_python_backend_utils` (Tensor, InferenceResponse, TritonError, Logger),
+    installed in sys.modules so model.py files import it."""
     import types
 
     mod = types.ModuleType("triton_python_backend_utils")
@@ -125,7 +125,6 @@ def fake_pb_utils(monkeypatch):
     mod.TritonError = _FakeTritonError
     mod.InferenceResponse = _FakeResponse
     mod.Logger = types.SimpleNamespace(log_info=lambda msg: None, log_warn=lambda msg: None, log_error=lambda msg: None)
-    mod.get_input_tensor_by_name = lambda request, name: next((t for t in request.inputs() if t.name() == name), None)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", mod)
     return mod
 

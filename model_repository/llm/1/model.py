@@ -90,7 +90,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                arrays = input_arrays(pb_utils, request, LLM_INPUTS)
+                arrays = input_arrays(request, LLM_INPUTS)
                 if "abort_request_id" in arrays:
                     self._abort(arrays["abort_request_id"])
                     sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
