@@ -382,23 +382,20 @@ class ModelRunner:
                 q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             self.k_cache[li].index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             self.v_cache[li].index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-            if batch.decode_only:  # one decode group holding every token, in order
-                g = batch.groups[0]
-                attn = kernels.paged_decode_attention(
-                    q.contiguous(), self.k_cache[li], self.v_cache[li], g.block_tables, g.context_lens,
-                    self.block_size, self.attn_scale, use_triton=self.decode_attention == "triton",
-                ).reshape(-1, q_size)
-                groups = ()
-            else:
-                attn = q.new_empty((q.shape[0], q_size))
-                groups = batch.groups
-            for g in groups:
+            # A decode-only step is one paged group holding every token in order: its queries
+            # go to the kernel as they are and its output is the attention, no gather/scatter.
+            attn = None if batch.decode_only else q.new_empty((q.shape[0], q_size))
+            for g in batch.groups:
                 if g.block_tables is not None:
                     out = kernels.paged_decode_attention(
-                        q[g.token_index], self.k_cache[li], self.v_cache[li], g.block_tables, g.context_lens,
-                        self.block_size, self.attn_scale, use_triton=self.decode_attention == "triton",
-                    )
-                    attn[g.token_index] = out.reshape(g.num_seqs, q_size)
+                        q.contiguous() if attn is None else q[g.token_index], self.k_cache[li], self.v_cache[li],
+                        g.block_tables, g.context_lens, self.block_size, self.attn_scale,
+                        use_triton=self.decode_attention == "triton",
+                    ).reshape(g.num_seqs, q_size)
+                    if attn is None:
+                        attn = out
+                    else:
+                        attn[g.token_index] = out
                     continue
                 keys = self._gather(self.k_cache[li], g)  # [kvh, n, max_k, d]
                 values = self._gather(self.v_cache[li], g)
