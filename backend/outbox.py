@@ -4,9 +4,9 @@ The engine calls a request's output callback from its step loop. Sending a Trito
 an IPC round trip to the server process (on the order of 0.1 ms), so sending 64 of them inline
 would add several milliseconds to every step of a 64-sequence batch: the step loop would spend
 its time on IPC instead of the model. Here the step loop only queues the output on its request
-and hands the request to an `Outbox`; one sender thread sends what is queued, so order per
-request is kept, and every output is its own response (exactly one per token at
-stream_interval 1). With a cap on responses per engine step, the requests the cap holds back
+and hands the request to an `Outbox`, whose sender threads send what is queued. A request
+stays on one sender thread for its life, so the order of its responses is kept, and every
+output is its own response (exactly one per token at stream_interval 1). With a cap on responses per engine step, the requests the cap holds back
 merge what they accumulate into one response each, so the response rate stays bounded however
 many streams run, and no token is lost.
 """
@@ -63,6 +63,7 @@ class StreamResponder:
         self._error: Optional[RequestOutput] = None
         self._done = False  # error taken or last response taken: nothing more is sent
         self.deferred = False  # set by the outbox while the cap holds this request back
+        self.lane = outbox.assign_lane()
 
     def __call__(self, out: RequestOutput) -> None:
         """The engine's output callback (step-loop thread): queue or merge, never send."""
@@ -119,33 +120,18 @@ class StreamResponder:
             self._send_output(out, last)
 
 
-class Outbox:
-    """A sender thread flushing the responders handed to it, oldest first.
+class _Lane:
+    """One sender thread flushing the responders handed to it, oldest first (see `Outbox`)."""
 
-    `responses_per_step` caps how many responders are flushed per engine step (`tick`). Every
-    response crosses the server's ensemble, a postprocessing call and gRPC: on a small CPU
-    machine those cost more than the model's step once there are dozens of streams, and the
-    whole server slows down. With a cap, a stream that has to wait keeps accumulating tokens and
-    goes out as one larger response a few steps later, so the response rate per step stays
-    bounded while every token still arrives, in order. None: no cap (one response per stream
-    per step). When no step comes for `idle_release_s` (the engine went idle), what is queued
-    is released anyway.
-    """
-
-    def __init__(self, name: str = "outbox", responses_per_step: Optional[int] = None, idle_release_s: float = 0.02) -> None:
+    def __init__(self, name: str, budget: Optional[int], idle_release_s: float) -> None:
         self._cond = threading.Condition()
         self._queue: dict[StreamResponder, None] = {}  # insertion-ordered set: oldest first
-        self._budget = responses_per_step if responses_per_step and responses_per_step > 0 else None
-        self._credits = self._budget or 0
+        self._budget = budget
+        self._credits = budget or 0
         self._idle_release_s = idle_release_s
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-
-    @property
-    def merges(self) -> bool:
-        """Whether responders held back by the cap merge what they accumulate (only with a cap)."""
-        return self._budget is not None
 
     def put(self, responder: StreamResponder) -> None:
         with self._cond:
@@ -159,7 +145,6 @@ class Outbox:
                     self._cond.notify()
 
     def tick(self) -> None:
-        """An engine step ended: another `responses_per_step` may go out."""
         if self._budget is None:
             return
         with self._cond:
@@ -198,9 +183,66 @@ class Outbox:
                 except Exception:  # one request's failed send must not stop the others'
                     log.exception("sending a response failed")
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, then stop the thread."""
+    def close(self, timeout: float) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify()
         self._thread.join(timeout)
+
+
+class Outbox:
+    """Sender threads ("lanes") flushing the responders handed to them, oldest first.
+
+    Each request is bound to one lane for its life, so its responses keep their order. More
+    than one lane pays because a Triton decoupled send is a synchronous round trip to the
+    server process (the stub waits until the server has taken the response): one thread can
+    only have one response in flight, and at a few hundred responses a second on a small
+    machine it spent most of its time waiting, not sending, while tokens piled up.
+
+    `responses_per_step` caps how many responders are flushed per engine step (`tick`), across
+    all lanes. Every response crosses the server's ensemble, a postprocessing call and gRPC: on
+    a small CPU machine those cost more than the model's step once there are dozens of streams,
+    and the whole server slows down. With a cap, a stream that has to wait keeps accumulating
+    tokens and goes out as one larger response a few steps later, so the response rate per step
+    stays bounded while every token still arrives, in order. None: no cap (one response per
+    stream per step). When no step comes for `idle_release_s` (the engine went idle), what is
+    queued is released anyway.
+    """
+
+    def __init__(
+        self,
+        name: str = "outbox",
+        responses_per_step: Optional[int] = None,
+        idle_release_s: float = 0.02,
+        senders: int = 1,
+    ) -> None:
+        senders = max(1, senders)
+        budget = responses_per_step if responses_per_step and responses_per_step > 0 else None
+        self._merges = budget is not None
+        lane_budget = None if budget is None else max(1, -(-budget // senders))
+        self._lanes = [
+            _Lane(name if senders == 1 else f"{name}-{i}", lane_budget, idle_release_s) for i in range(senders)
+        ]
+        self._next_lane = itertools.count()
+
+    @property
+    def merges(self) -> bool:
+        """Whether responders held back by the cap merge what they accumulate (only with a cap)."""
+        return self._merges
+
+    def assign_lane(self) -> int:
+        """The lane for a new request: round robin, fixed for the request's life."""
+        return next(self._next_lane) % len(self._lanes)
+
+    def put(self, responder: StreamResponder) -> None:
+        self._lanes[responder.lane].put(responder)
+
+    def tick(self) -> None:
+        """An engine step ended: another `responses_per_step` may go out."""
+        for lane in self._lanes:
+            lane.tick()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop the threads."""
+        for lane in self._lanes:
+            lane.close(timeout)

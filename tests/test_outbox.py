@@ -160,3 +160,42 @@ def test_queued_responses_are_released_when_no_step_comes():
     _wait(lambda: len(rec.sent) == 3, timeout=2)  # no tick at all: the engine is idle
     assert all(last for _, last in rec.sent)
     box.close()
+
+
+def test_a_slow_send_holds_up_only_its_own_lane():
+    # Triton's send blocks until the server takes the response: a second lane keeps sending.
+    gate = threading.Event()
+    box = Outbox("lanes", senders=2)
+    slow, fast = _Recorder(block=gate), _Recorder()
+    r_slow = StreamResponder(box, 1, True, slow.output, slow.error)
+    r_fast = StreamResponder(box, 1, True, fast.output, fast.error)
+    assert r_slow.lane != r_fast.lane
+    r_slow(_out([0], 0))
+    for i in range(5):
+        r_fast(_out([i], i, finish="length" if i == 4 else None))
+    _wait(lambda: len(fast.sent) == 5)
+    assert slow.sent == []  # still blocked in its send
+    for i in range(1, 4):
+        r_slow(_out([i], i, finish="stop" if i == 3 else None))
+    gate.set()
+    _wait(lambda: sum(len(o.new_token_ids) for o, _ in slow.sent) == 4)
+    box.close()
+    assert sum((o.new_token_ids for o, _ in slow.sent), []) == [0, 1, 2, 3]  # in order, none lost
+    assert [last for _, last in slow.sent][-1] is True
+    assert [o.new_token_ids for o, _ in fast.sent] == [[0], [1], [2], [3], [4]]
+    assert len(slow.threads | fast.threads) == 2
+
+
+def test_responses_per_step_is_shared_between_lanes():
+    box = Outbox(responses_per_step=4, idle_release_s=30, senders=2)
+    recs = [_Recorder() for _ in range(8)]
+    rs = [StreamResponder(box, 1, True, rec.output, rec.error) for rec in recs]
+    for r in rs:
+        r(_out([0], 0, finish="length"))
+    sent = lambda: sum(len(rec.sent) for rec in recs)  # noqa: E731
+    _wait(lambda: sent() == 4)
+    time.sleep(0.05)
+    assert sent() == 4  # two per lane until the next step
+    box.tick()
+    _wait(lambda: sent() == 8)
+    box.close()

@@ -70,7 +70,10 @@ class TritonPythonModel:
         # small model; no cap on GPU hosts.
         cap = os.environ.get("LLM_MAX_RESPONSES_PER_STEP") or params.get("max_responses_per_step") or "auto"
         per_step = (16 if config.device == "cpu" else 0) if cap == "auto" else int(cap)
-        self._outbox = Outbox("llm-responses", responses_per_step=per_step)
+        # A send waits until the server has taken the response, so one sender thread has one
+        # response in flight; several keep the server's side busy (backend/outbox.py).
+        senders = int(os.environ.get("LLM_RESPONSE_SENDERS") or params.get("response_senders") or 4)
+        self._outbox = Outbox("llm-responses", responses_per_step=per_step, senders=senders)
         self._last_publish = 0.0
         self.engine.on_step = self._on_step
         # Triton request id -> engine request ids, for abort_request_id: cancelling an ensemble
