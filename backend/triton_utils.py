@@ -23,16 +23,12 @@ DEFAULT_MODEL_PATH = "models/demo"
 
 PREPROCESSING_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "input_ids")
 POSTPROCESSING_INPUTS = (
-    "output_ids",
     "detok_ids",
     "detok_prefix_len",
     "detok_trim",
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "finish_reason",
-    "meta_info",
-    "prompt_tokens",
-    "completion_tokens",
 )
 
 
@@ -161,10 +157,11 @@ def preprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[
 
 
 def postprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """postprocessing: one llm response -> the ensemble outputs (all always present).
+    """postprocessing: one llm response -> its `text_output`.
 
     A non-empty finish_reason marks the last response: its window is decoded with final=True,
-    so text held back for an incomplete character is flushed.
+    so text held back for an incomplete character is flushed. The ensemble takes the other
+    outputs (ids, finish_reason, token counts, meta_info) from llm directly.
     """
     window = _ids(arrays, "detok_ids")
     prefix_len = _scalar(arrays, "detok_prefix_len")
@@ -184,15 +181,7 @@ def postprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict
     trim = int(_scalar(arrays, "detok_trim") or 0)
     if trim > 0:  # a matched stop string at the end of this response's text
         text = text[: max(len(text) - trim, 0)]
-    output_ids = _ids(arrays, "output_ids")
-    return {
-        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
-        "output_ids": (output_ids if output_ids is not None else np.zeros(0)).astype(np.int32),
-        "finish_reason": np.array([finish_reason.encode("utf-8")], dtype=np.object_),
-        "meta_info": np.array([(_scalar(arrays, "meta_info") or "{}").encode("utf-8")], dtype=np.object_),
-        "prompt_tokens": np.array([int(_scalar(arrays, "prompt_tokens") or 0)], dtype=np.int32),
-        "completion_tokens": np.array([int(_scalar(arrays, "completion_tokens") or 0)], dtype=np.int32),
-    }
+    return {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
 
 
 def input_arrays(request: Any, names: tuple[str, ...]) -> dict[str, np.ndarray]:
