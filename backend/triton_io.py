@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -140,11 +140,17 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
     }
     out: dict[str, Any] = {}
     for name, cast in fields.items():
-        value: Optional[str] = env.get(f"LLM_{name.upper()}", params.get(name))
-        if value is None or value == "" or value == "auto":
-            continue
-        out[name] = cast(value)
+        value = llm_setting(params, env, name)
+        if value is not None:
+            out[name] = cast(value)
     return out
+
+
+def llm_setting(params: dict[str, str], env: Mapping[str, str], name: str) -> Optional[str]:
+    """One llm model setting: env LLM_<NAME> wins over the config.pbtxt parameter; unset, empty
+    or 'auto' is None (the default)."""
+    value = env.get(f"LLM_{name.upper()}", params.get(name))
+    return None if value is None or value == "" or value == "auto" else value
 
 
 def server_torch_threads() -> int:

@@ -24,6 +24,7 @@ from backend.triton_io import (  # noqa: E402
     LLM_INPUTS,
     engine_config_overrides,
     llm_output_arrays,
+    llm_setting,
     parse_abort_request_id,
     parse_llm_inputs,
     server_torch_threads,
@@ -55,24 +56,25 @@ class TritonPythonModel:
         self._watcher = exit_with_server()
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        overrides = engine_config_overrides(params, dict(os.environ))
+        env = dict(os.environ)
+        overrides = engine_config_overrides(params, env)
         if overrides.get("device") is None:
             overrides.pop("device", None)
         config = EngineConfig(model_path=model_path_from_config(args), **overrides)
         if config.torch_threads is None and config.device == "cpu":
             config = config.model_copy(update={"torch_threads": server_torch_threads()})
         self.engine = LLMEngine(config)
-        self.stream_interval = max(1, int(os.environ.get("LLM_STREAM_INTERVAL") or params.get("stream_interval") or 1))
+        self.stream_interval = max(1, int(llm_setting(params, env, "stream_interval") or 1))
         self._metrics = _Metrics()
         # Responses go out on their own thread, merged when they pile up, at most
         # max_responses_per_step per engine step (backend/outbox.py). auto: 16 on CPU, where
         # each response's trip through the ensemble costs about as much CPU as a step of a
         # small model; no cap on GPU hosts.
-        cap = os.environ.get("LLM_MAX_RESPONSES_PER_STEP") or params.get("max_responses_per_step") or "auto"
-        per_step = (16 if config.device == "cpu" else 0) if cap == "auto" else int(cap)
+        cap = llm_setting(params, env, "max_responses_per_step")
+        per_step = (16 if config.device == "cpu" else 0) if cap is None else int(cap)
         # A send waits until the server has taken the response, so one sender thread has one
         # response in flight; several keep the server's side busy (backend/outbox.py).
-        senders = int(os.environ.get("LLM_RESPONSE_SENDERS") or params.get("response_senders") or 4)
+        senders = int(llm_setting(params, env, "response_senders") or 4)
         self._outbox = Outbox("llm-responses", responses_per_step=per_step, senders=senders)
         self._last_publish = 0.0
         self.engine.on_step = self._on_step
