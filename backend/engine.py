@@ -72,6 +72,11 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found cached
     num_cached_kv_blocks: int = 0
+    # Wall time of steps, and the loop thread's CPU time within them. Their ratio is how much of
+    # a step the loop actually ran: with one torch thread, the rest is waiting for a core or the
+    # GIL (on a small host, the server's response handling competes with the model).
+    step_seconds_total: float = 0.0
+    step_thread_cpu_seconds_total: float = 0.0
 
 
 class LLMEngine:
@@ -111,6 +116,8 @@ class LLMEngine:
         self._next_cancel_poll = 0.0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._step_seconds = 0.0
+        self._step_cpu_seconds = 0.0
         self.on_step: Optional[Callable[[EngineStats], None]] = None
 
     # ------------------------------------------------------------------ API
@@ -225,6 +232,8 @@ class LLMEngine:
             prefix_cache_queries=self.block_manager.num_queried_tokens,
             prefix_cache_hits=self.block_manager.num_hit_tokens,
             num_cached_kv_blocks=self.block_manager.num_cached_blocks,
+            step_seconds_total=self._step_seconds,
+            step_thread_cpu_seconds_total=self._step_cpu_seconds,
         )
 
     def has_unfinished(self) -> bool:
@@ -270,6 +279,7 @@ class LLMEngine:
         self._admit_compiled()
         if not self.scheduler.has_work():
             return False
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return False
@@ -279,6 +289,8 @@ class LLMEngine:
             log.exception("engine step failed")
             for item in scheduled:
                 self._end(item.seq.request_id, FinishReason.ABORT, error=f"engine step failed: {exc}")
+        self._step_seconds += time.perf_counter() - wall0
+        self._step_cpu_seconds += time.thread_time() - cpu0
         self._num_steps += 1
         if self.on_step is not None:
             self.on_step(self.stats())

@@ -78,6 +78,20 @@ def test_staggered_mixed_batch_equals_hf_generate(engine, hf_model):
         assert results[i].finish_reason == "length"
 
 
+def test_step_time_counters(engine):
+    before = engine.stats()
+    engine.generate(_prompts(engine, 2), greedy(engine))
+    after = engine.stats()
+    steps = after.num_steps - before.num_steps
+    wall = after.step_seconds_total - before.step_seconds_total
+    cpu = after.step_thread_cpu_seconds_total - before.step_thread_cpu_seconds_total
+    assert steps >= MAX_NEW
+    assert 0 < cpu and 0 < wall
+    # The loop thread's CPU time within a step cannot exceed the step's wall time (clock
+    # granularity aside).
+    assert cpu <= wall + 1e-3 * steps
+
+
 @pytest.mark.parametrize("decode_attention", ["triton", "cpu", "gather"])
 def test_decode_attention_paths_equal_hf_generate(demo_model_path, hf_model, decode_attention):
     """Every decode-attention path gives HF's greedy tokens on prompts of mixed lengths: the

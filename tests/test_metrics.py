@@ -185,7 +185,8 @@ def test_engine_stats_published_as_deltas(llm_module):
     metrics.update(_stats(num_running=2, num_waiting=1, num_free_kv_blocks=4, prompt_tokens_total=30,
                           generation_tokens_total=5, prefix_cache_queries=40, prefix_cache_hits=10))
     metrics.update(_stats(num_running=0, num_free_kv_blocks=10, prompt_tokens_total=50, generation_tokens_total=9,
-                          num_preemptions=3, prefix_cache_queries=80, prefix_cache_hits=40, num_cached_kv_blocks=2))
+                          num_preemptions=3, prefix_cache_queries=80, prefix_cache_hits=40, num_cached_kv_blocks=2,
+                          num_steps=12, step_seconds_total=0.5, step_thread_cpu_seconds_total=0.25))
     assert fake_value("llm_prompt_tokens_total") == 50
     assert fake_value("llm_generation_tokens_total") == 9
     assert fake_value("llm_num_preemptions_total") == 3
@@ -196,6 +197,9 @@ def test_engine_stats_published_as_deltas(llm_module):
     assert fake_value("llm_kv_blocks_total") == 10
     assert fake_value("llm_kv_blocks_cached") == 2
     assert fake_value("llm_num_requests_running") == 0
+    assert fake_value("llm_engine_steps_total") == 12
+    assert fake_value("llm_engine_step_seconds_total") == pytest.approx(0.5)
+    assert fake_value("llm_engine_step_thread_cpu_seconds_total") == pytest.approx(0.25)
     # Stats without the prefix-cache fields (an older engine) still publish.
     metrics.update(types.SimpleNamespace(**{k: v for k, v in vars(_stats()).items()}))
 
@@ -259,6 +263,10 @@ def test_known_traffic_counts(server, client):
     assert value(after, "llm_kv_blocks_used") == 0
     assert value(after, "llm_num_requests_waiting") == 0
     assert delta(after, before, "llm_num_preemptions_total") == 0
+    steps = delta(after, before, "llm_engine_steps_total")
+    assert steps >= 6  # at least one step per token of the longest request
+    step_s = delta(after, before, "llm_engine_step_seconds_total")
+    assert 0 < delta(after, before, "llm_engine_step_thread_cpu_seconds_total") <= step_s + 1e-3 * steps
 
     for name, count in (
         ("llm_time_to_first_token_seconds", 6),

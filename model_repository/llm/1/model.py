@@ -307,6 +307,11 @@ class _Metrics:
                 "generation_tokens_total": "Tokens generated",
                 "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache",
                 "prefix_cache_hits_total": "Prompt tokens found in the prefix cache",
+                "engine_steps_total": "Engine steps (one batched forward pass each)",
+                "engine_step_seconds_total": "Wall time spent in engine steps",
+                "engine_step_thread_cpu_seconds_total": "CPU time of the engine loop's thread within its steps "
+                "(torch's intra-op worker threads not included); well below the wall time means the loop "
+                "waited for a core or the GIL",
             }.items()
         }
         self._sent_gauges: dict[str, float] = {}
@@ -354,6 +359,9 @@ class _Metrics:
             "generation_tokens_total": s.generation_tokens_total,
             "prefix_cache_queries_total": queries,
             "prefix_cache_hits_total": hits,
+            "engine_steps_total": s.num_steps,
+            "engine_step_seconds_total": getattr(s, "step_seconds_total", 0.0),
+            "engine_step_thread_cpu_seconds_total": getattr(s, "step_thread_cpu_seconds_total", 0.0),
         }
         with self._flush_lock:
             with self._lock:
