@@ -532,6 +532,46 @@ def openai_requester(base_url: str, name: str, wl: Workload, stream: bool):
     return request, close
 
 
+# ====================================================================== engine step time
+StepCounters = Callable[[], Optional[tuple[float, float, float]]]  # (steps, step seconds, thread CPU seconds)
+
+
+def local_steps(engine) -> tuple[float, float, float]:
+    s = engine.stats()
+    return s.num_steps, s.step_seconds_total, s.step_thread_cpu_seconds_total
+
+
+def scraped_steps(metrics_url: str, timeout: float = 5.0) -> Optional[tuple[float, float, float]]:
+    """The llm model's step counters from tritonserver's metrics, once the engine is drained: it
+    publishes at most once a second while busy, and at once (gauges last) when it goes idle."""
+    names = ("llm_engine_steps_total", "llm_engine_step_seconds_total", "llm_engine_step_thread_cpu_seconds_total")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        values = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in names or name in ("llm_num_requests_running", "llm_num_requests_waiting"):
+                values[name] = float(value)
+        if any(n not in values for n in names):
+            return None
+        idle = values.get("llm_num_requests_running") == 0 and values.get("llm_num_requests_waiting") == 0
+        if idle or time.monotonic() > deadline:
+            return values[names[0]], values[names[1]], values[names[2]]
+        time.sleep(0.1)
+
+
+def step_metrics(before: tuple[float, float, float], after: tuple[float, float, float]) -> dict[str, Any]:
+    """Engine steps in a measurement, their mean wall time, and the share of it the loop thread
+    was on a CPU (one torch thread in tritonserver: the rest it waited for a core or the GIL)."""
+    steps, wall, cpu = (a - b for a, b in zip(after, before))
+    return {"engine_steps": int(steps), "engine_step_ms_mean": 1e3 * wall / steps if steps else None,
+            "engine_thread_on_cpu": cpu / wall if wall > 0 else None}
+
+
 # ====================================================================== the run
 class Bench:
     def __init__(self, args) -> None:
@@ -559,12 +599,19 @@ class Bench:
         return self.indices
 
     async def measure(self, request: Callable[[int], Awaitable[Rec]], concurrency: int,
-                      indices: Optional[Sequence[int]] = None) -> tuple[list[Rec], float, dict[str, float]]:
+                      indices: Optional[Sequence[int]] = None, steps: Optional[StepCounters] = None
+                      ) -> tuple[list[Rec], float, dict[str, Any]]:
+        """(records, wall seconds, extra metrics: the CPU cores each process used, and the
+        engine's step time and how much of it its loop thread ran, when `steps` reads them)."""
         meter = self.cpu()
         before = meter.snapshot()
+        steps_before = steps() if steps else None
         recs, wall = await closed_loop(request, self.level_indices(concurrency) if indices is None else indices,
                                        concurrency)
-        return recs, wall, meter.cores(before, meter.snapshot())
+        extra: dict[str, Any] = {"cpu_cores": meter.cores(before, meter.snapshot())}
+        if steps and steps_before:
+            extra.update(step_metrics(steps_before, steps()))
+        return recs, wall, extra
 
     def want(self, section: str) -> bool:
         return section in self.args.sections
@@ -576,7 +623,9 @@ class Bench:
             f"{f(m['ttft_ms_p99'])} ms  ITL p50/p99 {f(m['itl_ms_p50'], 2)}/{f(m['itl_ms_p99'], 2)} ms"
             + (f"  errors={m['errors']}" if m["errors"] else "")
             + (f"  out-of-order responses={m['out_of_order_responses']}" if m.get("out_of_order_responses") else "")
-            + ("  cores " + " ".join(f"{k}={v:.2f}" for k, v in m["cpu_cores"].items()) if m.get("cpu_cores") else ""))
+            + ("  cores " + " ".join(f"{k}={v:.2f}" for k, v in m["cpu_cores"].items()) if m.get("cpu_cores") else "")
+            + (f"  engine step {m['engine_step_ms_mean']:.1f} ms, its thread on a CPU {m['engine_thread_on_cpu']:.2f}"
+               if m.get("engine_step_ms_mean") and m.get("engine_thread_on_cpu") is not None else ""))
 
     def check_outputs(self, m: dict[str, Any], recs: list[Rec], by_text: bool = False) -> None:
         """Fraction of requests whose output equals the engine's (greedy: should be all)."""
@@ -645,9 +694,9 @@ class Bench:
             request = engine_requester(engine, self.wl.prompts, self.wl.sampling)
             asyncio.run(self._warm(request))
             for c in levels or self.args.concurrency:
-                recs, wall, cores = asyncio.run(self.measure(request, c))
+                recs, wall, extra = asyncio.run(self.measure(request, c, steps=lambda: local_steps(engine)))
                 m = metrics(recs, wall)
-                m["cpu_cores"] = cores
+                m.update(extra)
                 if self.reference_ids is None or len(recs) > len(self.reference_ids):
                     self.reference_ids = [r.ids for r in recs]
                 self.check_outputs(m, recs)
@@ -700,9 +749,9 @@ class Bench:
                 request = engine_requester(engine, prompts, sampling)
                 # Request 0 warms up and (with caching) puts the prefix in the cache; the rest share it.
                 asyncio.run(closed_loop(request, [0], 1))
-                recs, wall, cores = asyncio.run(self.measure(request, a.prefix_concurrency, list(range(1, len(prompts)))))
+                recs, wall, extra = asyncio.run(self.measure(request, a.prefix_concurrency, list(range(1, len(prompts)))))
                 m = metrics(recs, wall)
-                m["cpu_cores"] = cores
+                m.update(extra)
                 m["cached_tokens_mean"] = statistics.fmean(r.cached_tokens for r in recs)
                 ids[enabled] = [r.ids for r in recs]
                 out["on" if enabled else "off"] = m
@@ -808,6 +857,7 @@ class Bench:
         srv = LocalTritonServer(env=env, log_file=run_dir / "tritonserver.log")
         srv.start(timeout=600)
         self.pids["tritonserver"] = srv.process.pid
+        server_steps = lambda: scraped_steps(srv.metrics_url)  # noqa: E731
         try:
             if self.want("triton"):
                 request, close = triton_requester(srv.grpc_url, self.wl)
@@ -815,9 +865,9 @@ class Bench:
                 async def sweep_triton() -> None:
                     await self._warm(request)
                     for c in a.concurrency:
-                        recs, wall, cores = await self.measure(request, c)
+                        recs, wall, extra = await self.measure(request, c, steps=server_steps)
                         m = metrics(recs, wall)
-                        m["cpu_cores"] = cores
+                        m.update(extra)
                         self.check_outputs(m, recs)
                         self.record("triton", c, m)
                     await close()
@@ -836,9 +886,9 @@ class Bench:
                         async def sweep_frontend() -> None:
                             await self._warm(request)
                             for c in a.concurrency:
-                                recs, wall, cores = await self.measure(request, c)
+                                recs, wall, extra = await self.measure(request, c, steps=server_steps)
                                 m = metrics(recs, wall, streaming=stream)
-                                m["cpu_cores"] = cores
+                                m.update(extra)
                                 self.check_outputs(m, recs, by_text=True)
                                 self.record(system, c, m)
                             await close()
