@@ -541,27 +541,17 @@ def local_steps(engine) -> tuple[float, float, float]:
     return s.num_steps, s.step_seconds_total, s.step_thread_cpu_seconds_total
 
 
-def scraped_steps(metrics_url: str, timeout: float = 5.0) -> Optional[tuple[float, float, float]]:
+def scraped_steps(metrics_url: str) -> Optional[tuple[float, float, float]]:
     """The llm model's step counters from tritonserver's metrics, once the engine is drained: it
     publishes at most once a second while busy, and at once (gauges last) when it goes idle."""
+    from scripts.soak import wait_drained
+
+    try:
+        _, m = wait_drained(metrics_url, timeout=5.0)
+    except (urllib.error.URLError, OSError):
+        return None
     names = ("llm_engine_steps_total", "llm_engine_step_seconds_total", "llm_engine_step_thread_cpu_seconds_total")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-        except (urllib.error.URLError, OSError):
-            return None
-        values = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in names or name in ("llm_num_requests_running", "llm_num_requests_waiting"):
-                values[name] = float(value)
-        if any(n not in values for n in names):
-            return None
-        idle = values.get("llm_num_requests_running") == 0 and values.get("llm_num_requests_waiting") == 0
-        if idle or time.monotonic() > deadline:
-            return values[names[0]], values[names[1]], values[names[2]]
-        time.sleep(0.1)
+    return None if any(n not in m for n in names) else (m[names[0]], m[names[1]], m[names[2]])
 
 
 def step_metrics(before: tuple[float, float, float], after: tuple[float, float, float]) -> dict[str, Any]:
