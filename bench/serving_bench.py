@@ -65,6 +65,7 @@ from client.perf.make_inputs import ids_entries, mixed_workload, usable_vocab, w
 from client.perf.run_perf_analyzer import percentile as pct  # noqa: E402
 
 SECTIONS = ("hf_one_by_one", "hf_static", "engine", "triton", "frontend", "frontend_nonstream", "perf_analyzer",
+            "alternating",
             "prefix", "chunked")
 TARGETS = {
     # ratio name: (minimum or maximum, bound) from issue 6
@@ -889,9 +890,84 @@ class Bench:
                     self.pids.pop("frontend", None)
             if self.want("perf_analyzer"):
                 self.run_perf_analyzer(srv, run_dir)
+            if self.want("alternating") and a.alternating_rounds > 0:
+                self.run_alternating(srv, run_dir)
         finally:
             srv.stop()
             self.pids.pop("tritonserver", None)
+
+    # ------------------------------------------------------------------ alternating rounds
+    def run_alternating(self, srv, run_dir: Path) -> None:
+        """The engine and each server path in turns at the top level, `--alternating-rounds`
+        times, the engine once more at the end. This machine's speed drifts by tens of percent
+        within minutes, so a server path is compared with the engine runs just before and after
+        it, round by round; the medians of those ratios are the ones checked against the targets."""
+        from backend.engine import LLMEngine
+
+        a = self.args
+        c = max(a.concurrency)
+        paths = [x for x in ("triton", "frontend", "frontend_nonstream") if self.want(x)]
+        if not self.want("engine") or not paths:
+            return
+        log(f"alternating rounds at c={c}: engine, {', '.join(paths)}; {a.alternating_rounds} rounds")
+        cfg, _ = engine_config(a, **self.main_prefix_override())
+        engine = LLMEngine(cfg)  # idle (no CPU) while the servers run
+        engine.start()
+        fe: Optional[Frontend] = None
+        closers = []
+        try:
+            requesters = {"engine": engine_requester(engine, self.wl.prompts, self.wl.sampling)}
+            if "triton" in paths:
+                requesters["triton"], close = triton_requester(srv.grpc_url, self.wl)
+                closers.append(close)
+            if "frontend" in paths or "frontend_nonstream" in paths:
+                fe = Frontend(srv.grpc_url, a.model_path, run_dir / "frontend_alternating.log").start()
+                for system, stream in (("frontend", True), ("frontend_nonstream", False)):
+                    if system in paths:
+                        requesters[system], close = openai_requester(f"http://127.0.0.1:{fe.port}/v1", fe.name,
+                                                                      self.wl, stream)
+                        closers.append(close)
+            tok_s: dict[str, list[float]] = {system: [] for system in requesters}
+            errors: dict[str, int] = {system: 0 for system in requesters}
+
+            async def one(system: str) -> None:
+                recs, wall = await closed_loop(requesters[system], self.indices, c)
+                m = metrics(recs, wall, streaming=system != "frontend_nonstream")
+                tok_s[system].append(m["output_tok_s"])
+                errors[system] += m["errors"]
+
+            async def rounds() -> None:
+                for request in requesters.values():
+                    await self._warm(request)
+                for _ in range(a.alternating_rounds):
+                    for system in requesters:
+                        await one(system)
+                    log("  round: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in tok_s.items()) + " tok/s")
+                await one("engine")
+                for close in closers:
+                    await close()
+
+            asyncio.run(rounds())
+        finally:
+            if fe is not None:
+                fe.stop()
+            engine.shutdown()
+            del engine
+            free_device_memory()
+        eng = tok_s["engine"]
+        bracket = [(x + y) / 2 for x, y in zip(eng, eng[1:])]
+        per_round: dict[str, list[float]] = {}
+        for system in paths:
+            per_round[f"{system}_vs_engine"] = [v / e for v, e in zip(tok_s[system], bracket)]
+        if "frontend" in paths and "frontend_nonstream" in paths:
+            per_round["frontend_stream_vs_nonstream"] = [x / y for x, y in zip(tok_s["frontend"],
+                                                                               tok_s["frontend_nonstream"])]
+        self.results["alternating"] = {
+            "concurrency": c, "rounds": a.alternating_rounds, "output_tok_s": tok_s, "errors": errors,
+            "ratios_per_round": per_round, "ratios_median": {k: statistics.median(v) for k, v in per_round.items()},
+        }
+        log("alternating medians: " + ", ".join(f"{k}={statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+                                                for k, v in per_round.items()))
 
     def run_perf_analyzer(self, srv, run_dir: Path) -> None:
         from client.perf import run_perf_analyzer as pa
@@ -953,6 +1029,12 @@ class Bench:
             "prefix_ttft_off_over_on": (self.results.get("prefix") or {}).get("ttft_p50_off_over_on"),
             "chunked_prefill_itl_p99_ratio": (self.results.get("chunked") or {}).get("itl_p99_ratio"),
         }
+        alternating = (self.results.get("alternating") or {}).get("ratios_median") or {}
+        if alternating:  # medians of round-by-round ratios: sturdier on a machine whose speed drifts
+            r["single_sweep"] = {k: r[k] for k in ("triton_vs_engine", "frontend_vs_engine",
+                                                   "frontend_nonstream_vs_engine", "frontend_stream_vs_nonstream")}
+            r.update(alternating)
+            r["server_ratios_from"] = f"median of {self.results['alternating']['rounds']} alternating rounds"
         per_level = {}
         for c in map(str, self.args.concurrency):
             e = bracket if c == top else tput("engine", c)
@@ -1059,6 +1141,9 @@ def print_ratios(r: dict[str, Any], results: dict[str, Any]) -> None:
         met = check["met"]
         status = "n/a" if met is None else ("met" if met else "MISSED")
         print(f"  {name:32s} {'-' if v is None else f'{v:7.2f}':>8s}   target {check['target']:6s}  {status}")
+    if r.get("server_ratios_from"):
+        single = ", ".join(f"{k}={v:.2f}" for k, v in r["single_sweep"].items() if v is not None)
+        print(f"  server-path ratios above: {r['server_ratios_from']} (the sweep alone: {single})")
     if r.get("frontend_nonstream_vs_engine") is not None:
         print(f"  {'frontend_nonstream_vs_engine':32s} {r['frontend_nonstream_vs_engine']:8.2f}")
     if r.get("engine_drift") is not None:
@@ -1114,6 +1199,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="perf_analyzer requests per measurement window (default max(concurrency, 16))")
     ap.add_argument("--no-install-perf-deps", dest="install_perf_deps", action="store_false",
                     help="do not install libb64-0d / nvidia-cuda-runtime-cu12 for perf_analyzer when missing")
+    ap.add_argument("--alternating-rounds", type=int, default=None,
+                    help="rounds of engine / tritonserver / frontend in turns at the top level, whose median "
+                         "ratios are checked against the targets (default 3; quick 0)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args(argv)
 
@@ -1126,6 +1214,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         8 if q else 0)
     args.prefix_requests = args.prefix_requests or (6 if q else 16)
     args.chunked_new_tokens = args.chunked_new_tokens or (96 if q else 256)
+    if args.alternating_rounds is None:
+        args.alternating_rounds = 0 if q else 3
     sections = set(args.only.split(",")) if args.only else set(SECTIONS)
     unknown = (sections | set(filter(None, args.skip.split(",")))) - set(SECTIONS)
     if unknown:
