@@ -36,6 +36,7 @@ from backend.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.1
+CANCEL_CHECKS_PER_S = 100  # is_cancelled round trips per second at most (backend/cancel_watch.py)
 
 OutputCallback = Callable[[RequestOutput], None]
 
@@ -112,7 +113,7 @@ class LLMEngine:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._num_steps = 0
-        self._cancel_watch = CancelWatch(CANCEL_POLL_S)
+        self._cancel_watch = CancelWatch(CANCEL_POLL_S, CANCEL_CHECKS_PER_S)
         self._next_cancel_poll = 0.0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -490,7 +491,7 @@ class LLMEngine:
         now = time.monotonic()
         if now < self._next_cancel_poll:
             return
-        self._next_cancel_poll = now + CANCEL_POLL_S
+        self._next_cancel_poll = now + self._cancel_watch.next_interval()
         for group in self._cancel_watch.poll():
             for rid in self._groups.get(group, []):
                 self._end(rid, FinishReason.ABORT)

@@ -151,3 +151,15 @@ def test_guarded_sender_final_send_waits_for_a_poll_in_flight():
     poller.join(5)
     sender.join(5)
     assert fake.calls == ["poll", "send:1"]
+
+
+def test_many_watched_requests_stretch_the_interval_to_the_check_budget():
+    watch = CancelWatch(interval_s=0.1, checks_per_s=100)
+    assert watch.next_interval() == 0.1
+    for i in range(64):
+        watch.watch(i, lambda: False)
+    assert watch.next_interval() == pytest.approx(0.64)
+    for i in range(60):
+        watch.unwatch(i)
+    assert watch.next_interval() == 0.1
+    assert CancelWatch(interval_s=0.1).next_interval() == 0.1  # no budget: the interval alone
