@@ -942,7 +942,8 @@ class Bench:
                 for _ in range(a.alternating_rounds):
                     for system in requesters:
                         await one(system)
-                    log("  round: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in tok_s.items()) + " tok/s")
+                    log("  round: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in tok_s.items()) + " tok/s"
+                        + (f"; errors so far {errors}" if any(errors.values()) else ""))
                 await one("engine")
                 for close in closers:
                     await close()
