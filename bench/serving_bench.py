@@ -51,7 +51,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
@@ -533,6 +533,11 @@ def openai_requester(base_url: str, name: str, wl: Workload, stream: bool):
     return request, close
 
 
+def div(x: Optional[float], y: Optional[float]) -> Optional[float]:
+    """x / y, or None when either is missing or zero (a system that measured nothing)."""
+    return x / y if x and y else None
+
+
 # ====================================================================== engine step time
 StepCounters = Callable[[], Optional[tuple[float, float, float]]]  # (steps, step seconds, thread CPU seconds)
 
@@ -831,6 +836,24 @@ class Bench:
         if self.want("engine") and (systems.get("triton") or systems.get("frontend")):
             self.run_engine("engine_after", [max(self.args.concurrency)])
 
+    def open_paths(self, srv, paths: Sequence[str], frontend_log: Path) -> tuple[dict[str, Any], list, Optional[Frontend]]:
+        """Requesters for the server paths in `paths` (triton, frontend, frontend_nonstream), their
+        close functions, and the frontend process they need (started here, stopped by the caller)."""
+        requesters: dict[str, Any] = {}
+        closers = []
+        if "triton" in paths:
+            requesters["triton"], close = triton_requester(srv.grpc_url, self.wl)
+            closers.append(close)
+        fe: Optional[Frontend] = None
+        if "frontend" in paths or "frontend_nonstream" in paths:
+            fe = Frontend(srv.grpc_url, self.args.model_path, frontend_log).start()
+            for system, stream in (("frontend", True), ("frontend_nonstream", False)):
+                if system in paths:
+                    requesters[system], close = openai_requester(f"http://127.0.0.1:{fe.port}/v1", fe.name,
+                                                                  self.wl, stream)
+                    closers.append(close)
+        return requesters, closers, fe
+
     def run_servers(self, run_dir: Path) -> None:
         if not any(self.want(s) for s in ("triton", "frontend", "frontend_nonstream", "perf_analyzer")):
             return
@@ -850,44 +873,32 @@ class Bench:
         self.pids["tritonserver"] = srv.process.pid
         server_steps = lambda: scraped_steps(srv.metrics_url)  # noqa: E731
         try:
-            if self.want("triton"):
-                request, close = triton_requester(srv.grpc_url, self.wl)
-
-                async def sweep_triton() -> None:
-                    await self._warm(request)
-                    for c in a.concurrency:
-                        recs, wall, extra = await self.measure(request, c, steps=server_steps)
-                        m = metrics(recs, wall)
-                        m.update(extra)
-                        self.check_outputs(m, recs)
-                        self.record("triton", c, m)
-                    await close()
-
-                asyncio.run(sweep_triton())
-            if self.want("frontend") or self.want("frontend_nonstream"):
-                fe = Frontend(srv.grpc_url, a.model_path, run_dir / "frontend.log").start()
-                self.pids["frontend"] = fe.proc.pid
+            # One path at a time, each with only its own processes running.
+            for paths in (["triton"], ["frontend", "frontend_nonstream"]):
+                paths = [p for p in paths if self.want(p)]
+                if not paths:
+                    continue
+                requesters, closers, fe = self.open_paths(srv, paths, run_dir / "frontend.log")
+                if fe is not None:
+                    self.pids["frontend"] = fe.proc.pid
                 try:
-                    base_url = f"http://127.0.0.1:{fe.port}/v1"
-                    for system, stream in (("frontend", True), ("frontend_nonstream", False)):
-                        if not self.want(system):
-                            continue
-                        request, close = openai_requester(base_url, fe.name, self.wl, stream)
-
-                        async def sweep_frontend() -> None:
+                    async def sweep() -> None:
+                        for system, request in requesters.items():
                             await self._warm(request)
                             for c in a.concurrency:
                                 recs, wall, extra = await self.measure(request, c, steps=server_steps)
-                                m = metrics(recs, wall, streaming=stream)
+                                m = metrics(recs, wall, streaming=system != "frontend_nonstream")
                                 m.update(extra)
-                                self.check_outputs(m, recs, by_text=True)
+                                self.check_outputs(m, recs, by_text=system != "triton")
                                 self.record(system, c, m)
+                        for close in closers:
                             await close()
 
-                        asyncio.run(sweep_frontend())
+                    asyncio.run(sweep())
                 finally:
-                    fe.stop()
-                    self.pids.pop("frontend", None)
+                    if fe is not None:
+                        fe.stop()
+                        self.pids.pop("frontend", None)
             if self.want("perf_analyzer"):
                 self.run_perf_analyzer(srv, run_dir)
             if self.want("alternating") and a.alternating_rounds > 0:
@@ -914,19 +925,9 @@ class Bench:
         engine = LLMEngine(cfg)  # idle (no CPU) while the servers run
         engine.start()
         fe: Optional[Frontend] = None
-        closers = []
         try:
-            requesters = {"engine": engine_requester(engine, self.wl.prompts, self.wl.sampling)}
-            if "triton" in paths:
-                requesters["triton"], close = triton_requester(srv.grpc_url, self.wl)
-                closers.append(close)
-            if "frontend" in paths or "frontend_nonstream" in paths:
-                fe = Frontend(srv.grpc_url, a.model_path, run_dir / "frontend_alternating.log").start()
-                for system, stream in (("frontend", True), ("frontend_nonstream", False)):
-                    if system in paths:
-                        requesters[system], close = openai_requester(f"http://127.0.0.1:{fe.port}/v1", fe.name,
-                                                                      self.wl, stream)
-                        closers.append(close)
+            served, closers, fe = self.open_paths(srv, paths, run_dir / "frontend_alternating.log")
+            requesters = {"engine": engine_requester(engine, self.wl.prompts, self.wl.sampling), **served}
             tok_s: dict[str, list[float]] = {system: [] for system in requesters}
             errors: dict[str, int] = {system: 0 for system in requesters}
 
@@ -959,16 +960,19 @@ class Bench:
         bracket = [(x + y) / 2 for x, y in zip(eng, eng[1:])]
         per_round: dict[str, list[float]] = {}
         for system in paths:
-            per_round[f"{system}_vs_engine"] = [v / e for v, e in zip(tok_s[system], bracket)]
+            per_round[f"{system}_vs_engine"] = [div(v, e) for v, e in zip(tok_s[system], bracket)]
         if "frontend" in paths and "frontend_nonstream" in paths:
-            per_round["frontend_stream_vs_nonstream"] = [x / y for x, y in zip(tok_s["frontend"],
-                                                                               tok_s["frontend_nonstream"])]
+            per_round["frontend_stream_vs_nonstream"] = [div(x, y) for x, y in zip(tok_s["frontend"],
+                                                                                   tok_s["frontend_nonstream"])]
+        # A round whose baseline measured nothing (every request failed) has no ratio.
+        valid = {k: [x for x in v if x is not None] for k, v in per_round.items()}
         self.results["alternating"] = {
             "concurrency": c, "rounds": a.alternating_rounds, "output_tok_s": tok_s, "errors": errors,
-            "ratios_per_round": per_round, "ratios_median": {k: statistics.median(v) for k, v in per_round.items()},
+            "ratios_per_round": per_round,
+            "ratios_median": {k: statistics.median(v) if v else None for k, v in valid.items()},
         }
         log("alternating medians: " + ", ".join(f"{k}={statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
-                                                for k, v in per_round.items()))
+                                                if v else f"{k}=-" for k, v in valid.items()))
 
     def run_perf_analyzer(self, srv, run_dir: Path) -> None:
         from client.perf import run_perf_analyzer as pa
@@ -1010,9 +1014,6 @@ class Bench:
                 return None
             m = levels.get(level) if level else next(iter(levels.values()))
             return (m or {}).get("output_tok_s")
-
-        def div(x, y):
-            return x / y if x and y else None
 
         eng = tput("engine", top)
         after = tput("engine_after", top)
