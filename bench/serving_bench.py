@@ -341,16 +341,19 @@ def engine_requester(engine, prompts: Sequence[Sequence[int]], sampling: Callabl
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         rec = Rec()
+        texts: list[str] = []
 
         def on_output(out) -> None:  # engine thread
             now = time.perf_counter()
             if out.new_token_ids:
                 rec.chunk_times.append(now)
                 rec.ids.extend(out.new_token_ids)
+            texts.append(out.text)
             rec.cached_tokens = max(rec.cached_tokens, getattr(out, "cached_tokens", 0) or 0)
             if out.finished:
                 rec.end = now
                 rec.tokens = len(rec.ids)
+                rec.text = "".join(texts)
                 rec.error = out.error
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(rec))
 
@@ -583,6 +586,7 @@ class Bench:
         self.wl = Workload(prompts, news, args.temperature, [rng.randrange(2**31) for _ in prompts])
         self.indices = list(range(args.num_requests))
         self.reference_ids: Optional[list[list[int]]] = None  # engine at the first level
+        self.reference_texts: Optional[list[str]] = None  # and the text it released
         self.pids: dict[str, Optional[int]] = {}  # tritonserver / frontend, for CPU accounting
 
     def cpu(self) -> CpuMeter:
@@ -629,8 +633,9 @@ class Bench:
             return
         n = min(len(recs), len(self.reference_ids))
         if by_text:
-            ref: list = [self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-                         for ids in self.reference_ids[:n]]
+            # The engine's own text, not decode(output ids): with prompt context the two differ
+            # where a character's bytes straddle the prompt's end (random prompts do that).
+            ref: list = list(self.reference_texts[:n])
             got: list = [r.text for r in recs[:n]]
         else:
             ref, got = self.reference_ids[:n], [r.ids for r in recs[:n]]
@@ -695,6 +700,7 @@ class Bench:
                 m.update(extra)
                 if self.reference_ids is None or len(recs) > len(self.reference_ids):
                     self.reference_ids = [r.ids for r in recs]
+                    self.reference_texts = [r.text for r in recs]
                 self.check_outputs(m, recs)
                 m["preemptions_total"] = engine.stats().num_preemptions
                 self.record(system, c, m)
