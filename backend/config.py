@@ -47,6 +47,9 @@ class EngineConfig(BaseModel):
     sampling_defaults: Literal["model", "openai"] = "model"
     # CPU threads for the model's torch ops (process-wide). None: torch's default.
     torch_threads: Optional[int] = Field(default=None, ge=1)
+    # Decode steps replayed from CUDA graphs (backend/decode_graphs.py). None: on for CUDA
+    # (vLLM's default; its --enforce-eager is cuda_graphs=false). CPU: always eager.
+    cuda_graphs: Optional[bool] = None
 
     def prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:
@@ -62,6 +65,9 @@ class EngineConfig(BaseModel):
         if self.prefill_tokens_per_decode is not None:
             return self.prefill_tokens_per_decode
         return 0 if self.device.startswith("cuda") else 6
+
+    def use_cuda_graphs(self) -> bool:
+        return self.device.startswith("cuda") and self.cuda_graphs is not False
 
     def torch_dtype(self) -> Optional[torch.dtype]:
         return getattr(torch, self.dtype) if self.dtype else None

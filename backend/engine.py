@@ -91,8 +91,17 @@ class LLMEngine:
         probe = ModelRunnerSizing(model_path, config)
         self.max_model_len = probe.max_model_len
         self.model = ModelRunner(
-            model_path, probe.num_blocks, config.block_size, device=device, dtype=config.torch_dtype()
+            model_path, probe.num_blocks, config.block_size, device=device, dtype=config.torch_dtype(),
+            graph_batch=config.max_num_seqs if config.use_cuda_graphs() else 0,
         )
+        if config.use_cuda_graphs():
+            t0 = time.perf_counter()
+            problem = self.model.enable_decode_graphs()
+            if problem:
+                log.warning("CUDA graphs off, decode runs eagerly: %s", problem)
+            else:
+                log.info("CUDA graphs for decode batches up to %d captured in %.1f s",
+                         self.model.graphs.max_batch, time.perf_counter() - t0)
         self.block_manager = BlockManager(probe.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_cap(),

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import kernels
+from backend.decode_graphs import Capture, DecodeGraphs, capture_cuda_graph, graph_buckets
 from kernels import cpu_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -181,17 +182,28 @@ class ModelRunner:
         block_size: int,
         device: str | torch.device = "cpu",
         dtype: Optional[torch.dtype] = None,
+        graph_batch: int = 0,
     ) -> None:
+        """`graph_batch` > 0 reserves scratch blocks for decode graphs of up to that many
+        sequences (see enable_decode_graphs)."""
         self.config = ModelConfig.from_model_dir(model_path)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.graph_batch = graph_batch
+        self.graphs: Optional[DecodeGraphs] = None
         self._load_weights(Path(model_path))
         c = self.config
+        # Blocks past the pool that no sequence owns: padding rows of a graph replay write
+        # their K/V there. Enough of them for one block per block_size rows of the largest
+        # bucket, which the capture check needs.
+        scratch = -(-graph_buckets(graph_batch)[-1] // block_size) if graph_batch > 0 else 0
+        self.scratch_block = num_blocks
+        self.scratch_slot = num_blocks * block_size
         # Head-major: gathering a sequence's slots yields [kvh, n, max_k, d], which batched
         # matmuls read without a transposing copy.
-        cache_shape = (c.num_layers, c.num_kv_heads, num_blocks * block_size, c.head_dim)
+        cache_shape = (c.num_layers, c.num_kv_heads, (num_blocks + scratch) * block_size, c.head_dim)
         self.k_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
         self.inv_freq = _rope_inv_freq(c).to(self.device)
@@ -210,6 +222,23 @@ class ModelRunner:
             self.decode_attention = "triton"
         else:
             self.decode_attention = "cpu" if cpu_attention.load() is not None else "gather"
+
+    @property
+    def rope_positions(self) -> int:
+        return self._rope_cos.shape[0]
+
+    def enable_decode_graphs(self, capture: Optional[Capture] = None) -> Optional[str]:
+        """Capture decode graphs for up to `graph_batch` sequences and check them against the
+        eager pass. Returns None when they are in use, else why not (the runner stays eager)."""
+        if self.graph_batch <= 0:
+            return "no scratch blocks reserved (graph_batch=0)"
+        try:
+            graphs = DecodeGraphs(self, self.graph_batch, capture or capture_cuda_graph)
+            problem = graphs.self_check()
+        except Exception as exc:  # a capture failure leaves the eager path intact
+            problem = f"capture failed: {type(exc).__name__}: {exc}"
+        self.graphs = None if problem else graphs
+        return problem
 
     def _extend_rope(self, length: int) -> None:
         # Same arithmetic as computing them per step (and as HF): position * inv_freq in float32.
@@ -357,8 +386,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: BatchInput) -> torch.Tensor:
         """Runs the step, writes the new K/V into the cache, returns float32 logits [S, vocab]."""
+        if self.graphs is not None:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits
+        return self.eager_forward(batch)
+
+    @torch.inference_mode()
+    def eager_forward(self, batch: BatchInput) -> torch.Tensor:
         c = self.config
         if batch.max_position >= self._rope_cos.shape[0]:
+            # Captured graphs read the old tables: they go (only past max_position_embeddings).
+            self.graphs = None
             self._extend_rope(2 * (batch.max_position + 1))
         cos = self._rope_cos[batch.positions][:, None, :]
         sin = self._rope_sin[batch.positions][:, None, :]
@@ -412,7 +451,7 @@ class ModelRunner:
 
     def _gather(self, cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         kvh, _, d = cache.shape
-        blocks = cache.view(kvh, self.num_blocks, self.block_size * d)
+        blocks = cache.view(kvh, -1, self.block_size * d)
         return torch.index_select(blocks, 1, g.gather_blocks).view(kvh, g.num_seqs, -1, d)
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup) -> torch.Tensor:

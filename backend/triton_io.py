@@ -137,6 +137,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "enable_prefix_caching": _flag,
         "enable_custom_logit_processor": _flag,
         "torch_threads": int,
+        "cuda_graphs": _flag,
     }
     out: dict[str, Any] = {}
     for name, cast in fields.items():

@@ -1,0 +1,139 @@
+"""Decode graphs (backend/decode_graphs.py): bucketing, padding and the capture check, on the CPU.
+
+The CUDA capture itself needs a GPU; here `eager_replay` stands in for it (a replay runs the
+forward pass again over the same static buffers), which exercises everything around it: the
+buffers, the padding rows and their scratch blocks, the fallbacks, and equality with the
+eager engine token for token.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.decode_graphs import eager_replay, graph_buckets
+from backend.engine import LLMEngine
+from backend.model_runner import ModelRunner
+from backend.sampling_params import SamplingParams
+from backend.triton_io import engine_config_overrides
+
+BLOCKS, BS = 256, 16
+
+
+def test_buckets():
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(5) == [1, 2, 4, 5]
+    assert graph_buckets(8) == [1, 2, 4, 8]
+    assert graph_buckets(12) == [1, 2, 4, 8, 16]
+    assert graph_buckets(128) == [1, 2, 4, 8] + list(range(16, 129, 16))
+
+
+def test_config_flag():
+    assert engine_config_overrides({"cuda_graphs": "false"}, {}) == {"cuda_graphs": False}
+    assert engine_config_overrides({}, {"LLM_CUDA_GRAPHS": "1"}) == {"cuda_graphs": True}
+    assert not EngineConfig(model_path="x", device="cpu", cuda_graphs=True).use_cuda_graphs()
+    assert EngineConfig(model_path="x", device="cuda").use_cuda_graphs()
+    assert not EngineConfig(model_path="x", device="cuda", cuda_graphs=False).use_cuda_graphs()
+
+
+def _engine(path, graphs: bool) -> LLMEngine:
+    eng = LLMEngine(EngineConfig(model_path=path, device="cpu", dtype="float32", num_kv_blocks=BLOCKS,
+                                 block_size=BS, max_num_seqs=8, enable_prefix_caching=False))
+    if graphs:
+        eng.model = ModelRunner(path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=8)
+        assert eng.model.enable_decode_graphs(capture=eager_replay) is None
+    return eng
+
+
+def test_engine_with_graphs_equals_eager(demo_model_path):
+    rng = random.Random(3)
+    eager, graphed = _engine(demo_model_path, False), _engine(demo_model_path, True)
+    vocab = eager.vocab_size
+    # 7 prompts, 6 with a max_new_tokens of their own: the decode batch shrinks through
+    # 7, 6, ..., 1 sequences, so most steps pad up to a bucket (8, 4, 2).
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(3, 70))] for _ in range(7)]
+    params = [SamplingParams(max_new_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(7)]
+    want = eager.generate(prompts, params)
+    got = graphed.generate(prompts, params)
+    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+    assert graphed.model.graphs.replays > 20
+    for eng in (eager, graphed):
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_padding_rows_touch_only_scratch(demo_model_path):
+    runner = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=8)
+    assert runner.enable_decode_graphs(capture=eager_replay) is None
+    for cache in (runner.k_cache, runner.v_cache):
+        cache.normal_()
+    before_k, before_v = runner.k_cache.clone(), runner.v_cache.clone()
+    # Three sequences decode (bucket 4: one padding row): each writes exactly its own slot.
+    chunks = [([5], 20, [1, 2], True), ([6], 3, [7], True), ([7], 40, [9, 10, 11], True)]
+    batch = runner.prepare(chunks)
+    assert batch.decode_only
+    logits = runner.forward(batch)
+    assert runner.graphs.replays == 1 and logits.shape[0] == 3
+    written = {2 * BS + 4, 7 * BS + 3, 11 * BS + 8}
+    scratch = set(range(BLOCKS * BS, runner.k_cache.shape[2]))
+    changed = ((runner.k_cache != before_k) | (runner.v_cache != before_v)).any(dim=(0, 1, 3))
+    changed_slots = set(torch.nonzero(changed).flatten().tolist())
+    assert written <= changed_slots and changed_slots - written <= scratch
+
+
+def test_same_logits_as_eager_forward(demo_model_path):
+    runner = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=8)
+    assert runner.enable_decode_graphs(capture=eager_replay) is None
+    runner.k_cache.normal_()
+    runner.v_cache.normal_()
+    chunks = [([5], 20, [1, 2], True), ([6], 3, [7], True)]
+    graphed = runner.forward(runner.prepare(chunks))
+    eager = runner.eager_forward(runner.prepare(chunks))  # same K/V written again: same inputs
+    torch.testing.assert_close(graphed, eager)
+
+
+def test_prefill_and_oversized_steps_run_eagerly(demo_model_path):
+    runner = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=2)
+    assert runner.enable_decode_graphs(capture=eager_replay) is None
+    runner.forward(runner.prepare([([1, 2, 3], 0, [1], True)]))  # a prefill chunk
+    runner.forward(runner.prepare([([1], 5, [1], True)] * 3))  # 3 decodes > largest bucket (2)
+    assert runner.graphs.replays == 0
+    runner.forward(runner.prepare([([1], 5, [1], True)] * 2))
+    assert runner.graphs.replays == 1
+
+
+def test_bad_capture_is_rejected(demo_model_path):
+    runner = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=4)
+
+    def wrong(forward, pool):  # replays something other than the forward pass
+        out = forward()
+        return (lambda: out.zero_()), out
+
+    problem = runner.enable_decode_graphs(capture=wrong)
+    assert problem and "difference" in problem and runner.graphs is None
+
+    def failing(forward, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    problem = runner.enable_decode_graphs(capture=failing)
+    assert problem and "capture failed" in problem and runner.graphs is None
+    assert ModelRunner(demo_model_path, BLOCKS, BS, device="cpu").enable_decode_graphs() is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graph capture: CUDA only")
+def test_cuda_graphs_equal_eager_on_gpu(demo_model_path):
+    def engine(graphs: bool) -> LLMEngine:
+        return LLMEngine(EngineConfig(model_path=demo_model_path, device="cuda", dtype="float32", num_kv_blocks=BLOCKS,
+                                      block_size=BS, max_num_seqs=16, cuda_graphs=graphs))
+
+    graphed, eager = engine(True), engine(False)
+    assert graphed.model.graphs is not None and eager.model.graphs is None
+    rng = random.Random(5)
+    prompts = [[rng.randrange(eager.vocab_size) for _ in range(rng.randint(3, 70))] for _ in range(11)]
+    params = [SamplingParams(max_new_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(11)]
+    want = eager.generate(prompts, params)
+    got = graphed.generate(prompts, params)
+    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+    assert graphed.model.graphs.replays > 10
