@@ -5,6 +5,8 @@
 Prints generated tokens/s for: HF generate one request at a time, HF generate as one padded
 static batch, and the engine with all requests submitted at once (continuous batching), then
 the ratios. All runs are greedy with EOS ignored, so every system produces the same tokens.
+On CUDA the engine runs once more with its decode graphs set aside (`cuda_graphs_vs_eager`,
+and whether both runs gave the same tokens).
 """
 
 from __future__ import annotations
@@ -52,13 +54,13 @@ def hf_static_batch(model, prompts, new_tokens, device) -> float:
     return time.perf_counter() - start
 
 
-def engine_run(engine: LLMEngine, prompts, new_tokens) -> float:
+def engine_run(engine: LLMEngine, prompts, new_tokens) -> tuple[float, list[list[int]]]:
     params = [engine.parse_params({"temperature": 0, "max_new_tokens": n, "ignore_eos": True}) for n in new_tokens]
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
     assert [len(o.new_token_ids) for o in outs] == new_tokens
-    return elapsed
+    return elapsed, [o.new_token_ids for o in outs]
 
 
 def main() -> None:
@@ -87,8 +89,19 @@ def main() -> None:
     hf_one_by_one(model, prompts[:1], [4], args.device)
 
     results = {"device": args.device, "num_requests": args.num_requests, "generated_tokens": total}
-    t_engine = engine_run(engine, prompts, new_tokens)
+    t_engine, ids = engine_run(engine, prompts, new_tokens)
     results["engine_tok_s"] = total / t_engine
+    graphs = engine.model.graphs
+    if graphs is not None:
+        # The same engine with its CUDA graphs set aside: what they buy, and that they change
+        # no token.
+        results["cuda_graph_replays"] = graphs.replays
+        engine.model.graphs = None
+        t_eager, eager_ids = engine_run(engine, prompts, new_tokens)
+        engine.model.graphs = graphs
+        results["engine_eager_tok_s"] = total / t_eager
+        results["cuda_graphs_vs_eager"] = t_eager / t_engine
+        results["cuda_graphs_outputs_equal"] = eager_ids == ids
     t_static = hf_static_batch(model, prompts, new_tokens, args.device)
     results["hf_static_batch_tok_s"] = total / t_static
     if not args.skip_one_by_one:
