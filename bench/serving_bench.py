@@ -541,6 +541,20 @@ def div(x: Optional[float], y: Optional[float]) -> Optional[float]:
     return x / y if x and y else None
 
 
+def bracket(engine_runs: Sequence[float]) -> list[float]:
+    """Round i's engine baseline: the mean of the engine runs just before and after it."""
+    return [(x + y) / 2 for x, y in zip(engine_runs, engine_runs[1:])]
+
+
+def medians(per_round: dict[str, list[Optional[float]]]) -> dict[str, Optional[float]]:
+    """Median of each ratio over its rounds (logged with their range). A round whose baseline
+    measured nothing (every request failed) has no ratio and is left out."""
+    valid = {k: [x for x in v if x is not None] for k, v in per_round.items()}
+    log("alternating medians: " + ", ".join(f"{k}={statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+                                            if v else f"{k}=-" for k, v in valid.items()))
+    return {k: statistics.median(v) if v else None for k, v in valid.items()}
+
+
 # ====================================================================== engine step time
 StepCounters = Callable[[], Optional[tuple[float, float, float]]]  # (steps, step seconds, thread CPU seconds)
 
@@ -658,13 +672,10 @@ class Bench:
         if not (self.want("hf_one_by_one") or self.want("hf_static")):
             return
         a = self.args
-        # The engine's dtype rule: an explicit dtype, else bf16 on CUDA and fp32 on CPU.
-        name = a.engine_args.get("dtype")
-        dtype = getattr(torch, name) if name else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
-        model = hf_model(a.model_path, a.device, dtype)
+        model = self.hf_model()
         hf_one_by_one(model, self.wl, [0], a.device)  # warm-up
         if self.want("hf_one_by_one"):
-            idx = self.indices[: a.hf_one_by_one_requests] if a.hf_one_by_one_requests else self.indices
+            idx = self.hf_one_indices()
             log(f"HF generate one at a time: {len(idx)} requests")
             recs, wall = hf_one_by_one(model, self.wl, idx, a.device)
             m = metrics(recs, wall)
@@ -679,6 +690,62 @@ class Bench:
             self.record("hf_static", len(self.indices), m)
         del model
         free_device_memory()
+
+    def hf_model(self):
+        # The engine's dtype rule: an explicit dtype, else bf16 on CUDA and fp32 on CPU.
+        a = self.args
+        name = a.engine_args.get("dtype")
+        dtype = getattr(torch, name) if name else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
+        return hf_model(a.model_path, a.device, dtype)
+
+    def hf_one_indices(self) -> list[int]:
+        a = self.args
+        return self.indices[: a.hf_one_by_one_requests] if a.hf_one_by_one_requests else self.indices
+
+    def run_hf_alternating(self) -> None:
+        """HF's baselines and the engine in turns, `--alternating-rounds` times, the engine once
+        more at the end. As for the server paths: this machine's speed drifts by tens of percent
+        within minutes, so each HF run is compared with the engine runs just before and after it,
+        and the medians of those per-round ratios are the ones checked against the targets."""
+        from backend.engine import LLMEngine
+
+        a = self.args
+        hf = [x for x in ("hf_static", "hf_one_by_one") if self.want(x)]
+        if not (self.want("alternating") and a.alternating_rounds > 0 and self.want("engine") and hf):
+            return
+        c = max(a.concurrency)
+        log(f"alternating rounds: engine at c={c}, {', '.join(hf)}; {a.alternating_rounds} rounds")
+        model = self.hf_model()
+        cfg, _ = engine_config(a, **self.main_prefix_override())
+        engine = LLMEngine(cfg)  # idle (no CPU) while HF runs
+        engine.start()
+        tok_s: dict[str, list[float]] = {"engine": [], **{x: [] for x in hf}}
+        try:
+            request = engine_requester(engine, self.wl.prompts, self.wl.sampling)
+            asyncio.run(self._warm(request))
+            hf_one_by_one(model, self.wl, [0], a.device)  # warm-up
+
+            def run_engine() -> None:
+                recs, wall = asyncio.run(closed_loop(request, self.indices, c))
+                tok_s["engine"].append(metrics(recs, wall)["output_tok_s"])
+
+            run_engine()
+            for _ in range(a.alternating_rounds):
+                if "hf_static" in hf:
+                    tok_s["hf_static"].append(metrics(*hf_static_batch(model, self.wl, self.indices, a.device))["output_tok_s"])
+                if "hf_one_by_one" in hf:
+                    recs, wall = hf_one_by_one(model, self.wl, self.hf_one_indices(), a.device)
+                    tok_s["hf_one_by_one"].append(metrics(recs, wall)["output_tok_s"])
+                run_engine()
+                log("  round: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in tok_s.items()) + " tok/s")
+        finally:
+            engine.shutdown()
+            del engine, model
+            free_device_memory()
+        around = bracket(tok_s["engine"])
+        per_round = {f"engine_vs_{x}": [div(e, v) for e, v in zip(around, tok_s[x])] for x in hf}
+        self.results["alternating_hf"] = {"concurrency": c, "rounds": a.alternating_rounds, "output_tok_s": tok_s,
+                                          "ratios_per_round": per_round, "ratios_median": medians(per_round)}
 
     # ------------------------------------------------------------------ engine
     def run_engine(self, system: str = "engine", levels: Optional[Sequence[int]] = None) -> None:
@@ -962,23 +1029,17 @@ class Bench:
             engine.shutdown()
             del engine
             free_device_memory()
-        eng = tok_s["engine"]
-        bracket = [(x + y) / 2 for x, y in zip(eng, eng[1:])]
-        per_round: dict[str, list[float]] = {}
+        around = bracket(tok_s["engine"])
+        per_round: dict[str, list[Optional[float]]] = {}
         for system in paths:
-            per_round[f"{system}_vs_engine"] = [div(v, e) for v, e in zip(tok_s[system], bracket)]
+            per_round[f"{system}_vs_engine"] = [div(v, e) for v, e in zip(tok_s[system], around)]
         if "frontend" in paths and "frontend_nonstream" in paths:
             per_round["frontend_stream_vs_nonstream"] = [div(x, y) for x, y in zip(tok_s["frontend"],
                                                                                    tok_s["frontend_nonstream"])]
-        # A round whose baseline measured nothing (every request failed) has no ratio.
-        valid = {k: [x for x in v if x is not None] for k, v in per_round.items()}
         self.results["alternating"] = {
             "concurrency": c, "rounds": a.alternating_rounds, "output_tok_s": tok_s, "errors": errors,
-            "ratios_per_round": per_round,
-            "ratios_median": {k: statistics.median(v) if v else None for k, v in valid.items()},
+            "ratios_per_round": per_round, "ratios_median": medians(per_round),
         }
-        log("alternating medians: " + ", ".join(f"{k}={statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
-                                                if v else f"{k}=-" for k, v in valid.items()))
 
     def run_perf_analyzer(self, srv, run_dir: Path) -> None:
         from client.perf import run_perf_analyzer as pa
@@ -1037,12 +1098,14 @@ class Bench:
             "prefix_ttft_off_over_on": (self.results.get("prefix") or {}).get("ttft_p50_off_over_on"),
             "chunked_prefill_itl_p99_ratio": (self.results.get("chunked") or {}).get("itl_p99_ratio"),
         }
-        alternating = (self.results.get("alternating") or {}).get("ratios_median") or {}
-        if alternating:  # medians of round-by-round ratios: sturdier on a machine whose speed drifts
-            r["single_sweep"] = {k: r[k] for k in ("triton_vs_engine", "frontend_vs_engine",
-                                                   "frontend_nonstream_vs_engine", "frontend_stream_vs_nonstream")}
-            r.update(alternating)
-            r["server_ratios_from"] = f"median of {self.results['alternating']['rounds']} alternating rounds"
+        # Medians of round-by-round ratios replace the single sweep's: sturdier on a machine whose
+        # speed drifts. The sweep's values stay in single_sweep.
+        for section, label in (("alternating", "server_ratios_from"), ("alternating_hf", "hf_ratios_from")):
+            medians_ = (self.results.get(section) or {}).get("ratios_median") or {}
+            if medians_:
+                r.setdefault("single_sweep", {}).update({k: r.get(k) for k in medians_})
+                r.update(medians_)
+                r[label] = f"median of {self.results[section]['rounds']} alternating rounds"
         per_level = {}
         for c in map(str, self.args.concurrency):
             e = bracket if c == top else tput("engine", c)
@@ -1149,9 +1212,11 @@ def print_ratios(r: dict[str, Any], results: dict[str, Any]) -> None:
         met = check["met"]
         status = "n/a" if met is None else ("met" if met else "MISSED")
         print(f"  {name:32s} {'-' if v is None else f'{v:7.2f}':>8s}   target {check['target']:6s}  {status}")
-    if r.get("server_ratios_from"):
-        single = ", ".join(f"{k}={v:.2f}" for k, v in r["single_sweep"].items() if v is not None)
-        print(f"  server-path ratios above: {r['server_ratios_from']} (the sweep alone: {single})")
+    for label, kind, is_hf in (("hf_ratios_from", "engine-vs-HF", True), ("server_ratios_from", "server-path", False)):
+        if r.get(label):
+            single = ", ".join(f"{k}={v:.2f}" for k, v in r["single_sweep"].items()
+                               if v is not None and k.startswith("engine_vs_hf") == is_hf)
+            print(f"  {kind} ratios above: {r[label]} (the sweep alone: {single})")
     if r.get("frontend_nonstream_vs_engine") is not None:
         print(f"  {'frontend_nonstream_vs_engine':32s} {r['frontend_nonstream_vs_engine']:8.2f}")
     if r.get("engine_drift") is not None:
@@ -1278,7 +1343,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     log(f"workload: {args.num_requests} requests, {results['workload']['total_prompt_tokens']} prompt / "
         f"{results['workload']['total_output_tokens']} output tokens; levels {args.concurrency}; device {args.device}")
     t0 = time.perf_counter()
-    steps = (("hf", bench.run_hf), ("engine", bench.run_engine), ("prefix", bench.run_prefix),
+    steps = (("hf", bench.run_hf), ("engine", bench.run_engine), ("hf_alternating", bench.run_hf_alternating),
+             ("prefix", bench.run_prefix),
              ("chunked", bench.run_chunked), ("servers", lambda: bench.run_servers(run_dir)),
              ("engine_after", bench.run_engine_after))
     for name, step in steps:
