@@ -23,15 +23,12 @@ calling the forward pass again); `capture_cuda_graph` is the real one.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 if TYPE_CHECKING:
     from backend.model_runner import BatchInput, ModelRunner
-
-log = logging.getLogger(__name__)
 
 Forward = Callable[[], torch.Tensor]
 # (forward, memory pool) -> (replay(), the tensor replay() refreshes)
