@@ -90,11 +90,12 @@ class LLMEngine:
         device = torch.device(config.device)
         probe = ModelRunnerSizing(model_path, config)
         self.max_model_len = probe.max_model_len
+        graph_batch = config.max_num_seqs if config.use_cuda_graphs() else 0
         self.model = ModelRunner(
             model_path, probe.num_blocks, config.block_size, device=device, dtype=config.torch_dtype(),
-            graph_batch=config.max_num_seqs if config.use_cuda_graphs() else 0,
+            graph_batch=graph_batch,
         )
-        if config.use_cuda_graphs():
+        if graph_batch:
             t0 = time.perf_counter()
             problem = self.model.enable_decode_graphs()
             if problem:

@@ -190,7 +190,6 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.graph_batch = graph_batch
         self.graphs: Optional[DecodeGraphs] = None
         self._load_weights(Path(model_path))
