@@ -50,6 +50,11 @@ class EngineConfig(BaseModel):
     # Decode steps replayed from CUDA graphs (backend/decode_graphs.py). None: on for CUDA
     # (vLLM's default; its --enforce-eager is cuda_graphs=false). CPU: always eager.
     cuda_graphs: Optional[bool] = None
+    # Jump-forward decoding for structured output: text the grammar forces (a JSON key, the
+    # literal part of a regex) is appended without sampling and computed in the next step as
+    # one chunk (backend/grammar.py). Off by default: the forced text's token boundaries are
+    # the tokenizer's, not the model's choice, so outputs differ from token-by-token decoding.
+    enable_jump_forward: bool = False
 
     def prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:

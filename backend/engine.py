@@ -78,6 +78,8 @@ class EngineStats:
     # GIL (on a small host, the server's response handling competes with the model).
     step_seconds_total: float = 0.0
     step_thread_cpu_seconds_total: float = 0.0
+    # Of generation_tokens_total, the tokens a grammar forced (jump-forward decoding).
+    jump_forward_tokens_total: int = 0
 
 
 class LLMEngine:
@@ -127,6 +129,7 @@ class LLMEngine:
         self._next_cancel_poll = 0.0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._jump_forward_tokens_total = 0
         self._step_seconds = 0.0
         self._step_cpu_seconds = 0.0
         self.on_step: Optional[Callable[[EngineStats], None]] = None
@@ -245,6 +248,7 @@ class LLMEngine:
             num_cached_kv_blocks=self.block_manager.num_cached_blocks,
             step_seconds_total=self._step_seconds,
             step_thread_cpu_seconds_total=self._step_cpu_seconds,
+            jump_forward_tokens_total=self._jump_forward_tokens_total,
         )
 
     def has_unfinished(self) -> bool:
@@ -353,15 +357,18 @@ class LLMEngine:
             seq.token_ids.append(token)
             self._generation_tokens_total += 1
             grammar_done = False
+            forced: list[int] = []
             if tracked.grammar is not None:
                 if not tracked.grammar.accept(token):
                     self._end(seq.request_id, FinishReason.ABORT, error=f"the grammar rejected token {token}")
                     continue
                 grammar_done = tracked.grammar.is_terminated
+                if self.config.enable_jump_forward and not grammar_done:
+                    forced = self._jump_forward(tracked)
             if lp is not None:
                 tracked.state.add_logprobs(self._logprob_entries("output", [lp], seq.params))
             try:
-                out = tracked.state.on_tokens(seq, [token], grammar_done=grammar_done)
+                out = tracked.state.on_tokens(seq, [token, *forced], grammar_done=grammar_done)
             except StopRegexTimeout as exc:
                 self._end(seq.request_id, FinishReason.ABORT, error=str(exc), code="invalid_arg")
                 continue
@@ -370,6 +377,28 @@ class LLMEngine:
                 self._forget(tracked)
             if out is not None:
                 self._emit(tracked, out)
+
+    def _jump_forward(self, tracked: _Tracked) -> list[int]:
+        """Append the tokens the sequence's grammar forces after its newest token (see
+        EngineConfig.enable_jump_forward); they are computed with the next step's chunk."""
+        seq = tracked.seq
+        params = seq.params
+        # Not after a stop token (the sequence ends with it), nor with logprobs (forced tokens
+        # have none) or stop strings (checked per token, so no output token follows a match).
+        if params.return_logprob or params.stop or params.stop_regex or seq.token_ids[-1] in params.stop_token_ids:
+            return []
+        # A stop token ends a sequence only as its newest token: the jump stops before one, and
+        # the model, which may then only sample it, ends the sequence as usual.
+        forced = tracked.grammar.jump_forward(
+            self._encode_forced, seq.max_new_tokens - seq.num_output_tokens, stop_before=params.stop_token_ids
+        )
+        seq.token_ids.extend(forced)
+        self._generation_tokens_total += len(forced)
+        self._jump_forward_tokens_total += len(forced)
+        return forced
+
+    def _encode_forced(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _logit_rows(self, seq: Sequence, start: int, n: int, samples: bool) -> Any:
         """Which rows of this chunk need logits: the sampling row, plus prompt positions

@@ -19,7 +19,8 @@ The engine uses three things:
 * ``GrammarCompiler.matcher(compiled)`` gives a ``GrammarState`` for one sequence.
 * Per step: ``state.fill_bitmask(bitmask, row)`` before the draw (masked logits are set to -inf
   by ``kernels.apply_token_bitmask``), then ``state.accept(token)`` with the drawn token, then
-  ``state.is_terminated``.
+  ``state.is_terminated``; with jump-forward decoding on, ``state.jump_forward(encode, limit)``
+  for the tokens the grammar now forces.
 
 EOS: the matcher treats the model's stop tokens (EOS) as part of the grammar. It allows a stop
 token only where the grammar can end (e.g. after the closing ``}`` of a JSON document), and it
@@ -62,7 +63,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Collection, Iterable, Optional
 
 import torch
 
@@ -278,9 +279,39 @@ class GrammarState:
         return self._num_accepted
 
     def jump_forward_string(self) -> str:
-        """The text the grammar forces next ("" if none). Informational: the engine does not
-        jump forward."""
-        return self._matcher.find_jump_forward_string()
+        """The text the grammar forces next ("" if none): every continuation starts with it."""
+        try:
+            return self._matcher.find_jump_forward_string()
+        except UnicodeDecodeError:
+            # The forced bytes start or end inside a character (the model's last token held only
+            # its first byte): there is no text to tokenize, so nothing is jumped here.
+            return ""
+
+    def jump_forward(
+        self, encode: Callable[[str], list[int]], limit: int, stop_before: Collection[int] = ()
+    ) -> list[int]:
+        """Jump-forward decoding: the tokens of the text the grammar forces next, accepted here,
+        at most ``limit`` and none from ``stop_before`` onwards. The engine appends them without
+        sampling.
+
+        The forced text is tokenized on its own and its last token is left to the model: the
+        tokenizer would often merge it with what follows (``"`` with ``,``, a key's last letters
+        with ``":``), and a forced boundary there would hand the model a token split it never saw
+        in training. Tokens are accepted one at a time and the jump stops at the first one the
+        matcher refuses (a special token the text happens to spell, a tokenizer that prepends a
+        space), so the grammar's state is always exactly the accepted tokens.
+        """
+        if limit <= 0 or self._matcher.is_terminated():
+            return []
+        text = self.jump_forward_string()
+        if not text:
+            return []
+        taken: list[int] = []
+        for token in encode(text)[:-1][:limit]:
+            if token in stop_before or not self.accept(token):
+                break
+            taken.append(token)
+        return taken
 
 
 class _Job:

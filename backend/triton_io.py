@@ -138,6 +138,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "enable_custom_logit_processor": _flag,
         "torch_threads": int,
         "cuda_graphs": _flag,
+        "enable_jump_forward": _flag,
     }
     out: dict[str, Any] = {}
     for name, cast in fields.items():

@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -48,15 +49,16 @@ def demo_model_path() -> Path:
 @pytest.fixture(scope="session")
 def start_triton(demo_model_path, tmp_path_factory):
     """Starts the real tritonserver on model_repository/ (free ports) with the demo model:
-    `with start_triton(num_kv_blocks=256, max_model_len=1024) as server: ...`. Prints the end of
+    `with start_triton(num_kv_blocks=256, max_model_len=1024) as server: ...` (`env`: more
+    LLM_* settings). Prints the end of
     the server's log when it does not come up."""
     from client.local_server import LocalTritonServer
 
     @contextlib.contextmanager
-    def start(num_kv_blocks: int, max_model_len: int, name: str = "triton"):
+    def start(num_kv_blocks: int, max_model_len: int, name: str = "triton", env: Optional[dict[str, str]] = None):
         log = tmp_path_factory.mktemp(name) / "server.log"
         env = {"LLM_MODEL_PATH": str(demo_model_path), "LLM_NUM_KV_BLOCKS": str(num_kv_blocks),
-               "LLM_MAX_MODEL_LEN": str(max_model_len)}
+               "LLM_MAX_MODEL_LEN": str(max_model_len), **(env or {})}
         server = LocalTritonServer(env=env, log_file=log)
         try:
             server.start(timeout=240)

@@ -4,6 +4,10 @@ The demo model has random weights, so at temperature 1.0 everything it writes co
 grammar: whatever it samples must still be valid. Requests are sent concurrently (the engine
 batches them), with every spelling a client may use: SGLang's ``json_schema`` / ``regex`` /
 ``ebnf`` / ``structural_tag``, vLLM's ``guided_*`` and OpenAI's ``response_format``.
+
+This module's server runs with jump-forward decoding on (``LLM_ENABLE_JUMP_FORWARD=1``), so every
+constraint here is also checked with the text it forces appended unsampled; the other server
+tests (``test_triton_server``, ``test_openai_sdk``, ...) send constraints to the default, off.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ MAX_NEW = 512  # the schema's documents take about 150-300 tokens of the demo mo
 
 @pytest.fixture(scope="module")
 def server(start_triton):
-    with start_triton(num_kv_blocks=2048, max_model_len=1024) as srv:
+    with start_triton(num_kv_blocks=2048, max_model_len=1024, env={"LLM_ENABLE_JUMP_FORWARD": "1"}) as srv:
         yield srv
 
 
@@ -72,6 +76,21 @@ def test_json_schema_50_requests_at_temperature_1_validate(client):
         texts.add(out["text_output"])
     assert len(texts) == 50  # really sampled
     print(f"50 JSON-schema requests in {elapsed:.1f} s")
+
+
+def test_forced_text_is_jumped_over_and_counted(server, client):
+    from tests.test_metrics import scrape, value
+
+    form = r"Answer: (yes|no)\. Confidence: [0-9]{2}%\."
+    before = value(scrape(server), "llm_jump_forward_tokens_total")
+    outs = generate_all(client, [ask(f"Q{i}:", {**T1, "max_new_tokens": 64, "seed": i, "regex": form}) for i in range(4)])
+    for out in outs:
+        assert out["finish_reason"] == "stop" and re.fullmatch(form, out["text_output"]), out["text_output"]
+    # Metrics are published at most once a second.
+    deadline = time.monotonic() + 10
+    while (jumped := value(scrape(server), "llm_jump_forward_tokens_total") - before) < 4 * 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert jumped >= 4 * 4  # "Answer: " and ". Confidence: " less their last tokens, per request
 
 
 def test_regex_outputs_fullmatch(client):

@@ -1,0 +1,215 @@
+"""Jump-forward decoding: text a grammar forces is appended without sampling (EngineConfig
+.enable_jump_forward). The grammar side (which tokens, where the jump stops) against xgrammar's
+own matcher, and the engine side through its real step loop on the demo model: outputs satisfy
+their constraint, take fewer steps, stream the same ids and text as the final output, respect
+max_new_tokens, preemption and the pool."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.grammar import GrammarCompiler
+from backend.triton_io import engine_config_overrides
+
+FORM = r"Answer: (yes|no)\. Confidence: [0-9]{2}%\. Reason: [a-z]{3,12}\."
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "status": {"enum": ["active", "inactive"]},
+        "owner": {"type": "object", "properties": {"role": {"enum": ["administrator", "guest"]}},
+                  "required": ["role"], "additionalProperties": False},
+    },
+    "required": ["status", "owner"],
+    "additionalProperties": False,
+}
+T1 = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model_path):
+    from backend.tokenizer import load_tokenizer
+
+    return load_tokenizer(demo_model_path)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    c = GrammarCompiler(tokenizer, 4096)
+    yield c
+    c.shutdown()
+
+
+def encoder(tokenizer):
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
+def make_engine(path, **kw) -> LLMEngine:
+    kw = {"num_kv_blocks": 256, "block_size": 16, "enable_jump_forward": True, **kw}
+    return LLMEngine(EngineConfig(model_path=path, device="cpu", dtype="float32", max_num_batched_tokens=256, **kw))
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_path):
+    eng = make_engine(demo_model_path)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _pool_free(request):
+    yield
+    if "engine" in request.fixturenames:
+        eng = request.getfixturevalue("engine")
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        assert eng.sampler.token_counts.num_tracked == 0
+
+
+# ------------------------------------------------------------------------------------ grammar
+def test_forced_text_is_taken_but_its_last_token(compiler, tokenizer):
+    state = compiler.matcher(compiler.compile("regex", FORM))
+    forced = state.jump_forward_string()
+    assert forced == "Answer: "
+    encode = encoder(tokenizer)
+    taken = state.jump_forward(encode, limit=100)
+    assert taken == encode(forced)[:-1] and taken
+    assert state.num_accepted == len(taken)
+    # The matcher is exactly past the taken tokens: what is still forced is the rest.
+    assert tokenizer.decode(taken) + state.jump_forward_string() == forced
+
+
+def test_jump_respects_limit_stop_tokens_and_refusals(compiler, tokenizer):
+    encode = encoder(tokenizer)
+    full = encode("Answer: ")[:-1]
+    assert len(full) >= 2
+
+    state = compiler.matcher(compiler.compile("regex", FORM))
+    assert state.jump_forward(encode, limit=1) == full[:1]
+    assert state.jump_forward(encode, limit=0) == []
+
+    state = compiler.matcher(compiler.compile("regex", FORM))
+    assert state.jump_forward(encode, limit=100, stop_before={full[1]}) == full[:1]
+
+    # Tokens the matcher refuses (here: another text than the forced one) end the jump at once,
+    # and leave the matcher where it was.
+    state = compiler.matcher(compiler.compile("regex", FORM))
+    assert state.jump_forward(lambda text: encode("Question: "), limit=100) == []
+    assert state.num_accepted == 0 and state.jump_forward_string() == "Answer: "
+
+
+def test_nothing_is_forced_where_the_model_has_a_choice(compiler, tokenizer):
+    state = compiler.matcher(compiler.compile("regex", r"[a-z]{1,4}(yes|no)"))
+    assert state.jump_forward_string() == ""
+    assert state.jump_forward(encoder(tokenizer), limit=100) == []
+
+
+def test_forced_bytes_inside_a_character_force_nothing(compiler, tokenizer):
+    # "ã" is two bytes; a byte-level token holding only the first leaves its second byte (not
+    # text on its own) as what is forced next.
+    state = compiler.matcher(compiler.compile("regex", "não sei"))
+    first_byte = tokenizer.convert_tokens_to_ids("Ã")  # the byte-level alphabet's 0xC3
+    assert state.accept(tokenizer.convert_tokens_to_ids("n")) and state.accept(first_byte)
+    assert state.jump_forward_string() == ""
+    assert state.jump_forward(encoder(tokenizer), limit=100) == []
+    assert state.accept(tokenizer.convert_tokens_to_ids("£"))  # 0xA3: the rest of "ã"
+    assert state.jump_forward_string() == "o sei"
+
+
+def test_config_flag_is_off_by_default_and_parsed():
+    assert EngineConfig(model_path="x", device="cpu").enable_jump_forward is False
+    assert engine_config_overrides({"enable_jump_forward": "true"}, {}) == {"enable_jump_forward": True}
+    assert engine_config_overrides({}, {"LLM_ENABLE_JUMP_FORWARD": "0"}) == {"enable_jump_forward": False}
+
+
+# ------------------------------------------------------------------------------------- engine
+def _prompts(engine, n: int) -> list[list[int]]:
+    return [engine.tokenizer(f"Request {i}: answer in the form.").input_ids for i in range(n)]
+
+
+def test_forced_tokens_save_steps_and_outputs_satisfy_the_constraint(demo_model_path, engine):
+    params = [engine.parse_params({**T1, "seed": i, "max_new_tokens": 200, "regex": FORM}) for i in range(6)]
+    before = engine.stats()
+    outs = engine.generate(_prompts(engine, 6), params)
+    after = engine.stats()
+    forced = after.jump_forward_tokens_total - before.jump_forward_tokens_total
+    generated = sum(o.completion_tokens for o in outs)
+    for o in outs:
+        assert o.finish_reason == "stop" and re.fullmatch(FORM, o.text), o.text
+    assert forced >= 6 * 10  # "Answer: ", ". Confidence: ", "%. Reason: " less their last tokens
+    assert after.generation_tokens_total - before.generation_tokens_total == generated
+    # All six run in one batch: it takes as many steps as the longest output, less its jumps.
+    assert after.num_steps - before.num_steps < max(o.completion_tokens for o in outs) - 8
+
+    plain = make_engine(demo_model_path, enable_jump_forward=False)
+    try:
+        before = plain.stats()
+        plain_outs = plain.generate(_prompts(plain, 6), params)
+        assert plain.stats().jump_forward_tokens_total == 0
+        assert all(re.fullmatch(FORM, o.text) for o in plain_outs)
+        assert plain.stats().num_steps - before.num_steps >= max(o.completion_tokens for o in plain_outs)
+    finally:
+        plain.shutdown()
+
+
+def test_json_schema_with_jump_forward_validates(engine):
+    params = [engine.parse_params({**T1, "seed": i, "max_new_tokens": 400, "json_schema": json.dumps(SCHEMA)})
+              for i in range(4)]
+    before = engine.stats().jump_forward_tokens_total
+    for o in engine.generate(_prompts(engine, 4), params):
+        assert o.finish_reason == "stop", o.text
+        doc = json.loads(o.text)
+        assert doc["status"] in ("active", "inactive") and doc["owner"] == {"role": doc["owner"]["role"]}
+        assert doc["owner"]["role"] in ("administrator", "guest")
+    assert engine.stats().jump_forward_tokens_total > before
+
+
+def test_streamed_chunks_carry_every_forced_token_and_the_final_text(engine):
+    chunks = []
+    done = []
+    params = engine.parse_params({**T1, "seed": 7, "max_new_tokens": 200, "regex": FORM})
+    engine.add_request(_prompts(engine, 1)[0], params, lambda out: (chunks.append(out), out.finished and done.append(out)))
+    while not done:
+        engine.step()
+    ids = [t for c in chunks for t in c.new_token_ids]
+    text = "".join(c.text for c in chunks)
+    assert re.fullmatch(FORM, text)
+    assert len(ids) == chunks[-1].completion_tokens
+    assert engine.tokenizer.decode(ids, skip_special_tokens=True) == text  # the EOS that ended it is in ids
+    assert any(len(c.new_token_ids) > 1 for c in chunks)  # a sampled token and its forced ones together
+
+
+def test_max_new_tokens_caps_the_jump(engine):
+    params = engine.parse_params({**T1, "seed": 1, "max_new_tokens": 3, "regex": FORM})
+    [out] = engine.generate(_prompts(engine, 1), params)
+    assert out.finish_reason == "length" and out.completion_tokens == 3
+    assert "Answer: ".startswith(out.text)
+
+
+def test_no_jump_with_logprobs_or_stop_strings(engine):
+    before = engine.stats().jump_forward_tokens_total
+    lp = engine.parse_params({**T1, "seed": 2, "max_new_tokens": 200, "regex": FORM, "return_logprob": True})
+    stop = engine.parse_params({**T1, "seed": 3, "max_new_tokens": 200, "regex": FORM, "stop": ["Reason"]})
+    out_lp, out_stop = engine.generate(_prompts(engine, 2), [lp, stop])
+    assert engine.stats().jump_forward_tokens_total == before
+    assert len(out_lp.logprobs["output_token_logprobs"]) == out_lp.completion_tokens
+    assert out_stop.text.endswith("%. ") and out_stop.stop_reason == "Reason"
+
+
+def test_preemption_recomputes_forced_tokens(demo_model_path):
+    # 8 sequences of ~40 tokens need more than 12 blocks of 8 at once: some are preempted and
+    # recomputed from their tokens, forced ones included.
+    eng = make_engine(demo_model_path, num_kv_blocks=12, block_size=8, max_model_len=96)
+    try:
+        params = [eng.parse_params({**T1, "seed": i, "max_new_tokens": 200, "regex": FORM}) for i in range(8)]
+        outs = eng.generate(_prompts(eng, 8), params)
+        assert eng.stats().num_preemptions > 0
+        assert eng.stats().jump_forward_tokens_total > 0
+        for o in outs:
+            assert re.fullmatch(FORM, o.text), o.text
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
