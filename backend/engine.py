@@ -168,8 +168,10 @@ class LLMEngine:
             raise RequestError(
                 f"logprob_start_len {params.logprob_start_len} must be less than the prompt length {len(prompt_ids)}"
             )
-        if params.token_ids_logprob and max(params.token_ids_logprob) >= self.vocab_size:
-            raise RequestError(f"token_ids_logprob ids must be < the vocabulary size {self.vocab_size}")
+        for name, ids in (("token_ids_logprob", params.token_ids_logprob), ("logit_bias", params.logit_bias),
+                          ("allowed_token_ids", params.allowed_token_ids)):
+            if ids and max(ids) >= self.vocab_size:
+                raise RequestError(f"{name} token ids must be < the vocabulary size {self.vocab_size}")
         processor = self._custom_processor(params)
         compiled = self._submit_grammar(params)
         max_new = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
@@ -384,8 +386,10 @@ class LLMEngine:
         seq = tracked.seq
         params = seq.params
         # Not after a stop token (the sequence ends with it), nor with logprobs (forced tokens
-        # have none) or stop strings (checked per token, so no output token follows a match).
-        if params.return_logprob or params.stop or params.stop_regex or seq.token_ids[-1] in params.stop_token_ids:
+        # have none), stop strings (checked per token, so no output token follows a match) or
+        # logit_bias / allowed_token_ids (they would have to hold for forced tokens too).
+        if (params.return_logprob or params.stop or params.stop_regex or params.restricts_tokens
+                or seq.token_ids[-1] in params.stop_token_ids):
             return []
         # A stop token ends a sequence only as its newest token: the jump stops before one, and
         # the model, which may then only sample it, ends the sequence as usual.

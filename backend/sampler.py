@@ -1,7 +1,8 @@
 """Logits -> next tokens (and their logprobs), one row per sequence, each row with its own parameters.
 
-Order of the per-row transforms: penalties, min_new_tokens suppression, grammar bitmask, custom
-logit processor, temperature, [logprobs are taken here], top-k / top-p / min-p, draw. The grammar
+Order of the per-row transforms: logit_bias and allowed_token_ids, penalties, min_new_tokens
+suppression, grammar bitmask, custom logit processor, temperature, [logprobs are taken here],
+top-k / top-p / min-p, draw. The grammar
 mask comes before the top-k/top-p filters so a filter never keeps only forbidden tokens.
 
 The transforms are the `kernels` package's ops: Triton-language kernels on CUDA tensors, their
@@ -162,12 +163,15 @@ class Sampler:
             and r.grammar is None
             and r.custom_processor is None
             and not r.params.return_logprob
+            and not r.params.restricts_tokens
             for r in rows
         )
         if plain:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * B)
 
         logits = logits.float().contiguous()
+        if any(r.params.restricts_tokens for r in rows):
+            _restrict_tokens(logits, rows)
         pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if pen:
             counts, prompt_mask = self.token_counts.rows([rows[i] for i in pen], dev)
@@ -228,6 +232,24 @@ class Sampler:
                 p = rows[i].params
                 lps[i] = logprobs_at(logprobs[j : j + 1], [tokens[i]], p.top_logprobs_num, p.token_ids_logprob)[0]
         return SamplerOutput(tokens, lps)
+
+
+def _restrict_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """logit_bias (added) and allowed_token_ids (every other token -inf), in place, before anything
+    else reads the logits (vLLM's order)."""
+    dev = logits.device
+    bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
+    if bias:
+        i, t, b = zip(*bias)
+        index = (torch.tensor(i, device=dev), torch.tensor(t, device=dev))
+        logits.index_put_(index, torch.tensor(b, dtype=logits.dtype, device=dev), accumulate=True)
+    allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if allowed:
+        banned = torch.ones((len(allowed), logits.shape[1]), dtype=torch.bool)
+        for j, (_, ids) in enumerate(allowed):
+            banned[j, ids] = False
+        idx = torch.tensor([i for i, _ in allowed], device=dev)
+        logits[idx] = logits[idx].masked_fill(banned.to(dev), float("-inf"))
 
 
 def _apply_custom(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> torch.Tensor:

@@ -48,6 +48,7 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_CONSTRAINT_CHARS = 256 * 1024
 MAX_N = 64
 MAX_TOP_LOGPROBS = 64
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 
 
 class SamplingParams(BaseModel):
@@ -84,6 +85,10 @@ class SamplingParams(BaseModel):
     token_ids_logprob: Optional[list[int]] = None
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    # OpenAI's logit_bias (token id -> bias added to its logit, -100..100) and vLLM's
+    # allowed_token_ids (every other token is excluded), applied to the model's logits first.
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
     # SGLang's CustomLogitProcessor.to_str() and its per-request parameters.
     custom_logit_processor: Optional[str] = None
     custom_params: Optional[dict[str, Any]] = None
@@ -158,6 +163,18 @@ class SamplingParams(BaseModel):
             raise ValueError("token_ids_logprob must be non-negative token ids")
         if self.custom_params is not None and self.custom_logit_processor is None:
             raise ValueError("custom_params needs custom_logit_processor")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+            if any(t < 0 for t in self.logit_bias):
+                raise ValueError("logit_bias keys must be non-negative token ids")
+            if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be non-negative token ids")
         return self
 
     @property
@@ -172,6 +189,11 @@ class SamplingParams(BaseModel):
             if spec is not None:
                 return kind, spec
         return None
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether logit_bias or allowed_token_ids shape this request's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

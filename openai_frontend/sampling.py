@@ -54,8 +54,6 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
     check_stop(req.stop, req.stop_token_ids, settings)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-    if req.logit_bias:
-        raise unsupported("logit_bias")
     if req.best_of is not None and req.best_of != req.n:
         raise unsupported("best_of", "only best_of == n is supported")
     if req.use_beam_search:
@@ -64,8 +62,6 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
         raise unsupported("length_penalty", "only used by beam search, which is not implemented")
     if req.truncate_prompt_tokens is not None:
         raise unsupported("truncate_prompt_tokens")
-    if req.allowed_token_ids is not None:
-        raise unsupported("allowed_token_ids")
     if req.prompt_logprobs is not None:
         raise unsupported("prompt_logprobs")
     if req.guided_whitespace_pattern is not None:
@@ -235,6 +231,10 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
             sp["top_logprobs_num"] = req.logprobs
     if sp.get("return_logprob") and not req.return_tokens_as_token_ids:
         sp["return_text_in_logprobs"] = True
+    if req.logit_bias:
+        sp["logit_bias"] = dict(req.logit_bias)
+    if req.allowed_token_ids is not None:
+        sp["allowed_token_ids"] = list(req.allowed_token_ids)
     if req.custom_logit_processor:
         sp["custom_logit_processor"] = req.custom_logit_processor
         if req.custom_params is not None:

@@ -55,13 +55,19 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 @torch.inference_mode()
-def reference_greedy(model, prompt, max_new, *, freq=0.0, pres=0.0, rep=1.0, min_new=0, eos=()):
+def reference_greedy(model, prompt, max_new, *, freq=0.0, pres=0.0, rep=1.0, min_new=0, eos=(), bias=None, allowed=None):
     """Greedy decoding on HF logits with the kernels' torch references, full forward each step."""
     ids = list(prompt)
     out, lps = [], []
     V = model.config.vocab_size
     for _ in range(max_new):
         logits = model(torch.tensor([ids])).logits[:, -1].float()
+        for t, b in (bias or {}).items():
+            logits[0, t] += b
+        if allowed is not None:
+            keep = torch.zeros(V, dtype=torch.bool)
+            keep[allowed] = True
+            logits[0, ~keep] = float("-inf")
         counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V)[None].to(torch.int32) if out else torch.zeros(1, V, dtype=torch.int32)
         pmask = torch.zeros(1, V, dtype=torch.bool)
         pmask[0, prompt] = True
@@ -96,6 +102,46 @@ def test_penalties_and_min_new_tokens_match_reference(engine, hf_model):
     (out,) = engine.generate([prompt], [p])
     want, _ = reference_greedy(hf_model, prompt, 8, min_new=8, eos=eos)
     assert out.new_token_ids == want and out.completion_tokens == 8
+
+
+def test_logit_bias_and_allowed_token_ids_match_reference(engine, hf_model):
+    prompts = [_prompt(16 + 5 * i, 40 + i) for i in range(4)]
+    base = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "repetition_penalty": 1.1}
+    plain, _ = reference_greedy(hf_model, prompts[0], 10, rep=1.1)
+    # Push the plain output's favourites down and two others up; restrict a row to a few ids.
+    bias = {plain[0]: -100.0, plain[1]: -5.0, 7: 3.0, 1234: 4.5}
+    allowed = sorted({plain[2], plain[3], 11, 300, 2048})
+    cases = [{"logit_bias": {str(k): v for k, v in bias.items()}}, {"allowed_token_ids": allowed},
+             {"logit_bias": {"7": 100}}, {}]
+    params = [engine.parse_params({**base, **c}) for c in cases]
+    outs = engine.generate(prompts, params)  # one batch: rows with and without their own edits
+    assert outs[0].new_token_ids == reference_greedy(hf_model, prompts[0], 10, rep=1.1, bias=bias)[0]
+    assert outs[0].new_token_ids != plain
+    assert outs[1].new_token_ids == reference_greedy(hf_model, prompts[1], 10, rep=1.1, allowed=allowed)[0]
+    assert set(outs[1].new_token_ids) <= set(allowed)
+    assert outs[2].new_token_ids == [7] * 10
+    assert outs[3].new_token_ids == reference_greedy(hf_model, prompts[3], 10, rep=1.1)[0]
+
+    # Sampled rows keep to allowed_token_ids too.
+    sampled = engine.parse_params({"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_new_tokens": 40, "seed": 1,
+                                   "ignore_eos": True, "allowed_token_ids": [3, 5, 8, 13]})
+    (out,) = engine.generate([prompts[0]], [sampled])
+    assert set(out.new_token_ids) <= {3, 5, 8, 13} and len(set(out.new_token_ids)) > 1
+
+
+def test_logit_bias_and_allowed_token_ids_are_validated(engine):
+    for raw, message in [
+        ({"logit_bias": {"5": 101}}, "logit_bias values"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias keys"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
+    ]:
+        with pytest.raises(Exception, match=message):
+            engine.parse_params(raw)
+    for raw in ({"logit_bias": {"4096": 1}}, {"allowed_token_ids": [1, 4096]}):
+        with pytest.raises(RequestError, match="vocabulary size"):
+            engine.add_request([1, 2, 3], engine.parse_params(raw), lambda out: None)
 
 
 def test_output_and_prompt_logprobs_match_hf(engine, hf_model):

@@ -116,6 +116,14 @@ def test_chat_non_streaming(client, fake):
     }
 
 
+def test_logit_bias_and_allowed_token_ids_reach_the_engine(client, fake):
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, logit_bias={"17": -100, "42": 2.5},
+                                   extra_body={"allowed_token_ids": [17, 42, 99]})
+    client.completions.create(model=MODEL, prompt="x", logit_bias={"5": 100})
+    assert fake.requests[0].sampling_params == {"logit_bias": {"17": -100, "42": 2.5}, "allowed_token_ids": [17, 42, 99]}
+    assert fake.requests[1].sampling_params == {"max_new_tokens": 16, "logit_bias": {"5": 100}}  # 16: legacy default
+
+
 def test_chat_content_parts_and_tool_messages(client, fake):
     client.chat.completions.create(
         model=MODEL,
@@ -283,7 +291,7 @@ def test_error_unknown_parameter_is_400(client):
 
 def test_error_unsupported_parameter_named(client, fake):
     for kwargs, name in [
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
         ({"extra_body": {"continue_final_message": True, "add_generation_prompt": False}}, "continue_final_message"),

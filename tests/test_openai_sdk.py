@@ -1,6 +1,7 @@
 """The official `openai` SDK, unmodified, against the frontend on the real tritonserver (the
 repository's model_repository/ with the demo model): chat and completions, streaming or not,
-usage, n, logprobs, stop strings, seeds, vLLM extras, response_format json_schema, and tool
+usage, n, logprobs, stop strings, seeds, vLLM extras, logit_bias / allowed_token_ids,
+response_format json_schema, and tool
 calling with tool_choice auto / none / required / named plus a full tool round trip.
 
 The demo model has random weights, so checks are about the serving contract (what the engine
@@ -246,6 +247,22 @@ def test_vllm_extra_sampling_parameters(client):
         client.chat.completions.create(**kwargs, extra_body={"no_such_parameter": 1})
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+
+
+def test_logit_bias_and_allowed_token_ids(client, tok):
+    target = tok.encode(" dragon", add_special_tokens=False)[-1]
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, **GREEDY,
+                                  logit_bias={str(target): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tok.decode([target] * 6)
+    allowed = [int(t) for t in tok.encode(" the cat sat on a mat", add_special_tokens=False)]
+    chat = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0, seed=4, logprobs=True)
+    r = client.chat.completions.create(**chat, extra_body={"allowed_token_ids": allowed, "ignore_eos": True,
+                                                           "return_tokens_as_token_ids": True})
+    ids = [int(item.token.split(":")[1]) for item in r.choices[0].logprobs.content]
+    assert len(ids) == 12 and set(ids) <= set(allowed)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**chat, logit_bias={"1": 500})
+    assert "logit_bias" in str(err.value)
 
 
 def test_streamed_chat_keeps_cjk_and_emoji(client):
