@@ -149,6 +149,8 @@ class LLMEngine:
         """Validate and enqueue. Raises RequestError for a request that can never run."""
         if not prompt_ids:
             raise RequestError("the prompt is empty")
+        if params.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]  # vLLM: keep the last k
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
@@ -346,8 +348,11 @@ class LLMEngine:
             rows = [self._sampling_row(item.seq) for item in sampling]
             result = self.sampler(logits[sample_logits], rows)
         for item in scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_full_blocks(item.seq)
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_full_blocks(seq)
+            if seq.max_new_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+                self._end(seq.request_id, FinishReason.LENGTH)  # scored only: its prompt logprobs go out
         if result is None:
             return
         for item, token, lp in zip(sampling, result.token_ids, result.logprobs):
@@ -408,7 +413,7 @@ class LLMEngine:
         """Which rows of this chunk need logits: the sampling row, plus prompt positions
         whose next-token logprobs were asked for (logprob_start_len)."""
         lsl = seq.params.logprob_start_len
-        if lsl < 0 or not seq.params.return_logprob or start >= seq.num_prompt_tokens - 1:
+        if not seq.params.wants_prompt_logprobs or start >= seq.num_prompt_tokens - 1:
             return samples
         # Logits at position p give the logprob of prompt token p + 1, for tokens [max(lsl, 1), P).
         lo = max(lsl, 1) - 1
@@ -494,7 +499,7 @@ class LLMEngine:
                 for tracked in children:
                     rid = tracked.seq.request_id
                     self._tracked[rid] = tracked
-                    if tracked.seq.max_new_tokens == 0:
+                    if tracked.seq.max_new_tokens == 0 and not tracked.seq.params.wants_prompt_logprobs:
                         self._end(rid, FinishReason.LENGTH)
                     elif tracked.grammar_future is not None:
                         self._compiling.append(tracked)  # waits off the batch until compiled

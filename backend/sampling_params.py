@@ -89,6 +89,8 @@ class SamplingParams(BaseModel):
     # allowed_token_ids (every other token is excluded), applied to the model's logits first.
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
+    # vLLM's truncate_prompt_tokens: only the prompt's last k tokens are used.
+    truncate_prompt_tokens: Optional[int] = None
     # SGLang's CustomLogitProcessor.to_str() and its per-request parameters.
     custom_logit_processor: Optional[str] = None
     custom_params: Optional[dict[str, Any]] = None
@@ -170,6 +172,8 @@ class SamplingParams(BaseModel):
                 raise ValueError("logit_bias keys must be non-negative token ids")
             if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
                 raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
@@ -189,6 +193,11 @@ class SamplingParams(BaseModel):
             if spec is not None:
                 return kind, spec
         return None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Logprobs of prompt tokens were asked for (SGLang's logprob_start_len >= 0)."""
+        return self.return_logprob and self.logprob_start_len >= 0
 
     @property
     def restricts_tokens(self) -> bool:

@@ -27,8 +27,9 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a next token is drawn."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """Whether this chunk reaches the end of the sequence, so a next token is drawn (not for
+        a prompt that is only scored: max_new_tokens 0 with prompt logprobs)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens and self.seq.max_new_tokens > 0
 
 
 def _prefilled(seq: Sequence) -> bool:

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Optional, Union
 from starlette.responses import Response
 
 from openai_frontend.common import Context, dumps, json_response, usage
-from openai_frontend.engine_types import EngineRequest
+from openai_frontend.engine_types import EngineChunk, EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request
 from openai_frontend.logprobs import CompletionLogprobs, TokenNamer
 from openai_frontend.protocol import CompletionRequest
@@ -36,6 +36,15 @@ def split_prompts(prompt: Any) -> list[Prompt]:
                 raise bad_request("token-id prompts must be non-empty lists of integers", param="prompt")
         return list(prompt)
     raise bad_request("prompt must not mix strings and token ids", param="prompt")
+
+
+def chunk_logprobs(chunk: EngineChunk, echo: bool) -> Optional[list[TokenLogprob]]:
+    """The chunk's logprobs in text order: with echo, the prompt's (sent with the first chunk)
+    before the generated tokens'."""
+    items = chunk.logprobs()
+    if echo and (prompt := chunk.prompt_logprobs()):
+        return prompt + (items or [])
+    return items
 
 
 def _cached(values: list[Optional[int]]) -> Optional[int]:
@@ -104,7 +113,7 @@ class CompletionHandler:
                     texts[j].append(chunk.text)
                 lp = logprobs[j]
                 if lp is not None:
-                    items = chunk.logprobs()
+                    items = chunk_logprobs(chunk, bool(echoes))
                     if items is not None:
                         got_logprobs[j] = True
                         lp.add(items)
@@ -160,7 +169,7 @@ class CompletionHandler:
             lp_json = "null"
             lp = logprobs[j]
             if lp is not None:
-                items = chunk.logprobs()
+                items = chunk_logprobs(chunk, bool(echoes))
                 if items:
                     lp_json = dumps(lp.add(items))
             finish = chunk.finish_reason

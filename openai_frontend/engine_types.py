@@ -40,7 +40,7 @@ class TokenLogprob:
     """One generated token's log probability, and the top alternatives at that position."""
 
     token_id: int
-    logprob: float
+    logprob: Optional[float]  # None for a prompt's first token (nothing precedes it)
     text: Optional[str] = None  # the engine's token text when it sends one
     top: list["TokenLogprob"] = field(default_factory=list)
 
@@ -102,13 +102,22 @@ class EngineChunk:
         [[logprob, token_id, text_or_null], ...] (one per new token) and `output_top_logprobs`
         as one list of such triples per new token.
         """
+        return self._logprobs("output")
+
+    def prompt_logprobs(self) -> Optional[list[TokenLogprob]]:
+        """The logprobs of prompt tokens (`input_token_logprobs`, `input_top_logprobs`: sent with
+        a sample's first response when logprob_start_len >= 0), or None. The first prompt
+        token's logprob is None."""
+        return self._logprobs("input")
+
+    def _logprobs(self, kind: str) -> Optional[list[TokenLogprob]]:
         if not self.meta_raw or "logprob" not in self.meta_raw:
             return None
         meta = self.meta
-        tokens = meta.get("output_token_logprobs")
+        tokens = meta.get(f"{kind}_token_logprobs")
         if tokens is None:
             return None
-        tops = meta.get("output_top_logprobs") or []
+        tops = meta.get(f"{kind}_top_logprobs") or []
         out = []
         for i, entry in enumerate(tokens):
             item = _triple(entry)
@@ -125,9 +134,10 @@ LOGPROB_KEYS = frozenset(OUTPUT_LOGPROB_KEYS + INPUT_LOGPROB_KEYS)
 
 def _triple(entry: Any) -> TokenLogprob:
     if isinstance(entry, dict):
-        return TokenLogprob(int(entry["token_id"]), float(entry["logprob"]), entry.get("text"))
-    text = entry[2] if len(entry) > 2 else None
-    return TokenLogprob(int(entry[1]), float(entry[0]), text)
+        logprob, token_id, text = entry["logprob"], entry["token_id"], entry.get("text")
+    else:
+        logprob, token_id, text = entry[0], entry[1], entry[2] if len(entry) > 2 else None
+    return TokenLogprob(int(token_id), None if logprob is None else float(logprob), text)
 
 
 class EngineClient(Protocol):

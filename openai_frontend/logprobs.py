@@ -49,7 +49,7 @@ class CompletionLogprobs:
         self.name = name
         self.offset = text_offset
         self.tokens: list[str] = []
-        self.token_logprobs: list[float] = []
+        self.token_logprobs: list[Optional[float]] = []  # None: the echoed prompt's first token
         self.top_logprobs: list[Optional[dict[str, float]]] = []
         self.text_offset: list[int] = []
 

@@ -60,8 +60,6 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
         raise unsupported("use_beam_search", "beam search is not implemented")
     if req.length_penalty != 1.0:
         raise unsupported("length_penalty", "only used by beam search, which is not implemented")
-    if req.truncate_prompt_tokens is not None:
-        raise unsupported("truncate_prompt_tokens")
     if req.prompt_logprobs is not None:
         raise unsupported("prompt_logprobs")
     if req.guided_whitespace_pattern is not None:
@@ -128,8 +126,6 @@ def _check_completion(req: CompletionRequest) -> None:
         raise unsupported("add_special_tokens", "the prompt is always tokenized with the model's special tokens")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
-    if req.echo and req.logprobs is not None:
-        raise unsupported("echo", "echo with logprobs needs prompt logprobs, which are not implemented")
 
 
 def constraint_from_request(req: AnyRequest) -> Optional[tuple[str, Any]]:
@@ -229,12 +225,16 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         sp["return_logprob"] = True
         if req.logprobs:
             sp["top_logprobs_num"] = req.logprobs
+        if req.echo:  # the echoed prompt's tokens get logprobs too (max_tokens 0 scores a prompt)
+            sp["logprob_start_len"] = 0
     if sp.get("return_logprob") and not req.return_tokens_as_token_ids:
         sp["return_text_in_logprobs"] = True
     if req.logit_bias:
         sp["logit_bias"] = dict(req.logit_bias)
     if req.allowed_token_ids is not None:
         sp["allowed_token_ids"] = list(req.allowed_token_ids)
+    if req.truncate_prompt_tokens is not None:
+        sp["truncate_prompt_tokens"] = req.truncate_prompt_tokens
     if req.custom_logit_processor:
         sp["custom_logit_processor"] = req.custom_logit_processor
         if req.custom_params is not None:

@@ -129,6 +129,18 @@ def test_logit_bias_and_allowed_token_ids_match_reference(engine, hf_model):
     assert set(out.new_token_ids) <= {3, 5, 8, 13} and len(set(out.new_token_ids)) > 1
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(engine):
+    prompt = _prompt(50, 12)
+    base = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    cut, tail = engine.generate([prompt, prompt[-10:]], [engine.parse_params({**base, "truncate_prompt_tokens": 10}),
+                                                          engine.parse_params(base)])
+    assert cut.prompt_tokens == 10 and cut.new_token_ids == tail.new_token_ids
+    (whole,) = engine.generate([prompt], [engine.parse_params({**base, "truncate_prompt_tokens": 500})])
+    assert whole.prompt_tokens == 50
+    with pytest.raises(Exception, match="truncate_prompt_tokens must be >= 1"):
+        engine.parse_params({"truncate_prompt_tokens": 0})
+
+
 def test_logit_bias_and_allowed_token_ids_are_validated(engine):
     for raw, message in [
         ({"logit_bias": {"5": 101}}, "logit_bias values"),
@@ -169,6 +181,28 @@ def test_output_and_prompt_logprobs_match_hf(engine, hf_model):
     assert [t for _, t, _ in inp] == prompt[2:]
     for (lp, tok, _), pos in zip(inp, range(2, len(prompt))):
         assert math.isclose(lp, float(full[pos - 1, tok]), abs_tol=1e-4)
+
+
+def test_max_new_tokens_0_scores_the_prompt(engine, hf_model):
+    # SGLang's scoring request (and the frontend's echo + logprobs with max_tokens 0): the prompt
+    # is prefilled for its logprobs, nothing is sampled.
+    prompt = _prompt(40, 6)  # more than one 16-token block, in chunks under a small budget too
+    p = engine.parse_params({"max_new_tokens": 0, "return_logprob": True, "logprob_start_len": 0,
+                             "top_logprobs_num": 2})
+    (out,) = engine.generate([prompt], [p])
+    assert out.finish_reason == "length" and out.completion_tokens == 0 and out.new_token_ids == []
+    inp = out.logprobs["input_token_logprobs"]
+    assert inp[0] == [None, prompt[0], None] and out.logprobs["input_top_logprobs"][0] is None
+    with torch.inference_mode():
+        full = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    assert [t for _, t, _ in inp] == prompt
+    for pos in range(1, len(prompt)):
+        assert math.isclose(inp[pos][0], float(full[pos - 1, prompt[pos]]), abs_tol=1e-4)
+        assert [t for _, t, _ in out.logprobs["input_top_logprobs"][pos]] == full[pos - 1].topk(2).indices.tolist()
+    # Without prompt logprobs, max_new_tokens 0 ends at once, without running the prompt.
+    steps = engine.stats().num_steps
+    (out,) = engine.generate([prompt], [engine.parse_params({"max_new_tokens": 0})])
+    assert out.finish_reason == "length" and engine.stats().num_steps == steps
 
 
 def test_sampled_logprobs_are_after_temperature_and_text_can_be_returned(engine, hf_model):

@@ -201,6 +201,36 @@ def test_logprobs_chat_and_completions(client):
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, tok):
+    # What lm-evaluation-harness sends for loglikelihood: echo, logprobs, max_tokens 0.
+    prompt = "The quick brown fox"
+    n_prompt = len(tok(prompt).input_ids)
+    plain = dict(model=MODEL, prompt=prompt, **GREEDY, extra_body={"ignore_eos": True, "repetition_penalty": 1.0})
+    scored = client.completions.create(max_tokens=0, echo=True, logprobs=2, **plain)
+    choice, lp = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == n_prompt == len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
+
+    # With new tokens: the prompt's entries (the same as scored alone), then the generated ones
+    # (the same as without echo); streamed alike.
+    gen = client.completions.create(max_tokens=6, logprobs=1, **plain)
+    both = client.completions.create(max_tokens=6, echo=True, logprobs=1, **plain)
+    blp = both.choices[0].logprobs
+    assert both.choices[0].text == prompt + gen.choices[0].text and len(blp.tokens) == n_prompt + 6
+    assert blp.token_logprobs[0] is None
+    assert blp.token_logprobs[1:n_prompt] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    assert blp.token_logprobs[n_prompt:] == pytest.approx(gen.choices[0].logprobs.token_logprobs, abs=1e-4)
+    streamed = [c.choices[0] for c in client.completions.create(max_tokens=6, echo=True, logprobs=1, stream=True,
+                                                                 **plain) if c.choices]
+    assert "".join(c.text for c in streamed) == both.choices[0].text
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == blp.tokens
+    streamed_lps = [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed_lps[0] is None and streamed_lps[1:] == pytest.approx(blp.token_logprobs[1:], abs=1e-4)
+
+
 def test_stop_strings_and_stop_token_ids(client):
     base = dict(model=MODEL, prompt="Tell me a story about a dragon.", max_tokens=24, **GREEDY)
     full = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
@@ -263,6 +293,14 @@ def test_logit_bias_and_allowed_token_ids(client, tok):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**chat, logit_bias={"1": 500})
     assert "logit_bias" in str(err.value)
+
+
+def test_truncate_prompt_tokens(client):
+    long = "one two three four five six seven eight nine ten " * 8
+    kwargs = dict(model=MODEL, prompt=long, max_tokens=4, **GREEDY)
+    r = client.completions.create(**kwargs, extra_body={"truncate_prompt_tokens": 12, "ignore_eos": True})
+    assert r.usage.prompt_tokens == 12 and r.usage.completion_tokens == 4
+    assert client.completions.create(**kwargs).usage.prompt_tokens > 12
 
 
 def test_streamed_chat_keeps_cjk_and_emoji(client):
