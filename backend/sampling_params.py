@@ -179,6 +179,8 @@ class SamplingParams(BaseModel):
                 raise ValueError("allowed_token_ids must not be empty")
             if any(t < 0 for t in self.allowed_token_ids):
                 raise ValueError("allowed_token_ids must be non-negative token ids")
+            # A set: repeats would only cost the sampler work on every step.
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
         return self
 
     @property

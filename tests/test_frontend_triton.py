@@ -236,6 +236,16 @@ def test_generate_batch_n_input_ids_and_logprobs(base_url):
         assert len(top) == 2 and top[0][1] == token_id and abs(top[0][0] - logprob) < 1e-4  # greedy
         assert logprob <= 0
 
+    # SGLang's scoring request: max_new_tokens 0, logprobs from the prompt's first token.
+    scored = requests.post(base_url + "/generate", json={
+        "text": "The sky is blue", "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": 0,
+    }).json()
+    inp = scored["meta_info"]["input_token_logprobs"]
+    assert scored["output_ids"] == [] and scored["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(inp) == scored["meta_info"]["prompt_tokens"] and inp[0][0] is None
+    assert all(e[0] <= 0 for e in inp[1:])
+
     # streaming a batch with n: events carry "index", each cumulative for its own sample
     events = []
     with requests.post(base_url + "/generate", stream=True, json={
