@@ -21,7 +21,9 @@ from backend.tokenizer import encode_prompt
 MODEL_PATH_ENV = "LLM_MODEL_PATH"
 DEFAULT_MODEL_PATH = "models/demo"
 
-PREPROCESSING_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "input_ids")
+PREPROCESSING_INPUTS = (
+    "text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "input_ids",
+)
 POSTPROCESSING_INPUTS = (
     "detok_ids",
     "detok_prefix_len",
@@ -152,6 +154,7 @@ def preprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[
         tools=_scalar(arrays, "tools") or None,
         chat_template_kwargs=_scalar(arrays, "chat_template_kwargs") or None,
         add_generation_prompt=True if agp is None else bool(agp),
+        continue_final_message=bool(_scalar(arrays, "continue_final_message")),
     )
     return {"prompt_ids": np.asarray(ids, dtype=np.int32)}
 

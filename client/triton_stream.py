@@ -25,6 +25,7 @@ INPUT_DTYPES: dict[str, Any] = {
     "sampling_parameters": np.object_,
     "stop_words": np.object_,
     "add_generation_prompt": np.bool_,
+    "continue_final_message": np.bool_,
     "stream": np.bool_,
     "input_ids": np.int32,
     "max_tokens": np.int32,

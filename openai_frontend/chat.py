@@ -101,6 +101,7 @@ class ChatHandler:
                 tools=plan.template_tools,
                 chat_template_kwargs=req.chat_template_kwargs,
                 add_generation_prompt=None if req.add_generation_prompt else False,
+                continue_final_message=req.continue_final_message,
                 request_id=request_id,
                 n=req.n,
                 stream=req.stream,
@@ -109,19 +110,24 @@ class ChatHandler:
         completion_id = f"chatcmpl-{request_id}"
         created = int(time.time())
         namer = TokenNamer(ctx.files, bool(req.return_tokens_as_token_ids)) if req.logprobs else None
+        # vLLM's echo: the reply starts with the last message's content when that message is the
+        # assistant's (with continue_final_message, the continued message comes back whole).
+        echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
         if req.stream:
             stream = await start_stream(ctx.client, requests)
-            body = sse_events(stream, self._stream(stream, req, plan, model, completion_id, created, namer))
+            body = sse_events(stream, self._stream(stream, req, plan, model, completion_id, created, namer, echo))
             return sse_response(body, hooks=ctx.stream_hooks)
-        return await self._complete(requests, req, plan, model, completion_id, created, namer)
+        return await self._complete(requests, req, plan, model, completion_id, created, namer, echo)
 
     # -- non-streaming ---------------------------------------------------------------------
 
     async def _complete(
         self, requests: list[EngineRequest], req: ChatCompletionRequest, plan: ToolPlan,
-        model: str, completion_id: str, created: int, namer: Optional[TokenNamer],
+        model: str, completion_id: str, created: int, namer: Optional[TokenNamer], echo: str,
     ) -> Response:
         choices = [_Choice(None) for _ in range(req.n)]
+        for c in choices:
+            c.texts.append(echo)
         prompt_tokens = 0
         cached: Optional[int] = None
         it = iterate_choices(self.ctx.client, requests)
@@ -176,9 +182,10 @@ class ChatHandler:
 
     async def _stream(
         self, stream: StartedStream, req: ChatCompletionRequest, plan: ToolPlan,
-        model: str, completion_id: str, created: int, namer: Optional[TokenNamer],
+        model: str, completion_id: str, created: int, namer: Optional[TokenNamer], echo: str,
     ) -> AsyncIterator[bytes]:
         n = req.n
+        echoed = [not echo] * n
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -205,6 +212,9 @@ class ChatHandler:
             if include_usage and cached is None:
                 cached = chunk.cached_tokens
             text = chunk.text
+            if not echoed[i]:
+                echoed[i] = True
+                text = echo + text
             parts: list[str] = []
             deltas: list[dict[str, Any]] = []
             if c.tools is not None:

@@ -29,6 +29,7 @@ class EngineRequest:
     tools: Optional[list[dict[str, Any]]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: Optional[bool] = None
+    continue_final_message: bool = False
     input_ids: Optional[list[int]] = None
     request_id: str = ""
     n: int = 1

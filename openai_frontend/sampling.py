@@ -84,10 +84,12 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
 
 
 def _check_chat(req: ChatCompletionRequest) -> None:
-    if req.echo:
-        raise unsupported("echo")
     if req.continue_final_message:
-        raise unsupported("continue_final_message")
+        if req.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true "
+                              "(send add_generation_prompt: false)", param="continue_final_message")
+        if not req.messages or req.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs a final assistant message", param="continue_final_message")
     if req.add_special_tokens:
         raise unsupported("add_special_tokens", "the chat template adds the special tokens")
     if req.documents is not None:

@@ -72,6 +72,8 @@ def build_inputs(request: EngineRequest) -> list[InferInput]:
             inputs.append(_bytes_input("chat_template_kwargs", json.dumps(request.chat_template_kwargs, ensure_ascii=False)))
         if request.add_generation_prompt is not None:
             inputs.append(_bool_input("add_generation_prompt", request.add_generation_prompt))
+        if request.continue_final_message:
+            inputs.append(_bool_input("continue_final_message", True))
     elif request.text_input is not None:
         inputs.append(_bytes_input("text_input", request.text_input))
     else:

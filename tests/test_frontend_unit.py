@@ -156,6 +156,35 @@ def test_chat_streaming_with_usage(client, fake):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_continue_final_message_and_echo(client, fake):
+    prefill = MESSAGES + [{"role": "assistant", "content": "Sure: "}]
+    r = client.chat.completions.create(model=MODEL, messages=prefill,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    req = fake.requests[0]
+    assert req.continue_final_message is True and req.add_generation_prompt is False
+    assert r.choices[0].message.content == "".join(PIECES)  # the continuation only, as vLLM
+    echo = dict(model=MODEL, messages=prefill, n=2,
+                extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True})
+    r = client.chat.completions.create(**echo)
+    assert [c.message.content for c in r.choices] == ["Sure: " + "".join(PIECES)] * 2
+    chunks = list(client.chat.completions.create(stream=True, **echo))
+    for i in range(2):
+        assert "".join(c.choices[0].delta.content or "" for c in chunks
+                       if c.choices and c.choices[0].index == i) == "Sure: " + "".join(PIECES)
+    # echo repeats only an assistant message
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"echo": True})
+    assert r.choices[0].message.content == "".join(PIECES)
+
+    for extra, message in [
+        ({"continue_final_message": True}, "add_generation_prompt"),
+        ({"continue_final_message": True, "add_generation_prompt": False}, "final assistant message"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=extra)
+        body = _error(err)
+        assert body["param"] == "continue_final_message" and message in body["message"], body
+
+
 def test_chat_streaming_raw_sse_format(base_url):
     with httpx.stream("POST", base_url + "/v1/chat/completions",
                       json={"model": MODEL, "messages": MESSAGES, "stream": True}) as r:
@@ -294,7 +323,7 @@ def test_error_unsupported_parameter_named(client, fake):
         ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
         ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
-        ({"extra_body": {"continue_final_message": True, "add_generation_prompt": False}}, "continue_final_message"),
+        ({"extra_body": {"documents": [{"title": "t", "text": "x"}]}}, "documents"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)

@@ -1,6 +1,7 @@
 """The official `openai` SDK, unmodified, against the frontend on the real tritonserver (the
 repository's model_repository/ with the demo model): chat and completions, streaming or not,
-usage, n, logprobs, stop strings, seeds, vLLM extras, logit_bias / allowed_token_ids,
+usage, n, logprobs, stop strings, seeds, vLLM extras (logit_bias, allowed_token_ids, echo,
+continue_final_message, truncate_prompt_tokens),
 response_format json_schema, and tool
 calling with tool_choice auto / none / required / named plus a full tool round trip.
 
@@ -293,6 +294,21 @@ def test_logit_bias_and_allowed_token_ids(client, tok):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**chat, logit_bias={"1": 500})
     assert "logit_bias" in str(err.value)
+
+
+def test_continue_final_message_continues_the_prefilled_reply(client, tok):
+    prefill = MESSAGES + [{"role": "assistant", "content": "The forecast for Paris is"}]
+    rendered = tok.apply_chat_template(prefill, continue_final_message=True, tokenize=False)
+    assert rendered.endswith("The forecast for Paris is")  # left open: no end-of-turn after it
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+    chat = client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=8, **GREEDY, extra_body=extra)
+    same = client.completions.create(model=MODEL, prompt=rendered, max_tokens=8, **GREEDY,
+                                     extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens == len(tok(rendered).input_ids) == same.usage.prompt_tokens
+    assert chat.choices[0].message.content == same.choices[0].text
+    echoed = client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=8, **GREEDY,
+                                            extra_body={**extra, "echo": True})
+    assert echoed.choices[0].message.content == "The forecast for Paris is" + same.choices[0].text
 
 
 def test_truncate_prompt_tokens(client):
