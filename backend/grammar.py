@@ -67,7 +67,7 @@ from typing import Any, Callable, Collection, Iterable, Optional
 
 import torch
 
-__all__ = ["GrammarError", "GrammarCompiler", "GrammarState", "allocate_bitmask", "KINDS", "JSON_MAX_WHITESPACE"]
+__all__ = ["GrammarError", "GrammarCompiler", "GrammarState", "Utf8Guard", "allocate_bitmask", "KINDS", "JSON_MAX_WHITESPACE"]
 
 KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
@@ -111,6 +111,74 @@ def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
     if batch < 0 or vocab_size <= 0:
         raise ValueError(f"need batch >= 0 and vocab_size > 0, got {batch}, {vocab_size}")
     return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+# After these lead bytes UTF-8 narrows the range of the next byte (RFC 3629): the rest would be
+# overlong encodings, surrogates or code points past U+10FFFF. xgrammar 0.2.8 accepts them inside
+# a length-bounded JSON string (the pattern maxLength is rewritten into): it took E0 9A 94 as
+# U+0694, the text then decoded to three U+FFFD and broke the maxLength (random demo weights,
+# 1 of 80 schema outputs). Its other paths (a bare regex class, an unbounded JSON string) refuse them.
+_FIRST_CONTINUATION = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def _ill_formed(data: bytes) -> bool:
+    """Whether `data` holds a byte that can never appear in UTF-8, or a narrowed lead byte whose
+    next byte is out of its range (a fragment cut at either end is fine)."""
+    for i, b in enumerate(data):
+        if b in (0xC0, 0xC1) or b >= 0xF5:
+            return True
+        rng = _FIRST_CONTINUATION.get(b)
+        if rng is not None and i + 1 < len(data) and not rng[0] <= data[i + 1] <= rng[1]:
+            return True
+    return False
+
+
+def _utf8_tail(data: bytes) -> bytes:
+    """The incomplete character at the end of `data` (its lead and the continuation bytes so far),
+    or b""."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 != 0x80:  # the last byte that is not a continuation byte
+            length = 1 if b < 0x80 else 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return data[-back:] if back < length else b""
+    return b""
+
+
+class Utf8Guard:
+    """Keeps constrained output well-formed UTF-8 where xgrammar does not (see
+    _FIRST_CONTINUATION): token bitmasks that take out tokens no UTF-8 text contains, and, after
+    a narrowed lead byte, the tokens whose first byte is outside its range. Built once per
+    tokenizer; one per GrammarCompiler."""
+
+    def __init__(self, decoded_vocab: list[bytes], vocab_size: int) -> None:
+        import numpy as np
+
+        words = (vocab_size + 31) // 32
+        self.token_bytes = list(decoded_vocab[:vocab_size]) + [b""] * max(0, vocab_size - len(decoded_vocab))
+
+        def mask_without(tokens: list[int]) -> torch.Tensor:
+            bits = np.full(words, 0xFFFFFFFF, dtype=np.uint32)
+            for t in tokens:
+                bits[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+            return torch.from_numpy(bits.view(np.int32))
+
+        self.always = mask_without([t for t, b in enumerate(self.token_bytes) if _ill_formed(b)])
+        self.after_lead = {
+            lead: mask_without([t for t, b in enumerate(self.token_bytes)
+                                if b and 0x80 <= b[0] <= 0xBF and not lo <= b[0] <= hi])
+            for lead, (lo, hi) in _FIRST_CONTINUATION.items()
+        }
+
+    def tail_after(self, tail: bytes, token_id: int) -> bytes:
+        """The incomplete character at the end of the text once `token_id` follows `tail`."""
+        if not 0 <= token_id < len(self.token_bytes):
+            return b""
+        return _utf8_tail(tail + self.token_bytes[token_id])
+
+    def restrict(self, bitmask: torch.Tensor, row: int, tail: bytes) -> None:
+        bitmask[row].bitwise_and_(self.always)
+        if len(tail) == 1 and tail[0] in self.after_lead:
+            bitmask[row].bitwise_and_(self.after_lead[tail[0]])
 
 
 # xgrammar's C++ errors read "[07:21:28] /project/cpp/x.cc:83: Check failed: (...) is false: msg".
@@ -232,12 +300,14 @@ class GrammarState:
     accepting one makes ``is_terminated`` True, and the sequence should finish then.
     """
 
-    __slots__ = ("_matcher", "_words", "_num_accepted")
+    __slots__ = ("_matcher", "_words", "_num_accepted", "_guard", "_tail")
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, guard: Optional[Utf8Guard] = None) -> None:
         self._matcher = matcher
         self._words = (vocab_size + 31) // 32
         self._num_accepted = 0
+        self._guard = guard
+        self._tail = b""  # the incomplete UTF-8 character the accepted tokens end with
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (CPU int32 [B, ceil(vocab/32)], as from
@@ -254,6 +324,8 @@ class GrammarState:
         if not 0 <= row < bitmask.shape[0]:
             raise IndexError(f"row {row} is out of range for a bitmask of {bitmask.shape[0]} rows")
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._guard is not None:
+            self._guard.restrict(bitmask, row, self._tail)
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token. False (and no change) if the grammar does not allow it here, or the
@@ -262,6 +334,8 @@ class GrammarState:
             return False
         ok = bool(self._matcher.accept_token(int(token_id)))
         self._num_accepted += ok
+        if ok and self._guard is not None:
+            self._tail = self._guard.tail_after(self._tail, int(token_id))
         return ok
 
     @property
@@ -364,6 +438,7 @@ class GrammarCompiler:
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
         )
         self.stop_token_ids = list(self.tokenizer_info.stop_token_ids)
+        self.utf8_guard = Utf8Guard(self.tokenizer_info.decoded_vocab, self.vocab_size)
         # Our LRU is the cache; xgrammar's own (unbounded by default) is off. One xgrammar thread per
         # compile: parallelism comes from our workers, and xgrammar's internal pool threads abort
         # the process (std::terminate) if it exits while an abandoned compile still runs.
@@ -427,7 +502,7 @@ class GrammarCompiler:
         if not isinstance(compiled, self._xgr.CompiledGrammar):
             raise TypeError(f"expected a compiled grammar from GrammarCompiler.submit, got {type(compiled).__name__}")
         m = self._xgr.GrammarMatcher(compiled, max_rollback_tokens=0)
-        return GrammarState(m, self.vocab_size)
+        return GrammarState(m, self.vocab_size, self.utf8_guard)
 
     def compile(self, kind: str, spec: str, timeout: Optional[float] = None) -> Any:
         """Blocking convenience: ``submit(kind, spec).result()``."""

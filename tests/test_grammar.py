@@ -215,6 +215,42 @@ def test_length_bounded_strings_are_valid_json(compiler, tokenizer):
         assert 2 <= len(value["s"]) <= 4
 
 
+def test_constrained_text_stays_well_formed_utf8(compiler, tokenizer):
+    """In a length-bounded JSON string (the pattern maxLength is rewritten into) xgrammar 0.2.8
+    takes overlong UTF-8 (E0 9A 94 for U+0694); the guard keeps such bytes out, here right after
+    a token holding only the lead byte E0."""
+    byte_token = {b: tokenizer.convert_tokens_to_ids(c) for b, c in _byte_chars().items()}
+    spec = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]}
+    compiled = compiler.compile("json_schema", json.dumps(spec))
+    state = compiler.matcher(compiled)
+    prefix = tokenizer.encode('{"s": "', add_special_tokens=False)
+    assert feed(state, tokenizer, '{"s": "') and state.accept(byte_token[0xE0])
+    mask = allocate_bitmask(1, VOCAB)
+    state.fill_bitmask(mask, 0)
+    allowed = set(allowed_ids(mask, 0))
+    assert byte_token[0xA4] in allowed and byte_token[0x9A] not in allowed and byte_token[0x80] not in allowed
+
+    raw = compiler._xgr.GrammarMatcher(compiled)  # what xgrammar alone allows there
+    assert all(raw.accept_token(t) for t in prefix + [byte_token[0xE0]])
+    raw_mask = allocate_bitmask(1, VOCAB)
+    raw.fill_next_token_bitmask(raw_mask, 0)
+    assert byte_token[0x9A] in allowed_ids(raw_mask, 0)
+
+    # Random walks over the whole vocabulary always decode cleanly, and keep to maxLength.
+    rng = random.Random(3)
+    for _ in range(30):
+        ids = walk(compiler.matcher(compiled), compiler.stop_token_ids, rng)
+        text = b"".join(compiler.utf8_guard.token_bytes[t] for t in ids).decode("utf-8")  # raises if ill-formed
+        assert len(json.loads(text)["s"]) <= 5
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in the vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
+
+
 def test_declared_properties_are_strict(compiler, tokenizer):
     spec = json.dumps({"type": "object", "properties": {"x": {"type": "integer"}}})
     state = compiler.matcher(compiler.submit("json_schema", spec).result(timeout=30))
