@@ -37,6 +37,10 @@ class EngineConfig(BaseModel):
     # 0 (off) on CUDA.
     prefill_tokens_per_decode: Optional[int] = Field(default=None, ge=0)
     max_model_len: Optional[int] = None
+    # vLLM's --scheduling-policy: "fcfs" (arrival order), or "priority": a request's `priority`
+    # (lower first, arrival breaks ties) orders the waiting queue, the running batch's share of
+    # the step budget and which sequence is preempted first (the last in that order).
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
     # Requests past this many waiting ones are refused as overloaded (bounded memory under load).
     max_waiting_requests: int = 1024

@@ -109,6 +109,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_cap(),
             prefill_context_unit=config.prefill_unit(), prefill_tokens_per_decode=config.prefill_per_decode(),
+            policy=config.scheduling_policy,
         )
         self.sampler = Sampler(self.model.config.vocab_size)
         self._seed_rng = random.Random(config.seed)
@@ -149,6 +150,11 @@ class LLMEngine:
         """Validate and enqueue. Raises RequestError for a request that can never run."""
         if not prompt_ids:
             raise RequestError("the prompt is empty")
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise RequestError(
+                f"priority {params.priority} needs priority scheduling, and this server schedules first come, "
+                "first served (start it with scheduling_policy=priority)"
+            )
         if params.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]  # vLLM: keep the last k
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]

@@ -91,6 +91,9 @@ class SamplingParams(BaseModel):
     allowed_token_ids: Optional[list[int]] = None
     # vLLM's truncate_prompt_tokens: only the prompt's last k tokens are used.
     truncate_prompt_tokens: Optional[int] = None
+    # vLLM's priority: lower is scheduled earlier; not 0 only on a server with
+    # scheduling_policy "priority".
+    priority: int = 0
     # SGLang's CustomLogitProcessor.to_str() and its per-request parameters.
     custom_logit_processor: Optional[str] = None
     custom_params: Optional[dict[str, Any]] = None

@@ -4,13 +4,18 @@ Every step is a mix of decodes (1 token) and prefill chunks, under a token budge
 sequences go first, so a long prompt never stalls the streams already running; it is prefilled
 in chunks across steps. When the KV pool runs dry the newest running sequence is preempted:
 its blocks are freed and it is recomputed later from its tokens (prompt + output so far).
+
+With the "priority" policy (vLLM's), "newest" and "first" are in the order of the requests'
+`priority` (lower first), then arrival: the waiting queue is kept in that order, the running
+batch takes the step budget in that order, and the last in it is preempted first.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 from backend.block_manager import BlockManager
 from backend.sequence import FinishReason, Sequence, SequenceStatus
@@ -36,6 +41,10 @@ def _prefilled(seq: Sequence) -> bool:
     return seq.status is SequenceStatus.FINISHED or seq.num_computed_tokens >= seq.num_prompt_tokens
 
 
+def _priority_order(seq: Sequence) -> tuple[int, int]:
+    return seq.params.priority, seq.seq_id  # sequence ids are handed out in arrival order
+
+
 # Smallest prefill chunk while others decode, whatever its context weight: a 30k-token prompt
 # still advances by a block or two per step.
 MIN_PREFILL_CHUNK = 32
@@ -50,8 +59,10 @@ class Scheduler:
         max_prefill_tokens_while_decoding: Optional[int] = None,
         prefill_context_unit: int = 0,
         prefill_tokens_per_decode: int = 0,
+        policy: Literal["fcfs", "priority"] = "fcfs",
     ) -> None:
         self.block_manager = block_manager
+        self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # While streams are decoding, a step's prefill work is capped so their inter-token
@@ -67,7 +78,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=_priority_order)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,6 +90,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         bm = self.block_manager
+        if self.by_priority:
+            self.running.sort(key=_priority_order)
 
         num_decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
         decoding = num_decoding > 0
@@ -150,7 +166,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=_priority_order)
+        else:
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Remove a sequence wherever it is and free its blocks at once."""

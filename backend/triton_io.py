@@ -131,6 +131,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "prefill_context_unit": int,
         "prefill_tokens_per_decode": int,
         "max_model_len": int,
+        "scheduling_policy": str,
         "sampling_defaults": str,
         "seed": int,
         "max_waiting_requests": int,

@@ -66,8 +66,6 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
         raise unsupported("guided_whitespace_pattern")
     if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
         raise unsupported("guided_decoding_backend", "the engine's grammar backend is xgrammar")
-    if req.priority != 0:
-        raise unsupported("priority", "priority scheduling is not enabled")
     if req.logits_processors:
         raise unsupported("logits_processors")
     if req.lora_path:
@@ -237,6 +235,8 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         sp["allowed_token_ids"] = list(req.allowed_token_ids)
     if req.truncate_prompt_tokens is not None:
         sp["truncate_prompt_tokens"] = req.truncate_prompt_tokens
+    if req.priority:
+        sp["priority"] = req.priority
     if req.custom_logit_processor:
         sp["custom_logit_processor"] = req.custom_logit_processor
         if req.custom_params is not None:

@@ -6,9 +6,9 @@ from backend.scheduler import Scheduler
 from backend.sequence import FinishReason, Sequence, SequenceStatus
 
 
-def _seq(n_prompt: int, max_new: int = 8) -> Sequence:
+def _seq(n_prompt: int, max_new: int = 8, priority: int = 0) -> Sequence:
     return Sequence(request_id=f"r{n_prompt}-{id(object())}", token_ids=list(range(1, n_prompt + 1)),
-                    params=SamplingParams(), max_new_tokens=max_new)
+                    params=SamplingParams(priority=priority), max_new_tokens=max_new)
 
 
 def test_allocate_grows_by_blocks_and_frees_all():
@@ -36,6 +36,37 @@ def test_allocation_failure_and_double_free_are_errors():
     bm.free(other)
     with pytest.raises(RuntimeError):
         bm.free(s)
+
+
+def test_priority_policy_orders_admission_budget_and_preemption():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, policy="priority")
+    late_low, urgent, mid_a, mid_b = _seq(4, priority=5), _seq(4, priority=-1), _seq(4, priority=1), _seq(4, priority=1)
+    for s in (late_low, mid_a, urgent, mid_b):
+        sched.add(s)
+    assert list(sched.waiting) == [urgent, mid_a, mid_b, late_low]  # priority, then arrival
+    assert [s.seq for s in sched.schedule()] == [urgent, mid_a]  # max_num_seqs 2
+    for s in (urgent, mid_a):
+        s.num_computed_tokens = 4
+        s.token_ids += [7] * 8  # both grow: 12 tokens need 3 blocks each, the pool has 6
+    sched.max_num_seqs = 3
+    sched.running.reverse()  # whatever order they ran in, the budget goes by priority
+    step = sched.schedule()
+    assert [s.seq for s in step] == [urgent, mid_a] and bm.num_free_blocks == 0
+
+    # The pool is full: growing urgent preempts the last in priority order (mid_a), which waits
+    # ahead of mid_b (same priority, earlier arrival).
+    urgent.num_computed_tokens = mid_a.num_computed_tokens = 12
+    urgent.token_ids += [7] * 4
+    step = sched.schedule()
+    assert [s.seq for s in step] == [urgent] and mid_a.num_preemptions == 1
+    assert list(sched.waiting) == [mid_a, mid_b, late_low]
+
+    fcfs = Scheduler(BlockManager(num_blocks=6, block_size=4), max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [_seq(4, priority=p) for p in (5, -1, 1)]
+    for s in seqs:
+        fcfs.add(s)
+    assert list(fcfs.waiting) == seqs  # arrival order only
 
 
 def test_scheduler_respects_token_budget_with_chunked_prefill():

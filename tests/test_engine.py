@@ -149,6 +149,30 @@ def test_preemption_under_a_tiny_pool_keeps_outputs_exact(demo_model_path, hf_mo
         eng.shutdown()
 
 
+def test_priority_scheduling_serves_urgent_requests_first(demo_model_path):
+    eng = make_engine(demo_model_path, max_num_seqs=1, scheduling_policy="priority")
+    try:
+        done: list[str] = []
+        params = lambda prio: eng.parse_params({"temperature": 0, "max_new_tokens": 3, "ignore_eos": True,
+                                                 "priority": prio})
+        for rid, prio in [("first", 0), ("low", 9), ("mid", 3), ("urgent", -2)]:
+            eng.add_request([5, 6, 7], params(prio), lambda out: out.finished and done.append(out.request_id),
+                            request_id=rid)
+        while len(done) < 4:
+            eng.step()
+        # All four arrive before the first step and run one at a time: priority order, not arrival.
+        assert done == ["urgent", "first", "mid", "low"]
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+    fcfs = make_engine(demo_model_path)
+    try:
+        with pytest.raises(RequestError, match="scheduling_policy=priority"):
+            fcfs.add_request([1, 2], fcfs.parse_params({"priority": 1}), lambda out: None)
+    finally:
+        fcfs.shutdown()
+
+
 def test_abort_and_cancel_free_blocks(engine):
     prompts = _prompts(engine, 3, seed=3)
     outs: dict[int, RequestOutput] = {}

@@ -276,6 +276,10 @@ def test_vllm_extra_sampling_parameters(client):
     assert "temperature" in str(err.value)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(**kwargs, extra_body={"no_such_parameter": 1})
+    # vLLM's priority reaches the engine, which serves first come, first served by default.
+    with pytest.raises(openai.BadRequestError, match="scheduling_policy=priority"):
+        client.chat.completions.create(**kwargs, extra_body={"priority": 2})
+    assert client.chat.completions.create(**kwargs, extra_body={"priority": 0}).choices
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
 

@@ -18,3 +18,5 @@ def test_engine_config_overrides_cast_through_the_same_rule():
     params = {"max_num_seqs": "32", "enable_prefix_caching": "false", "block_size": "auto"}
     env = {"LLM_MAX_NUM_SEQS": "8", "LLM_SEED": "3"}
     assert engine_config_overrides(params, env) == {"max_num_seqs": 8, "enable_prefix_caching": False, "seed": 3}
+    assert engine_config_overrides({"scheduling_policy": "fcfs"}, {"LLM_SCHEDULING_POLICY": "priority"}) == {
+        "scheduling_policy": "priority"}
