@@ -2,8 +2,8 @@
 
 Order of the per-row transforms: logit_bias and allowed_token_ids, penalties, min_new_tokens
 suppression, grammar bitmask, custom logit processor, temperature, [logprobs are taken here],
-top-k / top-p / min-p, draw. The grammar
-mask comes before the top-k/top-p filters so a filter never keeps only forbidden tokens.
+top-k / top-p / min-p, draw. The grammar mask comes before the top-k/top-p filters so a filter
+never keeps only forbidden tokens.
 
 The transforms are the `kernels` package's ops: Triton-language kernels on CUDA tensors, their
 torch references on CPU. Every row draws with its own seed and the output position as the
