@@ -431,23 +431,32 @@ class LLMEngine:
 
     def _prompt_logprobs(self, seq: Sequence, first_pos: int, logits: torch.Tensor) -> None:
         tracked = self._tracked.get(seq.request_id)
-        if tracked is None or seq.num_preemptions:  # recomputed after preemption: already sent
+        if tracked is None:
             return
+        skip = max(0, seq.prompt_logprobs_done - first_pos)  # recomputed after a preemption
+        if skip >= logits.shape[0]:
+            return
+        first_pos, logits = first_pos + skip, logits[skip:]
+        seq.prompt_logprobs_done = first_pos + logits.shape[0]
         params = seq.params
         entries: dict[str, list] = {}
         if first_pos == max(params.logprob_start_len, 1) - 1 and params.logprob_start_len == 0:
             # The first prompt token has no logprob (nothing precedes it), as SGLang reports it.
             first = [None, seq.token_ids[0], self._token_text(seq.token_ids[0], params)]
             entries["input_token_logprobs"] = [first]
+            entries["input_token_ranks"] = [None]
             if params.top_logprobs_num:
                 entries["input_top_logprobs"] = [None]
             if params.token_ids_logprob:
                 entries["input_token_ids_logprob"] = [None]
         targets = seq.token_ids[first_pos + 1 : first_pos + 1 + logits.shape[0]]
         lps = torch.log_softmax(logits.float(), dim=-1)
-        items = logprobs_at(lps, targets, params.top_logprobs_num, params.token_ids_logprob)
+        items = logprobs_at(lps, targets, params.top_logprobs_num, params.token_ids_logprob, ranks=True)
         for k, v in self._logprob_entries("input", items, params).items():
             entries.setdefault(k, []).extend(v)
+        # Beyond SGLang's format: each prompt token's rank in its distribution (1 = the most
+        # likely), for vLLM's prompt_logprobs.
+        entries.setdefault("input_token_ranks", []).extend(i.rank for i in items)
         tracked.state.add_logprobs(entries)
 
     def _logprob_entries(self, kind: str, items: list[TokenLogprobs], params: SamplingParams) -> dict[str, list]:

@@ -44,6 +44,7 @@ class TokenLogprobs:
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
     requested: list[tuple[int, float]] = field(default_factory=list)
+    rank: Optional[int] = None  # 1 + how many tokens are more likely (when asked for)
 
 
 @dataclass
@@ -53,18 +54,20 @@ class SamplerOutput:
 
 
 def logprobs_at(
-    logprobs: torch.Tensor, token_ids: Seq[int], top_n: int, requested: Optional[Seq[int]]
+    logprobs: torch.Tensor, token_ids: Seq[int], top_n: int, requested: Optional[Seq[int]], ranks: bool = False
 ) -> list[TokenLogprobs]:
     """TokenLogprobs for each row of a [R, V] logprob tensor and the row's token."""
     out = []
-    chosen = logprobs.gather(1, torch.as_tensor(list(token_ids), device=logprobs.device)[:, None])[:, 0].tolist()
+    chosen_t = logprobs.gather(1, torch.as_tensor(list(token_ids), device=logprobs.device)[:, None])
+    chosen = chosen_t[:, 0].tolist()
+    rank = (logprobs > chosen_t).sum(dim=-1).add_(1).tolist() if ranks else None
     tops = logprobs.topk(top_n, dim=-1) if top_n > 0 else None
     req = None
     if requested:
         ids = [t for t in requested if 0 <= t < logprobs.shape[1]]
         req = (ids, logprobs[:, ids].tolist())
     for r, token in enumerate(token_ids):
-        item = TokenLogprobs(int(token), float(chosen[r]))
+        item = TokenLogprobs(int(token), float(chosen[r]), rank=None if rank is None else int(rank[r]))
         if tops is not None:
             item.top = list(zip(tops.indices[r].tolist(), tops.values[r].tolist()))
         if req is not None:

@@ -48,6 +48,9 @@ class Sequence:
     num_hashed_blocks: int = 0
     block_hash: Optional[int] = None
     num_cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    # Prompt positions whose logprobs were reported: a prompt computed again after a preemption
+    # reports only the rest.
+    prompt_logprobs_done: int = 0
     # n > 1: the sibling whose prefill the others wait for, so they find its blocks cached.
     wait_for: Optional["Sequence"] = None
     index: int = 0  # which of the request's n samples this is

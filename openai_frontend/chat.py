@@ -16,7 +16,7 @@ from starlette.responses import Response
 from openai_frontend.common import Context, dumps, json_response, usage
 from openai_frontend.engine_types import EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request, unsupported
-from openai_frontend.logprobs import TokenNamer, chat_logprobs
+from openai_frontend.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
 from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
 from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported
 from openai_frontend.streams import StartedStream, iterate_choices, sse_events, sse_response, start_stream
@@ -130,6 +130,7 @@ class ChatHandler:
             c.texts.append(echo)
         prompt_tokens = 0
         cached: Optional[int] = None
+        prompt_lps: Optional[list[TokenLogprob]] = None  # vLLM's prompt_logprobs (the samples share them)
         it = iterate_choices(self.ctx.client, requests)
         try:
             async for i, chunk in it:
@@ -139,10 +140,12 @@ class ChatHandler:
                 if chunk.text:
                     c.texts.append(chunk.text)
                 if namer is not None:
-                    lps = chunk.logprobs()
+                    lps = chunk.logprobs(req.top_logprobs or 0)
                     if lps is not None:
                         c.got_logprobs = True
                         c.logprobs.extend(lps)
+                if req.prompt_logprobs is not None and prompt_lps is None:
+                    prompt_lps = chunk.prompt_logprobs(req.prompt_logprobs)
                 c.completion_tokens = chunk.completion_tokens
                 prompt_tokens = chunk.prompt_tokens or prompt_tokens
                 if chunk.finish_reason:
@@ -176,6 +179,9 @@ class ChatHandler:
             "choices": out,
             "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices), cached),
         }
+        if req.prompt_logprobs is not None:
+            name = namer or TokenNamer(self.ctx.files, bool(req.return_tokens_as_token_ids))
+            body["prompt_logprobs"] = prompt_logprobs(prompt_lps, name) if prompt_lps is not None else None
         return json_response(body)
 
     # -- streaming -------------------------------------------------------------------------
@@ -226,7 +232,7 @@ class ChatHandler:
                 text = normal
             logprobs = "null"
             if namer is not None:
-                lps = chunk.logprobs()
+                lps = chunk.logprobs(req.top_logprobs or 0)
                 if lps:
                     logprobs = dumps(chat_logprobs(lps, namer))
             finish = chunk.finish_reason

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from openai_frontend.common import Context, dumps, json_response, usage
 from openai_frontend.engine_types import EngineChunk, EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request
-from openai_frontend.logprobs import CompletionLogprobs, TokenNamer
+from openai_frontend.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs
 from openai_frontend.protocol import CompletionRequest
 from openai_frontend.sampling import build_sampling_params, check_unsupported
 from openai_frontend.streams import StartedStream, iterate_choices, sse_events, sse_response, start_stream
@@ -38,11 +38,11 @@ def split_prompts(prompt: Any) -> list[Prompt]:
     raise bad_request("prompt must not mix strings and token ids", param="prompt")
 
 
-def chunk_logprobs(chunk: EngineChunk, echo: bool) -> Optional[list[TokenLogprob]]:
+def chunk_logprobs(chunk: EngineChunk, echo: bool, top: Optional[int]) -> Optional[list[TokenLogprob]]:
     """The chunk's logprobs in text order: with echo, the prompt's (sent with the first chunk)
     before the generated tokens'."""
-    items = chunk.logprobs()
-    if echo and (prompt := chunk.prompt_logprobs()):
+    items = chunk.logprobs(top)
+    if echo and (prompt := chunk.prompt_logprobs(top)):
         return prompt + (items or [])
     return items
 
@@ -85,24 +85,26 @@ class CompletionHandler:
         echoes = [self._echo_text(prompts[j // req.n]) for j in range(k)] if req.echo else None
         completion_id = f"cmpl-{request_id}"
         created = int(time.time())
-        namer = TokenNamer(ctx.files, bool(req.return_tokens_as_token_ids)) if req.logprobs is not None else None
+        namer = TokenNamer(ctx.files, bool(req.return_tokens_as_token_ids))
         if req.stream:
             stream = await start_stream(ctx.client, requests)
             body = sse_events(stream, self._stream(stream, req, k, echoes, model, completion_id, created, namer))
             return sse_response(body, hooks=ctx.stream_hooks)
-        return await self._complete(requests, req.n, echoes, model, completion_id, created, namer)
+        return await self._complete(requests, req, echoes, model, completion_id, created, namer)
 
     async def _complete(
-        self, requests: list[EngineRequest], n: int, echoes: Optional[list[str]], model: str,
-        completion_id: str, created: int, namer: Optional[TokenNamer],
+        self, requests: list[EngineRequest], req: CompletionRequest, echoes: Optional[list[str]], model: str,
+        completion_id: str, created: int, namer: TokenNamer,
     ) -> Response:
+        n = req.n
         k = len(requests) * n
         texts: list[list[str]] = [[echoes[j]] if echoes else [] for j in range(k)]
         finish: list[Optional[str]] = [None] * k
         completion_tokens = [0] * k
         prompt_tokens = [0] * k
-        logprobs = [CompletionLogprobs(namer) if namer else None for _ in range(k)]
+        logprobs = [CompletionLogprobs(namer) if req.logprobs is not None else None for _ in range(k)]
         got_logprobs = [False] * k
+        prompt_lps: list[Optional[list[TokenLogprob]]] = [None] * k  # vLLM's prompt_logprobs
         cached: list[Optional[int]] = [None] * k
         it = iterate_choices(self.ctx.client, requests)
         try:
@@ -113,10 +115,12 @@ class CompletionHandler:
                     texts[j].append(chunk.text)
                 lp = logprobs[j]
                 if lp is not None:
-                    items = chunk_logprobs(chunk, bool(echoes))
+                    items = chunk_logprobs(chunk, bool(echoes), req.logprobs)
                     if items is not None:
                         got_logprobs[j] = True
                         lp.add(items)
+                if req.prompt_logprobs is not None and prompt_lps[j] is None:
+                    prompt_lps[j] = chunk.prompt_logprobs(req.prompt_logprobs)
                 completion_tokens[j] = chunk.completion_tokens
                 prompt_tokens[j] = chunk.prompt_tokens or prompt_tokens[j]
                 if chunk.finish_reason:
@@ -132,6 +136,9 @@ class CompletionHandler:
             }
             for j in range(k)
         ]
+        if req.prompt_logprobs is not None:
+            for choice, items in zip(choices, prompt_lps):
+                choice["prompt_logprobs"] = prompt_logprobs(items, namer) if items is not None else None
         body = {
             "id": completion_id,
             "object": "text_completion",
@@ -145,7 +152,7 @@ class CompletionHandler:
 
     async def _stream(
         self, stream: StartedStream, req: CompletionRequest, k: int, echoes: Optional[list[str]],
-        model: str, completion_id: str, created: int, namer: Optional[TokenNamer],
+        model: str, completion_id: str, created: int, namer: TokenNamer,
     ) -> AsyncIterator[bytes]:
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -154,7 +161,7 @@ class CompletionHandler:
         completion_tokens = [0] * k
         prompt_tokens = [0] * k
         echoed = [not echoes] * k
-        logprobs = [CompletionLogprobs(namer) if namer else None for _ in range(k)]
+        logprobs = [CompletionLogprobs(namer) if req.logprobs is not None else None for _ in range(k)]
         cached: list[Optional[int]] = [None] * k
         n = req.n
         async for j, chunk in stream:
@@ -169,7 +176,7 @@ class CompletionHandler:
             lp_json = "null"
             lp = logprobs[j]
             if lp is not None:
-                items = chunk_logprobs(chunk, bool(echoes))
+                items = chunk_logprobs(chunk, bool(echoes), req.logprobs)
                 if items:
                     lp_json = dumps(lp.add(items))
             finish = chunk.finish_reason

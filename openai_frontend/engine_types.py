@@ -44,6 +44,7 @@ class TokenLogprob:
     logprob: Optional[float]  # None for a prompt's first token (nothing precedes it)
     text: Optional[str] = None  # the engine's token text when it sends one
     top: list["TokenLogprob"] = field(default_factory=list)
+    rank: Optional[int] = None  # prompt tokens: 1 + how many tokens were more likely
 
 
 @dataclass(slots=True)
@@ -96,22 +97,23 @@ class EngineChunk:
             return {}
         return {k: v for k, v in self.meta.items() if k in LOGPROB_KEYS and isinstance(v, list)}
 
-    def logprobs(self) -> Optional[list[TokenLogprob]]:
-        """The logprobs of this chunk's tokens, or None when the engine sent none.
+    def logprobs(self, top: Optional[int] = None) -> Optional[list[TokenLogprob]]:
+        """The logprobs of this chunk's tokens, or None when the engine sent none; at most `top`
+        alternatives each (the engine sends as many as the most any part of the request asked).
 
         The engine reports them in meta_info with SGLang's names: `output_token_logprobs` as
         [[logprob, token_id, text_or_null], ...] (one per new token) and `output_top_logprobs`
         as one list of such triples per new token.
         """
-        return self._logprobs("output")
+        return self._logprobs("output", top)
 
-    def prompt_logprobs(self) -> Optional[list[TokenLogprob]]:
-        """The logprobs of prompt tokens (`input_token_logprobs`, `input_top_logprobs`: sent with
-        a sample's first response when logprob_start_len >= 0), or None. The first prompt
-        token's logprob is None."""
-        return self._logprobs("input")
+    def prompt_logprobs(self, top: Optional[int] = None) -> Optional[list[TokenLogprob]]:
+        """The logprobs of prompt tokens (`input_token_logprobs`, `input_top_logprobs`, and our
+        `input_token_ranks`: sent with a sample's first response when logprob_start_len >= 0),
+        or None. The first prompt token's logprob is None."""
+        return self._logprobs("input", top)
 
-    def _logprobs(self, kind: str) -> Optional[list[TokenLogprob]]:
+    def _logprobs(self, kind: str, top: Optional[int]) -> Optional[list[TokenLogprob]]:
         if not self.meta_raw or "logprob" not in self.meta_raw:
             return None
         meta = self.meta
@@ -119,11 +121,14 @@ class EngineChunk:
         if tokens is None:
             return None
         tops = meta.get(f"{kind}_top_logprobs") or []
+        ranks = meta.get(f"{kind}_token_ranks") or []
         out = []
         for i, entry in enumerate(tokens):
             item = _triple(entry)
             if i < len(tops) and tops[i]:
-                item.top = [_triple(t) for t in tops[i]]
+                item.top = [_triple(t) for t in tops[i][:top]]
+            if i < len(ranks):
+                item.rank = ranks[i]
             out.append(item)
         return out
 

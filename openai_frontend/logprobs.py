@@ -42,6 +42,21 @@ def chat_logprobs(items: list[TokenLogprob], name: TokenNamer) -> dict[str, Any]
     return {"content": content}
 
 
+def prompt_logprobs(items: list[TokenLogprob], name: TokenNamer) -> list[Optional[dict[str, Any]]]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first is null), its own logprob and the top
+    alternatives', keyed by token id, each with its rank and decoded text."""
+    out: list[Optional[dict[str, Any]]] = []
+    for lp in items:
+        if lp.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": name(lp)}}
+        for rank, t in enumerate(lp.top, 1):
+            entry.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": rank, "decoded_token": name(t)})
+        out.append(entry)
+    return out
+
+
 class CompletionLogprobs:
     """Accumulates the legacy completions logprobs format across chunks."""
 

@@ -61,7 +61,10 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
     if req.length_penalty != 1.0:
         raise unsupported("length_penalty", "only used by beam search, which is not implemented")
     if req.prompt_logprobs is not None:
-        raise unsupported("prompt_logprobs")
+        if req.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+        if not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="prompt_logprobs")
     if req.guided_whitespace_pattern is not None:
         raise unsupported("guided_whitespace_pattern")
     if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
@@ -227,6 +230,10 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
             sp["top_logprobs_num"] = req.logprobs
         if req.echo:  # the echoed prompt's tokens get logprobs too (max_tokens 0 scores a prompt)
             sp["logprob_start_len"] = 0
+    if req.prompt_logprobs is not None:  # vLLM's: every prompt token's logprob, rank, top k
+        sp["return_logprob"] = True
+        sp["logprob_start_len"] = 0
+        sp["top_logprobs_num"] = max(sp.get("top_logprobs_num", 0), req.prompt_logprobs)
     if sp.get("return_logprob") and not req.return_tokens_as_token_ids:
         sp["return_text_in_logprobs"] = True
     if req.logit_bias:

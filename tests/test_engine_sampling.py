@@ -29,8 +29,8 @@ def hf_model(demo_model_path):
 
 
 def make_engine(path, **kw) -> LLMEngine:
-    kw.setdefault("num_kv_blocks", 512)
-    return LLMEngine(EngineConfig(model_path=path, device=TEST_DEVICE, dtype="float32", block_size=16, max_num_batched_tokens=256, **kw))
+    kw = {"num_kv_blocks": 512, "max_num_batched_tokens": 256, **kw}
+    return LLMEngine(EngineConfig(model_path=path, device=TEST_DEVICE, dtype="float32", block_size=16, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -196,13 +196,36 @@ def test_max_new_tokens_0_scores_the_prompt(engine, hf_model):
     with torch.inference_mode():
         full = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
     assert [t for _, t, _ in inp] == prompt
+    ranks = out.logprobs["input_token_ranks"]
+    assert ranks[0] is None
     for pos in range(1, len(prompt)):
         assert math.isclose(inp[pos][0], float(full[pos - 1, prompt[pos]]), abs_tol=1e-4)
         assert [t for _, t, _ in out.logprobs["input_top_logprobs"][pos]] == full[pos - 1].topk(2).indices.tolist()
+        assert ranks[pos] == 1 + int((full[pos - 1] > full[pos - 1, prompt[pos]]).sum())
     # Without prompt logprobs, max_new_tokens 0 ends at once, without running the prompt.
     steps = engine.stats().num_steps
     (out,) = engine.generate([prompt], [engine.parse_params({"max_new_tokens": 0})])
     assert out.finish_reason == "length" and engine.stats().num_steps == steps
+
+
+def test_prompt_logprobs_survive_preemption_mid_prompt(demo_model_path, engine):
+    # A scored prompt prefilled in chunks next to decoding sequences that outgrow a small pool:
+    # it is preempted part-way, computed again, and reports each position once, as alone.
+    scored = _prompt(60, 20)
+    p = {"max_new_tokens": 0, "return_logprob": True, "logprob_start_len": 0}
+    (ref,) = engine.generate([scored], [engine.parse_params(p)])
+    small = make_engine(demo_model_path, num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=32)
+    try:
+        gen = small.parse_params({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
+        outs = small.generate([_prompt(20, 21 + i) for i in range(3)] + [scored], [gen] * 3 + [small.parse_params(p)])
+        assert outs[3].num_preemptions > 0
+        lps, want = outs[3].logprobs["input_token_logprobs"], ref.logprobs["input_token_logprobs"]
+        assert [t for _, t, _ in lps] == [t for _, t, _ in want] == scored
+        assert lps[0][0] is None and all(math.isclose(a[0], b[0], abs_tol=1e-4) for a, b in zip(lps[1:], want[1:]))
+        assert len(outs[3].logprobs["input_token_ranks"]) == len(scored)
+        assert small.block_manager.num_free_blocks == small.block_manager.num_blocks
+    finally:
+        small.shutdown()
 
 
 def test_sampled_logprobs_are_after_temperature_and_text_can_be_returned(engine, hf_model):

@@ -320,7 +320,7 @@ def test_error_unknown_parameter_is_400(client):
 
 def test_error_unsupported_parameter_named(client, fake):
     for kwargs, name in [
-        ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+        ({"extra_body": {"logits_processors": ["my.module:Processor"]}}, "logits_processors"),
         ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
         ({"extra_body": {"documents": [{"title": "t", "text": "x"}]}}, "documents"),

@@ -232,6 +232,36 @@ def test_echo_with_logprobs_scores_the_prompt(client, tok):
     assert streamed_lps[0] is None and streamed_lps[1:] == pytest.approx(blp.token_logprobs[1:], abs=1e-4)
 
 
+def test_vllm_prompt_logprobs(client, tok):
+    prompt = "The quick brown fox"
+    ids = tok(prompt).input_ids
+    plain = dict(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=3, **GREEDY)
+    echoed = client.completions.create(**plain).choices[0].logprobs  # the same numbers, OpenAI's format
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY,
+                                  extra_body={"prompt_logprobs": 3})
+    plp = r.choices[0].prompt_logprobs  # vLLM's field (the SDK keeps unknown fields)
+    assert len(plp) == len(ids) and plp[0] is None
+    for pos in range(1, len(ids)):
+        entry = plp[pos]
+        own = entry[str(ids[pos])]
+        assert own["logprob"] == pytest.approx(echoed.token_logprobs[pos], abs=1e-4)
+        assert own["rank"] >= 1 and own["decoded_token"] == echoed.tokens[pos]
+        tops = sorted((v for k, v in entry.items() if v["rank"] <= 3), key=lambda v: v["rank"])
+        assert [v["rank"] for v in tops][:3] == [1, 2, 3]
+        assert [v["logprob"] for v in tops] == sorted((v["logprob"] for v in tops), reverse=True)
+        assert len(entry) in (3, 4)  # the top 3, and the prompt token when it is not among them
+    assert r.choices[0].logprobs is None  # output logprobs were not asked for
+
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=True,
+                                          top_logprobs=1, extra_body={"prompt_logprobs": 2})
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    assert all(len(item.top_logprobs) == 1 for item in chat.choices[0].logprobs.content)  # not 2
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+
+
 def test_stop_strings_and_stop_token_ids(client):
     base = dict(model=MODEL, prompt="Tell me a story about a dragon.", max_tokens=24, **GREEDY)
     full = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
