@@ -46,7 +46,8 @@ SAMPLING_KEYS = [
     "stop_regex", "ignore_eos", "n", "frequency_penalty", "presence_penalty", "repetition_penalty",
     "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "logprob_start_len",
     "return_logprob", "top_logprobs_num", "token_ids_logprob", "json_schema", "regex", "ebnf",
-    "custom_logit_processor", "logit_bias", "stream", "unknown_param", "", "__proto__",
+    "custom_logit_processor", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "priority",
+    "stream", "unknown_param", "", "__proto__",
 ]
 
 
@@ -76,6 +77,10 @@ _small_params = st.fixed_dictionaries(
         "stop": st.one_of(st.lists(st.text(max_size=4), max_size=3), _json_value),
         "stop_regex": st.one_of(st.sampled_from(["(", "a*", "[a-", "(a+)+$", "x{1000000}"]), _json_value),
         "ignore_eos": st.booleans(), "seed": _json_scalar,
+        "logit_bias": st.one_of(st.dictionaries(st.sampled_from(["1", "7", "4095", "4096", "-1", "x"]),
+                                                st.one_of(st.floats(-150, 150), _json_scalar), max_size=3), _json_value),
+        "allowed_token_ids": st.one_of(st.lists(st.integers(-2, 5000), max_size=4), _json_value),
+        "truncate_prompt_tokens": st.one_of(st.integers(-1, 8), _json_scalar),
     },
 )
 _sampling_text = st.one_of(
