@@ -20,6 +20,7 @@ from backend.tokenizer import encode_prompt
 
 MODEL_PATH_ENV = "LLM_MODEL_PATH"
 DEFAULT_MODEL_PATH = "models/demo"
+CHAT_TEMPLATE_ENV = "LLM_CHAT_TEMPLATE"
 
 PREPROCESSING_INPUTS = (
     "text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "input_ids",
@@ -114,6 +115,22 @@ def model_path_from_config(args: Mapping[str, Any], env: Optional[Mapping[str, s
     env = os.environ if env is None else env
     value = env.get(MODEL_PATH_ENV) or config_parameters(args).get("model_path") or DEFAULT_MODEL_PATH
     return resolve_path(value)
+
+
+def chat_template_from_config(args: Mapping[str, Any], env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The chat template that replaces the model's (vLLM's --chat-template): $LLM_CHAT_TEMPLATE,
+    else the `chat_template` parameter; a .jinja file's path (relative: from the repository root)
+    or the template itself. None: the model's own."""
+    env = os.environ if env is None else env
+    value = env.get(CHAT_TEMPLATE_ENV) or config_parameters(args).get("chat_template") or ""
+    if not value.strip():
+        return None
+    if "{{" in value or "{%" in value:
+        return value
+    path = resolve_path(value)
+    if not path.is_file():
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    return path.read_text()
 
 
 # ---- numpy views of Triton tensors -------------------------------------------------------

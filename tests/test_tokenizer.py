@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from backend.tokenizer import encode_prompt, load_tokenizer, render_chat
-from backend.triton_utils import model_path_from_config, preprocess_arrays, repo_root
+from backend.triton_utils import chat_template_from_config, model_path_from_config, preprocess_arrays, repo_root
 from conftest import FakeRequest, load_triton_model
 
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -202,6 +202,33 @@ def test_model_path_from_config(tmp_path):
     assert model_path_from_config({"model_config": "{}"}, env={}) == repo_root() / "models" / "demo"
     assert model_path_from_config(args, env={"LLM_MODEL_PATH": str(tmp_path)}) == tmp_path
     assert repo_root() == Path(__file__).resolve().parents[1]
+
+
+PLAIN_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+
+def test_chat_template_setting(tmp_path):
+    def args(value: str) -> dict:
+        return {"model_config": json.dumps({"parameters": {"chat_template": {"string_value": value}}})}
+
+    assert chat_template_from_config(args(""), env={}) is None
+    assert chat_template_from_config({"model_config": "{}"}, env={}) is None
+    assert chat_template_from_config(args(PLAIN_TEMPLATE), env={}) == PLAIN_TEMPLATE
+    path = tmp_path / "t.jinja"
+    path.write_text(PLAIN_TEMPLATE)
+    assert chat_template_from_config(args("x"), env={"LLM_CHAT_TEMPLATE": str(path)}) == PLAIN_TEMPLATE
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        chat_template_from_config(args("no/such/file.jinja"), env={})
+
+
+def test_preprocessing_uses_the_chat_template_setting(fake_pb_utils, demo_model_path, monkeypatch, tok):
+    monkeypatch.setenv("LLM_MODEL_PATH", str(demo_model_path))
+    model = load_triton_model("preprocessing").TritonPythonModel()
+    model.initialize({"model_config": json.dumps({"parameters": {"chat_template": {"string_value": PLAIN_TEMPLATE}}})})
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    (response,) = model.execute([FakeRequest(messages=np.array([json.dumps(messages).encode()], dtype=object))])
+    want = tok.encode("<system>Be brief.\n<user>Hi\n<assistant>", add_special_tokens=False)
+    assert response.outputs()["prompt_ids"].tolist() == want
 
 
 def test_preprocessing_model_py(fake_pb_utils, demo_model_path, monkeypatch):

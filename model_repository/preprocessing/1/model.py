@@ -13,6 +13,7 @@ from backend.tokenizer import load_tokenizer  # noqa: E402
 from backend.triton_utils import (  # noqa: E402
     exit_with_server,
     PREPROCESSING_INPUTS,
+    chat_template_from_config,
     model_path_from_config,
     preprocess_arrays,
     respond_each,
@@ -24,7 +25,13 @@ class TritonPythonModel:
         self._watcher = exit_with_server()
         self.model_path = model_path_from_config(args)
         self.tokenizer = load_tokenizer(self.model_path)
-        pb_utils.Logger.log_info(f"preprocessing ready: tokenizer from {self.model_path}")
+        template = chat_template_from_config(args)
+        if template is not None:
+            self.tokenizer.chat_template = template
+        pb_utils.Logger.log_info(
+            f"preprocessing ready: tokenizer from {self.model_path}"
+            + (", chat template from the chat_template setting" if template is not None else "")
+        )
 
     def execute(self, requests):
         return respond_each(
