@@ -344,6 +344,42 @@ def test_custom_logit_processor_needs_the_flag(demo_model_path, engine):
         eng.shutdown()
 
 
+def test_greedy_penalized_argmax_equals_the_full_pass(monkeypatch):
+    """Greedy rows whose penalties only lower logits take their token from the top candidates
+    (Sampler._penalized_argmax); it must be the full pass's argmax, ties included, and the full
+    pass must take over when the candidates do not settle it."""
+    from backend.sampler import Sampler, SamplingRow
+    from backend.sampling_params import SamplingParams
+
+    V, B = 64, 6
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    outcomes = []
+    orig = Sampler._penalized_argmax
+    monkeypatch.setattr(Sampler, "_penalized_argmax",
+                        lambda self, lg, rs: outcomes.append(orig(self, lg, rs)) or outcomes[-1])
+    for trial in range(150):
+        logits = torch.randn(B, V, generator=gen)
+        if trial % 3 == 0:
+            logits = (logits * 2).round()  # many ties
+        sampler, rows, want = Sampler(V), [], []
+        for b in range(B):
+            params = SamplingParams(temperature=0, repetition_penalty=rng.choice([1.0, 1.05, 1.5, 2.0]),
+                                    frequency_penalty=rng.choice([0.0, 0.0, 0.7]), presence_penalty=rng.choice([0.0, 1.0]))
+            prompt = [rng.randrange(V) for _ in range(rng.randint(1, 30))]
+            output = [rng.randrange(V) for _ in range(rng.randint(0, 30))]
+            rows.append(SamplingRow(params=params, seed=0, step=len(output), seq_id=b, num_prompt_tokens=len(prompt),
+                                    token_ids=prompt + output if params.has_penalties else ()))
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=V).to(torch.int32)[None]
+            pmask = (torch.bincount(torch.tensor(prompt), minlength=V) > 0)[None]
+            penalized = ref.apply_penalties(logits[b : b + 1].clone(), counts, pmask, torch.tensor([params.frequency_penalty]),
+                                            torch.tensor([params.presence_penalty]), torch.tensor([params.repetition_penalty]))
+            want.append(int(penalized.argmax()))
+        assert sampler(logits, rows).token_ids == want, trial
+    taken = sum(o is not None for o in outcomes)
+    assert taken > len(outcomes) // 2 and taken < len(outcomes)  # mostly settled, sometimes the full pass
+
+
 def test_token_counts_stay_equal_to_a_full_recount():
     """Penalty counts are kept incrementally (only new tokens scattered each step); slots are
     reused after release and grown past their initial size."""
