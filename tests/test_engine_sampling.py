@@ -29,8 +29,8 @@ def hf_model(demo_model_path):
 
 
 def make_engine(path, **kw) -> LLMEngine:
-    kw = {"num_kv_blocks": 512, "max_num_batched_tokens": 256, **kw}
-    return LLMEngine(EngineConfig(model_path=path, device=TEST_DEVICE, dtype="float32", block_size=16, **kw))
+    kw = {"num_kv_blocks": 512, "max_num_batched_tokens": 256, "block_size": 16, **kw}
+    return LLMEngine(EngineConfig(model_path=path, device=TEST_DEVICE, dtype="float32", **kw))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.grammar import GrammarCompiler
 from backend.triton_io import engine_config_overrides
+from tests.test_engine_sampling import make_engine as sampling_engine
 
 FORM = r"Answer: (yes|no)\. Confidence: [0-9]{2}%\. Reason: [a-z]{3,12}\."
 SCHEMA = {
@@ -49,8 +50,7 @@ def encoder(tokenizer):
 
 
 def make_engine(path, **kw) -> LLMEngine:
-    kw = {"num_kv_blocks": 256, "block_size": 16, "enable_jump_forward": True, **kw}
-    return LLMEngine(EngineConfig(model_path=path, device="cpu", dtype="float32", max_num_batched_tokens=256, **kw))
+    return sampling_engine(path, **{"num_kv_blocks": 256, "enable_jump_forward": True, **kw})
 
 
 @pytest.fixture(scope="module")
