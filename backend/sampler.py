@@ -163,7 +163,7 @@ class Sampler:
 
         The penalized argmax is among the k highest raw logits when the best penalized candidate
         is above the k-th raw logit: every other token starts at or below it and can only go
-        down. Candidates are penalized with the reference's own arithmetic, and ties go to the
+        down. Candidates are penalized by the torch reference itself, and ties go to the
         lowest token id as in argmax, so the token is the one the full pass would pick (on this
         engine's default workload, generation_config's repetition penalty, the full pass was a
         tenth of a 64-sequence CPU step). None when a row's candidates do not settle it.
@@ -176,18 +176,16 @@ class Sampler:
             slots = self.token_counts.update([rows[i] for i in pen], dev)[:, None]
             at = torch.tensor(pen, device=dev)
             cand = idx.index_select(0, at)
-            counts = self.token_counts.counts[slots, cand]
-            seen = (counts > 0) | self.token_counts.prompt_mask[slots, cand]
             p = [rows[i].params for i in pen]
-            rep = torch.tensor([q.repetition_penalty for q in p], device=dev)[:, None]
-            freq = torch.tensor([q.frequency_penalty for q in p], device=dev)[:, None]
-            pres = torch.tensor([q.presence_penalty for q in p], device=dev)[:, None]
-            v = vals.index_select(0, at)
-            v = torch.where(seen, torch.where(v > 0, v / rep, v * rep), v)
-            v = v - freq * counts.to(torch.float32)
-            v = v - pres * (counts > 0).to(torch.float32)
             x = vals.clone()
-            x[at] = v
+            x[at] = kernels.reference.apply_penalties(  # the candidates are a [P, k] slice of the rows
+                vals.index_select(0, at),
+                self.token_counts.counts[slots, cand],
+                self.token_counts.prompt_mask[slots, cand],
+                torch.tensor([q.frequency_penalty for q in p], device=dev),
+                torch.tensor([q.presence_penalty for q in p], device=dev),
+                torch.tensor([q.repetition_penalty for q in p], device=dev),
+            )
         best = x.max(dim=-1, keepdim=True).values
         if not bool((best[:, 0] > vals[:, -1]).all()):
             return None
@@ -199,19 +197,9 @@ class Sampler:
         B, V = logits.shape
         use_triton = logits.is_cuda
         dev = logits.device
-        plain = all(
-            r.params.greedy
-            and not r.params.has_penalties
-            and not r.suppress_ids
-            and r.grammar is None
-            and r.custom_processor is None
-            and not r.params.return_logprob
-            and not r.params.restricts_tokens
-            for r in rows
-        )
-        if plain:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * B)
         if all(_argmax_after_lowering(r) for r in rows):
+            if not any(r.params.has_penalties for r in rows):
+                return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * B)
             tokens = self._penalized_argmax(logits.float(), rows)
             if tokens is not None:
                 return SamplerOutput(tokens, [None] * B)
@@ -288,7 +276,7 @@ PENALIZED_ARGMAX_CANDIDATES = 8
 
 def _argmax_after_lowering(r: SamplingRow) -> bool:
     """A greedy row with nothing but penalties that lower logits (repetition >= 1, frequency and
-    presence >= 0): its token is an argmax of the penalized logits."""
+    presence >= 0), or none: its token is an argmax of the (penalized) logits."""
     p = r.params
     return (
         p.greedy and not r.suppress_ids and r.grammar is None and r.custom_processor is None
