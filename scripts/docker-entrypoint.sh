@@ -28,7 +28,7 @@
 #   TRITON_BACKEND_DIR  backend directory (default /opt/tritonserver/backends)
 #   PYTHON              interpreter with the project's dependencies (default python3 on PATH)
 #   TRITON_ARGS FRONTEND_ARGS   extra arguments (word-split)
-#   WATCHDOG_INTERVAL (5) EXIT_TIMEOUT (30) READY_TIMEOUT (600) MAX_RESTARTS (5) RESTART_WINDOW (600)
+#   WATCHDOG_INTERVAL (5) STUB_GRACE (5) EXIT_TIMEOUT (30) READY_TIMEOUT (600) MAX_RESTARTS (5) RESTART_WINDOW (600)
 #   OPENAI_FRONTEND_API_KEY     read by the frontend: require this bearer token
 #   LLM_* engine settings       read by the llm model (see README: LLM_NUM_KV_BLOCKS, LLM_MAX_MODEL_LEN, ...)
 set -euo pipefail
@@ -47,6 +47,7 @@ SERVED_MODEL_NAME=${SERVED_MODEL_NAME:-$(basename "$LLM_MODEL_PATH")}
 TRITON_ARGS=${TRITON_ARGS:-}
 FRONTEND_ARGS=${FRONTEND_ARGS:-}
 WATCHDOG_INTERVAL=${WATCHDOG_INTERVAL:-5}
+STUB_GRACE=${STUB_GRACE:-5}
 EXIT_TIMEOUT=${EXIT_TIMEOUT:-30}
 READY_TIMEOUT=${READY_TIMEOUT:-600}
 MAX_RESTARTS=${MAX_RESTARTS:-5}
@@ -195,9 +196,13 @@ while [ "$STOPPING" = 0 ]; do
   sleep "$WATCHDOG_INTERVAL" &
   wait $! || true # a trapped signal interrupts this wait at once
   if alive "$TRITON_PID" && ! llm_stub_alive; then
-    # A tritonserver that is being killed hands its children to init a moment before it shows
-    # as exited: look again before blaming the stub.
-    sleep 1
+    # A tritonserver that is being killed hands its children to init before it shows as
+    # exited, and tearing down a loaded server on busy cores can take seconds: give it up to
+    # STUB_GRACE before blaming the stub (its in-flight requests hang either way).
+    for _ in $(seq $((STUB_GRACE * 5))); do
+      alive "$TRITON_PID" || break
+      sleep 0.2
+    done
   fi
   if ! alive "$TRITON_PID"; then
     wait "$TRITON_PID" 2>/dev/null && rc=0 || rc=$?
