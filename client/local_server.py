@@ -115,9 +115,14 @@ class LocalTritonServer:
         return self
 
     def is_ready(self) -> bool:
+        """Models ready and every endpoint listening. tritonserver starts its metrics endpoint
+        after HTTP, so /v2/health/ready can answer before /metrics does (seen on a busy host)."""
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
+                if r.status != 200:
+                    return False
+            with socket.create_connection(("localhost", self.metrics_port), timeout=2):
+                return True
         except (urllib.error.URLError, ConnectionError, OSError):
             return False
 
