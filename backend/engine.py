@@ -78,8 +78,10 @@ class EngineStats:
     # GIL (on a small host, the server's response handling competes with the model).
     step_seconds_total: float = 0.0
     step_thread_cpu_seconds_total: float = 0.0
-    # Of generation_tokens_total, the tokens a grammar forced (jump-forward decoding).
+    # Of generation_tokens_total, the tokens a grammar forced (jump-forward decoding), and how
+    # many sampled tokens were respelled with the forced text that followed them.
     jump_forward_tokens_total: int = 0
+    jump_forward_respelled_total: int = 0
 
 
 class LLMEngine:
@@ -131,6 +133,7 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._jump_forward_tokens_total = 0
+        self._jump_forward_respelled_total = 0
         self._step_seconds = 0.0
         self._step_cpu_seconds = 0.0
         self.on_step: Optional[Callable[[EngineStats], None]] = None
@@ -259,6 +262,7 @@ class LLMEngine:
             step_seconds_total=self._step_seconds,
             step_thread_cpu_seconds_total=self._step_cpu_seconds,
             jump_forward_tokens_total=self._jump_forward_tokens_total,
+            jump_forward_respelled_total=self._jump_forward_respelled_total,
         )
 
     def has_unfinished(self) -> bool:
@@ -370,18 +374,18 @@ class LLMEngine:
             seq.token_ids.append(token)
             self._generation_tokens_total += 1
             grammar_done = False
-            forced: list[int] = []
+            new_tokens = [token]
             if tracked.grammar is not None:
                 if not tracked.grammar.accept(token):
                     self._end(seq.request_id, FinishReason.ABORT, error=f"the grammar rejected token {token}")
                     continue
                 grammar_done = tracked.grammar.is_terminated
                 if self.config.enable_jump_forward and not grammar_done:
-                    forced = self._jump_forward(tracked)
+                    new_tokens = self._jump_forward(tracked)
             if lp is not None:
                 tracked.state.add_logprobs(self._logprob_entries("output", [lp], seq.params))
             try:
-                out = tracked.state.on_tokens(seq, [token, *forced], grammar_done=grammar_done)
+                out = tracked.state.on_tokens(seq, new_tokens, grammar_done=grammar_done)
             except StopRegexTimeout as exc:
                 self._end(seq.request_id, FinishReason.ABORT, error=str(exc), code="invalid_arg")
                 continue
@@ -392,25 +396,33 @@ class LLMEngine:
                 self._emit(tracked, out)
 
     def _jump_forward(self, tracked: _Tracked) -> list[int]:
-        """Append the tokens the sequence's grammar forces after its newest token (see
-        EngineConfig.enable_jump_forward); they are computed with the next step's chunk."""
+        """The step's tokens for a sequence whose grammar accepted its newest (sampled) token:
+        that token, or its respelling where the tokenizer merges it with the forced text, then
+        the tokens the grammar forces after it (see EngineConfig.enable_jump_forward). The
+        sampled token has no K/V yet, so respelling it costs nothing; all of them are computed
+        with the next step's chunk."""
         seq = tracked.seq
         params = seq.params
+        sampled = seq.token_ids[-1]
         # Not after a stop token (the sequence ends with it), nor with logprobs (forced tokens
         # have none), stop strings (checked per token, so no output token follows a match) or
         # logit_bias / allowed_token_ids (they would have to hold for forced tokens too).
         if (params.return_logprob or params.stop or params.stop_regex or params.restricts_tokens
-                or seq.token_ids[-1] in params.stop_token_ids):
-            return []
+                or sampled in params.stop_token_ids):
+            return [sampled]
         # A stop token ends a sequence only as its newest token: the jump stops before one, and
         # the model, which may then only sample it, ends the sequence as usual.
-        forced = tracked.grammar.jump_forward(
-            self._encode_forced, seq.max_new_tokens - seq.num_output_tokens, stop_before=params.stop_token_ids
+        tokens = tracked.grammar.jump_forward_from(
+            sampled, self._encode_forced, self.tokenizer.decode,
+            seq.max_new_tokens - seq.num_output_tokens, stop_before=params.stop_token_ids,
         )
-        seq.token_ids.extend(forced)
-        self._generation_tokens_total += len(forced)
-        self._jump_forward_tokens_total += len(forced)
-        return forced
+        seq.token_ids[-1:] = tokens
+        forced = len(tokens) - 1
+        self._generation_tokens_total += forced
+        self._jump_forward_tokens_total += forced
+        if tokens[0] != sampled:
+            self._jump_forward_respelled_total += 1
+        return tokens
 
     def _encode_forced(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -19,8 +19,9 @@ The engine uses three things:
 * ``GrammarCompiler.matcher(compiled)`` gives a ``GrammarState`` for one sequence.
 * Per step: ``state.fill_bitmask(bitmask, row)`` before the draw (masked logits are set to -inf
   by ``kernels.apply_token_bitmask``), then ``state.accept(token)`` with the drawn token, then
-  ``state.is_terminated``; with jump-forward decoding on, ``state.jump_forward(encode, limit)``
-  for the tokens the grammar now forces.
+  ``state.is_terminated``; with jump-forward decoding on, ``state.jump_forward_from(token, ...)``
+  for the tokens the grammar now forces (and the drawn token respelled with them, where the
+  tokenizer merges across the boundary).
 
 EOS: the matcher treats the model's stop tokens (EOS) as part of the grammar. It allows a stop
 token only where the grammar can end (e.g. after the closing ``}`` of a JSON document), and it
@@ -380,8 +381,56 @@ class GrammarState:
         text = self.jump_forward_string()
         if not text:
             return []
+        return self._take(encode(text)[:-1][:limit], stop_before)
+
+    def jump_forward_from(
+        self,
+        last_token: int,
+        encode: Callable[[str], list[int]],
+        decode: Callable[[list[int]], str],
+        limit: int,
+        stop_before: Collection[int] = (),
+    ) -> list[int]:
+        """Jump-forward decoding that may retokenize across the boundary: ``last_token`` is the
+        token just accepted (not yet computed by the model), and the result is the step's tokens,
+        ``[last_token or its replacement, *forced tokens]``.
+
+        Tokenized on its own, the forced text can split where the tokenizer would merge it with
+        the sampled token before it (``{`` then ``"status"`` is ``{"`` + ``status"`` in context).
+        The sampled token and the forced text are therefore tokenized together; when their first
+        token is a longer one that covers the sampled text, the matcher is rolled back by one
+        token and the context tokenization is accepted instead (SGLang retokenizes the same way;
+        here the sampled token has no K/V yet, so nothing is recomputed). Otherwise, or if the
+        matcher refuses the replacement, this is ``[last_token, *jump_forward(...)]``.
+        """
+        if limit <= 0 or self._matcher.is_terminated():
+            return [last_token]
+        text = self.jump_forward_string()
+        if not text:
+            return [last_token]
+        last_text = decode([last_token])
+        # Only a token that is whole text (no partial UTF-8 on either side) can be respelled.
+        forced = encode(text)[:-1]
+        if self._num_accepted and not self._tail and last_text and "\ufffd" not in last_text:
+            merged = encode(last_text + text)[:-1]
+            if merged and merged[0] == last_token:
+                forced = merged[1:]  # the forced text as the tokenizer splits it in context
+            elif merged and merged[0] not in stop_before:
+                head = decode(merged[:1])
+                if head.startswith(last_text) and len(head) > len(last_text):
+                    self._matcher.rollback(1)
+                    self._num_accepted -= 1
+                    taken = self._take(merged[: limit + 1], stop_before)
+                    if taken:
+                        return taken
+                    if not self.accept(last_token):  # the replacement was refused: undo the rollback
+                        raise RuntimeError(f"the grammar refused token {last_token} after rolling it back")
+        return [last_token, *self._take(forced[:limit], stop_before)]
+
+    def _take(self, tokens: list[int], stop_before: Collection[int]) -> list[int]:
+        # One at a time, up to the first refusal: the matcher's state is exactly what is returned.
         taken: list[int] = []
-        for token in encode(text)[:-1][:limit]:
+        for token in tokens:
             if token in stop_before or not self.accept(token):
                 break
             taken.append(token)

@@ -119,6 +119,65 @@ def test_forced_bytes_inside_a_character_force_nothing(compiler, tokenizer):
     assert state.jump_forward_string() == "o sei"
 
 
+BRACE = r'( \{|\[)"status": "(yes|no)"'
+
+
+def _id(tokenizer, text: str) -> int:
+    [token] = tokenizer.encode(text, add_special_tokens=False)
+    return token
+
+
+def test_sampled_token_is_respelled_where_the_forced_text_merges_with_it(compiler, tokenizer):
+    encode = encoder(tokenizer)
+    assert encode(' {"status') == [_id(tokenizer, ' {"'), _id(tokenizer, "status")]  # the merge tested
+    state = compiler.matcher(compiler.compile("regex", BRACE))
+    brace = _id(tokenizer, " {")
+    assert state.accept(brace)
+    assert state.jump_forward_string() == '"status": "'
+    tokens = state.jump_forward_from(brace, encode, tokenizer.decode, limit=100)
+    # ' {' + '"status": "' in context, less its last token; ' {"' stands for the sampled ' {'.
+    assert tokens == encode(' {"status": "')[:-1] and tokens[0] == _id(tokenizer, ' {"')
+    assert state.num_accepted == len(tokens)
+    assert tokenizer.decode(tokens) + state.jump_forward_string() == ' {"status": "'
+
+
+def test_a_sampled_token_that_does_not_merge_is_kept(compiler, tokenizer):
+    encode = encoder(tokenizer)
+    state = compiler.matcher(compiler.compile("regex", FORM))
+    for token in encode("Answer: yes"):
+        assert state.accept(token)
+    last = encode("Answer: yes")[-1]
+    tokens = state.jump_forward_from(last, encode, tokenizer.decode, limit=100)
+    assert tokens[0] == last and len(tokens) > 2
+    assert tokenizer.decode(tokens) + state.jump_forward_string() == tokenizer.decode([last]) + ". Confidence: "
+    assert state.num_accepted == len(encode("Answer: yes")) + len(tokens) - 1
+    # The limit counts forced tokens only; the sampled token (or its respelling) is always first.
+    state = compiler.matcher(compiler.compile("regex", BRACE))
+    assert state.accept(_id(tokenizer, " {"))
+    assert state.jump_forward_from(_id(tokenizer, " {"), encode, tokenizer.decode, limit=0) == [_id(tokenizer, " {")]
+    assert state.jump_forward_from(_id(tokenizer, " {"), encode, tokenizer.decode, limit=1) == [
+        _id(tokenizer, ' {"'), _id(tokenizer, "status")]
+
+
+def test_a_refused_respelling_leaves_the_sampled_token(compiler, tokenizer):
+    # A respelling that covers the sampled text but that the grammar refuses (here: a token of
+    # other text, presented as if it spelled ' {"'): the rollback is undone.
+    encode = encoder(tokenizer)
+    state = compiler.matcher(compiler.compile("regex", BRACE))
+    brace, other = _id(tokenizer, " {"), _id(tokenizer, "yes")
+    assert state.accept(brace)
+
+    def fake_encode(text: str) -> list[int]:
+        return [other, *encode(text)[1:]] if text.startswith(" {") else encode(text)
+
+    def fake_decode(ids: list[int]) -> str:
+        return ' {"' if ids == [other] else tokenizer.decode(ids)
+
+    tokens = state.jump_forward_from(brace, fake_encode, fake_decode, limit=100)
+    assert tokens[0] == brace and state.num_accepted == len(tokens)
+    assert tokenizer.decode(tokens) + state.jump_forward_string() == ' {"status": "'
+
+
 def test_config_flag_is_off_by_default_and_parsed():
     assert EngineConfig(model_path="x", device="cpu").enable_jump_forward is False
     assert engine_config_overrides({"enable_jump_forward": "true"}, {}) == {"enable_jump_forward": True}
@@ -180,6 +239,21 @@ def test_streamed_chunks_carry_every_forced_token_and_the_final_text(engine):
     assert len(ids) == chunks[-1].completion_tokens
     assert engine.tokenizer.decode(ids, skip_special_tokens=True) == text  # the EOS that ended it is in ids
     assert any(len(c.new_token_ids) > 1 for c in chunks)  # a sampled token and its forced ones together
+
+
+def test_engine_respells_sampled_tokens_and_counts_them(engine):
+    params = [engine.parse_params({**T1, "seed": i, "max_new_tokens": 40, "regex": BRACE + r"\}"}) for i in range(6)]
+    before = engine.stats()
+    outs = engine.generate(_prompts(engine, 6), params)
+    respelled = engine.stats().jump_forward_respelled_total - before.jump_forward_respelled_total
+    merged = _id(engine.tokenizer, ' {"')
+    for o in outs:
+        assert re.fullmatch(BRACE + r"\}", o.text), o.text
+        assert engine.tokenizer.decode(o.new_token_ids, skip_special_tokens=True) == o.text
+        if o.text.startswith(" {"):
+            # However the model began (' {' or ' ' then '{'), the forced '"' joined it.
+            assert merged in o.new_token_ids, o.new_token_ids
+    assert respelled >= sum(o.text.startswith(" {") for o in outs) > 0
 
 
 def test_max_new_tokens_caps_the_jump(engine):

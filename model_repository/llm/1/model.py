@@ -306,6 +306,8 @@ class _Metrics:
                 "prompt_tokens_total": "Prompt tokens prefilled",
                 "generation_tokens_total": "Tokens generated",
                 "jump_forward_tokens_total": "Generated tokens a grammar forced (jump-forward decoding), not sampled",
+                "jump_forward_respelled_total": "Sampled tokens respelled together with the forced text after them "
+                "(jump-forward decoding across a token boundary)",
                 "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache",
                 "prefix_cache_hits_total": "Prompt tokens found in the prefix cache",
                 "engine_steps_total": "Engine steps (one batched forward pass each)",
@@ -359,6 +361,7 @@ class _Metrics:
             "prompt_tokens_total": s.prompt_tokens_total,
             "generation_tokens_total": s.generation_tokens_total,
             "jump_forward_tokens_total": getattr(s, "jump_forward_tokens_total", 0),
+            "jump_forward_respelled_total": getattr(s, "jump_forward_respelled_total", 0),
             "prefix_cache_queries_total": queries,
             "prefix_cache_hits_total": hits,
             "engine_steps_total": s.num_steps,
