@@ -451,24 +451,28 @@ class LLMEngine:
         first_pos, logits = first_pos + skip, logits[skip:]
         seq.prompt_logprobs_done = first_pos + logits.shape[0]
         params = seq.params
-        entries: dict[str, list] = {}
-        if first_pos == max(params.logprob_start_len, 1) - 1 and params.logprob_start_len == 0:
-            # The first prompt token has no logprob (nothing precedes it), as SGLang reports it.
-            first = [None, seq.token_ids[0], self._token_text(seq.token_ids[0], params)]
-            entries["input_token_logprobs"] = [first]
-            entries["input_token_ranks"] = [None]
-            if params.top_logprobs_num:
-                entries["input_top_logprobs"] = [None]
-            if params.token_ids_logprob:
-                entries["input_token_ids_logprob"] = [None]
         targets = seq.token_ids[first_pos + 1 : first_pos + 1 + logits.shape[0]]
         lps = torch.log_softmax(logits.float(), dim=-1)
         items = logprobs_at(lps, targets, params.top_logprobs_num, params.token_ids_logprob, ranks=True)
-        for k, v in self._logprob_entries("input", items, params).items():
-            entries.setdefault(k, []).extend(v)
+        entries = self._logprob_entries("input", items, params)
         # Beyond SGLang's format: each prompt token's rank in its distribution (1 = the most
         # likely), for vLLM's prompt_logprobs.
-        entries.setdefault("input_token_ranks", []).extend(i.rank for i in items)
+        entries["input_token_ranks"] = [i.rank for i in items]
+        tracked.state.add_logprobs(entries)
+
+    def _first_prompt_logprob(self, tracked: _Tracked) -> None:
+        """The first prompt token has no logprob (nothing precedes it): SGLang reports it as
+        None. Added once, on admission, so a one-token prompt (no logits rows at all) and a
+        prompt recomputed after a preemption report it exactly once."""
+        seq, params = tracked.seq, tracked.seq.params
+        entries: dict[str, list] = {
+            "input_token_logprobs": [[None, seq.token_ids[0], self._token_text(seq.token_ids[0], params)]],
+            "input_token_ranks": [None],
+        }
+        if params.top_logprobs_num:
+            entries["input_top_logprobs"] = [None]
+        if params.token_ids_logprob:
+            entries["input_token_ids_logprob"] = [None]
         tracked.state.add_logprobs(entries)
 
     def _logprob_entries(self, kind: str, items: list[TokenLogprobs], params: SamplingParams) -> dict[str, list]:
@@ -526,6 +530,8 @@ class LLMEngine:
                 for tracked in children:
                     rid = tracked.seq.request_id
                     self._tracked[rid] = tracked
+                    if tracked.seq.params.wants_prompt_logprobs and tracked.seq.params.logprob_start_len == 0:
+                        self._first_prompt_logprob(tracked)
                     if tracked.seq.max_new_tokens == 0 and not tracked.seq.params.wants_prompt_logprobs:
                         self._end(rid, FinishReason.LENGTH)
                     elif tracked.grammar_future is not None:

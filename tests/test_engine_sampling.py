@@ -202,6 +202,13 @@ def test_max_new_tokens_0_scores_the_prompt(engine, hf_model):
         assert math.isclose(inp[pos][0], float(full[pos - 1, prompt[pos]]), abs_tol=1e-4)
         assert [t for _, t, _ in out.logprobs["input_top_logprobs"][pos]] == full[pos - 1].topk(2).indices.tolist()
         assert ranks[pos] == 1 + int((full[pos - 1] > full[pos - 1, prompt[pos]]).sum())
+    # A one-token prompt has no logits rows of its own, and still reports its token (with None).
+    for max_new in (0, 2):
+        one_p = {"max_new_tokens": max_new, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+        (one,) = engine.generate([prompt[:1]], [engine.parse_params(one_p)])
+        assert one.logprobs["input_token_logprobs"] == [[None, prompt[0], None]]
+        assert one.logprobs["input_top_logprobs"] == [None] and one.logprobs["input_token_ranks"] == [None]
+        assert len(one.logprobs.get("output_token_logprobs", [])) == max_new
     # Without prompt logprobs, max_new_tokens 0 ends at once, without running the prompt.
     steps = engine.stats().num_steps
     (out,) = engine.generate([prompt], [engine.parse_params({"max_new_tokens": 0})])

@@ -214,6 +214,10 @@ def test_echo_with_logprobs_scores_the_prompt(client, tok):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) <= 2 for t in lp.top_logprobs[1:])
     assert "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
+    # A one-token prompt (no logits of its own to score) still gets its entry.
+    assert len(tok("The").input_ids) == 1
+    one = client.completions.create(**{**plain, "prompt": "The"}, max_tokens=0, echo=True, logprobs=2).choices[0]
+    assert one.text == "The" and one.logprobs.tokens == ["The"] and one.logprobs.token_logprobs == [None]
 
     # With new tokens: the prompt's entries (the same as scored alone), then the generated ones
     # (the same as without echo); streamed alike.
