@@ -142,3 +142,147 @@ def test_engine_pool_after_random_cancel_storm(demo_model_path):
         assert sum(len(o.new_token_ids) for o in outs) == 8
     finally:
         engine.shutdown()
+
+
+FORM = r"Answer: (yes|no)\. Score: [0-9]{2}\."
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["alpha", "beta"]}},
+          "required": ["ok", "tag"], "additionalProperties": False}
+
+
+@pytest.mark.timeout(300)
+def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
+    """Every sampling feature at once in a small pool (preemption, chunked prefill, priority
+    scheduling, jump-forward on): grammars, stop strings, logprobs, penalties, logit_bias, n > 1,
+    cancels and aborts. Each finished sample is well-formed (its constraint holds, its stop string
+    is trimmed, one logprob per token, streamed ids decode to its text), and afterwards the pool and
+    the penalty tables are empty."""
+    import json
+    import re
+
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+    from backend.grammar import GrammarCompiler
+
+    engine = LLMEngine(EngineConfig(
+        model_path=demo_model_path, device="cpu", num_kv_blocks=36, max_model_len=256, max_num_seqs=24,
+        max_num_batched_tokens=96, max_prefill_tokens_while_decoding=32, scheduling_policy="priority",
+        enable_jump_forward=True,
+    ))
+    engine.start()
+    rng = random.Random(11)
+    lock = threading.Lock()
+    done = threading.Event()
+    chunks: dict[tuple[int, int], list] = {}
+    expected: dict[int, int] = {}
+    cancelled: set[int] = set()
+    cancel_after: dict[int, int] = {}
+    kinds: dict[int, tuple[str, dict]] = {}
+    total = 70
+    # Prompts of whole-text tokens: an output's text then equals the decode of its ids alone (a
+    # prompt ending inside a UTF-8 character would lend the output its first bytes).
+    ascii_ids = [t for t in range(10, 4000) if (w := engine.tokenizer.decode([t])).isascii() and w.isprintable()]
+
+    def on_output(i):
+        def cb(out):
+            with lock:
+                chunks.setdefault((i, out.index), []).append(out)
+                if sum(len(v) for (j, _), v in chunks.items() if j == i) >= cancel_after.get(i, 10**9):
+                    cancelled.add(i)
+                finished = sum(1 for (j, _), v in chunks.items() if v[-1].finished)
+                if len(expected) == total and finished == sum(expected.values()):
+                    done.set()
+        return cb
+
+    try:
+        for i in range(total):
+            kind = rng.choice(["plain", "regex", "json", "stop", "logprobs", "penalties", "bias", "score"])
+            n = 1 if kind == "score" else rng.choice([1, 1, 2])
+            p: dict = {"max_new_tokens": rng.randint(1, 48), "n": n, "seed": i,
+                       "temperature": rng.choice([0.0, 0.8]), "priority": rng.randint(0, 3)}
+            if kind in ("plain", "penalties", "bias", "logprobs"):
+                p["ignore_eos"] = rng.random() < 0.7
+            if kind == "regex":
+                p.update(regex=FORM, max_new_tokens=rng.choice([5, 80]), temperature=1.0)
+            elif kind == "json":
+                p.update(json_schema=json.dumps(SCHEMA), max_new_tokens=rng.choice([6, 120]), temperature=1.0)
+            elif kind == "stop":
+                p["stop"] = [rng.choice(["e", "a ", "th", "."])]
+            elif kind == "logprobs":
+                p.update(return_logprob=True, top_logprobs_num=rng.choice([0, 3]),
+                         logprob_start_len=rng.choice([-1, 0]))
+            elif kind == "penalties":
+                p.update(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2)
+            elif kind == "score":  # SGLang's scoring request: the prompt's logprobs, nothing generated
+                p.update(max_new_tokens=0, return_logprob=True, logprob_start_len=0)
+            elif kind == "bias":
+                p["logit_bias"] = {str(rng.randrange(10, 4000)): 5.0 for _ in range(3)}
+            kinds[i] = (kind, p)
+            prompt = [rng.choice(ascii_ids) for _ in range(rng.randint(1, 120))]
+            with lock:
+                if rng.random() < 0.2:
+                    cancel_after[i] = rng.randint(1, 4)
+                expected[i] = n
+            rid = engine.add_request(prompt, engine.parse_params(p), on_output(i),
+                                     is_cancelled=lambda i=i: i in cancelled)
+            if rng.random() < 0.08:
+                engine.abort(rid)
+            if rng.random() < 0.3:
+                time.sleep(0.005)
+        assert done.wait(240), "requests did not all finish"
+
+        compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size)
+        grammars = {"regex": ("regex", FORM), "json": ("json_schema", json.dumps(SCHEMA))}
+        counts: dict[tuple[str, str], int] = {}
+        checked = 0
+        for (i, index), outs in chunks.items():
+            kind, p = kinds[i]
+            final = outs[-1]
+            assert final.error is None, (i, kind, final.error)
+            assert all(not o.finished for o in outs[:-1]), (i, kind)
+            if final.finish_reason == "abort":
+                continue
+            merged = outs[0]
+            for o in outs[1:]:
+                merged = merged.merge(o)
+            ids, text = merged.new_token_ids, merged.text
+            assert len(ids) == final.completion_tokens <= p["max_new_tokens"], (i, kind)
+            if kind in ("regex", "json"):
+                # The grammar, replayed on its own, takes every output token (a length-capped one
+                # is a prefix of the language), and a finished one is a full match.
+                state = compiler.matcher(compiler.compile(*grammars[kind]))
+                assert all(state.accept(t) for t in ids), (i, kind, text)
+                counts[kind, final.finish_reason] = counts.get((kind, final.finish_reason), 0) + 1
+            if kind == "regex" and final.finish_reason == "stop":
+                assert re.fullmatch(FORM, text), (i, text)
+            if kind == "json" and final.finish_reason == "stop":
+                doc = json.loads(text)
+                assert set(doc) == {"ok", "tag"} and isinstance(doc["ok"], bool) and doc["tag"] in ("alpha", "beta")
+            if kind == "stop":
+                assert p["stop"][0] not in text, (i, text)
+                if final.finish_reason == "stop" and final.stop_reason is not None:
+                    assert final.stop_reason == p["stop"][0]
+            if kind == "logprobs":
+                assert len(merged.logprobs["output_token_logprobs"]) == len(ids), (i, kind)
+            if kind == "score":
+                assert not ids and final.finish_reason == "length", (i, final)
+                assert len(merged.logprobs["input_token_logprobs"]) == final.prompt_tokens, (i, kind)
+            if kind in ("plain", "penalties", "bias", "logprobs", "regex", "json"):
+                assert engine.tokenizer.decode(ids, skip_special_tokens=True) == text, (i, kind)
+            checked += 1
+        print("checked", checked, "grammar outcomes", counts, engine.stats())
+        compiler.shutdown()
+        assert checked > total // 2
+        # Both ways a constrained output ends, for both grammars.
+        assert {("regex", "stop"), ("regex", "length"), ("json", "stop"), ("json", "length")} <= set(counts)
+        deadline = time.monotonic() + 10
+        while engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
+            assert time.monotonic() < deadline, (
+                f"{engine.block_manager.num_blocks - engine.block_manager.num_free_blocks} KV blocks leaked"
+            )
+            time.sleep(0.05)
+        stats = engine.stats()
+        assert stats.num_running == 0 and stats.num_waiting == 0 and not engine.has_unfinished()
+        assert engine.sampler.token_counts.num_tracked == 0
+        assert stats.num_preemptions > 0 and stats.jump_forward_tokens_total > 0
+    finally:
+        engine.shutdown()
