@@ -145,6 +145,7 @@ def test_engine_pool_after_random_cancel_storm(demo_model_path):
 
 
 FORM = r"Answer: (yes|no)\. Score: [0-9]{2}\."
+STOP_RX = r"[A-Z][a-z]"
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["alpha", "beta"]}},
           "required": ["ok", "tag"], "additionalProperties": False}
 
@@ -152,10 +153,12 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"e
 @pytest.mark.timeout(300)
 def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
     """Every sampling feature at once in a small pool (preemption, chunked prefill, priority
-    scheduling, jump-forward on): grammars, stop strings, logprobs, penalties, logit_bias, n > 1,
-    cancels and aborts. Each finished sample is well-formed (its constraint holds, its stop string
-    is trimmed, one logprob per token, streamed ids decode to its text), and afterwards the pool and
-    the penalty tables are empty."""
+    scheduling, jump-forward on): grammars, stop strings and regexes, stop token ids, logprobs and
+    scoring requests, penalties, logit_bias, allowed_token_ids, min_new_tokens, truncation,
+    top-k/p/min-p, n > 1, cancels and aborts. Each finished sample is well-formed (its constraint
+    holds, its stop is trimmed, one logprob per token, its ids decode to its text) and, grammars
+    aside, has the tokens the same request gets in a calm engine; afterwards the pool and the
+    penalty tables are empty."""
     import json
     import re
 
@@ -177,7 +180,8 @@ def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
     cancelled: set[int] = set()
     cancel_after: dict[int, int] = {}
     kinds: dict[int, tuple[str, dict]] = {}
-    total = 70
+    prompts: dict[int, list[int]] = {}
+    total = 120
     # Prompts of whole-text tokens: an output's text then equals the decode of its ids alone (a
     # prompt ending inside a UTF-8 character would lend the output its first bytes).
     ascii_ids = [t for t in range(10, 4000) if (w := engine.tokenizer.decode([t])).isascii() and w.isprintable()]
@@ -195,7 +199,8 @@ def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
 
     try:
         for i in range(total):
-            kind = rng.choice(["plain", "regex", "json", "stop", "logprobs", "penalties", "bias", "score"])
+            kind = rng.choice(["plain", "regex", "json", "stop", "logprobs", "penalties", "bias", "score",
+                               "stop_regex", "min_new", "allowed", "stop_ids", "truncate", "top"])
             n = 1 if kind == "score" else rng.choice([1, 1, 2])
             p: dict = {"max_new_tokens": rng.randint(1, 48), "n": n, "seed": i,
                        "temperature": rng.choice([0.0, 0.8]), "priority": rng.randint(0, 3)}
@@ -216,8 +221,22 @@ def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
                 p.update(max_new_tokens=0, return_logprob=True, logprob_start_len=0)
             elif kind == "bias":
                 p["logit_bias"] = {str(rng.randrange(10, 4000)): 5.0 for _ in range(3)}
+            elif kind == "stop_regex":
+                p["stop_regex"] = [STOP_RX]
+            elif kind == "min_new":
+                p.update(min_new_tokens=rng.randint(1, 20), max_new_tokens=rng.randint(20, 48), temperature=0.0)
+            elif kind == "allowed":
+                p.update(allowed_token_ids=rng.sample(ascii_ids, 20), ignore_eos=True)
+            elif kind == "stop_ids":
+                p.update(stop_token_ids=rng.sample(ascii_ids, 40), no_stop_trim=rng.random() < 0.5)
+            elif kind == "truncate":
+                p["truncate_prompt_tokens"] = rng.randint(1, 30)
+            elif kind == "top":
+                p.update(top_k=rng.choice([-1, 5]), top_p=rng.choice([1.0, 0.7]), min_p=rng.choice([0.0, 0.1]),
+                         temperature=0.7, return_logprob=True, token_ids_logprob=rng.sample(ascii_ids, 3))
             kinds[i] = (kind, p)
             prompt = [rng.choice(ascii_ids) for _ in range(rng.randint(1, 120))]
+            prompts[i] = prompt
             with lock:
                 if rng.random() < 0.2:
                     cancel_after[i] = rng.randint(1, 4)
@@ -263,13 +282,50 @@ def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
                     assert final.stop_reason == p["stop"][0]
             if kind == "logprobs":
                 assert len(merged.logprobs["output_token_logprobs"]) == len(ids), (i, kind)
+            if kind == "stop_regex":
+                assert not re.search(STOP_RX, text), (i, text)
+            if kind == "min_new" and final.finish_reason == "stop":
+                assert len(ids) >= p["min_new_tokens"], (i, len(ids), p)
+            if kind == "allowed":
+                assert set(ids) <= set(p["allowed_token_ids"]), (i, ids)
+            if kind == "stop_ids" and isinstance(final.stop_reason, int):
+                assert ids[-1] == final.stop_reason in {*p["stop_token_ids"], *engine.eos_ids}, (i, ids, final)
+                assert not set(ids[:-1]) & {*p["stop_token_ids"], *engine.eos_ids}, (i, ids)
+            if kind == "truncate":
+                assert final.prompt_tokens == min(p["truncate_prompt_tokens"], len(prompts[i])), (i, final.prompt_tokens)
+            if kind == "top":
+                assert len(merged.logprobs["output_token_ids_logprob"]) == len(ids), (i, kind)
+                assert all(len(e) == 3 for e in merged.logprobs["output_token_ids_logprob"]), (i, kind)
             if kind == "score":
                 assert not ids and final.finish_reason == "length", (i, final)
                 assert len(merged.logprobs["input_token_logprobs"]) == final.prompt_tokens, (i, kind)
-            if kind in ("plain", "penalties", "bias", "logprobs", "regex", "json"):
+            if kind not in ("stop", "stop_regex", "stop_ids", "min_new", "score"):
                 assert engine.tokenizer.decode(ids, skip_special_tokens=True) == text, (i, kind)
             checked += 1
-        print("checked", checked, "grammar outcomes", counts, engine.stats())
+        # The same requests in a calm engine (a big pool, no preemption, no chunking, arrival
+        # order) give the same tokens: the storm changed when each ran, never what it computed.
+        # Grammars are left out (jump-forward ties their tokens to step boundaries by design).
+        calm = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", num_kv_blocks=512,
+                                      max_model_len=256, scheduling_policy="priority"))
+        try:
+            again = [i for i in kinds if kinds[i][0] not in ("regex", "json")]
+            outs = calm.generate([prompts[i] for i in again], [calm.parse_params(kinds[i][1]) for i in again])
+        finally:
+            calm.shutdown()
+        by_sample = {}
+        k = 0
+        for i in again:
+            for index in range(kinds[i][1]["n"]):
+                by_sample[i, index] = outs[k]
+                k += 1
+        compared = 0
+        for (i, index), outs_i in chunks.items():
+            if (i, index) in by_sample and outs_i[-1].finish_reason != "abort":
+                ids = [t for o in outs_i for t in o.new_token_ids]
+                assert ids == by_sample[i, index].new_token_ids, (i, index, kinds[i])
+                compared += 1
+        assert compared > total // 3
+        print("checked", checked, "compared", compared, "grammar outcomes", counts, engine.stats())
         compiler.shutdown()
         assert checked > total // 2
         # Both ways a constrained output ends, for both grammars.
