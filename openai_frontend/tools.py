@@ -71,6 +71,20 @@ def parse_complete(parser: Any, text: str, tools: list[dict[str, Any]]) -> tuple
     return result.normal_text or "", calls
 
 
+def parse_cut(parser: Any, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ParsedCall]]:
+    """Non-streaming parse of output that max_tokens cut: what a stream of it ends with.
+
+    A stream sends a call's name as soon as it is complete and its arguments as they come, so a
+    call cut short stays a call with the arguments written so far (OpenAI answers a cut call the
+    same way: finish_reason "length", partial arguments). ``parse_complete`` would give that
+    markup back as text, and the two modes would differ exactly when the output is cut.
+    """
+    streamer = ToolCallStreamer(parser, tools)
+    normal, _ = streamer.feed(text)
+    tail, _ = streamer.finish()
+    return normal + tail, streamer.calls
+
+
 class ToolCallStreamer:
     """Per-choice streaming state: parser items -> OpenAI tool_call deltas (dicts)."""
 

@@ -686,3 +686,38 @@ def test_sglang_doc_example():
     assert result.calls == [ToolCallItem(tool_index=0, name="get_current_weather",
                                          parameters='{"city": "Boston", "state": "MA", "unit": "fahrenheit"}')]
     assert_stream_matches("qwen25", text, tools, n_random=2)
+
+
+@pytest.mark.parametrize("name", ["qwen25", "llama3", "mistral", "pythonic", "deepseekv3"])
+def test_cut_output_parses_as_its_stream_ends(name):
+    # The frontend's non-streaming answer for output that max_tokens cut (openai_frontend.tools
+    # .parse_cut) is what a stream of it, fed in any chunking, ends with; for uncut output it is
+    # the plain non-streaming parse.
+    from openai_frontend.tools import ToolCallStreamer, get_parser, parse_complete, parse_cut
+
+    parser = get_tool_parser(name)
+    if name == "pythonic":
+        complete = '[get_time(zone="UTC")]'
+    elif name == "llama3":
+        complete = '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    else:
+        info = parser.structure_info("get_time")
+        complete = info.begin + '{"zone": "UTC"}' + info.end
+    text = "Checking. " + complete
+    assert parse_cut(get_parser(name), text, TOOLS) == parse_complete(get_parser(name), text, TOOLS)
+    rng = random.Random(3)
+    partial = 0
+    for cut in range(len("Checking. "), len(text)):
+        piece = text[:cut]
+        normal, calls = parse_cut(get_parser(name), piece, TOOLS)
+        partial += bool(calls) and calls[0].arguments != '{"zone": "UTC"}'  # a cut call kept as a call
+        for _ in range(3):
+            streamer = ToolCallStreamer(get_parser(name), TOOLS)
+            streamed, i = "", 0
+            while i < len(piece):
+                j = i + rng.randint(1, 6)
+                streamed += streamer.feed(piece[i:j])[0]
+                i = j
+            streamed += streamer.finish()[0]
+            assert (streamed, streamer.calls) == (normal, calls), (name, piece)
+    assert partial > 0 or name == "pythonic"  # pythonic streams a call only once it is complete

@@ -28,6 +28,9 @@ trailing whitespace, which is only emitted once non-space text follows it. ``fin
 The one unavoidable divergence: once a call's name has been streamed it cannot be taken back. If a
 streamed call later turns out malformed, or the stream stops inside it, the non-streaming parse
 treats that markup as text while the stream keeps the partial call (see each format's ``resync``).
+The frontend closes the common half of this gap: output that max_tokens cut is parsed for a
+non-streaming response as its stream would end (``openai_frontend.tools.parse_cut``), so a cut
+call is a call with partial arguments in both modes, as in OpenAI's API.
 """
 
 from __future__ import annotations
