@@ -53,14 +53,22 @@ class SamplerOutput:
     logprobs: list[Optional[TokenLogprobs]]
 
 
+# The logprob reported for a token that cannot be drawn (-inf: masked by a grammar, suppressed,
+# outside allowed_token_ids). JSON has no -Infinity, and strict parsers (JavaScript's
+# JSON.parse, Go's encoding/json) reject Python's; vLLM's OpenAI server reports -9999.0 too.
+LOGPROB_FLOOR = -9999.0
+
+
 def logprobs_at(
     logprobs: torch.Tensor, token_ids: Seq[int], top_n: int, requested: Optional[Seq[int]], ranks: bool = False
 ) -> list[TokenLogprobs]:
-    """TokenLogprobs for each row of a [R, V] logprob tensor and the row's token."""
+    """TokenLogprobs for each row of a [R, V] logprob tensor and the row's token (values below
+    LOGPROB_FLOOR are reported as the floor; ranks count the exact values)."""
     out = []
     chosen_t = logprobs.gather(1, torch.as_tensor(list(token_ids), device=logprobs.device)[:, None])
-    chosen = chosen_t[:, 0].tolist()
     rank = (logprobs > chosen_t).sum(dim=-1).add_(1).tolist() if ranks else None
+    logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
+    chosen = chosen_t.clamp(min=LOGPROB_FLOOR)[:, 0].tolist()
     tops = logprobs.topk(top_n, dim=-1) if top_n > 0 else None
     req = None
     if requested:

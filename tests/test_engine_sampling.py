@@ -215,6 +215,26 @@ def test_max_new_tokens_0_scores_the_prompt(engine, hf_model):
     assert out.finish_reason == "length" and engine.stats().num_steps == steps
 
 
+def test_impossible_tokens_report_a_finite_logprob_floor(engine):
+    # allowed_token_ids leaves one token: every other one is -inf, which JSON cannot carry
+    # (Python writes -Infinity; strict parsers reject it). They are reported at the floor.
+    import json
+
+    from backend.sampler import LOGPROB_FLOOR
+
+    p = engine.parse_params({"max_new_tokens": 3, "temperature": 0.7, "seed": 1, "allowed_token_ids": [300],
+                             "return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [301],
+                             "ignore_eos": True})
+    (out,) = engine.generate([_prompt(8, 1)], [p])
+    assert out.new_token_ids == [300] * 3
+    lps = out.logprobs
+    for (lp, token, _), top, asked in zip(lps["output_token_logprobs"], lps["output_top_logprobs"],
+                                          lps["output_token_ids_logprob"]):
+        assert (lp, token) == (0.0, 300) and top[0][:2] == [0.0, 300]
+        assert [e[0] for e in top[1:]] == [LOGPROB_FLOOR] * 2 and asked[0][:2] == [LOGPROB_FLOOR, 301]
+    json.dumps(lps, allow_nan=False)
+
+
 def test_prompt_logprobs_survive_preemption_mid_prompt(demo_model_path, engine):
     # A scored prompt prefilled in chunks next to decoding sequences that outgrow a small pool:
     # it is preempted part-way, computed again, and reports each position once, as alone.

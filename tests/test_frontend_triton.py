@@ -258,6 +258,82 @@ def test_generate_batch_n_input_ids_and_logprobs(base_url):
     assert all(len(e["output_ids"]) == 3 for e in finals.values())
 
 
+def _strict_json(text: str):
+    """JSON as strict parsers read it: -Infinity / NaN (which Python writes) are errors."""
+    def refuse(name):
+        raise AssertionError(f"{name} in a JSON response")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _close(a, b) -> bool:
+    """Equal, floats within 1e-5 (logprobs), at any depth."""
+    if a == b:
+        return True
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 1e-5
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _generate_events(base_url: str, body: dict) -> dict[int, dict]:
+    """The last streamed event of each sample (SGLang's events are cumulative)."""
+    last: dict[int, dict] = {}
+    with requests.post(base_url + "/generate", stream=True, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                event = _strict_json(line[6:].decode())
+                last[event.get("index", 0)] = event
+    return last
+
+
+def test_random_generate_requests_stream_exactly_what_they_return(base_url):
+    """SGLang /generate with random sampling parameters (seeds, n, stops, stop ids, min tokens,
+    penalties, constraints, logprobs): the last streamed event of every sample equals the
+    non-streamed answer (text, ids, finish reason, token counts, logprobs)."""
+    import random
+
+    rng = random.Random(7)
+    volatile = {"id", "e2e_latency"}
+    for case in range(14):
+        sp: dict = {"max_new_tokens": rng.randint(1, 40), "n": rng.choice([1, 1, 2])}
+        sp.update({"temperature": 0} if rng.random() < 0.5 else {"temperature": 0.9, "seed": rng.randrange(999)})
+        choice = rng.choice(["plain", "stop", "stop_ids", "min", "penalties", "regex", "json"])
+        if choice == "stop":
+            sp["stop"] = [rng.choice(["e", " t", "."])]
+        elif choice == "stop_ids":
+            sp["stop_token_ids"] = [rng.randrange(10, 4000) for _ in range(50)]
+        elif choice == "min":
+            sp.update(min_new_tokens=5, max_new_tokens=rng.randint(5, 40))
+        elif choice == "penalties":
+            sp.update(frequency_penalty=0.4, presence_penalty=0.2, repetition_penalty=1.1)
+        elif choice == "regex":
+            sp.update(regex=r"(yes|no), because [a-z ]{3,20}\.", max_new_tokens=rng.choice([4, 40]))
+        elif choice == "json":
+            sp.update(json_schema=json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                              "required": ["ok"], "additionalProperties": False}))
+        body: dict = {"text": rng.choice(["The sky is", "日本語と 🙂", "Once"]), "sampling_params": sp}
+        if rng.random() < 0.5:
+            body.update(return_logprob=True, top_logprobs_num=rng.randint(0, 2), logprob_start_len=rng.choice([-1, 0]))
+        plain = requests.post(base_url + "/generate", json=body)
+        assert plain.status_code == 200, plain.text
+        answers = _strict_json(plain.text)
+        answers = answers if isinstance(answers, list) else [answers]
+        streamed = _generate_events(base_url, body)
+        assert sorted(streamed) == list(range(len(answers))), (case, body)
+        for i, want in enumerate(answers):
+            got = streamed[i]
+            assert (got["text"], got["output_ids"]) == (want["text"], want["output_ids"]), (case, i, body)
+            meta_got = {k: v for k, v in got["meta_info"].items() if k not in volatile}
+            meta_want = {k: v for k, v in want["meta_info"].items() if k not in volatile}
+            assert meta_got.keys() == meta_want.keys(), (case, i, body)
+            for key in meta_want:
+                assert _close(meta_got[key], meta_want[key]), (case, i, key, body)
+
+
 def test_streamed_text_survives_cjk_emoji_and_spaces(base_url, tok):
     prompt = "Streaming text: spaces,  double  spaces, 中文字符 and emoji 🙂🎉 should survive. 日本語も"
     body = {"text": prompt, "sampling_params": {"max_new_tokens": 40, **GREEDY}}
