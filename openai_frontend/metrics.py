@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 # Paths reported under their own name; anything else is "other" (bounded label cardinality).
 ENDPOINTS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/generate", "/parse_function_call", "/v1/models",
-    "/health", "/health_generate", "/get_model_info", "/metrics", "/openapi.json",
+    "/health", "/health_generate", "/get_model_info", "/metrics", "/openapi.json", "/tokenize", "/detokenize",
 })
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

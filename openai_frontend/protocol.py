@@ -228,6 +228,33 @@ class GenerateRequest(_Strict):
 
 
 # ---------------------------------------------------------------------------------------------
+# vLLM's tokenizer API: /tokenize, /detokenize
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest (`messages`)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None  # vLLM: True for a prompt, False for messages
+    return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Optional[list[ChatTool]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    # known, not implemented: refused when set
+    chat_template: Optional[str] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[TokenId]
+
+
+# ---------------------------------------------------------------------------------------------
 # /parse_function_call (SGLang)
 # ---------------------------------------------------------------------------------------------
 

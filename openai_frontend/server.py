@@ -42,11 +42,14 @@ from openai_frontend.metrics import FrontendMetrics, endpoint_label
 from openai_frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
     ParseFunctionCallRequest,
+    TokenizeRequest,
 )
 from openai_frontend.settings import Settings
 from openai_frontend.streams import run_until_disconnect
+from openai_frontend.tokenization import detokenize, tokenize
 from openai_frontend.tokenizer import ModelFiles
 from openai_frontend.tools import get_parser, tools_as_dicts
 
@@ -298,6 +301,14 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     @app.post("/generate")
     async def generate_route(body: GenerateRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, generate(body, _request_id(request)))
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> Response:
+        return json_response(await tokenize(ctx, body))
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> Response:
+        return json_response(await detokenize(ctx, body))
 
     @app.post("/parse_function_call")
     async def parse_function_call(body: ParseFunctionCallRequest) -> Response:

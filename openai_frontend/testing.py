@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import socket
 import threading
 import time
@@ -83,6 +84,17 @@ class FakeLLMClient:
             self.finished.append(outcome)
             if outcome == "closed":
                 self.closed_early.set()
+
+    async def tokenize(self, request: EngineRequest) -> list[int]:
+        """A stand-in tokenizer: the UTF-8 bytes of the prompt (messages as their JSON)."""
+        self.requests.append(request)
+        if request.input_ids is not None:
+            return list(request.input_ids)
+        text = request.text_input if request.text_input is not None else json.dumps(request.messages)
+        return list(text.encode("utf-8"))
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return bytes(t % 256 for t in token_ids).decode("utf-8", errors="replace")
 
     async def is_ready(self) -> bool:
         return self.ready

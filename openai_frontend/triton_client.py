@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Optional
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient_aio
-from tritonclient.grpc import InferInput
+from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
 from openai_frontend.engine_types import EngineChunk, EngineRequest
@@ -58,6 +58,17 @@ def _bool_input(name: str, value: bool) -> InferInput:
 
 def build_inputs(request: EngineRequest) -> list[InferInput]:
     """The ensemble's input tensors for one request (see docs/ARCHITECTURE.md)."""
+    inputs = prompt_inputs(request)
+    inputs.append(_bool_input("stream", request.stream))
+    sp = request.sampling_params
+    if request.n != 1:
+        sp = {**sp, "n": request.n}
+    inputs.append(_bytes_input("sampling_parameters", json.dumps(sp, ensure_ascii=False)))
+    return inputs
+
+
+def prompt_inputs(request: EngineRequest) -> list[InferInput]:
+    """The prompt's tensors: what the ensemble hands to preprocessing (same names)."""
     inputs: list[InferInput] = []
     if request.input_ids is not None:
         ids = np.asarray(request.input_ids, dtype=np.int32)
@@ -78,11 +89,6 @@ def build_inputs(request: EngineRequest) -> list[InferInput]:
         inputs.append(_bytes_input("text_input", request.text_input))
     else:
         raise APIError(400, "one of text_input, messages, input_ids is required")
-    inputs.append(_bool_input("stream", request.stream))
-    sp = request.sampling_params
-    if request.n != 1:
-        sp = {**sp, "n": request.n}
-    inputs.append(_bytes_input("sampling_parameters", json.dumps(sp, ensure_ascii=False)))
     return inputs
 
 
@@ -259,6 +265,19 @@ def map_rpc_error(err: grpc.RpcError) -> APIError:
     return APIError(500, f"Triton error ({code.name if code else 'unknown'}): {details}")
 
 
+def map_infer_error(exc: InferenceServerException) -> APIError:
+    """A failed unary infer call (tritonclient wraps the gRPC status in its exception)."""
+    status = str(exc.status() or "")
+    msg = _clean(exc.message() or str(exc))
+    if "INVALID_ARGUMENT" in status:
+        return APIError(400, msg, param=_param(msg))
+    if any(s in status for s in ("UNAVAILABLE", "NOT_FOUND")) or "unknown model" in msg.lower():
+        return unavailable(f"Triton model unavailable: {msg}")
+    if "DEADLINE_EXCEEDED" in status:
+        return APIError(504, f"Triton request timed out: {msg}")
+    return APIError(500, f"Triton error ({status or 'unknown'}): {msg}")
+
+
 # The tritonclient defaults, plus a short reconnect backoff: after tritonserver restarts, the
 # channel is back within a second or two instead of gRPC's default of up to two minutes.
 CHANNEL_ARGS = [
@@ -291,9 +310,13 @@ class TritonLLMClient:
         stream_timeout: Optional[float] = None,
         ready_timeout: float = 2.0,
         abort_model: Optional[str] = None,
+        preprocessing_model: str = "preprocessing",
+        postprocessing_model: str = "postprocessing",
     ) -> None:
         self.url = url
         self.model_name = model_name
+        self.preprocessing_model = preprocessing_model
+        self.postprocessing_model = postprocessing_model
         self.stream_timeout = stream_timeout
         self.ready_timeout = ready_timeout
         self.abort_model = abort_model
@@ -386,6 +409,38 @@ class TritonLLMClient:
                     task = asyncio.ensure_future(self._abort(request_id))
                     self._aborts.add(task)
                     task.add_done_callback(self._aborts.discard)
+
+    async def tokenize(self, request: EngineRequest) -> list[int]:
+        """The prompt's token ids as the server computes them for generation: the
+        `preprocessing` model itself (chat template, tools and the server's template included)."""
+        result = await self._infer(self.preprocessing_model, prompt_inputs(request), "prompt_ids")
+        return [int(t) for t in result.reshape(-1)]
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """`token_ids` as text, special tokens included: the `postprocessing` model decoding
+        them as one final window."""
+        # preprocessing checks the ids against the tokenizer (a 400 naming the bad ones); the
+        # tokenizer itself would decode an unknown id to nothing.
+        await self.tokenize(EngineRequest(sampling_params={}, input_ids=list(token_ids)))
+        ids = np.asarray(token_ids, dtype=np.int32)
+        window = InferInput("detok_ids", [int(ids.size)], "INT32")
+        window.set_data_from_numpy(ids)
+        prefix = InferInput("detok_prefix_len", [1], "INT32")
+        prefix.set_data_from_numpy(np.array([0], dtype=np.int32))
+        inputs = [window, prefix, _bool_input("skip_special_tokens", False), _bytes_input("finish_reason", "stop")]
+        result = await self._infer(self.postprocessing_model, inputs, "text_output")
+        value = result.reshape(-1)[0]
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+    async def _infer(self, model: str, inputs: list[InferInput], output: str) -> np.ndarray:
+        try:
+            result = await self._get().infer(model, inputs, outputs=[InferRequestedOutput(output)],
+                                             client_timeout=self.stream_timeout)
+        except InferenceServerException as exc:
+            raise map_infer_error(exc) from None
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc) from None
+        return result.as_numpy(output)
 
     def _out_of_order(self, request_id: str, before: int, now: int) -> None:
         """Triton delivered a stream's responses out of order (seen with an ensemble whose

@@ -334,6 +334,57 @@ def test_random_generate_requests_stream_exactly_what_they_return(base_url):
                 assert _close(meta_got[key], meta_want[key]), (case, i, key, body)
 
 
+def test_tokenize_and_detokenize_as_the_server_does(triton, base_url, tok):
+    # vLLM's tokenizer API, answered by the server's own preprocessing / postprocessing models.
+    text = "Hello, 世界 🙂 spaces  kept"
+    r = requests.post(base_url + "/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert r["tokens"] == tok(text).input_ids and r["count"] == len(r["tokens"]) and r["token_strs"] is None
+    assert r["max_model_len"] is None  # known only with --tokenizer-path
+    back = requests.post(base_url + "/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json()
+    assert back == {"prompt": text}
+    assert requests.post(base_url + "/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+    # Messages: exactly the prompt a chat completion with them is charged for.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    chat = requests.post(base_url + "/tokenize", json={"messages": messages, "tools": tools}).json()
+    want = tok(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)).input_ids
+    assert chat["tokens"] == want
+    completion = requests.post(base_url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "tools": tools, "max_tokens": 1}).json()
+    assert completion["usage"]["prompt_tokens"] == chat["count"]
+    special = requests.post(base_url + "/detokenize", json={"tokens": chat["tokens"][:3]}).json()["prompt"]
+    assert special.startswith("<|im_start|>")  # special tokens are kept, as vLLM's detokenize does
+    cont = requests.post(base_url + "/tokenize", json={
+        "messages": [*messages, {"role": "assistant", "content": "It is"}],
+        "add_generation_prompt": False, "continue_final_message": True}).json()
+    assert tok.decode(cont["tokens"]).endswith("<|im_start|>assistant\nIt is")
+
+    # Errors are 400s that say what is wrong.
+    for body, needle in [
+        ({"prompt": "a", "messages": messages}, "exactly one of prompt and messages"),
+        ({}, "exactly one of prompt and messages"),
+        ({"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+        ({"prompt": "a", "return_token_strs": True}, "--tokenizer-path"),
+        ({"messages": messages, "chat_template": "{{ x }}"}, "chat_template"),
+        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}},
+         "chat_template_kwargs"),
+    ]:
+        resp = requests.post(base_url + "/tokenize", json=body)
+        assert resp.status_code == 400 and needle in resp.json()["error"]["message"], (body, resp.text)
+    for tokens, needle in [([5, 4096], "out of range"), ([-1], "tokens")]:
+        resp = requests.post(base_url + "/detokenize", json={"tokens": tokens})
+        assert resp.status_code == 400 and needle in resp.text, (tokens, resp.text)
+    assert requests.post(base_url + "/tokenize", json={"model": "other", "prompt": "a"}).status_code == 404
+
+    # With the model's files, token strings and the context length too.
+    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, tokenizer_path=str(triton["model"]))
+    with serve_in_thread(create_app(settings)) as url:
+        r = requests.post(url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+        assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+        assert r["max_model_len"] == 4096
+
+
 def test_streamed_text_survives_cjk_emoji_and_spaces(base_url, tok):
     prompt = "Streaming text: spaces,  double  spaces, 中文字符 and emoji 🙂🎉 should survive. 日本語も"
     body = {"text": prompt, "sampling_params": {"max_new_tokens": 40, **GREEDY}}

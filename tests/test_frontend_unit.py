@@ -1060,3 +1060,33 @@ def test_openapi_document_is_served_and_valid(base_url):
         assert path in doc["paths"]
     chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert chat["$ref"].endswith("ChatCompletionRequest")
+
+
+# ---------------------------------------------------------------------------------------------
+# /tokenize, /detokenize (the real models answer in tests/test_frontend_triton.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tokenize_sends_the_prompt_as_a_generation_would(base_url, fake):
+    r = httpx.post(base_url + "/tokenize", json={"prompt": "hé"}).json()
+    assert r == {"count": 3, "max_model_len": None, "tokens": list("hé".encode()), "token_strs": None}
+    assert fake.requests[-1].text_input == "hé"
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "c"}]
+    httpx.post(base_url + "/tokenize", json={"messages": messages, "tools": tools, "add_generation_prompt": False,
+                                             "continue_final_message": True, "chat_template_kwargs": {"k": 1}})
+    sent = fake.requests[-1]
+    assert sent.messages[0]["content"] == "a\nb"  # content parts joined as for chat completions
+    assert sent.tools == tools and sent.chat_template_kwargs == {"k": 1}
+    assert sent.add_generation_prompt is False and sent.continue_final_message is True
+
+    assert httpx.post(base_url + "/detokenize", json={"tokens": list("hé".encode())}).json() == {"prompt": "hé"}
+    for body in ({"prompt": "a", "tools": tools}, {"prompt": "a", "continue_final_message": True},
+                 {"messages": [], "prompt": None}, {"messages": messages, "add_special_tokens": True},
+                 {"messages": messages, "continue_final_message": True}, {"prompt": "a", "mm_processor_kwargs": {}},
+                 {"prompt": "a", "unknown": 1}):
+        resp = httpx.post(base_url + "/tokenize", json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["message"], (body, resp.text)
+    assert httpx.post(base_url + "/detokenize", json={"tokens": [2**31]}).status_code == 400

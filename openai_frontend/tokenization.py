@@ -1,0 +1,64 @@
+"""vLLM's tokenizer API: POST /tokenize and /detokenize.
+
+Tokens come from the server's own `preprocessing` model and text from its `postprocessing`
+model, so /tokenize counts exactly what a generation request with the same prompt would send to
+the engine (chat template, tools and a server-level --chat-template included), and /detokenize
+decodes as the server's streams do. Only token strings (`return_token_strs`) need the
+frontend's local tokenizer (`--tokenizer-path`).
+"""
+
+from __future__ import annotations
+
+from openai_frontend.chat import normalize_messages
+from openai_frontend.common import Context
+from openai_frontend.engine_types import EngineRequest
+from openai_frontend.errors import bad_request, unsupported
+from openai_frontend.protocol import DetokenizeRequest, TokenizeRequest
+from openai_frontend.tools import tools_as_dicts
+
+
+async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
+    ctx.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("exactly one of prompt and messages is required", param="prompt")
+    if req.chat_template is not None:
+        raise unsupported("chat_template", "the model's own chat template is used")
+    if req.mm_processor_kwargs is not None:
+        raise unsupported("mm_processor_kwargs")
+    if req.prompt is not None:
+        if req.add_special_tokens is False:
+            raise unsupported("add_special_tokens", "a prompt is always tokenized with the model's special tokens")
+        chat_only = [n for n in ("tools", "chat_template_kwargs") if getattr(req, n) is not None]
+        if chat_only or req.continue_final_message:
+            raise bad_request(f"{(chat_only or ['continue_final_message'])[0]} needs messages", param="prompt")
+        request = EngineRequest(sampling_params={}, text_input=req.prompt)
+    else:
+        if req.add_special_tokens:
+            raise unsupported("add_special_tokens", "the chat template adds the special tokens")
+        if not req.messages:
+            raise bad_request("messages must not be empty", param="messages")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true "
+                              "(send add_generation_prompt: false)", param="continue_final_message")
+        request = EngineRequest(
+            sampling_params={},
+            messages=normalize_messages(req.messages),
+            tools=tools_as_dicts(req.tools) if req.tools else None,
+            chat_template_kwargs=req.chat_template_kwargs,
+            add_generation_prompt=None if req.add_generation_prompt else False,
+            continue_final_message=req.continue_final_message,
+        )
+    tokens = await ctx.client.tokenize(request)
+    token_strs = None
+    if req.return_token_strs:
+        tok = ctx.files.tokenizer()
+        if tok is None:
+            raise bad_request("return_token_strs needs the server's --tokenizer-path", param="return_token_strs")
+        token_strs = [tok.id_to_token(t) for t in tokens]
+    return {"count": len(tokens), "max_model_len": ctx.files.max_model_len, "tokens": tokens,
+            "token_strs": token_strs}
+
+
+async def detokenize(ctx: Context, req: DetokenizeRequest) -> dict:
+    ctx.check_model(req.model)
+    return {"prompt": await ctx.client.detokenize(list(req.tokens)) if req.tokens else ""}
