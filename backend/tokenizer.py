@@ -133,6 +133,29 @@ def normalize_tools(tools: Any) -> Optional[list[dict]]:
     return [dict(t) for t in tools] or None
 
 
+def normalize_documents(documents: Any) -> Optional[list[dict]]:
+    """RAG documents for the chat template (vLLM's `documents`: a list of string-valued
+    objects, as a list or JSON string), or None."""
+    documents = _load_json(documents, "documents")
+    if documents is None:
+        return None
+    if not isinstance(documents, list) or not all(
+        isinstance(d, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+        for d in documents
+    ):
+        raise ValueError("documents must be a JSON list of objects with string values")
+    return [dict(d) for d in documents]
+
+
+def _uses(template: str, variable: str) -> bool:
+    from jinja2 import Environment, TemplateSyntaxError, meta
+
+    try:
+        return variable in meta.find_undeclared_variables(Environment().parse(template))
+    except TemplateSyntaxError:
+        return True  # rendering reports the syntax error itself
+
+
 def _template_kwargs(kwargs: Any) -> dict[str, Any]:
     kwargs = _load_json(kwargs, "chat_template_kwargs")
     if kwargs is None:
@@ -153,10 +176,13 @@ def render_chat(
     chat_template_kwargs: Any = None,
     chat_template: Optional[str] = None,
     continue_final_message: bool = False,
+    documents: Any = None,
 ) -> str:
     """The prompt text for chat `messages` rendered with the model's (or the given) chat template.
 
-    `messages`, `tools` and `chat_template_kwargs` may be Python objects or JSON strings.
+    `messages`, `tools`, `chat_template_kwargs` and `documents` may be Python objects or JSON
+    strings. Documents need a template that reads them: a template that never mentions
+    `documents` would drop them silently, so that is an error.
     Raises ValueError for malformed input or a template error.
     """
     from jinja2 import TemplateError
@@ -164,16 +190,25 @@ def render_chat(
     conversation = normalize_messages(messages)
     tool_list = normalize_tools(tools)
     extra = _template_kwargs(chat_template_kwargs)
+    docs = normalize_documents(documents)
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise ValueError("continue_final_message needs a final assistant message")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template; send a prompt instead of messages")
+    if docs is not None:
+        try:
+            template = tokenizer.get_chat_template(chat_template, tool_list)
+        except ValueError:
+            template = ""
+        if not _uses(template, "documents"):
+            raise ValueError("documents: the chat template does not use documents (they would be dropped)")
     try:
         text = tokenizer.apply_chat_template(
             conversation,
             tools=tool_list,
+            documents=docs,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -182,6 +217,10 @@ def render_chat(
         )
     except TemplateError as exc:  # includes raise_exception() calls inside templates
         raise ValueError(f"chat template error: {exc}") from None
+    except (TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:
+        # A template computing on input it did not expect (iterating a missing `documents`,
+        # indexing an empty list): the request's input, not a server fault.
+        raise ValueError(f"chat template error: {type(exc).__name__}: {exc}") from None
     if not isinstance(text, str):  # pragma: no cover - tokenize=False always returns text
         raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
     return text
@@ -207,12 +246,14 @@ def encode_prompt(
     add_generation_prompt: bool = True,
     chat_template: Optional[str] = None,
     continue_final_message: bool = False,
+    documents: Any = None,
 ) -> list[int]:
     """Prompt token ids from exactly one of `text`, chat `messages` or `input_ids`.
 
     Empty values count as absent. Raw text gets the tokenizer's own special tokens (a BOS for
     Llama-style models, nothing for Qwen); a rendered chat template already contains them.
-    `tools`, `chat_template_kwargs`, `add_generation_prompt` only apply to `messages`.
+    `tools`, `chat_template_kwargs`, `add_generation_prompt`, `documents` and `chat_template`
+    only apply to `messages`.
     """
     given = [name for name, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids)) if _present(v)]
     if len(given) != 1:
@@ -236,6 +277,7 @@ def encode_prompt(
             chat_template_kwargs=chat_template_kwargs,
             chat_template=chat_template,
             continue_final_message=continue_final_message,
+            documents=documents,
         )
         ids = tokenizer.encode(prompt, add_special_tokens=False)
     else:

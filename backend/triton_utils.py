@@ -22,8 +22,11 @@ MODEL_PATH_ENV = "LLM_MODEL_PATH"
 DEFAULT_MODEL_PATH = "models/demo"
 CHAT_TEMPLATE_ENV = "LLM_CHAT_TEMPLATE"
 
+TRUST_REQUEST_CHAT_TEMPLATE_ENV = "LLM_TRUST_REQUEST_CHAT_TEMPLATE"
+
 PREPROCESSING_INPUTS = (
-    "text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "input_ids",
+    "text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+    "documents", "chat_template", "input_ids",
 )
 POSTPROCESSING_INPUTS = (
     "detok_ids",
@@ -133,6 +136,16 @@ def chat_template_from_config(args: Mapping[str, Any], env: Optional[Mapping[str
     return path.read_text()
 
 
+def trust_request_chat_template(args: Mapping[str, Any], env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether a request may bring its own chat template (vLLM's --trust-request-chat-template):
+    $LLM_TRUST_REQUEST_CHAT_TEMPLATE, else the `trust_request_chat_template` parameter; off by
+    default. Templates render in transformers' sandboxed Jinja environment either way, but a
+    template is code: an operator opts in."""
+    env = os.environ if env is None else env
+    value = env.get(TRUST_REQUEST_CHAT_TEMPLATE_ENV) or config_parameters(args).get("trust_request_chat_template") or ""
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 # ---- numpy views of Triton tensors -------------------------------------------------------
 
 
@@ -160,9 +173,17 @@ def _ids(arrays: Mapping[str, np.ndarray], name: str) -> Optional[np.ndarray]:
     return None if arr is None else np.asarray(arr).reshape(-1)
 
 
-def preprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def preprocess_arrays(
+    tokenizer: Any, arrays: Mapping[str, np.ndarray], trust_request_template: bool = False
+) -> dict[str, np.ndarray]:
     """preprocessing: {text_input | messages (+tools, ...) | input_ids} -> {prompt_ids}."""
     agp = _scalar(arrays, "add_generation_prompt")
+    template = _scalar(arrays, "chat_template") or None
+    if template is not None and not trust_request_template:
+        raise ValueError(
+            "chat_template: this server does not accept chat templates in requests (start it with "
+            f"{TRUST_REQUEST_CHAT_TEMPLATE_ENV}=1 or the preprocessing parameter trust_request_chat_template)"
+        )
     ids = encode_prompt(
         tokenizer,
         text=_scalar(arrays, "text_input"),
@@ -172,6 +193,8 @@ def preprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[
         chat_template_kwargs=_scalar(arrays, "chat_template_kwargs") or None,
         add_generation_prompt=True if agp is None else bool(agp),
         continue_final_message=bool(_scalar(arrays, "continue_final_message")),
+        documents=_scalar(arrays, "documents") or None,
+        chat_template=template,
     )
     return {"prompt_ids": np.asarray(ids, dtype=np.int32)}
 

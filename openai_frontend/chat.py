@@ -104,6 +104,8 @@ class ChatHandler:
                 chat_template_kwargs=req.chat_template_kwargs,
                 add_generation_prompt=None if req.add_generation_prompt else False,
                 continue_final_message=req.continue_final_message,
+                documents=req.documents,
+                chat_template=req.chat_template,
                 request_id=request_id,
                 n=req.n,
                 stream=req.stream,

@@ -30,6 +30,8 @@ class EngineRequest:
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: Optional[bool] = None
     continue_final_message: bool = False
+    documents: Optional[list[dict[str, str]]] = None
+    chat_template: Optional[str] = None  # the request's own (the server must trust request templates)
     input_ids: Optional[list[int]] = None
     request_id: str = ""
     n: int = 1

@@ -244,8 +244,8 @@ class TokenizeRequest(_Strict):
     continue_final_message: bool = False
     tools: Optional[list[ChatTool]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[str] = None  # only on a server that trusts request templates
     # known, not implemented: refused when set
-    chat_template: Optional[str] = None
     mm_processor_kwargs: Optional[dict[str, Any]] = None
 
 

@@ -93,10 +93,6 @@ def _check_chat(req: ChatCompletionRequest) -> None:
             raise bad_request("continue_final_message needs a final assistant message", param="continue_final_message")
     if req.add_special_tokens:
         raise unsupported("add_special_tokens", "the chat template adds the special tokens")
-    if req.documents is not None:
-        raise unsupported("documents")
-    if req.chat_template is not None:
-        raise unsupported("chat_template", "the model's own chat template is used")
     if req.mm_processor_kwargs is not None:
         raise unsupported("mm_processor_kwargs")
     if req.functions is not None or req.function_call is not None:

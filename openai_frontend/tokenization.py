@@ -21,14 +21,12 @@ async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("exactly one of prompt and messages is required", param="prompt")
-    if req.chat_template is not None:
-        raise unsupported("chat_template", "the model's own chat template is used")
     if req.mm_processor_kwargs is not None:
         raise unsupported("mm_processor_kwargs")
     if req.prompt is not None:
         if req.add_special_tokens is False:
             raise unsupported("add_special_tokens", "a prompt is always tokenized with the model's special tokens")
-        chat_only = [n for n in ("tools", "chat_template_kwargs") if getattr(req, n) is not None]
+        chat_only = [n for n in ("tools", "chat_template_kwargs", "chat_template") if getattr(req, n) is not None]
         if chat_only or req.continue_final_message:
             raise bad_request(f"{(chat_only or ['continue_final_message'])[0]} needs messages", param="prompt")
         request = EngineRequest(sampling_params={}, text_input=req.prompt)
@@ -47,6 +45,7 @@ async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
             chat_template_kwargs=req.chat_template_kwargs,
             add_generation_prompt=None if req.add_generation_prompt else False,
             continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
         )
     tokens = await ctx.client.tokenize(request)
     token_strs = None

@@ -85,6 +85,10 @@ def prompt_inputs(request: EngineRequest) -> list[InferInput]:
             inputs.append(_bool_input("add_generation_prompt", request.add_generation_prompt))
         if request.continue_final_message:
             inputs.append(_bool_input("continue_final_message", True))
+        if request.documents is not None:
+            inputs.append(_bytes_input("documents", json.dumps(request.documents, ensure_ascii=False)))
+        if request.chat_template is not None:
+            inputs.append(_bytes_input("chat_template", request.chat_template))
     elif request.text_input is not None:
         inputs.append(_bytes_input("text_input", request.text_input))
     else:

@@ -366,7 +366,8 @@ def test_tokenize_and_detokenize_as_the_server_does(triton, base_url, tok):
         ({}, "exactly one of prompt and messages"),
         ({"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
         ({"prompt": "a", "return_token_strs": True}, "--tokenizer-path"),
-        ({"messages": messages, "chat_template": "{{ x }}"}, "chat_template"),
+        ({"messages": messages, "chat_template": "{{ x }}"}, "LLM_TRUST_REQUEST_CHAT_TEMPLATE"),
+        ({"prompt": "a", "chat_template": "{{ x }}"}, "chat_template needs messages"),
         ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}},
          "chat_template_kwargs"),
     ]:

@@ -323,7 +323,6 @@ def test_error_unsupported_parameter_named(client, fake):
         ({"extra_body": {"logits_processors": ["my.module:Processor"]}}, "logits_processors"),
         ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
-        ({"extra_body": {"documents": [{"title": "t", "text": "x"}]}}, "documents"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
@@ -333,6 +332,15 @@ def test_error_unsupported_parameter_named(client, fake):
         client.completions.create(model=MODEL, prompt="x", suffix="tail")
     assert _error(err)["param"] == "suffix"
     assert fake.requests == []
+
+
+def test_documents_and_request_chat_template_go_to_preprocessing(client, fake):
+    # Both are the server's to judge (its template must use documents; it must trust request
+    # templates): the frontend passes them on.
+    docs = [{"title": "t", "text": "x"}]
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={
+        "documents": docs, "chat_template": "{{ messages[0].content }}"})
+    assert fake.requests[-1].documents == docs and fake.requests[-1].chat_template == "{{ messages[0].content }}"
 
 
 def test_error_validation_is_400_not_422(base_url):

@@ -56,7 +56,10 @@ SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
 def triton(demo_model_path, tmp_path_factory):
     if not (triton_home() / "backends" / "python" / "triton_python_backend_stub").exists():
         pytest.skip("tritonserver's Python backend stub is not installed (scripts/setup.sh)")
-    server = start_triton(demo_model_path, tmp_path_factory.mktemp("triton") / "server.log")
+    # This server trusts chat templates in requests (vLLM's --trust-request-chat-template); the
+    # one in test_frontend_triton.py does not, and refuses them.
+    server = start_triton(demo_model_path, tmp_path_factory.mktemp("triton") / "server.log",
+                          env={"LLM_TRUST_REQUEST_CHAT_TEMPLATE": "1"})
     yield server
     server.stop(timeout=10)
 
@@ -347,6 +350,25 @@ def test_continue_final_message_continues_the_prefilled_reply(client, tok):
     echoed = client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=8, **GREEDY,
                                             extra_body={**extra, "echo": True})
     assert echoed.choices[0].message.content == "The forecast for Paris is" + same.choices[0].text
+
+
+def test_request_chat_template_and_documents(client, tok):
+    # A RAG template sent with the request (the server trusts request templates), and the
+    # documents it reads: the prompt is that template's rendering, token for token.
+    template = ("{% for d in documents %}<doc title={{ d.title }}>{{ d.text }}</doc>\n{% endfor %}"
+                "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n")
+    docs = [{"title": "Paris", "text": "Rain all week."}, {"title": "Lima", "text": "Dry."}]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **GREEDY,
+                                       extra_body={"chat_template": template, "documents": docs})
+    rendered = tok.apply_chat_template(MESSAGES, chat_template=template, documents=docs, tokenize=False,
+                                       add_generation_prompt=True)
+    assert rendered.startswith("<doc title=Paris>Rain all week.</doc>\n<doc title=Lima>")
+    assert r.usage.prompt_tokens == len(tok(rendered).input_ids)
+    # The model's own template does not read documents: they would be dropped, so it is a 400.
+    with pytest.raises(openai.BadRequestError, match="does not use documents"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                       extra_body={"documents": docs})
 
 
 def test_truncate_prompt_tokens(client):

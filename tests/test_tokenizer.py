@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from backend.tokenizer import encode_prompt, load_tokenizer, render_chat
-from backend.triton_utils import chat_template_from_config, model_path_from_config, preprocess_arrays, repo_root
+from backend.triton_utils import (
+    chat_template_from_config, model_path_from_config, preprocess_arrays, repo_root, trust_request_chat_template,
+)
 from conftest import FakeRequest, load_triton_model
 
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -194,6 +196,37 @@ def test_preprocess_arrays(tok):
     assert "# Tools" in text and not text.endswith("<|im_start|>assistant\n")
     text_only = preprocess_arrays(tok, {"text_input": np.array(["Hi".encode()], dtype=object)})
     assert tok.decode(text_only["prompt_ids"].tolist()) == "Hi"
+
+
+RAG_TEMPLATE = ("{% for d in documents %}<doc title={{ d.title }}>{{ d.text }}</doc>{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+
+
+def test_documents_reach_a_template_that_reads_them(tok):
+    msgs = [{"role": "user", "content": "Where?"}]
+    docs = [{"title": "Paris", "text": "It rains."}]
+    assert render_chat(tok, msgs, documents=json.dumps(docs), chat_template=RAG_TEMPLATE) == (
+        "<doc title=Paris>It rains.</doc><user>Where?")
+    # A template that never reads them would drop them: an error, not silence.
+    with pytest.raises(ValueError, match="does not use documents"):
+        render_chat(tok, msgs, documents=docs)
+    with pytest.raises(ValueError, match="string values"):
+        render_chat(tok, msgs, documents=[{"title": 1}], chat_template=RAG_TEMPLATE)
+    # A template that fails on the input it got (here: no documents to iterate) is a 400 too.
+    with pytest.raises(ValueError, match="chat template error: TypeError"):
+        render_chat(tok, msgs, chat_template=RAG_TEMPLATE)
+
+
+def test_request_chat_templates_need_the_servers_trust(tok):
+    arrays = {"messages": np.array([json.dumps([{"role": "user", "content": "x"}]).encode()], dtype=object),
+              "chat_template": np.array([b"[{{ messages[0].content }}]"], dtype=object)}
+    with pytest.raises(ValueError, match="LLM_TRUST_REQUEST_CHAT_TEMPLATE"):
+        preprocess_arrays(tok, arrays)
+    assert tok.decode(preprocess_arrays(tok, arrays, trust_request_template=True)["prompt_ids"].tolist()) == "[x]"
+    assert trust_request_chat_template({"model_config": "{}"}, env={}) is False
+    on = {"model_config": json.dumps({"parameters": {"trust_request_chat_template": {"string_value": "true"}}})}
+    assert trust_request_chat_template(on, env={}) is True
+    assert trust_request_chat_template({"model_config": "{}"}, env={"LLM_TRUST_REQUEST_CHAT_TEMPLATE": "1"}) is True
 
 
 def test_model_path_from_config(tmp_path):

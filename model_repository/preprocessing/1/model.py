@@ -17,6 +17,7 @@ from backend.triton_utils import (  # noqa: E402
     model_path_from_config,
     preprocess_arrays,
     respond_each,
+    trust_request_chat_template,
 )
 
 
@@ -28,13 +29,16 @@ class TritonPythonModel:
         template = chat_template_from_config(args)
         if template is not None:
             self.tokenizer.chat_template = template
+        self.trust_request_template = trust_request_chat_template(args)
         pb_utils.Logger.log_info(
             f"preprocessing ready: tokenizer from {self.model_path}"
             + (", chat template from the chat_template setting" if template is not None else "")
+            + (", chat templates in requests allowed" if self.trust_request_template else "")
         )
 
     def execute(self, requests):
         return respond_each(
-            pb_utils, requests, PREPROCESSING_INPUTS, lambda arrays: preprocess_arrays(self.tokenizer, arrays),
+            pb_utils, requests, PREPROCESSING_INPUTS,
+            lambda arrays: preprocess_arrays(self.tokenizer, arrays, self.trust_request_template),
             "preprocessing",
         )
