@@ -3,7 +3,7 @@
 # tritonserver (and the OpenAI/SGLang frontend when it is present).
 #   scripts/serve.sh [--model-path DIR] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
 #                    [--frontend-port 9000] [--no-frontend] [--tool-call-parser qwen25]
-#                    [--api-key KEY] [--chat-template FILE]
+#                    [--api-key KEY] [--chat-template FILE] [--trust-request-chat-template]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_PATH=${LLM_MODEL_PATH:-models/demo}
@@ -20,6 +20,7 @@ while [ $# -gt 0 ]; do
     --tool-call-parser) TOOL_CALL_PARSER=$2; shift 2 ;;
     --api-key) API_KEY=$2; shift 2 ;;
     --chat-template) export LLM_CHAT_TEMPLATE="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
+    --trust-request-chat-template) export LLM_TRUST_REQUEST_CHAT_TEMPLATE=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
