@@ -247,11 +247,13 @@ def encode_prompt(
     chat_template: Optional[str] = None,
     continue_final_message: bool = False,
     documents: Any = None,
+    add_special_tokens: Optional[bool] = None,
 ) -> list[int]:
     """Prompt token ids from exactly one of `text`, chat `messages` or `input_ids`.
 
     Empty values count as absent. Raw text gets the tokenizer's own special tokens (a BOS for
     Llama-style models, nothing for Qwen); a rendered chat template already contains them.
+    `add_special_tokens` overrides either default (vLLM's parameter of the same name).
     `tools`, `chat_template_kwargs`, `add_generation_prompt`, `documents` and `chat_template`
     only apply to `messages`.
     """
@@ -279,11 +281,11 @@ def encode_prompt(
             continue_final_message=continue_final_message,
             documents=documents,
         )
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = tokenizer.encode(prompt, add_special_tokens=bool(add_special_tokens))
     else:
         if isinstance(text, (bytes, bytearray)):
             text = text.decode("utf-8")
-        ids = tokenizer.encode(text, add_special_tokens=True)
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens is not False)
     if not ids:
         raise ValueError("the prompt is empty")
     return list(ids)

@@ -26,7 +26,7 @@ TRUST_REQUEST_CHAT_TEMPLATE_ENV = "LLM_TRUST_REQUEST_CHAT_TEMPLATE"
 
 PREPROCESSING_INPUTS = (
     "text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-    "documents", "chat_template", "input_ids",
+    "documents", "chat_template", "add_special_tokens", "input_ids",
 )
 POSTPROCESSING_INPUTS = (
     "detok_ids",
@@ -195,6 +195,7 @@ def preprocess_arrays(
         continue_final_message=bool(_scalar(arrays, "continue_final_message")),
         documents=_scalar(arrays, "documents") or None,
         chat_template=template,
+        add_special_tokens=None if (ast := _scalar(arrays, "add_special_tokens")) is None else bool(ast),
     )
     return {"prompt_ids": np.asarray(ids, dtype=np.int32)}
 

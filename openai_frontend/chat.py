@@ -106,6 +106,7 @@ class ChatHandler:
                 continue_final_message=req.continue_final_message,
                 documents=req.documents,
                 chat_template=req.chat_template,
+                add_special_tokens=True if req.add_special_tokens else None,
                 request_id=request_id,
                 n=req.n,
                 stream=req.stream,

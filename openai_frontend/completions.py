@@ -78,7 +78,8 @@ class CompletionHandler:
             rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
             common = dict(sampling_params=sp, request_id=rid, n=req.n, stream=req.stream)
             if isinstance(prompt, str):
-                requests.append(EngineRequest(text_input=prompt, **common))
+                requests.append(EngineRequest(text_input=prompt, add_special_tokens=None if req.add_special_tokens else False,
+                                              **common))
             else:
                 requests.append(EngineRequest(input_ids=list(prompt), **common))
         k = len(prompts) * req.n

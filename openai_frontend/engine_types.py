@@ -32,6 +32,7 @@ class EngineRequest:
     continue_final_message: bool = False
     documents: Optional[list[dict[str, str]]] = None
     chat_template: Optional[str] = None  # the request's own (the server must trust request templates)
+    add_special_tokens: Optional[bool] = None  # None: the default (true for text, false for messages)
     input_ids: Optional[list[int]] = None
     request_id: str = ""
     n: int = 1

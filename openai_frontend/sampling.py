@@ -91,8 +91,6 @@ def _check_chat(req: ChatCompletionRequest) -> None:
                               "(send add_generation_prompt: false)", param="continue_final_message")
         if not req.messages or req.messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs a final assistant message", param="continue_final_message")
-    if req.add_special_tokens:
-        raise unsupported("add_special_tokens", "the chat template adds the special tokens")
     if req.mm_processor_kwargs is not None:
         raise unsupported("mm_processor_kwargs")
     if req.functions is not None or req.function_call is not None:
@@ -121,8 +119,6 @@ def _check_chat(req: ChatCompletionRequest) -> None:
 def _check_completion(req: CompletionRequest) -> None:
     if req.suffix:
         raise unsupported("suffix")
-    if not req.add_special_tokens:
-        raise unsupported("add_special_tokens", "the prompt is always tokenized with the model's special tokens")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
 

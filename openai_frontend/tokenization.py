@@ -24,15 +24,11 @@ async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
     if req.mm_processor_kwargs is not None:
         raise unsupported("mm_processor_kwargs")
     if req.prompt is not None:
-        if req.add_special_tokens is False:
-            raise unsupported("add_special_tokens", "a prompt is always tokenized with the model's special tokens")
         chat_only = [n for n in ("tools", "chat_template_kwargs", "chat_template") if getattr(req, n) is not None]
         if chat_only or req.continue_final_message:
             raise bad_request(f"{(chat_only or ['continue_final_message'])[0]} needs messages", param="prompt")
-        request = EngineRequest(sampling_params={}, text_input=req.prompt)
+        request = EngineRequest(sampling_params={}, text_input=req.prompt, add_special_tokens=req.add_special_tokens)
     else:
-        if req.add_special_tokens:
-            raise unsupported("add_special_tokens", "the chat template adds the special tokens")
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
         if req.continue_final_message and req.add_generation_prompt:
@@ -46,6 +42,7 @@ async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
             add_generation_prompt=None if req.add_generation_prompt else False,
             continue_final_message=req.continue_final_message,
             chat_template=req.chat_template,
+            add_special_tokens=req.add_special_tokens,
         )
     tokens = await ctx.client.tokenize(request)
     token_strs = None

@@ -93,6 +93,8 @@ def prompt_inputs(request: EngineRequest) -> list[InferInput]:
         inputs.append(_bytes_input("text_input", request.text_input))
     else:
         raise APIError(400, "one of text_input, messages, input_ids is required")
+    if request.add_special_tokens is not None and request.input_ids is None:
+        inputs.append(_bool_input("add_special_tokens", request.add_special_tokens))
     return inputs
 
 

@@ -343,6 +343,9 @@ def test_tokenize_and_detokenize_as_the_server_does(triton, base_url, tok):
     back = requests.post(base_url + "/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json()
     assert back == {"prompt": text}
     assert requests.post(base_url + "/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+    # vLLM's add_special_tokens reaches preprocessing (the demo's Qwen tokenizer adds no BOS either way).
+    bare = requests.post(base_url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok(text, add_special_tokens=False).input_ids
 
     # Messages: exactly the prompt a chat completion with them is charged for.
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -364,7 +367,6 @@ def test_tokenize_and_detokenize_as_the_server_does(triton, base_url, tok):
     for body, needle in [
         ({"prompt": "a", "messages": messages}, "exactly one of prompt and messages"),
         ({}, "exactly one of prompt and messages"),
-        ({"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
         ({"prompt": "a", "return_token_strs": True}, "--tokenizer-path"),
         ({"messages": messages, "chat_template": "{{ x }}"}, "LLM_TRUST_REQUEST_CHAT_TEMPLATE"),
         ({"prompt": "a", "chat_template": "{{ x }}"}, "chat_template needs messages"),

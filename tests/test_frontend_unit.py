@@ -334,6 +334,19 @@ def test_error_unsupported_parameter_named(client, fake):
     assert fake.requests == []
 
 
+def test_add_special_tokens_goes_to_preprocessing_only_when_not_the_default(client, fake):
+    client.completions.create(model=MODEL, prompt="x")
+    assert fake.requests[-1].add_special_tokens is None
+    client.completions.create(model=MODEL, prompt="x", extra_body={"add_special_tokens": False})
+    assert fake.requests[-1].add_special_tokens is False
+    client.completions.create(model=MODEL, prompt=[1, 2], extra_body={"add_special_tokens": False})
+    assert fake.requests[-1].input_ids == [1, 2]  # ids are sent as given
+    client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert fake.requests[-1].add_special_tokens is None
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"add_special_tokens": True})
+    assert fake.requests[-1].add_special_tokens is True
+
+
 def test_documents_and_request_chat_template_go_to_preprocessing(client, fake):
     # Both are the server's to judge (its template must use documents; it must trust request
     # templates): the frontend passes them on.
@@ -1091,8 +1104,10 @@ def test_tokenize_sends_the_prompt_as_a_generation_would(base_url, fake):
     assert sent.add_generation_prompt is False and sent.continue_final_message is True
 
     assert httpx.post(base_url + "/detokenize", json={"tokens": list("hé".encode())}).json() == {"prompt": "hé"}
+    httpx.post(base_url + "/tokenize", json={"prompt": "x", "add_special_tokens": False})
+    assert fake.requests[-1].add_special_tokens is False
     for body in ({"prompt": "a", "tools": tools}, {"prompt": "a", "continue_final_message": True},
-                 {"messages": [], "prompt": None}, {"messages": messages, "add_special_tokens": True},
+                 {"messages": [], "prompt": None},
                  {"messages": messages, "continue_final_message": True}, {"prompt": "a", "mm_processor_kwargs": {}},
                  {"prompt": "a", "unknown": 1}):
         resp = httpx.post(base_url + "/tokenize", json=body)

@@ -217,6 +217,34 @@ def test_documents_reach_a_template_that_reads_them(tok):
         render_chat(tok, msgs, chat_template=RAG_TEMPLATE)
 
 
+def _with_bos(tok):
+    """The demo tokenizer with a BOS, as Llama's adds one (the demo's Qwen tokenizer adds none)."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    inner = copy.deepcopy(tok.backend_tokenizer)
+    bos = "<|endoftext|>"
+    inner.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.convert_tokens_to_ids(bos))])
+    return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=bos, chat_template=tok.chat_template)
+
+
+def test_add_special_tokens_overrides_each_default(tok):
+    bos_tok = _with_bos(tok)
+    bos = bos_tok.convert_tokens_to_ids("<|endoftext|>")
+    plain = tok.encode("Hi there", add_special_tokens=False)
+    assert encode_prompt(bos_tok, text="Hi there") == [bos, *plain]  # text: BOS by default
+    assert encode_prompt(bos_tok, text="Hi there", add_special_tokens=False) == plain
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = encode_prompt(bos_tok, messages=msgs)
+    assert chat[0] != bos  # messages: the template's own tokens only, by default
+    assert encode_prompt(bos_tok, messages=msgs, add_special_tokens=True) == [bos, *chat]
+    assert encode_prompt(bos_tok, input_ids=[5, 6], add_special_tokens=True) == [5, 6]  # ids as given
+    arrays = {"text_input": np.array([b"Hi there"], dtype=object), "add_special_tokens": np.array([False])}
+    assert preprocess_arrays(bos_tok, arrays)["prompt_ids"].tolist() == plain
+
+
 def test_request_chat_templates_need_the_servers_trust(tok):
     arrays = {"messages": np.array([json.dumps([{"role": "user", "content": "x"}]).encode()], dtype=object),
               "chat_template": np.array([b"[{{ messages[0].content }}]"], dtype=object)}
