@@ -47,6 +47,16 @@ def stack(demo_model_path, tmp_path_factory):
     s.stop()
 
 
+def _wait_pool_free(engine, timeout: float = 10.0) -> None:
+    """Blocks are freed at the step boundary after a request ends: wait for all of them."""
+    deadline = time.monotonic() + timeout
+    while engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
+        assert time.monotonic() < deadline, (
+            f"{engine.block_manager.num_blocks - engine.block_manager.num_free_blocks} KV blocks leaked"
+        )
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(300)
 def test_soak_through_the_frontend(stack):
     report = asyncio.run(soak.run_soak(
@@ -115,12 +125,7 @@ def test_engine_pool_after_random_cancel_storm(demo_model_path):
             if rng.random() < 0.2:
                 time.sleep(0.01)
         assert done.wait(120), "requests did not all finish"
-        deadline = time.monotonic() + 10
-        while engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
-            assert time.monotonic() < deadline, (
-                f"{engine.block_manager.num_blocks - engine.block_manager.num_free_blocks} KV blocks leaked"
-            )
-            time.sleep(0.05)
+        _wait_pool_free(engine)
         stats = engine.stats()
         assert stats.num_running == 0 and stats.num_waiting == 0
         assert not engine.has_unfinished()
@@ -330,12 +335,7 @@ def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
         assert checked > total // 2
         # Both ways a constrained output ends, for both grammars.
         assert {("regex", "stop"), ("regex", "length"), ("json", "stop"), ("json", "length")} <= set(counts)
-        deadline = time.monotonic() + 10
-        while engine.block_manager.num_free_blocks != engine.block_manager.num_blocks:
-            assert time.monotonic() < deadline, (
-                f"{engine.block_manager.num_blocks - engine.block_manager.num_free_blocks} KV blocks leaked"
-            )
-            time.sleep(0.05)
+        _wait_pool_free(engine)
         stats = engine.stats()
         assert stats.num_running == 0 and stats.num_waiting == 0 and not engine.has_unfinished()
         assert engine.sampler.token_counts.num_tracked == 0
