@@ -23,6 +23,9 @@ async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
         raise bad_request("exactly one of prompt and messages is required", param="prompt")
     if req.mm_processor_kwargs is not None:
         raise unsupported("mm_processor_kwargs")
+    tok = ctx.files.tokenizer() if req.return_token_strs else None
+    if req.return_token_strs and tok is None:
+        raise bad_request("return_token_strs needs the server's --tokenizer-path", param="return_token_strs")
     if req.prompt is not None:
         chat_only = [n for n in ("tools", "chat_template_kwargs", "chat_template") if getattr(req, n) is not None]
         if chat_only or req.continue_final_message:
@@ -45,14 +48,8 @@ async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
             add_special_tokens=req.add_special_tokens,
         )
     tokens = await ctx.client.tokenize(request)
-    token_strs = None
-    if req.return_token_strs:
-        tok = ctx.files.tokenizer()
-        if tok is None:
-            raise bad_request("return_token_strs needs the server's --tokenizer-path", param="return_token_strs")
-        token_strs = [tok.id_to_token(t) for t in tokens]
     return {"count": len(tokens), "max_model_len": ctx.files.max_model_len, "tokens": tokens,
-            "token_strs": token_strs}
+            "token_strs": None if tok is None else [tok.id_to_token(t) for t in tokens]}
 
 
 async def detokenize(ctx: Context, req: DetokenizeRequest) -> dict:
