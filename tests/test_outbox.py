@@ -199,3 +199,71 @@ def test_responses_per_step_is_shared_between_lanes():
     box.tick()
     _wait(lambda: sent() == 8)
     box.close()
+
+
+@pytest.mark.parametrize("per_step,interval", [(1, 1), (2, 3)])
+def test_merged_responses_decode_to_the_engines_text(demo_model_path, per_step, interval):
+    """The real path of a streamed response outside Triton: engine outputs -> StreamResponder
+    under a tight per-step cap (so responses pile up and merge) -> the llm model's tensors ->
+    postprocessing's decode. Random-weight sampling writes stray UTF-8 bytes, CJK and emoji
+    prompts leave partial characters at the start, stop strings trim: the concatenated text of
+    the responses equals the text of the same request run alone, for every sample."""
+    import random
+
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+    from backend.triton_io import llm_output_arrays
+    from backend.triton_utils import postprocess_arrays
+
+    engine = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", num_kv_blocks=128, max_model_len=256))
+    box = Outbox(responses_per_step=per_step, idle_release_s=30)
+    engine.on_step = lambda stats: box.tick()
+    rng = random.Random(per_step)
+    texts = ["日本語の文章 🙂 と", "Ünïcödé — ëmoji 🎉🎉 end", "plain words then 中文", "🙂"]
+    cases = []
+    for i in range(12):
+        prompt = engine.tokenizer(rng.choice(texts)).input_ids
+        if rng.random() < 0.5:
+            prompt = prompt[:-1] or prompt  # often ends inside a character
+        p = {"max_new_tokens": rng.randint(1, 30), "temperature": 1.0, "seed": i, "n": rng.choice([1, 2]),
+             "stop": [rng.choice(["a", "の", "🙂", " t"])] if rng.random() < 0.4 else []}
+        cases.append((prompt, p))
+    done = threading.Event()
+    got: dict[tuple[int, int], list[str]] = {}
+    finals = []
+
+    def sender(i, params):
+        def send(out, last):
+            text = postprocess_arrays(engine.tokenizer, llm_output_arrays(out, params))["text_output"][0]
+            got.setdefault((i, out.index), []).append(text.decode())
+            if last:
+                finals.append(i)
+                if len(finals) == len(cases):
+                    done.set()
+        return send
+
+    try:
+        engine.start()
+        for i, (prompt, p) in enumerate(cases):
+            params = engine.parse_params(p)
+            responder = StreamResponder(box, params.n, True, sender(i, params), lambda out: None,
+                                        stream_interval=interval)
+            engine.add_request(prompt, params, responder)
+        assert done.wait(120)
+        engine.shutdown()
+        box.close()
+        merged = sum(len(v) for v in got.values())
+        alone = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", num_kv_blocks=128, max_model_len=256))
+        tokens = 0
+        try:
+            for i, (prompt, p) in enumerate(cases):
+                outs = alone.generate([prompt], alone.parse_params(p))
+                for index, out in enumerate(outs):
+                    assert "".join(got[i, index]) == out.text, (i, index, p, got[i, index], out.text)
+                    tokens += out.completion_tokens
+        finally:
+            alone.shutdown()
+        assert merged < tokens / 2  # most responses carried several tokens
+    finally:
+        engine.shutdown()
+        box.close()
