@@ -641,7 +641,8 @@ def test_random_requests_stream_exactly_what_they_return(client):
             streamed, usage = _chat_streamed(chunks)
             _same(_chat_result(plain), streamed, where)
         else:
-            kw["prompt"] = rng.choice(["The quick brown fox", "Once upon a time", "日本語の文章と 🙂 emoji"])
+            prompts = ["The quick brown fox", "Once upon a time", "日本語の文章と 🙂 emoji"]
+            kw["prompt"] = rng.choice(prompts) if rng.random() < 0.7 else rng.sample(prompts, 2)  # a batch too
             if rng.random() < 0.4:
                 kw["logprobs"] = rng.randint(0, 3)
             if rng.random() < 0.3:
