@@ -67,17 +67,19 @@ def logprobs_at(
     out = []
     chosen_t = logprobs.gather(1, torch.as_tensor(list(token_ids), device=logprobs.device)[:, None])
     rank = (logprobs > chosen_t).sum(dim=-1).add_(1).tolist() if ranks else None
-    logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
+    # Only the picked values are clamped: a copy of the [R, V] table would cost as much memory
+    # as the table (prompt logprobs of a long chunk with a large vocabulary).
     chosen = chosen_t.clamp(min=LOGPROB_FLOOR)[:, 0].tolist()
     tops = logprobs.topk(top_n, dim=-1) if top_n > 0 else None
+    top_values = tops.values.clamp(min=LOGPROB_FLOOR) if tops is not None else None
     req = None
     if requested:
         ids = [t for t in requested if 0 <= t < logprobs.shape[1]]
-        req = (ids, logprobs[:, ids].tolist())
+        req = (ids, logprobs[:, ids].clamp(min=LOGPROB_FLOOR).tolist())
     for r, token in enumerate(token_ids):
         item = TokenLogprobs(int(token), float(chosen[r]), rank=None if rank is None else int(rank[r]))
         if tops is not None:
-            item.top = list(zip(tops.indices[r].tolist(), tops.values[r].tolist()))
+            item.top = list(zip(tops.indices[r].tolist(), top_values[r].tolist()))
         if req is not None:
             item.requested = list(zip(req[0], req[1][r]))
         out.append(item)
