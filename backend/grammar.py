@@ -409,8 +409,8 @@ class GrammarState:
         if not text:
             return [last_token]
         last_text = decode([last_token])
+        forced: Optional[list[int]] = None
         # Only a token that is whole text (no partial UTF-8 on either side) can be respelled.
-        forced = encode(text)[:-1]
         if self._num_accepted and not self._tail and last_text and "\ufffd" not in last_text:
             merged = encode(last_text + text)[:-1]
             if merged and merged[0] == last_token:
@@ -425,6 +425,8 @@ class GrammarState:
                         return taken
                     if not self.accept(last_token):  # the replacement was refused: undo the rollback
                         raise RuntimeError(f"the grammar refused token {last_token} after rolling it back")
+        if forced is None:
+            forced = encode(text)[:-1]
         return [last_token, *self._take(forced[:limit], stop_before)]
 
     def _take(self, tokens: list[int], stop_before: Collection[int]) -> list[int]:
