@@ -370,6 +370,9 @@ def test_tokenize_and_detokenize_as_the_server_does(triton, base_url, tok):
         ({"prompt": "a", "return_token_strs": True}, "--tokenizer-path"),
         ({"messages": messages, "chat_template": "{{ x }}"}, "LLM_TRUST_REQUEST_CHAT_TEMPLATE"),
         ({"prompt": "a", "chat_template": "{{ x }}"}, "chat_template needs messages"),
+        ({"messages": messages, "continue_final_message": True}, "cannot both be true"),
+        ({"messages": messages, "add_generation_prompt": False, "continue_final_message": True},
+         "needs a final assistant message"),
         ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}},
          "chat_template_kwargs"),
     ]:

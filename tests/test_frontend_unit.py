@@ -1107,8 +1107,7 @@ def test_tokenize_sends_the_prompt_as_a_generation_would(base_url, fake):
     httpx.post(base_url + "/tokenize", json={"prompt": "x", "add_special_tokens": False})
     assert fake.requests[-1].add_special_tokens is False
     for body in ({"prompt": "a", "tools": tools}, {"prompt": "a", "continue_final_message": True},
-                 {"messages": [], "prompt": None},
-                 {"messages": messages, "continue_final_message": True}, {"prompt": "a", "mm_processor_kwargs": {}},
+                 {"messages": [], "prompt": None}, {"prompt": "a", "mm_processor_kwargs": {}},
                  {"prompt": "a", "unknown": 1}):
         resp = httpx.post(base_url + "/tokenize", json=body)
         assert resp.status_code == 400 and resp.json()["error"]["message"], (body, resp.text)
