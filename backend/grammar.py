@@ -513,6 +513,8 @@ class GrammarCompiler:
         self.num_compiles = 0
         self.num_cache_hits = 0
         self.num_timeouts = 0
+        with self._lock:
+            self._ensure_watchdog_locked()
 
     # ------------------------------------------------------------------ public
     def submit(self, kind: str, spec: str) -> Future:
@@ -542,7 +544,8 @@ class GrammarCompiler:
                         self._cache.popitem(last=False)
                 self._queue.append(job)
                 self._active.append(job)
-                self._dispatch_locked()
+                # The watchdog thread starts the compile: starting a thread here would wait for
+                # it to be scheduled, and on a busy host that took 0.4 s of the caller's time.
                 self._ensure_watchdog_locked()
                 self._wake.notify_all()
         _chain(job.future, out)
@@ -673,6 +676,8 @@ class GrammarCompiler:
             self._watchdog.start()
 
     def _watch(self) -> None:
+        """Starts queued compiles and fails the ones past their deadline (one thread per
+        compiler, for its life)."""
         while True:
             expired: list[tuple[_Job, GrammarError]] = []
             with self._lock:
