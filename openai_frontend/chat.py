@@ -21,7 +21,7 @@ from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
 from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported
 from openai_frontend.streams import StartedStream, iterate_choices, sse_events, sse_response, start_stream
 from openai_frontend.tools import (
-    ToolCallStreamer, ToolPlan, get_parser, new_call_id, parse_complete, parse_cut, plan_tools,
+    ToolCallStreamer, ToolPlan, get_parser, new_call_id, parse_as_streamed, plan_tools,
 )
 
 
@@ -163,8 +163,7 @@ class ChatHandler:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             finish = c.finish or "stop"
             if plan.parser_name:
-                parse = parse_cut if finish == "length" else parse_complete
-                normal, calls = parse(get_parser(plan.parser_name), text, plan.tools)
+                normal, calls = parse_as_streamed(get_parser(plan.parser_name), text, plan.tools)
                 if not plan.parallel:
                     calls = calls[:1]
                 if calls:

@@ -71,13 +71,16 @@ def parse_complete(parser: Any, text: str, tools: list[dict[str, Any]]) -> tuple
     return result.normal_text or "", calls
 
 
-def parse_cut(parser: Any, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ParsedCall]]:
-    """Non-streaming parse of output that max_tokens cut: what a stream of it ends with.
+def parse_as_streamed(parser: Any, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ParsedCall]]:
+    """Non-streaming parse of a whole output: exactly what a stream of it ends with.
 
-    A stream sends a call's name as soon as it is complete and its arguments as they come, so a
-    call cut short stays a call with the arguments written so far (OpenAI answers a cut call the
-    same way: finish_reason "length", partial arguments). ``parse_complete`` would give that
-    markup back as text, and the two modes would differ exactly when the output is cut.
+    A stream sends a call's name as soon as it is complete and its arguments as they come, and
+    cannot take them back. So a call that max_tokens or a stop cut short, or whose arguments turn
+    out malformed after its name went out, stays a call in the stream with the arguments written
+    so far (OpenAI's API, too, may return arguments that are not valid JSON; clients must check
+    them). ``parse_complete`` would give that markup back as text, and the two modes would
+    differ exactly there. Running the streaming parser over the whole text as one chunk makes
+    the modes agree by construction; for well-formed output it equals ``parse_complete``.
     """
     streamer = ToolCallStreamer(parser, tools)
     normal, _ = streamer.feed(text)

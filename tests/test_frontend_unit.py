@@ -773,6 +773,28 @@ def test_tool_call_streaming_equals_non_streaming(qwen, size):
     assert all(calls[k]["id"].startswith("call_") for k in calls)
 
 
+BROKEN_OUTPUT = ("Checking.\n" + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par"is"}}\n</tool_call>'
+                 + " Sorry.\n" + '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_call_broken_after_its_name_is_the_same_call_streaming_or_not(qwen, size):
+    # A stream has sent get_weather's name and '{"city": "Par"' before the JSON breaks; it cannot
+    # take them back. The non-streaming answer must be that same call, not the markup as text.
+    client, qfake, _ = qwen
+    qfake.script = lambda req: text_chunks(_pieces(BROKEN_OUTPUT, size))
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME])
+    msg = r.choices[0].message
+    assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == [
+        ("get_weather", '{"city": "Par"'), ("get_time", '{"tz": "UTC"}')]
+    assert msg.content == "Checking.\nSorry." and r.choices[0].finish_reason == "tool_calls"
+    content, calls, finishes = _reassemble(
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], stream=True))
+    assert (content, finishes) == (msg.content, ["tool_calls"])
+    assert [(calls[k]["name"], calls[k]["arguments"]) for k in sorted(calls)] == [
+        (t.function.name, t.function.arguments) for t in msg.tool_calls]
+
+
 def test_tool_call_plain_text_and_parallel_false(qwen):
     client, qfake, _ = qwen
     qfake.script = lambda req: text_chunks(_pieces("No tools needed <tool_ here.", 3))

@@ -556,13 +556,55 @@ def test_pythonic_holds_only_candidates():
     assert r.normal_text == " bye" and [(c.name, c.parameters) for c in r.calls] == [("get_time", ""), (None, '{"tz": "UTC"}')]
 
 
-def test_truncated_streamed_call_is_the_documented_divergence():
+def test_truncated_streamed_call_stays_a_call_in_every_chunking():
     """Once a name was streamed it cannot be taken back: a stream cut inside the arguments keeps the
-    partial call, while the whole-text parse (which sees it is truncated) returns text."""
+    partial call, in any chunking (the frontend's non-streaming answer is the one-chunk stream);
+    SGLang's whole-text parse (``detect_and_parse``, kept for /parse_function_call) sees that it is
+    truncated and returns text."""
     text = 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
-    streamed = run_stream("qwen25", list(text))
-    assert streamed == ("Hi", [("get_weather", '{"city": "Par')])
+    for chunks in (list(text), [text], [text[:30], text[30:]]):
+        assert run_stream("qwen25", chunks) == ("Hi", [("get_weather", '{"city": "Par')])
     assert parse_whole("qwen25", text) == (text, [])
+
+
+# Arguments that break after the call's name and the start of its arguments went out: where the
+# error is found decides nothing -- the call ends at the last good character in every chunking.
+_BROKEN_ARGS = ['{"zone": "UTC"]', '{"zone": tru}', '{"zone": "a\\q"}', '{"zone": 01}', '{"zone" "UTC"}',
+                '{"a": [1, 2}', '{"a": {"b": "</tool_call>"]}', '{"a": "x"} junk}']
+
+
+def rand_broken_call(rng: random.Random, fmt: str) -> str:
+    args = rng.choice(_BROKEN_ARGS)
+    name = rng.choice(_NAMES)
+    return {"qwen25": lambda: qwen(name, args), "llama3": lambda: llama((name, args)),
+            "mistral": lambda: mistral((name, args)), "deepseekv3": lambda: deepseek((name, args))}[fmt]()
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "pythonic"])
+def test_fuzz_stream_result_does_not_depend_on_chunking(fmt):
+    """With calls broken after their name was streamed, streaming and the one-chunk parse the
+    frontend answers non-streaming requests with (openai_frontend.tools.parse_as_streamed) agree
+    on every chunking: the same calls, the same partial arguments, the same text."""
+    rng = random.Random(f"broken-{fmt}")
+    broken = 0
+    for _ in range(FUZZ_N):
+        parts = [rand_output(rng, fmt) if rng.random() < 0.7 else ""]
+        for _ in range(rng.randint(1, 2)):
+            parts.append(rand_broken_call(rng, fmt))
+            parts.append(rand_output(rng, fmt) if rng.random() < 0.5 else " tail")
+        text = "".join(parts)
+        one_chunk = run_stream(fmt, [text])
+        broken += any(not _is_json_object(args) for _, args in one_chunk[1])
+        for chunks in chunkings(text, hash((fmt, text)) & 0xFFFF, 4, all_splits=len(text) < 200):
+            assert run_stream(fmt, chunks) == one_chunk, f"chunks={chunks!r}"
+    assert broken > FUZZ_N // 4  # the corpus really streams broken calls
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def test_broken_streamed_call_resyncs_after_its_block():
@@ -691,9 +733,9 @@ def test_sglang_doc_example():
 @pytest.mark.parametrize("name", ["qwen25", "llama3", "mistral", "pythonic", "deepseekv3"])
 def test_cut_output_parses_as_its_stream_ends(name):
     # The frontend's non-streaming answer for output that max_tokens cut (openai_frontend.tools
-    # .parse_cut) is what a stream of it, fed in any chunking, ends with; for uncut output it is
+    # .parse_as_streamed) is what a stream of it, fed in any chunking, ends with; for uncut output it is
     # the plain non-streaming parse.
-    from openai_frontend.tools import ToolCallStreamer, get_parser, parse_complete, parse_cut
+    from openai_frontend.tools import ToolCallStreamer, get_parser, parse_as_streamed, parse_complete
 
     parser = get_tool_parser(name)
     if name == "pythonic":
@@ -704,12 +746,12 @@ def test_cut_output_parses_as_its_stream_ends(name):
         info = parser.structure_info("get_time")
         complete = info.begin + '{"zone": "UTC"}' + info.end
     text = "Checking. " + complete
-    assert parse_cut(get_parser(name), text, TOOLS) == parse_complete(get_parser(name), text, TOOLS)
+    assert parse_as_streamed(get_parser(name), text, TOOLS) == parse_complete(get_parser(name), text, TOOLS)
     rng = random.Random(3)
     partial = 0
     for cut in range(len("Checking. "), len(text)):
         piece = text[:cut]
-        normal, calls = parse_cut(get_parser(name), piece, TOOLS)
+        normal, calls = parse_as_streamed(get_parser(name), piece, TOOLS)
         partial += bool(calls) and calls[0].arguments != '{"zone": "UTC"}'  # a cut call kept as a call
         for _ in range(3):
             streamer = ToolCallStreamer(get_parser(name), TOOLS)

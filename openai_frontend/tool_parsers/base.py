@@ -25,12 +25,15 @@ Streaming must therefore hold back (1) a suffix that may be the start of a trigg
 trailing whitespace, which is only emitted once non-space text follows it. ``finish()`` (alias
 ``flush()``) releases whatever is still held at the end of the stream.
 
-The one unavoidable divergence: once a call's name has been streamed it cannot be taken back. If a
-streamed call later turns out malformed, or the stream stops inside it, the non-streaming parse
-treats that markup as text while the stream keeps the partial call (see each format's ``resync``).
-The frontend closes the common half of this gap: output that max_tokens cut is parsed for a
-non-streaming response as its stream would end (``openai_frontend.tools.parse_cut``), so a cut
-call is a call with partial arguments in both modes, as in OpenAI's API.
+Once a call's name has been streamed it cannot be taken back. So the streaming parser commits a call
+(sends its name) as soon as the name and the start of its arguments are known, and never takes it
+back: a committed call that then turns out malformed, or that the stream stops inside, stays a call
+with the arguments written up to the error (see each format's ``resync`` for what follows). This
+is decided per character, so the result does not depend on how the text was chunked
+(``JsonToolCallParser._fail_at_error``). ``detect_and_parse`` keeps SGLang's whole-text semantics
+(that markup is text) for ``/parse_function_call``; the frontend's non-streaming chat responses
+run the streaming parser over the whole output (``openai_frontend.tools.parse_as_streamed``), so
+streaming and non-streaming responses always agree.
 """
 
 from __future__ import annotations

@@ -141,8 +141,7 @@ class _ObjectStream:
 
     def feed(self, s: str) -> int:
         end = self.canon.feed(s, 0)
-        if not self.committed:  # kept to decide the object when it ends
-            self.raw.append(s[:end])
+        self.raw.append(s[:end])  # to decide the object when it ends, or replay it to an error
         return end
 
     def commit_name(self) -> Optional[str]:
@@ -428,24 +427,64 @@ class JsonToolCallParser(BaseToolParser):
             try:
                 used = obj.feed(self._buf)
             except ValueError:
-                return self._object_failed()
+                return self._fail_at_error()
             self._consume(used, keep=not obj.committed)
-            if not obj.committed and not obj.uncommittable:
-                name = obj.commit_name()
-                if name is not None:
-                    if self._names is None or name in self._names:
-                        self._confirm()
-                        obj.index = self._start_call(name)
-                        self._raw = []  # committed: there is no going back
-                    else:  # unknown function: decided (dropped) when the object ends
-                        obj.uncommittable = True
-            if obj.committed:
-                self._call_args(obj.index, obj.fragment())
+            self._try_commit()
+            obj = self._obj
         if obj.canon.done:
             return self._object_done()
         if final:
             return self._object_failed()
         return False
+
+    def _try_commit(self, emit: bool = True) -> None:
+        obj = self._obj
+        if not obj.committed and not obj.uncommittable:
+            name = obj.commit_name()
+            if name is not None:
+                if self._names is None or name in self._names:
+                    self._confirm()
+                    obj.index = self._start_call(name)
+                    self._raw = []  # committed: there is no going back
+                else:  # unknown function: decided (dropped) when the object ends
+                    obj.uncommittable = True
+        if emit and obj.committed:
+            self._call_args(obj.index, obj.fragment())
+
+    def _fail_at_error(self) -> bool:
+        """The buffer holds an error in the call's JSON: end the call where a stream cut one
+        character at a time would have.
+
+        Replaying the object character by character up to the error decides the two things a
+        coarser chunk would otherwise hide: whether the name and the start of the arguments came
+        before the error (then the call is committed, as a finer stream would have sent it), and
+        how much of the arguments to send. So a malformed call ends the same in every chunking,
+        and a non-streaming parse (one chunk) gives what a token-by-token stream gave. Only
+        malformed calls pay for the replay.
+        """
+        old = self._obj
+        obj = _ObjectStream(old.args_only, old.fixed_name)
+        obj.feed("".join(old.raw))  # accepted before: cannot fail
+        if old.committed:
+            obj.commit_name()
+            obj.index, obj._sent = old.index, old._sent
+        obj.uncommittable = old.uncommittable
+        self._obj = obj
+        buf, done, stop = self._buf, 0, len(self._buf)
+        for i, ch in enumerate(buf):
+            try:
+                obj.feed(ch)
+            except ValueError:
+                stop = i
+                break
+            if not obj.committed and not obj.uncommittable and obj.commit_name() is not None:
+                self._consume(i + 1 - done)
+                done = i + 1
+                self._try_commit(emit=False)
+        self._consume(stop - done, keep=not obj.committed)
+        if obj.committed:
+            self._call_args(obj.index, obj.fragment())
+        return self._object_failed()
 
     def _object_done(self) -> bool:
         obj = self._obj
