@@ -470,18 +470,15 @@ class JsonToolCallParser(BaseToolParser):
             obj.index, obj._sent = old.index, old._sent
         obj.uncommittable = old.uncommittable
         self._obj = obj
-        buf, done, stop = self._buf, 0, len(self._buf)
-        for i, ch in enumerate(buf):
+        stop = len(self._buf)
+        for i, ch in enumerate(self._buf):
             try:
                 obj.feed(ch)
             except ValueError:
                 stop = i
                 break
-            if not obj.committed and not obj.uncommittable and obj.commit_name() is not None:
-                self._consume(i + 1 - done)
-                done = i + 1
-                self._try_commit(emit=False)
-        self._consume(stop - done, keep=not obj.committed)
+            self._try_commit(emit=False)
+        self._consume(stop, keep=not obj.committed)
         if obj.committed:
             self._call_args(obj.index, obj.fragment())
         return self._object_failed()
