@@ -366,6 +366,12 @@ def test_error_validation_is_400_not_422(base_url):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
     assert r.status_code == 400
+    # `curl -d '{...}'` without a JSON content type: say what is wrong, for every endpoint
+    for path in ("/v1/chat/completions", "/generate"):
+        r = httpx.post(base_url + path, content=json.dumps({"model": MODEL, "messages": MESSAGES, "text": "x"}),
+                       headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 400
+        assert "Content-Type: application/json" in r.json()["error"]["message"]
 
 
 def test_error_unknown_model_404(client):
