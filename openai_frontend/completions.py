@@ -25,7 +25,7 @@ Prompt = Union[str, list[int]]
 def split_prompts(prompt: Any) -> list[Prompt]:
     """The request's prompt as a list of prompts (text or token ids)."""
     if isinstance(prompt, str):
-        return [prompt]
+        prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise bad_request("prompt must be a non-empty string, list of strings, or list of token ids", param="prompt")
     if all(isinstance(p, int) for p in prompt):
@@ -34,6 +34,8 @@ def split_prompts(prompt: Any) -> list[Prompt]:
         for p in prompt:
             if isinstance(p, list) and (not p or not all(isinstance(t, int) for t in p)):
                 raise bad_request("token-id prompts must be non-empty lists of integers", param="prompt")
+            if p == "":
+                raise bad_request("prompt must not be empty: there is nothing to continue", param="prompt")
         return list(prompt)
     raise bad_request("prompt must not mix strings and token ids", param="prompt")
 

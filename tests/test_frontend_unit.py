@@ -278,6 +278,10 @@ def test_completions(client, fake):
     fake.requests.clear()
     r = client.completions.create(model=MODEL, prompt="P")
     assert fake.requests[0].sampling_params == {"max_new_tokens": 16}  # OpenAI's default for completions
+    for empty in ("", ["a", ""], [], [[]]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=empty)
+        assert err.value.body["param"] == "prompt" and "empty" in err.value.body["message"]
 
 
 def test_completions_batch_tokens_echo_and_stream(client, fake):
