@@ -8,7 +8,7 @@ qwen25/hermes, llama3, pythonic, mistral, deepseekv3). On top of them:
   `structural_tag` in the model's own format, and the output is parsed by that parser. Otherwise
   (no parser, or a format without JSON arguments such as pythonic) the constraint is SGLang's
   `json_schema` for a JSON array `[{"name": ..., "parameters": {...}}]`, parsed by
-  `JsonArrayToolParser` below.
+  `openai_frontend.json_array_calls.JsonArrayToolParser`.
 * `ToolCallStreamer` turns a parser's streaming items into OpenAI `delta.tool_calls` entries: the
   first entry of a call carries id, type and function.name; later ones carry argument fragments.
 """
@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from openai_frontend.errors import APIError, bad_request
+from openai_frontend.json_array_calls import JsonArrayToolParser
 from openai_frontend.protocol import ChatTool, NamedToolChoice
 
 JSON_ARRAY = "json_array"  # the built-in format used with the json_schema constraint
@@ -148,186 +149,6 @@ class ToolCallStreamer:
 # ---------------------------------------------------------------------------------------------
 # The built-in JSON-array format (json_schema-constrained tool calls)
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Item:
-    tool_index: int
-    name: Optional[str]
-    parameters: str
-
-
-@dataclass
-class _Result:
-    normal_text: str
-    calls: list[_Item] = field(default_factory=list)
-
-
-_WS = " \t\r\n"
-
-
-def _skip_ws(s: str, i: int) -> int:
-    n = len(s)
-    while i < n and s[i] in _WS:
-        i += 1
-    return i
-
-
-def _scan_string(s: str, i: int) -> tuple[int, bool]:
-    """s[i] == '"': (index after the closing quote, complete)."""
-    i += 1
-    n = len(s)
-    while i < n:
-        c = s[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == '"':
-            return i + 1, True
-        i += 1
-    return n, False
-
-
-def _scan_value(s: str, i: int) -> tuple[int, bool]:
-    """Any JSON value starting at s[i]: (end index, complete)."""
-    n = len(s)
-    if i >= n:
-        return n, False
-    c = s[i]
-    if c == '"':
-        return _scan_string(s, i)
-    if c in "{[":
-        depth = 0
-        while i < n:
-            c = s[i]
-            if c == '"':
-                i, ok = _scan_string(s, i)
-                if not ok:
-                    return n, False
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return i + 1, True
-            i += 1
-        return n, False
-    j = i
-    while j < n and s[j] not in ",}] \t\r\n":
-        j += 1
-    return j, j < n  # a literal/number is complete once a delimiter follows
-
-
-def scan_json_array_calls(s: str) -> Optional[list[tuple[Optional[str], Optional[tuple[int, int, bool]], bool]]]:
-    """Parse a (possibly partial) `[{"name": .., "parameters": ..}, ...]`.
-
-    Returns None when the text is not such an array, else one entry per object seen:
-    (name or None while incomplete, parameters span (start, end, complete) or None, object complete).
-    """
-    i = _skip_ws(s, 0)
-    if i >= len(s):
-        return []
-    if s[i] != "[":
-        return None
-    i += 1
-    out: list[tuple[Optional[str], Optional[tuple[int, int, bool]], bool]] = []
-    n = len(s)
-    while True:
-        i = _skip_ws(s, i)
-        if i >= n or s[i] == "]":
-            return out
-        if s[i] == ",":
-            i += 1
-            continue
-        if s[i] != "{":
-            return out
-        i += 1
-        name: Optional[str] = None
-        params: Optional[tuple[int, int, bool]] = None
-        complete = False
-        while True:
-            i = _skip_ws(s, i)
-            if i >= n:
-                break
-            if s[i] == "}":
-                i += 1
-                complete = True
-                break
-            if s[i] == ",":
-                i += 1
-                continue
-            if s[i] != '"':
-                break
-            key_end, ok = _scan_string(s, i)
-            if not ok:
-                break
-            key = json.loads(s[i:key_end])
-            i = _skip_ws(s, key_end)
-            if i >= n or s[i] != ":":
-                break
-            i = _skip_ws(s, i + 1)
-            if i >= n:
-                break
-            end, ok = _scan_value(s, i)
-            if key == "name" and ok:
-                value = json.loads(s[i:end])
-                name = value if isinstance(value, str) else None
-            elif key in ("parameters", "arguments"):
-                params = (i, end, ok)
-            i = end
-            if not ok:
-                break
-        out.append((name, params, complete))
-        if not complete:
-            return out
-
-
-class JsonArrayToolParser:
-    """Parser (same interface as tool_parsers') for `[{"name": "f", "parameters": {...}}, ...]`."""
-
-    def __init__(self) -> None:
-        self._buf = ""
-        self._sent_names = 0
-        self._sent_args: list[int] = []
-        self._passthrough = False
-
-    def detect_and_parse(self, text: str, tools: Any) -> _Result:
-        calls = scan_json_array_calls(text)
-        if not calls:
-            return _Result(normal_text=text)
-        items = []
-        for k, (name, params, _) in enumerate(calls):
-            if name is None:
-                continue
-            args = text[params[0]:params[1]] if params else "{}"
-            items.append(_Item(k, name, args))
-        return _Result(normal_text="", calls=items) if items else _Result(normal_text=text)
-
-    def parse_streaming_increment(self, new_text: str, tools: Any) -> _Result:
-        if self._passthrough:
-            return _Result(normal_text=new_text)
-        self._buf += new_text
-        calls = scan_json_array_calls(self._buf)
-        if calls is None:  # not the constrained format: hand the text back as content
-            self._passthrough = True
-            return _Result(normal_text=self._buf)
-        items: list[_Item] = []
-        for k, (name, params, _) in enumerate(calls):
-            if name is None:
-                break  # names come in order; arguments wait for their name
-            if k >= self._sent_names:
-                items.append(_Item(k, name, ""))
-                self._sent_names += 1
-                self._sent_args.append(0)
-            if params is not None:
-                start, end, _ = params
-                args = self._buf[start:end]
-                sent = self._sent_args[k]
-                if len(args) > sent:
-                    items.append(_Item(k, None, args[sent:]))
-                    self._sent_args[k] = len(args)
-        return _Result(normal_text="", calls=items)
 
 
 # ---------------------------------------------------------------------------------------------
