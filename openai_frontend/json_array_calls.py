@@ -293,9 +293,9 @@ class JsonArrayToolParser:
                 self._value_text(c, items)
             i += 1
 
-    def _string_end(self, s: str, i: int) -> int:
-        """Position after the closing quote of the string being read (state then leaves
-        _KEY/_STRING), or len(s) if it continues."""
+    def _close_quote(self, s: str, i: int) -> int:
+        """Position after the closing quote of the string being read, or -1 if it goes on past
+        `s` (an escape cut at the end of `s` carries over in `_escape`)."""
         n = len(s)
         while i < n:
             if self._escape:
@@ -304,14 +304,20 @@ class JsonArrayToolParser:
                 continue
             m = _STRING_STOP.search(s, i)
             if m is None:
-                return n
+                return -1
             i = m.end()
-            if m.group() == "\\":
-                self._escape = True
-            else:
-                self._state = _MEMBER if self._state == _STRING else _COLON
+            if m.group() == '"':
                 return i
-        return n
+            self._escape = True
+        return -1
+
+    def _string_end(self, s: str, i: int) -> int:
+        """Position after the key or string value being read (the state moves on), or len(s)."""
+        j = self._close_quote(s, i)
+        if j < 0:
+            return len(s)
+        self._state = _MEMBER if self._state == _STRING else _COLON
+        return j
 
     def _scan(self, s: str, i: int) -> int:
         """Position after the value being read ends (state back to _MEMBER), or len(s)."""
@@ -327,18 +333,10 @@ class JsonArrayToolParser:
             return j
         while i < n:  # a container
             if self._in_string:
-                if self._escape:
-                    self._escape = False
-                    i += 1
-                    continue
-                m = _STRING_STOP.search(s, i)
-                if m is None:
+                i = self._close_quote(s, i)
+                if i < 0:
                     return n
-                i = m.end()
-                if m.group() == "\\":
-                    self._escape = True
-                else:
-                    self._in_string = False
+                self._in_string = False
                 continue
             m = _CONTAINER_STOP.search(s, i)
             if m is None:

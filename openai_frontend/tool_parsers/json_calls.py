@@ -430,7 +430,6 @@ class JsonToolCallParser(BaseToolParser):
                 return self._fail_at_error()
             self._consume(used, keep=not obj.committed)
             self._try_commit()
-            obj = self._obj
         if obj.canon.done:
             return self._object_done()
         if final:
