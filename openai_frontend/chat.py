@@ -18,6 +18,7 @@ from openai_frontend.engine_types import EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request, unsupported
 from openai_frontend.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
 from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
+from openai_frontend.best_of import iterate_best, samples_per_prompt, with_sampled_logprobs
 from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported
 from openai_frontend.streams import StartedStream, iterate_choices, sse_events, sse_response, start_stream
 from openai_frontend.tools import (
@@ -82,10 +83,13 @@ class ChatHandler:
         ctx = self.ctx
         model = ctx.check_model(req.model)
         check_unsupported(req, ctx.settings)
+        samples = samples_per_prompt(req.best_of, req.n, req.stream, ctx.settings.max_n)
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser)
         sp = build_sampling_params(req)
+        if samples > req.n:
+            sp = with_sampled_logprobs(sp)
         if plan.constraint is not None:
             taken = [k for k in CONSTRAINT_KEYS if k in sp]
             if taken:
@@ -108,7 +112,7 @@ class ChatHandler:
                 chat_template=req.chat_template,
                 add_special_tokens=True if req.add_special_tokens else None,
                 request_id=request_id,
-                n=req.n,
+                n=samples,
                 stream=req.stream,
             )
         ]
@@ -136,7 +140,10 @@ class ChatHandler:
         prompt_tokens = 0
         cached: Optional[int] = None
         prompt_lps: Optional[list[TokenLogprob]] = None  # vLLM's prompt_logprobs (the samples share them)
-        it = iterate_choices(self.ctx.client, requests)
+        if requests[0].n > req.n:
+            it = iterate_best(self.ctx.client, requests, req.n)
+        else:
+            it = iterate_choices(self.ctx.client, requests)
         try:
             async for i, chunk in it:
                 c = choices[i]

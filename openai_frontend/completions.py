@@ -16,6 +16,7 @@ from openai_frontend.engine_types import EngineChunk, EngineRequest, TokenLogpro
 from openai_frontend.errors import bad_request
 from openai_frontend.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs
 from openai_frontend.protocol import CompletionRequest
+from openai_frontend.best_of import iterate_best, samples_per_prompt, with_sampled_logprobs
 from openai_frontend.sampling import build_sampling_params, check_unsupported
 from openai_frontend.streams import StartedStream, iterate_choices, sse_events, sse_response, start_stream
 
@@ -71,14 +72,17 @@ class CompletionHandler:
         ctx = self.ctx
         model = ctx.check_model(req.model)
         check_unsupported(req, ctx.settings)
+        samples = samples_per_prompt(req.best_of, req.n, req.stream, ctx.settings.max_n)
         prompts = split_prompts(req.prompt)
-        if len(prompts) * req.n > ctx.settings.max_n * 4:
-            raise bad_request(f"too many choices: {len(prompts)} prompts x n={req.n}", param="prompt")
+        if len(prompts) * samples > ctx.settings.max_n * 4:
+            raise bad_request(f"too many samples: {len(prompts)} prompts x {samples}", param="prompt")
         sp = build_sampling_params(req)
+        if samples > req.n:
+            sp = with_sampled_logprobs(sp)
         requests = []
         for p, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
-            common = dict(sampling_params=sp, request_id=rid, n=req.n, stream=req.stream)
+            common = dict(sampling_params=sp, request_id=rid, n=samples, stream=req.stream)
             if isinstance(prompt, str):
                 requests.append(EngineRequest(text_input=prompt, add_special_tokens=None if req.add_special_tokens else False,
                                               **common))
@@ -109,7 +113,10 @@ class CompletionHandler:
         got_logprobs = [False] * k
         prompt_lps: list[Optional[list[TokenLogprob]]] = [None] * k  # vLLM's prompt_logprobs
         cached: list[Optional[int]] = [None] * k
-        it = iterate_choices(self.ctx.client, requests)
+        if requests[0].n > n:
+            it = iterate_best(self.ctx.client, requests, n)
+        else:
+            it = iterate_choices(self.ctx.client, requests)
         try:
             async for j, chunk in it:
                 if cached[j] is None:

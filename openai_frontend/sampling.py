@@ -54,8 +54,6 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
     check_stop(req.stop, req.stop_token_ids, settings)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-    if req.best_of is not None and req.best_of != req.n:
-        raise unsupported("best_of", "only best_of == n is supported")
     if req.use_beam_search:
         raise unsupported("use_beam_search", "beam search is not implemented")
     if req.length_penalty != 1.0:

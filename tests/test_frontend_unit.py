@@ -304,6 +304,49 @@ def test_completions_batch_tokens_echo_and_stream(client, fake):
     assert usage.completion_tokens == len(PIECES) and usage.prompt_tokens == 7
 
 
+def _scored_samples(fake, means):
+    """Each sample the fake generates gets the next mean logprob per token from `means`."""
+    it = iter(means)
+
+    def script(req):
+        lp = next(it)
+        meta = json.dumps({"output_token_logprobs": [[lp, 100, None]]})
+        return text_chunks([f"s{lp}", "!"], meta=[meta, meta])
+
+    fake.script = script
+
+
+def test_best_of_returns_the_n_best_samples(client, fake):
+    _scored_samples(fake, [-2.0, -0.5, -3.0, -1.0])
+    r = client.completions.create(model=MODEL, prompt="x", n=2, best_of=4, max_tokens=2)
+    assert [(c.index, c.text) for c in r.choices] == [(0, "s-0.5!"), (1, "s-1.0!")]
+    assert r.choices[0].logprobs is None  # ranked by logprobs the client did not ask for
+    assert r.usage.completion_tokens == 4  # the returned samples' tokens
+    sent = fake.requests[-1]
+    assert sent.n == 4 and sent.sampling_params["return_logprob"] is True
+
+    # per prompt of a batch, prompt-major; chat takes vLLM's best_of extra
+    _scored_samples(fake, [-1.0, -0.1, -0.2, -0.3, -9.0, -0.4])
+    r = client.completions.create(model=MODEL, prompt=["a", "b"], best_of=3, max_tokens=2, logprobs=0)
+    assert [(c.index, c.text) for c in r.choices] == [(0, "s-0.1!"), (1, "s-0.3!")]
+    assert r.choices[0].logprobs.token_logprobs == [-0.1, -0.1]
+    _scored_samples(fake, [-3.0, -2.0])
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"best_of": 2})
+    assert [(c.index, c.message.content) for c in r.choices] == [(0, "s-2.0!")]
+    assert fake.requests[-1].n == 2
+
+
+def test_best_of_errors(client):
+    for kwargs, words in [
+        (dict(n=3, best_of=2), "best_of must be >= n"),
+        (dict(best_of=1000), "best_of must be at most"),
+        (dict(best_of=2, stream=True), "cannot be streamed"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="x", **kwargs)
+        assert err.value.body["param"] == "best_of" and words in err.value.body["message"]
+
+
 # ---------------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------------

@@ -174,6 +174,19 @@ def test_n_choices_and_seed_reproducibility(client):
     assert batch.usage.completion_tokens == 16
 
 
+def test_best_of_returns_the_samples_with_the_best_logprob_per_token(client):
+    # Samples are seeded per index, so n=4 shows the four samples best_of=4 chooses from.
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, seed=77, temperature=1.0)
+    every = client.completions.create(n=4, logprobs=0, **kwargs)
+    mean = {c.text: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in every.choices}
+    assert len(mean) == 4  # four different samples
+    best = client.completions.create(n=2, best_of=4, **kwargs)
+    assert [c.text for c in best.choices] == sorted(mean, key=lambda t: -mean[t])[:2]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == sum(len(c.logprobs.token_logprobs) for c in every.choices
+                                               if c.text in {b.text for b in best.choices})
+
+
 def test_logprobs_chat_and_completions(client):
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=3, **GREEDY,
                   extra_body={"ignore_eos": True})
