@@ -1,5 +1,6 @@
-"""The llm model's Prometheus metrics: unit tests of the adapter's bookkeeping (fake pb_utils),
-then known traffic through the real tritonserver and the scraped numbers checked exactly."""
+"""The llm model's Prometheus metrics: unit tests of the bookkeeping (backend.triton_metrics with
+a stand-in for pb_utils.MetricFamily), then known traffic through the real tritonserver and the
+scraped numbers checked exactly."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from client.local_server import LocalTritonServer
 from client.triton_stream import TritonStreamClient
-from tests.conftest import load_triton_model
+from backend import triton_metrics
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -102,11 +103,9 @@ class _FakeFamily:
 
 
 @pytest.fixture
-def llm_module(fake_pb_utils):
+def new_metrics():
     _FakeFamily.registry = {}
-    fake_pb_utils.MetricFamily = _FakeFamily
-    fake_pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-    return load_triton_model("llm")
+    return lambda: triton_metrics.LLMMetrics(_FakeFamily)
 
 
 def fake_value(name: str, **labels) -> float:
@@ -130,10 +129,10 @@ def _stats(**kw):
     return types.SimpleNamespace(**base)
 
 
-def test_request_timing_histograms_and_finish_reasons(llm_module, monkeypatch):
+def test_request_timing_histograms_and_finish_reasons(new_metrics, monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr(llm_module.time, "monotonic", lambda: clock[0])
-    metrics = llm_module._Metrics()
+    monkeypatch.setattr(triton_metrics.time, "monotonic", lambda: clock[0])
+    metrics = new_metrics()
 
     def run(outputs, n=1):
         timing = metrics.request_timing(n)
@@ -180,8 +179,8 @@ def test_request_timing_histograms_and_finish_reasons(llm_module, monkeypatch):
     assert sum(m.calls for f in _FakeFamily.registry.values() for m in f.metrics) == calls
 
 
-def test_engine_stats_published_as_deltas(llm_module):
-    metrics = llm_module._Metrics()
+def test_engine_stats_published_as_deltas(new_metrics):
+    metrics = new_metrics()
     metrics.update(_stats(num_running=2, num_waiting=1, num_free_kv_blocks=4, prompt_tokens_total=30,
                           generation_tokens_total=5, prefix_cache_queries=40, prefix_cache_hits=10))
     metrics.update(_stats(num_running=0, num_free_kv_blocks=10, prompt_tokens_total=50, generation_tokens_total=9,
