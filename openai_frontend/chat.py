@@ -18,9 +18,11 @@ from openai_frontend.engine_types import EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request, unsupported
 from openai_frontend.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
 from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
-from openai_frontend.best_of import iterate_best, samples_per_prompt, with_sampled_logprobs
+from openai_frontend.beam_search import BeamSpec, beam_spec
+from openai_frontend.best_of import samples_per_prompt, with_sampled_logprobs
+from openai_frontend.choices import returned_choices
 from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported
-from openai_frontend.streams import StartedStream, iterate_choices, sse_events, sse_response, start_stream
+from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 from openai_frontend.tools import (
     ToolCallStreamer, ToolPlan, get_parser, new_call_id, parse_as_streamed, plan_tools,
 )
@@ -86,7 +88,11 @@ class ChatHandler:
         samples = samples_per_prompt(req.best_of, req.n, req.stream, ctx.settings.max_n)
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
+        beams = beam_spec(req, ctx.files)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser)
+        if beams is not None and plan.constraint is not None:
+            raise bad_request("tool_choice required or a named function is not supported with use_beam_search",
+                              param="tool_choice")
         sp = build_sampling_params(req)
         if samples > req.n:
             sp = with_sampled_logprobs(sp)
@@ -126,13 +132,14 @@ class ChatHandler:
             stream = await start_stream(ctx.client, requests)
             body = sse_events(stream, self._stream(stream, req, plan, model, completion_id, created, namer, echo))
             return sse_response(body, hooks=ctx.stream_hooks)
-        return await self._complete(requests, req, plan, model, completion_id, created, namer, echo)
+        return await self._complete(requests, req, plan, model, completion_id, created, namer, echo, beams)
 
     # -- non-streaming ---------------------------------------------------------------------
 
     async def _complete(
         self, requests: list[EngineRequest], req: ChatCompletionRequest, plan: ToolPlan,
         model: str, completion_id: str, created: int, namer: Optional[TokenNamer], echo: str,
+        beams: Optional[BeamSpec] = None,
     ) -> Response:
         choices = [_Choice(None) for _ in range(req.n)]
         for c in choices:
@@ -140,10 +147,7 @@ class ChatHandler:
         prompt_tokens = 0
         cached: Optional[int] = None
         prompt_lps: Optional[list[TokenLogprob]] = None  # vLLM's prompt_logprobs (the samples share them)
-        if requests[0].n > req.n:
-            it = iterate_best(self.ctx.client, requests, req.n)
-        else:
-            it = iterate_choices(self.ctx.client, requests)
+        it = returned_choices(self.ctx.client, requests, req.n, beams)
         try:
             async for i, chunk in it:
                 c = choices[i]

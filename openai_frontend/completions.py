@@ -16,9 +16,11 @@ from openai_frontend.engine_types import EngineChunk, EngineRequest, TokenLogpro
 from openai_frontend.errors import bad_request
 from openai_frontend.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs
 from openai_frontend.protocol import CompletionRequest
-from openai_frontend.best_of import iterate_best, samples_per_prompt, with_sampled_logprobs
+from openai_frontend.beam_search import BeamSpec, beam_spec
+from openai_frontend.best_of import samples_per_prompt, with_sampled_logprobs
+from openai_frontend.choices import returned_choices
 from openai_frontend.sampling import build_sampling_params, check_unsupported
-from openai_frontend.streams import StartedStream, iterate_choices, sse_events, sse_response, start_stream
+from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 
 Prompt = Union[str, list[int]]
 
@@ -73,6 +75,7 @@ class CompletionHandler:
         model = ctx.check_model(req.model)
         check_unsupported(req, ctx.settings)
         samples = samples_per_prompt(req.best_of, req.n, req.stream, ctx.settings.max_n)
+        beams = beam_spec(req, ctx.files)
         prompts = split_prompts(req.prompt)
         if len(prompts) * samples > ctx.settings.max_n * 4:
             raise bad_request(f"too many samples: {len(prompts)} prompts x {samples}", param="prompt")
@@ -97,11 +100,11 @@ class CompletionHandler:
             stream = await start_stream(ctx.client, requests)
             body = sse_events(stream, self._stream(stream, req, k, echoes, model, completion_id, created, namer))
             return sse_response(body, hooks=ctx.stream_hooks)
-        return await self._complete(requests, req, echoes, model, completion_id, created, namer)
+        return await self._complete(requests, req, echoes, model, completion_id, created, namer, beams)
 
     async def _complete(
         self, requests: list[EngineRequest], req: CompletionRequest, echoes: Optional[list[str]], model: str,
-        completion_id: str, created: int, namer: TokenNamer,
+        completion_id: str, created: int, namer: TokenNamer, beams: Optional[BeamSpec] = None,
     ) -> Response:
         n = req.n
         k = len(requests) * n
@@ -113,10 +116,7 @@ class CompletionHandler:
         got_logprobs = [False] * k
         prompt_lps: list[Optional[list[TokenLogprob]]] = [None] * k  # vLLM's prompt_logprobs
         cached: list[Optional[int]] = [None] * k
-        if requests[0].n > n:
-            it = iterate_best(self.ctx.client, requests, n)
-        else:
-            it = iterate_choices(self.ctx.client, requests)
+        it = returned_choices(self.ctx.client, requests, n, beams)
         try:
             async for j, chunk in it:
                 if cached[j] is None:

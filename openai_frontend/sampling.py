@@ -54,10 +54,6 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
     check_stop(req.stop, req.stop_token_ids, settings)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
-    if req.use_beam_search:
-        raise unsupported("use_beam_search", "beam search is not implemented")
-    if req.length_penalty != 1.0:
-        raise unsupported("length_penalty", "only used by beam search, which is not implemented")
     if req.prompt_logprobs is not None:
         if req.stream:
             raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")

@@ -93,7 +93,10 @@ class FakeLLMClient:
         text = request.text_input if request.text_input is not None else json.dumps(request.messages)
         return list(text.encode("utf-8"))
 
-    async def detokenize(self, token_ids: list[int]) -> str:
+    async def detokenize(
+        self, token_ids: list[int], skip_special_tokens: bool = False, spaces_between_special_tokens: bool = True,
+        validate: bool = True,
+    ) -> str:
         return bytes(t % 256 for t in token_ids).decode("utf-8", errors="replace")
 
     async def is_ready(self) -> bool:

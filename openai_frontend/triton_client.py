@@ -422,18 +422,24 @@ class TritonLLMClient:
         result = await self._infer(self.preprocessing_model, prompt_inputs(request), "prompt_ids")
         return [int(t) for t in result.reshape(-1)]
 
-    async def detokenize(self, token_ids: list[int]) -> str:
-        """`token_ids` as text, special tokens included: the `postprocessing` model decoding
-        them as one final window."""
-        # preprocessing checks the ids against the tokenizer (a 400 naming the bad ones); the
-        # tokenizer itself would decode an unknown id to nothing.
-        await self.tokenize(EngineRequest(sampling_params={}, input_ids=list(token_ids)))
+    async def detokenize(
+        self, token_ids: list[int], skip_special_tokens: bool = False, spaces_between_special_tokens: bool = True,
+        validate: bool = True,
+    ) -> str:
+        """`token_ids` as text (special tokens included unless skipped): the `postprocessing`
+        model decoding them as one final window, as it decodes a generation's output."""
+        if validate:
+            # preprocessing checks the ids against the tokenizer (a 400 naming the bad ones); the
+            # tokenizer itself would decode an unknown id to nothing.
+            await self.tokenize(EngineRequest(sampling_params={}, input_ids=list(token_ids)))
         ids = np.asarray(token_ids, dtype=np.int32)
         window = InferInput("detok_ids", [int(ids.size)], "INT32")
         window.set_data_from_numpy(ids)
         prefix = InferInput("detok_prefix_len", [1], "INT32")
         prefix.set_data_from_numpy(np.array([0], dtype=np.int32))
-        inputs = [window, prefix, _bool_input("skip_special_tokens", False), _bytes_input("finish_reason", "stop")]
+        inputs = [window, prefix, _bool_input("skip_special_tokens", skip_special_tokens),
+                  _bool_input("spaces_between_special_tokens", spaces_between_special_tokens),
+                  _bytes_input("finish_reason", "stop")]
         result = await self._infer(self.postprocessing_model, inputs, "text_output")
         value = result.reshape(-1)[0]
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)

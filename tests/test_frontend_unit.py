@@ -347,6 +347,89 @@ def test_best_of_errors(client):
         assert err.value.body["param"] == "best_of" and words in err.value.body["message"]
 
 
+# A scripted language model for beam search: next-token logprobs by the tokens generated so far
+# (after the one-token prompt "x"). Greedy takes A then C (-2.0); the best pair is B E (-1.0).
+EOS = 90  # "Z"
+_NEXT = {
+    "": [("A", -0.5), ("B", -0.9)],
+    "A": [("C", -1.5), ("D", -1.6)],
+    "B": [("E", -0.1), ("F", -2.5)],
+    "AC": [("Z", -0.05), ("G", -3.0)], "AD": [("G", -0.3), ("Z", -0.4)],
+    "BE": [("Z", -2.0), ("H", -0.2)], "BF": [("H", -0.1), ("Z", -0.1)],
+}
+
+
+def _beam_lm(req):
+    if req.sampling_params.get("max_new_tokens") != 1:
+        return text_chunks(PIECES)
+    generated = "".join(chr(t) for t in req.input_ids[1:])
+    alts = _NEXT.get(generated, [("Q", -5.0)])
+    top = [[lp, ord(tok), None] for tok, lp in alts]
+    meta = json.dumps({"output_token_logprobs": [top[0]], "output_top_logprobs": [top]})
+    return [EngineChunk(alts[0][0], [ord(alts[0][0])], "length", len(req.input_ids), 1, meta)]
+
+
+@pytest.fixture(scope="module")
+def beam_client(tmp_path_factory):
+    files = tmp_path_factory.mktemp("model")
+    (files / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
+    (files / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    bfake = FakeLLMClient(_beam_lm)
+    with serve_in_thread(create_app(Settings(model_name=MODEL, tokenizer_path=str(files)), client=bfake)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0), bfake
+
+
+def test_beam_search_keeps_the_best_beams_not_the_greedy_path(beam_client):
+    client, bfake = beam_client
+    r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=2, extra_body={"use_beam_search": True})
+    assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [(0, "BE", "length"), (1, "AC", "length")]
+    assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == 1
+    steps = [q for q in bfake.requests if q.input_ids is not None]
+    assert all(q.sampling_params["top_logprobs_num"] == 4 and q.sampling_params["repetition_penalty"] == 1.0
+               for q in steps)
+
+    # A third step: B E H (-1.2 over 4 tokens) is best; A C Z ends (-2.05 over 3: the EOS does
+    # not count in its length) and beats B E Z and A C G. Beams that end are not extended.
+    r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=3, extra_body={"use_beam_search": True})
+    assert [(c.text, c.finish_reason) for c in r.choices] == [("BEH", "length"), ("AC", "stop")]
+    assert r.usage.completion_tokens == 6  # the EOS counts as a generated token, not as text
+    # length_penalty 0 ranks by the plain sum; ignore_eos keeps A C Z growing
+    r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=3,
+                                  extra_body={"use_beam_search": True, "length_penalty": 0.0, "ignore_eos": True})
+    assert [c.text for c in r.choices] == ["BEH", "ACZ"]
+
+    # chat: the prompt is the rendered messages; one choice per beam
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=1, max_tokens=2,
+                                       extra_body={"use_beam_search": True})
+    assert [c.message.content for c in r.choices] == ["Q" * 2]  # the fake tokenizes the messages' JSON
+
+
+def test_beam_search_refuses_what_would_change_it(beam_client, client):
+    bclient, _ = beam_client
+    for kwargs, param in [
+        (dict(stream=True), "use_beam_search"),
+        (dict(n=11), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(stop=["x"]), "stop"),
+        (dict(logprobs=1), "logprobs"),
+        (dict(top_p=0.5), "top_p"),
+        (dict(frequency_penalty=0.5), "frequency_penalty"),
+        (dict(extra_body={"guided_regex": "a+"}), "use_beam_search"),
+        (dict(n=2, best_of=3), "best_of"),
+    ]:
+        body = kwargs.pop("extra_body", {})
+        with pytest.raises(openai.BadRequestError) as err:
+            bclient.completions.create(model=MODEL, prompt="x", max_tokens=kwargs.pop("max_tokens", 2), **kwargs,
+                                       extra_body={"use_beam_search": True, **body})
+        assert err.value.body["param"] == param, (kwargs, err.value.body)
+    with pytest.raises(openai.BadRequestError) as err:  # without model files the EOS ids are unknown
+        client.completions.create(model=MODEL, prompt="x", extra_body={"use_beam_search": True})
+    assert "--tokenizer-path" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"length_penalty": 0.5})
+    assert err.value.body["param"] == "length_penalty"
+
+
 # ---------------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +451,6 @@ def test_error_unknown_parameter_is_400(client):
 def test_error_unsupported_parameter_named(client, fake):
     for kwargs, name in [
         ({"extra_body": {"logits_processors": ["my.module:Processor"]}}, "logits_processors"),
-        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:

@@ -187,6 +187,45 @@ def test_best_of_returns_the_samples_with_the_best_logprob_per_token(client):
                                                if c.text in {b.text for b in best.choices})
 
 
+def _reference_beam_search(model, prompt: list[int], width: int, steps: int, eos: set[int]) -> list[list[int]]:
+    """vLLM's algorithm on the Hugging Face model itself: full forward passes, no KV cache."""
+    import torch
+
+    live, done = [([], 0.0)], []
+    for _ in range(steps):
+        grown = []
+        for tokens, cum in live:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + tokens])).logits[0, -1].float()
+            lps = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(lps, 2 * width)
+            for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+                (done if t in eos else grown).append((tokens + [t], cum + lp))
+        live = sorted(grown, key=lambda b: b[1] / (len(prompt) + len(b[0])), reverse=True)[:width]
+
+    def score(b):
+        return b[1] / (len(prompt) + len(b[0]) - (b[0][-1] in eos))
+
+    return [b[0] for b in sorted(done + live, key=score, reverse=True)[:width]]
+
+
+def test_beam_search_equals_a_reference_beam_search_on_the_model(triton, demo_model_path, tok):
+    from transformers import AutoModelForCausalLM
+
+    settings = Settings(triton_url=triton.grpc_url, model_name=MODEL, tokenizer_path=str(demo_model_path))
+    with serve_in_thread(create_app(settings)) as url:
+        beam = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = beam.completions.create(model=MODEL, prompt="Once upon a time", n=3, max_tokens=5,
+                                    extra_body={"use_beam_search": True})
+    model = AutoModelForCausalLM.from_pretrained(demo_model_path, torch_dtype="float32").eval()
+    eos = json.loads((demo_model_path / "generation_config.json").read_text())["eos_token_id"]
+    eos = set(eos if isinstance(eos, list) else [eos])
+    prompt = tok("Once upon a time").input_ids
+    expected = _reference_beam_search(model, prompt, 3, 5, eos)
+    assert [c.text for c in r.choices] == [tok.decode([t for t in b if t not in eos]) for b in expected]
+    assert r.usage.completion_tokens == sum(len(b) for b in expected)
+
+
 def test_logprobs_chat_and_completions(client):
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=3, **GREEDY,
                   extra_body={"ignore_eos": True})

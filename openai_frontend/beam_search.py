@@ -1,0 +1,202 @@
+"""vLLM's beam search (`use_beam_search`, `length_penalty`; the beam width is `n`), run by the
+frontend over the engine.
+
+As in vLLM v1, the search lives outside the engine. Each step asks the engine for one token of
+every live beam together with its 2 x width most likely next tokens (`max_new_tokens` 1,
+`top_logprobs_num`), keeps the `width` best extensions by cumulative logprob, and sets aside the
+extensions that end with an end-of-sequence token (or a `stop_token_ids` entry) as finished.
+After `max_tokens` steps the finished and live beams are ranked by vLLM's score,
+cumulative logprob / length ** length_penalty, the length counting the prompt and not the final
+end-of-sequence token, and the best `width` are returned, each as one choice.
+
+The beams of a step are extensions of one prompt, so the engine's prefix cache serves all but
+the last partial block of each step's prefill. Logprobs are the model's own: the step requests
+turn the model's default penalties off, and with `temperature` > 0 they are of the scaled
+distribution, as vLLM's v0 engine computed them.
+
+Nothing is known before the last step, so beam search does not stream. Parameters that would
+change the search (stop strings, penalties, top-k/p, constraints, logprobs, ...) are refused
+with a 400 naming them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Optional, Sequence, TypeVar, Union
+
+from openai_frontend.engine_types import EngineChunk, EngineClient, EngineRequest, TokenLogprob
+from openai_frontend.errors import bad_request
+from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
+from openai_frontend.sampling import constraint_from_request
+from openai_frontend.streams import Item
+from openai_frontend.tokenizer import ModelFiles
+
+MAX_BEAM_WIDTH = 10  # 2 x width alternatives per step, and the engine reports at most 20
+
+AnyRequest = Union[ChatCompletionRequest, CompletionRequest]
+
+# What a parameter may be and leave the search as it is (None: not given).
+_NEUTRAL: dict[str, tuple] = {
+    "stop": (None, [], ""),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "echo": (None, False),
+    "frequency_penalty": (None, 0.0),
+    "presence_penalty": (None, 0.0),
+    "repetition_penalty": (None, 1.0),
+    "top_p": (None, 1.0),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0.0),
+    "min_tokens": (None, 0),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "custom_logit_processor": (None, ""),
+}
+
+
+@dataclass(frozen=True)
+class BeamSpec:
+    width: int
+    max_tokens: Optional[int]  # None: up to the model's context
+    length_penalty: float
+    eos: frozenset[int]
+    ignore_eos: bool
+    max_model_len: Optional[int]
+    step_params: dict[str, Any]
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+
+
+def beam_spec(req: AnyRequest, files: ModelFiles) -> Optional[BeamSpec]:
+    """The request's beam search, checked, or None when it asks for none."""
+    if not req.use_beam_search:
+        if req.length_penalty != 1.0:
+            raise bad_request("length_penalty is only used with use_beam_search", param="length_penalty")
+        return None
+    width = req.n
+    if width > MAX_BEAM_WIDTH:
+        raise bad_request(f"with use_beam_search, n (the beam width) must be at most {MAX_BEAM_WIDTH}", param="n")
+    if req.stream:
+        raise bad_request("use_beam_search cannot be streamed: the beams are only known after the last step",
+                          param="use_beam_search")
+    if req.best_of is not None and req.best_of != width:
+        raise bad_request("with use_beam_search, best_of must equal n (the beam width)", param="best_of")
+    for name, neutral in _NEUTRAL.items():
+        if getattr(req, name, None) not in neutral:
+            raise bad_request(f"'{name}' is not supported with use_beam_search", param=name)
+    if constraint_from_request(req) is not None:
+        raise bad_request("structured output is not supported with use_beam_search", param="use_beam_search")
+    eos = files.eos_token_ids()
+    if eos is None:
+        raise bad_request("use_beam_search needs the frontend's --tokenizer-path (for the end-of-sequence ids)",
+                          param="use_beam_search")
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    else:
+        max_tokens = req.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request("with use_beam_search, max_tokens must be at least 1", param="max_tokens")
+    step: dict[str, Any] = {
+        "max_new_tokens": 1, "return_logprob": True, "top_logprobs_num": 2 * width, "ignore_eos": True,
+        "temperature": req.temperature or 0.0,
+        # the model's generation_config defaults would otherwise bend the beams' scores
+        "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    }
+    if req.priority:
+        step["priority"] = req.priority
+    return BeamSpec(
+        width=width, max_tokens=max_tokens, length_penalty=req.length_penalty,
+        eos=eos | frozenset(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
+        max_model_len=files.max_model_len, step_params=step,
+        skip_special_tokens=req.skip_special_tokens, spaces_between_special_tokens=req.spaces_between_special_tokens,
+    )
+
+
+T = TypeVar("T")
+
+
+async def _all(aws: Sequence[Awaitable[T]]) -> list[T]:
+    """Run together; the first failure cancels the rest and is raised as itself (not as the
+    ExceptionGroup a TaskGroup raises), so API errors keep their status."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(a) for a in aws]
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+@dataclass
+class _Beam:
+    tokens: list[int] = field(default_factory=list)  # generated, not the prompt
+    cum_logprob: float = 0.0
+    finish: str = "length"
+
+
+def _score(beam: _Beam, prompt_len: int, length_penalty: float) -> float:
+    length = prompt_len + len(beam.tokens) - (beam.finish == "stop")
+    return beam.cum_logprob / (max(length, 1) ** length_penalty)
+
+
+async def _alternatives(client: EngineClient, ids: list[int], spec: BeamSpec) -> list[TokenLogprob]:
+    """The 2 x width most likely next tokens after `ids`."""
+    stream = client.generate(EngineRequest(sampling_params=spec.step_params, input_ids=ids, stream=False))
+    top: list[TokenLogprob] = []
+    try:
+        async for chunk in stream:
+            lps = chunk.logprobs(2 * spec.width)
+            if lps:
+                top = lps[0].top
+    finally:
+        await stream.aclose()
+    return top
+
+
+async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -> list[EngineChunk]:
+    ids = list(prompt.input_ids) if prompt.input_ids is not None else await client.tokenize(prompt)
+    steps = spec.max_tokens
+    if spec.max_model_len is not None:
+        room = spec.max_model_len - len(ids)
+        if room < 1:
+            raise bad_request(f"the prompt has {len(ids)} tokens, but the context is {spec.max_model_len} tokens",
+                              param="messages" if prompt.messages is not None else "prompt")
+        steps = room if steps is None else min(steps, room)
+    if steps is None:
+        raise bad_request("use_beam_search needs max_tokens when the model's context length is unknown",
+                          param="max_tokens")
+    live, finished = [_Beam()], []
+    for _ in range(steps):
+        tops = await _all([_alternatives(client, ids + beam.tokens, spec) for beam in live])
+        grown = []
+        for beam, top in zip(live, tops):
+            for alt in top:
+                if alt.logprob is None:
+                    continue
+                child = _Beam(beam.tokens + [alt.token_id], beam.cum_logprob + alt.logprob)
+                if alt.token_id in spec.eos and not spec.ignore_eos:
+                    child.finish = "stop"
+                    finished.append(child)
+                else:
+                    grown.append(child)
+        grown.sort(key=lambda b: _score(b, len(ids), spec.length_penalty), reverse=True)
+        live = grown[: spec.width]
+        if not live:
+            break
+    best = sorted(finished + live, key=lambda b: _score(b, len(ids), spec.length_penalty), reverse=True)[: spec.width]
+    texts = await _all([
+        client.detokenize(b.tokens[:-1] if b.finish == "stop" else b.tokens, skip_special_tokens=spec.skip_special_tokens,
+                          spaces_between_special_tokens=spec.spaces_between_special_tokens, validate=False)
+        for b in best
+    ])
+    return [EngineChunk(text, list(b.tokens), b.finish, len(ids), len(b.tokens)) for b, text in zip(best, texts)]
+
+
+async def beam_search_choices(client: EngineClient, prompts: Sequence[EngineRequest], spec: BeamSpec) -> AsyncIterator[Item]:
+    """Each prompt's best beams, as choices prompt * width + rank (best first), one chunk each."""
+    results = await _all([_search(client, p, spec) for p in prompts])
+    for p, chunks in enumerate(results):
+        for rank, chunk in enumerate(chunks):
+            yield p * spec.width + rank, chunk
