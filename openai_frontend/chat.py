@@ -13,14 +13,14 @@ from typing import Any, AsyncIterator, Optional
 
 from starlette.responses import Response
 
+from openai_frontend.beam_search import BeamSpec, beam_spec
+from openai_frontend.best_of import samples_per_prompt, with_sampled_logprobs
+from openai_frontend.choices import returned_choices
 from openai_frontend.common import Context, dumps, json_response, usage
 from openai_frontend.engine_types import EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request, unsupported
 from openai_frontend.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
 from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
-from openai_frontend.beam_search import BeamSpec, beam_spec
-from openai_frontend.best_of import samples_per_prompt, with_sampled_logprobs
-from openai_frontend.choices import returned_choices
 from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported
 from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 from openai_frontend.tools import (

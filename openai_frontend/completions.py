@@ -11,14 +11,14 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from starlette.responses import Response
 
+from openai_frontend.beam_search import BeamSpec, beam_spec
+from openai_frontend.best_of import samples_per_prompt, with_sampled_logprobs
+from openai_frontend.choices import returned_choices
 from openai_frontend.common import Context, dumps, json_response, usage
 from openai_frontend.engine_types import EngineChunk, EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request
 from openai_frontend.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs
 from openai_frontend.protocol import CompletionRequest
-from openai_frontend.beam_search import BeamSpec, beam_spec
-from openai_frontend.best_of import samples_per_prompt, with_sampled_logprobs
-from openai_frontend.choices import returned_choices
 from openai_frontend.sampling import build_sampling_params, check_unsupported
 from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 
