@@ -563,6 +563,21 @@ def test_client_disconnect_before_the_response_frees_kv_blocks(triton, base_url)
         time.sleep(0.05)
 
 
+def test_client_disconnect_stops_a_beam_search(triton):
+    # Beam search is many short engine requests, one per beam and step: a client that leaves
+    # must stop the search (no more steps) and leave no KV block held.
+    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, tokenizer_path=str(triton["model"]))
+    with serve_in_thread(create_app(settings)) as url:
+        body = {"model": MODEL, "prompt": "wait for it", "max_tokens": 3000, "n": 4, "use_beam_search": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=1.5)
+        wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+        time.sleep(0.5)
+        steps = scrape_metric(_metrics_url(triton), "llm_engine_steps_total")
+        time.sleep(1.5)  # the engine publishes every 1 s while busy, and at once when idle
+        assert scrape_metric(_metrics_url(triton), "llm_engine_steps_total") == steps
+
+
 def test_frontend_metrics(base_url):
     before = httpx.get(base_url + "/metrics").text
 
