@@ -3,10 +3,12 @@
     python -m openai_frontend.bench --url http://127.0.0.1:9000 [--concurrency 64] [--requests 256]
         [--max-tokens 64] [--endpoint chat|completions|generate] [--modes stream,plain]
 
-Sends `requests` generations with `concurrency` in flight (httpx, HTTP/1.1 keep-alive, one
-connection per worker), all with `ignore_eos` so every request produces exactly `max_tokens`
-tokens, once streaming (SSE) and once not, and prints tokens/s and requests/s for each and the
-streaming/non-streaming ratio. Streamed responses are parsed event by event (as a client must).
+Sends `requests` generations with `concurrency` in flight (HTTP/1.1 keep-alive, one connection
+per worker), all with `ignore_eos` so every request produces exactly `max_tokens` tokens, once
+streaming (SSE) and once not, and prints tokens/s and requests/s for each and the
+streaming/non-streaming ratio. `--client` picks the load generator: `raw` (default) counts SSE
+events without parsing their JSON, so the client costs little of the machine it shares;
+`httpx` parses every event's JSON; `sdk` is the OpenAI Python SDK (a pydantic object per event).
 
     python -m openai_frontend.bench --fake [--chunk-delay S]
 
@@ -26,22 +28,27 @@ from typing import Any, Optional
 import httpx
 
 
-def _body(endpoint: str, max_tokens: int, stream: bool, i: int) -> tuple[str, dict[str, Any]]:
+def _body(endpoint: str, max_tokens: int, stream: bool, i: int,
+          temperature: Optional[float] = None) -> tuple[str, dict[str, Any]]:
+    """One request; `temperature` None keeps the model's sampling defaults (generation_config)."""
+    temp = {} if temperature is None else {"temperature": temperature}
     if endpoint == "chat":
         return "/v1/chat/completions", {
             "model": "demo", "messages": [{"role": "user", "content": f"Tell me a story number {i}."}],
-            "max_tokens": max_tokens, "ignore_eos": True, "stream": stream,
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": stream, **temp,
             **({"stream_options": {"include_usage": True}} if stream else {}),
         }
     if endpoint == "completions":
         return "/v1/completions", {"model": "demo", "prompt": f"Story {i}: once upon a time", "max_tokens": max_tokens,
-                                   "ignore_eos": True, "stream": stream}
+                                   "ignore_eos": True, "stream": stream, **temp,
+                                   **({"stream_options": {"include_usage": True}} if stream else {})}
     return "/generate", {"text": f"Story {i}: once upon a time", "stream": stream,
-                         "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True}}
+                         "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True, **temp}}
 
 
-async def _one(http: httpx.AsyncClient, endpoint: str, max_tokens: int, stream: bool, i: int) -> int:
-    path, body = _body(endpoint, max_tokens, stream, i)
+async def _one(http: httpx.AsyncClient, endpoint: str, max_tokens: int, stream: bool, i: int,
+               temperature: Optional[float] = None) -> int:
+    path, body = _body(endpoint, max_tokens, stream, i, temperature)
     if not stream:
         r = await http.post(path, json=body)
         r.raise_for_status()
@@ -60,10 +67,8 @@ async def _one(http: httpx.AsyncClient, endpoint: str, max_tokens: int, stream: 
                 raise RuntimeError(event["error"])
             if endpoint == "generate":
                 tokens = event["meta_info"]["completion_tokens"]
-            elif event.get("usage"):
+            elif event.get("usage"):  # (stream_options.include_usage: events may carry several tokens)
                 tokens = event["usage"]["completion_tokens"]
-            elif endpoint == "completions":
-                tokens += sum(1 for c in event["choices"] if c.get("text"))
     return tokens
 
 
@@ -127,13 +132,13 @@ def _tokens_from(endpoint: str, stream: bool, raw: bytes) -> int:
     data = json.loads(last)
     if endpoint == "generate":
         return data["meta_info"]["completion_tokens"]
-    if data.get("usage"):
-        return data["usage"]["completion_tokens"]
-    return raw.count(b"\n\ndata: {") + 1  # completions without usage: one event per token
+    if not data.get("usage"):
+        raise RuntimeError("the stream's last event has no usage (stream_options.include_usage)")
+    return data["usage"]["completion_tokens"]
 
 
 async def run_raw_load(url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
-                       max_tokens: int) -> dict[str, float]:
+                       max_tokens: int, temperature: Optional[float] = None) -> dict[str, float]:
     from urllib.parse import urlparse
 
     parsed = urlparse(url)
@@ -150,9 +155,7 @@ async def run_raw_load(url: str, *, endpoint: str, stream: bool, concurrency: in
                     i = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                path, body = _body(endpoint, max_tokens, stream, i)
-                if stream and endpoint == "completions":
-                    body["stream_options"] = {"include_usage": True}
+                path, body = _body(endpoint, max_tokens, stream, i, temperature)
                 status, raw = await conn.request(path, body)
                 if status != 200:
                     raise RuntimeError(f"HTTP {status}: {raw[:300]!r}")
@@ -170,7 +173,7 @@ async def run_raw_load(url: str, *, endpoint: str, stream: bool, concurrency: in
 
 
 async def run_direct_load(triton_url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
-                          max_tokens: int) -> dict[str, float]:
+                          max_tokens: int, temperature: Optional[float] = None) -> dict[str, float]:
     """The same load straight to Triton with TritonLLMClient (no HTTP): what the Triton side
     alone costs, to set the frontend's numbers against."""
     from openai_frontend.engine_types import EngineRequest
@@ -189,6 +192,8 @@ async def run_direct_load(triton_url: str, *, endpoint: str, stream: bool, concu
             except asyncio.QueueEmpty:
                 return
             sp = {"max_new_tokens": max_tokens, "ignore_eos": True}
+            if temperature is not None:
+                sp["temperature"] = temperature
             if endpoint == "chat":
                 req = EngineRequest(sp, messages=[{"role": "user", "content": f"Tell me a story number {i}."}],
                                     stream=stream)
@@ -211,7 +216,7 @@ async def run_direct_load(triton_url: str, *, endpoint: str, stream: bool, concu
 
 
 async def run_load(url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
-                   max_tokens: int) -> dict[str, float]:
+                   max_tokens: int, temperature: Optional[float] = None) -> dict[str, float]:
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
@@ -225,13 +230,64 @@ async def run_load(url: str, *, endpoint: str, stream: bool, concurrency: int, r
                     i = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                tokens = await _one(http, endpoint, max_tokens, stream, i)  # (not `+= await`: racy)
+                tokens = await _one(http, endpoint, max_tokens, stream, i, temperature)  # (not `+= await`: racy)
                 totals["tokens"] += tokens
                 totals["requests"] += 1
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "tokens": totals["tokens"], "requests": totals["requests"],
+            "tokens_per_s": totals["tokens"] / elapsed, "requests_per_s": totals["requests"] / elapsed}
+
+
+async def run_sdk_load(url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
+                       max_tokens: int, temperature: Optional[float] = None) -> dict[str, float]:
+    """The same load through the OpenAI Python SDK (AsyncOpenAI): what an SDK user's client adds,
+    a pydantic object per streamed event included."""
+    import openai
+
+    if endpoint == "generate":
+        raise SystemExit("--client sdk: /generate is not an OpenAI endpoint")
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+    totals = {"tokens": 0, "requests": 0}
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+                             timeout=600)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", http_client=http, max_retries=0)
+
+    async def one(i: int) -> int:
+        _, body = _body(endpoint, max_tokens, stream, i, temperature)
+        body.pop("stream")
+        extra = {"ignore_eos": body.pop("ignore_eos")}
+        create = client.chat.completions.create if endpoint == "chat" else client.completions.create
+        if not stream:
+            r = await create(**body, extra_body=extra)
+            return r.usage.completion_tokens
+        body["stream_options"] = {"include_usage": True}
+        tokens = 0
+        async for chunk in await create(**body, stream=True, extra_body=extra):
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens
+
+    async def worker() -> None:
+        while True:
+            try:
+                i = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            tokens = await one(i)
+            totals["tokens"] += tokens
+            totals["requests"] += 1
+
+    try:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    finally:
+        await client.close()
     return {"seconds": elapsed, "tokens": totals["tokens"], "requests": totals["requests"],
             "tokens_per_s": totals["tokens"] / elapsed, "requests_per_s": totals["requests"] / elapsed}
 
@@ -319,13 +375,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 for greedy (the engine's fastest path: the most responses per second); "
+                        "default: the model's sampling defaults")
     p.add_argument("--modes", default="plain,stream", help="order of the runs: plain,stream")
     p.add_argument("--warmup", type=int, default=16, help="requests sent first, not measured")
     p.add_argument("--direct-triton", default=None, metavar="HOST:PORT",
                    help="also run each mode straight against this Triton gRPC endpoint (no frontend)")
-    p.add_argument("--client", default="raw", choices=["raw", "httpx"],
+    p.add_argument("--client", default="raw", choices=["raw", "httpx", "sdk"],
                    help="raw: a minimal HTTP/1.1 load generator (default; counts SSE events without parsing "
-                        "them, so the client is not the bottleneck); httpx: parse every event as a client would")
+                        "them, so the client is not the bottleneck); httpx: parse every event's JSON as a client "
+                        "would; sdk: the OpenAI Python SDK (a pydantic object per event)")
     p.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_fake:
@@ -334,10 +394,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     ctx = _fake_server(args.chunk_delay, args.max_tokens) if args.fake else contextlib.nullcontext(args.url)
     with ctx as url:
-        load = run_raw_load if args.client == "raw" else run_load
+        load = {"raw": run_raw_load, "httpx": run_load, "sdk": run_sdk_load}[args.client]
         if args.warmup:
             asyncio.run(load(url, endpoint=args.endpoint, stream=True, concurrency=min(args.concurrency, args.warmup),
-                                 requests=args.warmup, max_tokens=args.max_tokens))
+                             requests=args.warmup, max_tokens=args.max_tokens, temperature=args.temperature))
         runs: list[tuple[str, Any]] = []
         for mode in args.modes.split(","):
             runs.append((mode, load))
@@ -347,7 +407,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         for name, fn in runs:
             stream = name.endswith("stream")
             kwargs = dict(endpoint=args.endpoint, stream=stream, concurrency=args.concurrency,
-                          requests=args.requests, max_tokens=args.max_tokens)
+                          requests=args.requests, max_tokens=args.max_tokens, temperature=args.temperature)
             r = asyncio.run(fn(url, **kwargs) if fn else run_direct_load(args.direct_triton, **kwargs))
             sums.setdefault(name, []).append(r["tokens_per_s"])
             print(f"{name:>14}: {r['requests']} requests, {r['tokens']} tokens in {r['seconds']:.2f} s: "
