@@ -233,8 +233,8 @@ class JsonArrayToolParser:
         self._read(new_text, items)
         return _Result(normal_text="", calls=items)
 
-    # Each state consumes from s[i:] and returns the new position; a value's characters are
-    # kept (the name) or sent (arguments) as whole runs, not one at a time.
+    # Strings and values are consumed as whole runs (kept for the name, sent for arguments),
+    # whitespace inside them included; between tokens it is skipped.
     def _read(self, s: str, items: list[_Item]) -> None:
         i, n = 0, len(s)
         while i < n and self._state != _DONE:
@@ -242,6 +242,14 @@ class JsonArrayToolParser:
             if state in (_STRING, _CONTAINER, _LITERAL):
                 j = self._scan(s, i)
                 self._value_text(s[i:j], items)
+                i = j
+                continue
+            if state == _KEY:
+                j = self._string_end(s, i)
+                self._raw.append(s[i:j])
+                if self._state == _KEY:  # the key string continues in the next chunk
+                    return
+                self._key = _json_str('"' + "".join(self._raw))
                 i = j
                 continue
             c = s[i]
@@ -267,15 +275,6 @@ class JsonArrayToolParser:
                     self._state = _KEY
                 elif c != ",":
                     self._state = _DONE
-            elif state == _KEY:
-                j = self._string_end(s, i)
-                self._raw.append(s[i:j])
-                if self._state == _KEY:  # the key string continues in the next chunk
-                    return
-                self._key = _json_str('"' + "".join(self._raw))
-                i = j
-                self._state = _COLON
-                continue
             elif state == _COLON:
                 self._state = _VALUE if c == ":" else _DONE
             elif state == _VALUE:

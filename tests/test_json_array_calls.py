@@ -82,6 +82,10 @@ def rand_text(rng: random.Random) -> str:
             members.reverse()  # arguments before the name
         if rng.random() < 0.2:
             members.insert(1, f'"extra": {dump(rng, rand_value(rng))}')
+        if rng.random() < 0.2:  # keys are read whole: spaces and escapes included
+            members.insert(rng.randint(0, len(members)), '" name ": "decoy"')
+        if rng.random() < 0.2:
+            members = [m.replace('"name"', '"na\\u006de"', 1) for m in members]
         if rng.random() < 0.05:
             members = members[1:]  # no name
         objs.append("{" + rng.choice([", ", ","]).join(members) + "}")
