@@ -14,15 +14,17 @@ the last partial block of each step's prefill. Logprobs are the model's own: the
 turn the model's default penalties off, and with `temperature` > 0 they are of the scaled
 distribution, as vLLM's v0 engine computed them.
 
-Nothing is known before the last step, so beam search does not stream. Parameters that would
-change the search (stop strings, penalties, top-k/p, constraints, logprobs, ...) are refused
-with a 400 naming them.
+Nothing is known before the last step, so beam search does not stream. Logprobs come from
+the steps' alternatives (each beam's tokens and up to the steps' top-k, `echo` prepends the
+prompt text). Parameters that would change the search (stop strings, penalties, top-k/p,
+constraints, ...) and prompt logprobs are refused with a 400 naming them.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Optional, Sequence, TypeVar, Union
 
 from openai_frontend.engine_types import EngineChunk, EngineClient, EngineRequest, TokenLogprob
@@ -39,10 +41,7 @@ AnyRequest = Union[ChatCompletionRequest, CompletionRequest]
 # What a parameter may be and leave the search as it is (None: not given).
 _NEUTRAL: dict[str, tuple] = {
     "stop": (None, [], ""),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None,),
-    "echo": (None, False),
     "frequency_penalty": (None, 0.0),
     "presence_penalty": (None, 0.0),
     "repetition_penalty": (None, 1.0),
@@ -68,6 +67,7 @@ class BeamSpec:
     step_params: dict[str, Any]
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
+    top_logprobs: Optional[int] = None  # None: the client asked for no logprobs
 
 
 def beam_spec(req: AnyRequest, files: ModelFiles) -> Optional[BeamSpec]:
@@ -99,19 +99,30 @@ def beam_spec(req: AnyRequest, files: ModelFiles) -> Optional[BeamSpec]:
         max_tokens = req.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise bad_request("with use_beam_search, max_tokens must be at least 1", param="max_tokens")
+    if isinstance(req, ChatCompletionRequest):
+        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        top_logprobs = req.logprobs
+    if top_logprobs is not None and req.echo:
+        raise bad_request("echo with logprobs is not supported with use_beam_search (it scores the prompt)",
+                          param="echo")
     step: dict[str, Any] = {
-        "max_new_tokens": 1, "return_logprob": True, "top_logprobs_num": 2 * width, "ignore_eos": True,
+        "max_new_tokens": 1, "return_logprob": True, "top_logprobs_num": max(2 * width, top_logprobs or 0),
+        "ignore_eos": True,
         "temperature": req.temperature or 0.0,
         # the model's generation_config defaults would otherwise bend the beams' scores
         "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
     }
     if req.priority:
         step["priority"] = req.priority
+    if top_logprobs is not None and not req.return_tokens_as_token_ids:
+        step["return_text_in_logprobs"] = True
     return BeamSpec(
         width=width, max_tokens=max_tokens, length_penalty=req.length_penalty,
         eos=eos | frozenset(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
         max_model_len=files.max_model_len, step_params=step,
         skip_special_tokens=req.skip_special_tokens, spaces_between_special_tokens=req.spaces_between_special_tokens,
+        top_logprobs=top_logprobs,
     )
 
 
@@ -131,23 +142,50 @@ async def _all(aws: Sequence[Awaitable[T]]) -> list[T]:
 
 @dataclass
 class _Beam:
-    tokens: list[int] = field(default_factory=list)  # generated, not the prompt
+    """A beam as its last token and a link to the beam it extends: a step makes 2 x width
+    children per live beam, and copying their token lists would cost their length each."""
+
+    parent: Optional["_Beam"] = None
+    token: int = -1
     cum_logprob: float = 0.0
+    length: int = 0
     finish: str = "length"
+    logprob: Optional[TokenLogprob] = None  # the token's own, with the step's alternatives
+
+    def path(self) -> list["_Beam"]:
+        out, beam = [], self
+        while beam.parent is not None:
+            out.append(beam)
+            beam = beam.parent
+        return out[::-1]
+
+    def tokens(self) -> list[int]:
+        return [b.token for b in self.path()]
 
 
 def _score(beam: _Beam, prompt_len: int, length_penalty: float) -> float:
-    length = prompt_len + len(beam.tokens) - (beam.finish == "stop")
+    length = prompt_len + beam.length - (beam.finish == "stop")
     return beam.cum_logprob / (max(length, 1) ** length_penalty)
 
 
+def _logprobs_meta(path: list[_Beam], top: int) -> str:
+    """The beam's logprobs in the engine's meta_info form, which the handlers already read."""
+    def entry(lp: TokenLogprob) -> list:
+        return [lp.logprob, lp.token_id, lp.text]
+
+    return json.dumps({
+        "output_token_logprobs": [entry(b.logprob) for b in path],
+        "output_top_logprobs": [[entry(t) for t in b.logprob.top[:top]] for b in path],
+    }, ensure_ascii=False)
+
+
 async def _alternatives(client: EngineClient, ids: list[int], spec: BeamSpec) -> list[TokenLogprob]:
-    """The 2 x width most likely next tokens after `ids`."""
+    """The most likely next tokens after `ids` (2 x width, or the client's top_logprobs if more)."""
     stream = client.generate(EngineRequest(sampling_params=spec.step_params, input_ids=ids, stream=False))
     top: list[TokenLogprob] = []
     try:
         async for chunk in stream:
-            lps = chunk.logprobs(2 * spec.width)
+            lps = chunk.logprobs(spec.step_params["top_logprobs_num"])
             if lps:
                 top = lps[0].top
     finally:
@@ -169,13 +207,14 @@ async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -
                           param="max_tokens")
     live, finished = [_Beam()], []
     for _ in range(steps):
-        tops = await _all([_alternatives(client, ids + beam.tokens, spec) for beam in live])
+        tops = await _all([_alternatives(client, ids + beam.tokens(), spec) for beam in live])
         grown = []
         for beam, top in zip(live, tops):
-            for alt in top:
+            for alt in top[: 2 * spec.width]:
                 if alt.logprob is None:
                     continue
-                child = _Beam(beam.tokens + [alt.token_id], beam.cum_logprob + alt.logprob)
+                child = _Beam(beam, alt.token_id, beam.cum_logprob + alt.logprob, beam.length + 1,
+                              logprob=TokenLogprob(alt.token_id, alt.logprob, alt.text, top))
                 if alt.token_id in spec.eos and not spec.ignore_eos:
                     child.finish = "stop"
                     finished.append(child)
@@ -186,12 +225,18 @@ async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -
         if not live:
             break
     best = sorted(finished + live, key=lambda b: _score(b, len(ids), spec.length_penalty), reverse=True)[: spec.width]
+    paths = [b.path() for b in best]
     texts = await _all([
-        client.detokenize(b.tokens[:-1] if b.finish == "stop" else b.tokens, skip_special_tokens=spec.skip_special_tokens,
+        client.detokenize([b.token for b in (path[:-1] if path and path[-1].finish == "stop" else path)],
+                          skip_special_tokens=spec.skip_special_tokens,
                           spaces_between_special_tokens=spec.spaces_between_special_tokens, validate=False)
-        for b in best
+        for path in paths
     ])
-    return [EngineChunk(text, list(b.tokens), b.finish, len(ids), len(b.tokens)) for b, text in zip(best, texts)]
+    return [
+        EngineChunk(text, [b.token for b in path], beam.finish, len(ids), beam.length,
+                    _logprobs_meta(path, spec.top_logprobs) if spec.top_logprobs is not None else "")
+        for beam, path, text in zip(best, paths, texts)
+    ]
 
 
 async def beam_search_choices(client: EngineClient, prompts: Sequence[EngineRequest], spec: BeamSpec) -> AsyncIterator[Item]:

@@ -364,7 +364,8 @@ def _beam_lm(req):
         return text_chunks(PIECES)
     generated = "".join(chr(t) for t in req.input_ids[1:])
     alts = _NEXT.get(generated, [("Q", -5.0)])
-    top = [[lp, ord(tok), None] for tok, lp in alts]
+    text = req.sampling_params.get("return_text_in_logprobs")
+    top = [[lp, ord(tok), tok if text else None] for tok, lp in alts]
     meta = json.dumps({"output_token_logprobs": [top[0]], "output_top_logprobs": [top]})
     return [EngineChunk(alts[0][0], [ord(alts[0][0])], "length", len(req.input_ids), 1, meta)]
 
@@ -398,6 +399,20 @@ def test_beam_search_keeps_the_best_beams_not_the_greedy_path(beam_client):
                                   extra_body={"use_beam_search": True, "length_penalty": 0.0, "ignore_eos": True})
     assert [c.text for c in r.choices] == ["BEH", "ACZ"]
 
+    # logprobs: each beam's own tokens, with the step's alternatives; echo prepends the prompt
+    r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=2, logprobs=2,
+                                  extra_body={"use_beam_search": True})
+    assert r.choices[0].logprobs.tokens == ["B", "E"] and r.choices[0].logprobs.token_logprobs == [-0.9, -0.1]
+    assert r.choices[0].logprobs.top_logprobs[1] == {"E": -0.1, "F": -2.5}
+    assert r.choices[1].logprobs.token_logprobs == [-0.5, -1.5]
+    r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=2, echo=True,
+                                  extra_body={"use_beam_search": True})
+    assert [c.text for c in r.choices] == ["xBE", "xAC"]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                       logprobs=True, top_logprobs=1, extra_body={"use_beam_search": True})
+    assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in r.choices[0].logprobs.content] == [
+        ("Q", -5.0, ["Q"])]
+
     # chat: the prompt is the rendered messages; one choice per beam
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=1, max_tokens=2,
                                        extra_body={"use_beam_search": True})
@@ -411,7 +426,7 @@ def test_beam_search_refuses_what_would_change_it(beam_client, client):
         (dict(n=11), "n"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(stop=["x"]), "stop"),
-        (dict(logprobs=1), "logprobs"),
+        (dict(logprobs=1, echo=True), "echo"),
         (dict(top_p=0.5), "top_p"),
         (dict(frequency_penalty=0.5), "frequency_penalty"),
         (dict(extra_body={"guided_regex": "a+"}), "use_beam_search"),

@@ -187,7 +187,7 @@ def test_best_of_returns_the_samples_with_the_best_logprob_per_token(client):
                                                if c.text in {b.text for b in best.choices})
 
 
-def _reference_beam_search(model, prompt: list[int], width: int, steps: int, eos: set[int]) -> list[list[int]]:
+def _reference_beam_search(model, prompt: list[int], width: int, steps: int, eos: set[int]) -> list[tuple[list[int], float]]:
     """vLLM's algorithm on the Hugging Face model itself: full forward passes, no KV cache."""
     import torch
 
@@ -206,7 +206,7 @@ def _reference_beam_search(model, prompt: list[int], width: int, steps: int, eos
     def score(b):
         return b[1] / (len(prompt) + len(b[0]) - (b[0][-1] in eos))
 
-    return [b[0] for b in sorted(done + live, key=score, reverse=True)[:width]]
+    return sorted(done + live, key=score, reverse=True)[:width]
 
 
 def test_beam_search_equals_a_reference_beam_search_on_the_model(triton, demo_model_path, tok):
@@ -215,15 +215,17 @@ def test_beam_search_equals_a_reference_beam_search_on_the_model(triton, demo_mo
     settings = Settings(triton_url=triton.grpc_url, model_name=MODEL, tokenizer_path=str(demo_model_path))
     with serve_in_thread(create_app(settings)) as url:
         beam = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        r = beam.completions.create(model=MODEL, prompt="Once upon a time", n=3, max_tokens=5,
+        r = beam.completions.create(model=MODEL, prompt="Once upon a time", n=3, max_tokens=5, logprobs=1,
                                     extra_body={"use_beam_search": True})
     model = AutoModelForCausalLM.from_pretrained(demo_model_path, torch_dtype="float32").eval()
     eos = json.loads((demo_model_path / "generation_config.json").read_text())["eos_token_id"]
     eos = set(eos if isinstance(eos, list) else [eos])
     prompt = tok("Once upon a time").input_ids
     expected = _reference_beam_search(model, prompt, 3, 5, eos)
-    assert [c.text for c in r.choices] == [tok.decode([t for t in b if t not in eos]) for b in expected]
-    assert r.usage.completion_tokens == sum(len(b) for b in expected)
+    assert [c.text for c in r.choices] == [tok.decode([t for t in b if t not in eos]) for b, _ in expected]
+    assert r.usage.completion_tokens == sum(len(b) for b, _ in expected)
+    for choice, (_, cum) in zip(r.choices, expected):  # each beam's logprobs are its own tokens'
+        assert sum(choice.logprobs.token_logprobs) == pytest.approx(cum, abs=1e-3)
 
 
 def test_logprobs_chat_and_completions(client):
