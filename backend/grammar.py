@@ -70,7 +70,9 @@ import torch
 
 __all__ = ["GrammarError", "GrammarCompiler", "GrammarState", "Utf8Guard", "allocate_bitmask", "KINDS", "JSON_MAX_WHITESPACE"]
 
-KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+# json_schema_whitespace: a JSON schema with a whitespace regex, spec ``[pattern, schema text]``
+# (backend/json_whitespace.py; SamplingParams.constraint builds it).
+KINDS = ("json_schema", "json_schema_whitespace", "regex", "ebnf", "structural_tag")
 
 # At most this many consecutive whitespace characters between JSON tokens (see module docstring).
 JSON_MAX_WHITESPACE = 16
@@ -724,6 +726,8 @@ class GrammarCompiler:
                 max_whitespace_cnt=JSON_MAX_WHITESPACE,
                 strict_mode=True,
             )
+        if kind == "json_schema_whitespace":
+            return self._json_schema_with_whitespace(spec)
         if kind == "regex":
             if not spec:
                 raise GrammarError("invalid regex: the pattern is empty")
@@ -735,6 +739,25 @@ class GrammarCompiler:
         if kind == "structural_tag":
             return c.compile_structural_tag(self._structural_tag(spec))
         raise GrammarError(f"unknown constraint kind {kind!r}")
+
+    def _json_schema_with_whitespace(self, spec: str) -> Any:
+        from backend.json_whitespace import WhitespacePatternError, json_schema_ebnf_with_whitespace
+
+        pair = _load_json(spec, "json_schema_whitespace")
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+            raise GrammarError("invalid json_schema_whitespace: expected [pattern, schema]")
+        pattern, schema_text = pair
+        schema = _load_json(schema_text, "json_schema")
+        _check_json_schema(schema)
+        try:
+            ebnf = json_schema_ebnf_with_whitespace(
+                self._xgr, json.dumps(_bounded_strings(schema)), pattern, JSON_MAX_WHITESPACE, strict_mode=True
+            )
+        except WhitespacePatternError as exc:
+            raise GrammarError(f"invalid whitespace_pattern: {exc}") from None
+        except RuntimeError as exc:
+            raise GrammarError(f"invalid json_schema: {_clean(str(exc), 'json_schema')}") from None
+        return self._compiler.compile_grammar(ebnf, root_rule_name="root")
 
     def _structural_tag(self, spec: str) -> Any:
         from pydantic import ValidationError

@@ -49,6 +49,7 @@ MAX_CONSTRAINT_CHARS = 256 * 1024
 MAX_N = 64
 MAX_TOP_LOGPROBS = 64
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
+MAX_WHITESPACE_PATTERN_CHARS = 256
 
 
 class SamplingParams(BaseModel):
@@ -79,6 +80,9 @@ class SamplingParams(BaseModel):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     structural_tag: Optional[str] = None
+    # vLLM's (guided_)whitespace_pattern: a regex for the whitespace between the tokens of a
+    # json_schema document (backend/json_whitespace.py).
+    whitespace_pattern: Optional[str] = None
     # Logprobs, as SGLang's GenerateReqInput names them.
     return_logprob: bool = False
     top_logprobs_num: int = 0
@@ -160,6 +164,12 @@ class SamplingParams(BaseModel):
             raise ValueError(f"only one of json_schema, regex, ebnf, structural_tag may be given, got {', '.join(given)}")
         if given and len(getattr(self, given[0])) > MAX_CONSTRAINT_CHARS:
             raise ValueError(f"{given[0]} is longer than {MAX_CONSTRAINT_CHARS} characters")
+        if self.whitespace_pattern is not None:
+            if self.json_schema is None:
+                raise ValueError("whitespace_pattern applies only to a json_schema constraint (guided_json, "
+                                 "response_format json_object / json_schema)")
+            if len(self.whitespace_pattern) > MAX_WHITESPACE_PATTERN_CHARS:
+                raise ValueError(f"whitespace_pattern is longer than {MAX_WHITESPACE_PATTERN_CHARS} characters")
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
         if self.logprob_start_len < -1:
@@ -193,6 +203,8 @@ class SamplingParams(BaseModel):
     @property
     def constraint(self) -> Optional[tuple[str, str]]:
         """(kind, spec) of the structured-output constraint, if any."""
+        if self.json_schema is not None and self.whitespace_pattern is not None:
+            return "json_schema_whitespace", json.dumps([self.whitespace_pattern, self.json_schema])
         for kind in CONSTRAINT_KINDS:
             spec = getattr(self, kind)
             if spec is not None:
@@ -258,10 +270,13 @@ def _map_vllm_aliases(raw: dict[str, Any]) -> dict[str, Any]:
         mapped["ebnf"] = _guided_choice_ebnf(v)
     if (v := out.pop("response_format", None)) is not None:
         mapped.update(_response_format(v))
-    for key in ("guided_decoding_backend", "guided_whitespace_pattern"):
-        if out.get(key) is not None:
-            raise SamplingParamsError(f"unsupported parameter '{key}': structured output always uses xgrammar")
-        out.pop(key, None)
+    if (v := out.pop("guided_whitespace_pattern", None)) is not None:
+        if out.get("whitespace_pattern") is not None:
+            raise SamplingParamsError("give whitespace_pattern or guided_whitespace_pattern, not both")
+        out["whitespace_pattern"] = v
+    if out.get("guided_decoding_backend") not in (None, "auto", "xgrammar"):
+        raise SamplingParamsError("unsupported parameter 'guided_decoding_backend': structured output always uses xgrammar")
+    out.pop("guided_decoding_backend", None)
     clash = [k for k in mapped if out.get(k) is not None]
     if clash or len(mapped) > 1:
         raise SamplingParamsError("only one structured-output constraint may be given per request")

@@ -60,7 +60,10 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
         if not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="prompt_logprobs")
     if req.guided_whitespace_pattern is not None:
-        raise unsupported("guided_whitespace_pattern")
+        found = constraint_from_request(req)
+        if found is None or found[0] != "json_schema":
+            raise bad_request("guided_whitespace_pattern needs a JSON constraint (response_format json_object or "
+                              "json_schema, guided_json)", param="guided_whitespace_pattern")
     if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
         raise unsupported("guided_decoding_backend", "the engine's grammar backend is xgrammar")
     if req.logits_processors:
@@ -237,4 +240,6 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
     constraint = constraint_from_request(req)
     if constraint is not None:
         sp[constraint[0]] = constraint[1]
+    if req.guided_whitespace_pattern is not None:
+        sp["whitespace_pattern"] = req.guided_whitespace_pattern
     return sp

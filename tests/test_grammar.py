@@ -534,3 +534,83 @@ def test_bitmask_through_the_sampling_kernel_keeps_unconstrained_rows(compiler, 
     assert token in allowed_ids(bitmask, 1)
     assert re.fullmatch(r"[0-9]+", tokenizer.decode([token]))
     assert state.accept(token)
+
+
+# --------------------------------------------------------------------- whitespace_pattern
+def _ws_compiled(compiler, pattern: str, schema=SCHEMA):
+    from backend.sampling_params import parse_sampling_params
+
+    kind, spec = parse_sampling_params({"guided_json": schema, "guided_whitespace_pattern": pattern}).constraint
+    assert kind == "json_schema_whitespace"
+    return compiler.submit(kind, spec).result(timeout=30)
+
+
+# Whitespace between JSON tokens, outside strings: what a pattern governs.
+_TOKEN_GAPS = re.compile(r'"(?:[^"\\]|\\.)*"|(\s+)')
+
+
+def _gaps(text: str) -> list[str]:
+    return [m.group(1) for m in _TOKEN_GAPS.finditer(text) if m.group(1)]
+
+
+@pytest.mark.parametrize("pattern, gap", [("", None), (" ?", r" "), (r"[\n ]{0,3}", r"[\n ]{1,3}"),
+                                          (r"(\n|\t)*", r"[\n\t]+")])
+def test_whitespace_pattern_walks_validate(compiler, tokenizer, pattern, gap):
+    compiled = _ws_compiled(compiler, pattern)
+    rng = random.Random(1)
+    seen = set()
+    for _ in range(12):
+        text = tokenizer.decode(walk(compiler.matcher(compiled), compiler.stop_token_ids, rng, p_stop=0.5))
+        jsonschema.validate(json.loads(text), SCHEMA)
+        for g in _gaps(text):
+            assert gap is not None and re.fullmatch(gap, g), (pattern, text)
+            seen.add(g)
+    if gap is not None:
+        assert seen, "random walks never produced whitespace"
+
+
+def test_whitespace_pattern_accepts_and_refuses_exact_layouts(compiler, tokenizer):
+    compact = _ws_compiled(compiler, "", {"type": "object"})
+    state = compiler.matcher(compact)
+    assert feed(state, tokenizer, '{"a":[1,{"b":null}],"c":"x y"}') and state.is_completed
+    assert not feed(compiler.matcher(compact), tokenizer, '{"a": 1}')
+    required = _ws_compiled(compiler, "\n", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                              "required": ["a"]})
+    assert feed(compiler.matcher(required), tokenizer, '{\n"a"\n:\n1\n}')
+    assert not feed(compiler.matcher(required), tokenizer, '{"a":1}')
+    # a property named like a grammar rule stays a property, not a whitespace slot
+    named = {"type": "object", "properties": {"whitespace{0, 16}": {"type": "integer"}},
+             "required": ["whitespace{0, 16}"]}
+    state = compiler.matcher(_ws_compiled(compiler, "", named))
+    assert feed(state, tokenizer, '{"whitespace{0, 16}":7}') and state.is_completed
+
+
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        (r"\s*", r"invalid whitespace_pattern: .*not JSON whitespace.*write \[ \\t\\n\\r\]"),
+        ("[ x]*", r"invalid whitespace_pattern: it can produce 'x'"),
+        ("[^a]*", r"invalid whitespace_pattern: it contains a negated character class"),
+        ("( ", r"invalid whitespace_pattern: not a valid regular expression"),
+        (" " * 300, r"whitespace_pattern is longer than 256"),
+    ],
+)
+def test_whitespace_pattern_errors_name_the_problem(compiler, pattern, message):
+    from backend.sampling_params import SamplingParamsError, parse_sampling_params
+
+    try:
+        kind, spec = parse_sampling_params({"json_schema": {"type": "object"}, "whitespace_pattern": pattern}).constraint
+    except (SamplingParamsError, ValueError) as exc:
+        assert re.search(message, str(exc)), exc
+        return
+    with pytest.raises(GrammarError, match=message):
+        compiler.submit(kind, spec).result(timeout=30)
+
+
+def test_whitespace_pattern_needs_a_json_schema():
+    from backend.sampling_params import parse_sampling_params
+
+    with pytest.raises(ValueError, match="whitespace_pattern applies only to a json_schema"):
+        parse_sampling_params({"regex": "a+", "guided_whitespace_pattern": ""})
+    with pytest.raises(ValueError, match="not both"):
+        parse_sampling_params({"json_schema": {}, "guided_whitespace_pattern": "", "whitespace_pattern": ""})

@@ -478,6 +478,30 @@ def test_response_format_json_schema(client):
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
 
 
+def test_guided_whitespace_pattern(client):
+    """vLLM's guided_whitespace_pattern: compact JSON with "", and the same text streamed."""
+    from tests.test_grammar import _gaps
+
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "JSON please."}], max_tokens=200, seed=3,
+                  response_format={"type": "json_object"}, extra_body={"guided_whitespace_pattern": ""})
+    r = client.chat.completions.create(**kwargs)
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    assert text.startswith("{") and _gaps(text) == [], text
+    assert _stream_chat(client, **kwargs)[0][0] == text
+    c = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=60, seed=1,
+                                  extra_body={"guided_json": {"type": "array", "items": {"type": "integer"}},
+                                              "guided_whitespace_pattern": " "})
+    if c.choices[0].finish_reason == "stop":
+        assert all(g == " " for g in _gaps(c.choices[0].text)) and json.loads(c.choices[0].text) is not None
+    for extra, message in [({"guided_json": {}, "guided_whitespace_pattern": r"\s*"}, "not JSON whitespace"),
+                           ({"guided_whitespace_pattern": " "}, "needs a JSON constraint")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
+        assert message in err.value.body["message"], err.value.body
+
+
 # ---------------------------------------------------------------------------------------------
 # tools
 # ---------------------------------------------------------------------------------------------

@@ -151,6 +151,8 @@ def test_structural_tag_response_format(client):
         ({"guided_grammar": "root ::= missing_rule"}, r'invalid ebnf: .*"missing_rule" is not defined'),
         ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, r"invalid structural_tag"),
         ({"regex": "a+", "ebnf": 'root ::= "a"'}, r"only one"),
+        ({"json_schema": "{}", "whitespace_pattern": "[ x]"}, r"invalid whitespace_pattern: it can produce 'x'"),
+        ({"regex": "a+", "guided_whitespace_pattern": ""}, r"whitespace_pattern applies only to a json_schema"),
     ],
 )
 def test_invalid_constraint_is_a_clear_error_before_any_token(client, params, message):
@@ -165,6 +167,19 @@ def test_invalid_constraint_is_a_clear_error_before_any_token(client, params, me
     ok = client.generate("llm", {"input_ids": [1, 2, 3], "max_tokens": 4,
                                  "sampling_parameters": json.dumps({"temperature": 0, "ignore_eos": True})})
     assert len(ok["output_ids"]) == 4
+
+
+def test_whitespace_pattern_shapes_every_gap_between_json_tokens(client):
+    from tests.test_grammar import _gaps
+
+    for pattern, gap in [("", None), ("\n", "\n")]:
+        requests = [ask(f"Record {i}:", {**T1, "max_new_tokens": MAX_NEW, "seed": i, "guided_json": SCHEMA,
+                                         "guided_whitespace_pattern": pattern}) for i in range(4)]
+        for out in generate_all(client, requests):
+            assert out["finish_reason"] == "stop", out
+            jsonschema.validate(json.loads(out["text_output"]), SCHEMA)
+            gaps = _gaps(out["text_output"])
+            assert all(g == gap for g in gaps) and (gap is None) == (not gaps), (pattern, out["text_output"])
 
 
 def test_mixed_batch_unconstrained_greedy_rows_match_alone(client, demo_model_path):
