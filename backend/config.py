@@ -48,6 +48,9 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     # Loading a serialized CustomLogitProcessor runs code from the request: off unless enabled.
     enable_custom_logit_processor: bool = False
+    # vLLM's --logits-processor-pattern: requests' logits_processors may name only server code
+    # whose qualified name this regex matches (re.match). None: no processors at all.
+    logits_processor_pattern: Optional[str] = None
     sampling_defaults: Literal["model", "openai"] = "model"
     # CPU threads for the model's torch ops (process-wide). None: torch's default.
     torch_threads: Optional[int] = Field(default=None, ge=1)

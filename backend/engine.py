@@ -14,7 +14,7 @@ import random
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -58,6 +58,7 @@ class _Tracked:
     grammar: Any = None  # GrammarState once compiled
     custom_processor: Any = None
     group: str = ""  # the request id shared by the n samples of one request
+    logits_processors: list = field(default_factory=list)  # this sample's own instances
 
 
 @dataclass
@@ -210,7 +211,8 @@ class LLMEngine:
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
             state = OutputState(detok=detok, stops=list(params.stop), eos_ids=self.eos_ids, stop_regexes=stop_regexes)
-            children.append(_Tracked(seq, on_output, state, compiled, None, processor, request_id))
+            children.append(_Tracked(seq, on_output, state, compiled, None, processor, request_id,
+                                     self._logits_processors(params)))
         self._inbox.put(("add", children))
         self._wakeup.set()
         return request_id
@@ -228,6 +230,16 @@ class LLMEngine:
             return load_processor(params.custom_logit_processor)
         except CustomLogitProcessorError as exc:
             raise RequestError(str(exc)) from None
+
+    def _logits_processors(self, params: SamplingParams) -> list:
+        if not params.logits_processors:
+            return []
+        from backend.logits_processors import LogitsProcessorError, build_processors
+
+        try:
+            return build_processors(params.logits_processors, self.config.logits_processor_pattern)
+        except (LogitsProcessorError, ValueError) as exc:  # ValueError: pydantic's, on a bad object
+            raise RequestError(f"invalid parameter 'logits_processors': {exc}") from None
 
     def _submit_grammar(self, params: SamplingParams) -> Any:
         constraint = params.constraint
@@ -365,10 +377,13 @@ class LLMEngine:
                 self._end(seq.request_id, FinishReason.LENGTH)  # scored only: its prompt logprobs go out
         if result is None:
             return
-        for item, token, lp in zip(sampling, result.token_ids, result.logprobs):
+        for row, (item, token, lp) in enumerate(zip(sampling, result.token_ids, result.logprobs)):
             seq = item.seq
             tracked = self._tracked.get(seq.request_id)
             if tracked is None:
+                continue
+            if row in result.errors:  # the request's own processor failed (its siblings end too)
+                self._end(seq.request_id, FinishReason.ABORT, error=result.errors[row], code="invalid_arg")
                 continue
             token = int(token)
             seq.token_ids.append(token)
@@ -408,7 +423,7 @@ class LLMEngine:
         # have none), stop strings (checked per token, so no output token follows a match) or
         # logit_bias / allowed_token_ids (they would have to hold for forced tokens too).
         if (params.return_logprob or params.stop or params.stop_regex or params.restricts_tokens
-                or sampled in params.stop_token_ids):
+                or params.logits_processors or sampled in params.stop_token_ids):
             return [sampled]
         # A stop token ends a sequence only as its newest token: the jump stops before one, and
         # the model, which may then only sample it, ends the sequence as usual.
@@ -501,11 +516,12 @@ class LLMEngine:
             seed=seq.seed,
             step=seq.num_output_tokens,
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids if params.has_penalties else (),
+            token_ids=seq.token_ids if params.has_penalties or params.logits_processors else (),
             num_prompt_tokens=seq.num_prompt_tokens,
             suppress_ids=suppress,
             grammar=tracked.grammar,
             custom_processor=tracked.custom_processor,
+            logits_processors=tracked.logits_processors,
         )
 
     def _drain_inbox(self) -> None:

@@ -1,6 +1,6 @@
 """Logits -> next tokens (and their logprobs), one row per sequence, each row with its own parameters.
 
-Order of the per-row transforms: logit_bias and allowed_token_ids, penalties, min_new_tokens
+Order of the per-row transforms: logit_bias and allowed_token_ids, vLLM's logits_processors, penalties, min_new_tokens
 suppression, grammar bitmask, custom logit processor, temperature, [logprobs are taken here],
 top-k / top-p / min-p, draw. The grammar mask comes before the top-k/top-p filters so a filter
 never keeps only forbidden tokens.
@@ -34,6 +34,7 @@ class SamplingRow:
     suppress_ids: Seq[int] = ()  # tokens that may not be drawn yet (EOS/stop under min_new_tokens)
     grammar: Any = None  # backend.grammar.GrammarState
     custom_processor: Any = None  # a loaded CustomLogitProcessor
+    logits_processors: Seq[Any] = ()  # backend.logits_processors.RowProcessor, this sequence's own
 
 
 @dataclass
@@ -51,6 +52,9 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Optional[TokenLogprobs]]
+    # Rows whose logits processor failed: row -> message. Their tokens are meaningless; the
+    # engine ends those requests with the message and keeps the others.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 # The logprob reported for a token that cannot be drawn (-inf: masked by a grammar, suppressed,
@@ -217,6 +221,10 @@ class Sampler:
         logits = logits.float().contiguous()
         if any(r.params.restricts_tokens for r in rows):
             _restrict_tokens(logits, rows)
+        errors: dict[int, str] = {}
+        for i, r in enumerate(rows):
+            if r.logits_processors:
+                _apply_row_processors(logits, i, r, errors)
         pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if pen:
             counts, prompt_mask = self.token_counts.rows([rows[i] for i in pen], dev)
@@ -276,7 +284,7 @@ class Sampler:
             for j, i in enumerate(want_lp):
                 p = rows[i].params
                 lps[i] = logprobs_at(logprobs[j : j + 1], [tokens[i]], p.top_logprobs_num, p.token_ids_logprob)[0]
-        return SamplerOutput(tokens, lps)
+        return SamplerOutput(tokens, lps, errors)
 
 
 # Greedy rows whose penalties can only lower logits look for their token among this many of the
@@ -290,6 +298,7 @@ def _argmax_after_lowering(r: SamplingRow) -> bool:
     p = r.params
     return (
         p.greedy and not r.suppress_ids and r.grammar is None and r.custom_processor is None
+        and not r.logits_processors
         and not p.return_logprob and not p.restricts_tokens
         and p.repetition_penalty >= 1 and p.frequency_penalty >= 0 and p.presence_penalty >= 0
     )
@@ -311,6 +320,24 @@ def _restrict_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             banned[j, ids] = False
         idx = torch.tensor([i for i, _ in allowed], device=dev)
         logits[idx] = logits[idx].masked_fill(banned.to(dev), float("-inf"))
+
+
+def _apply_row_processors(logits: torch.Tensor, i: int, r: SamplingRow, errors: dict[int, str]) -> None:
+    """vLLM's per-sequence logits processors on row i, in order, in place. A processor that
+    raises or returns a bad row fails only its own request: the row is recorded in ``errors``
+    and left drawable so the batch's draw still runs."""
+    prompt, output = r.token_ids[: r.num_prompt_tokens], r.token_ids[r.num_prompt_tokens :]
+    row = logits[i].clone()
+    proc = None
+    try:
+        for proc in r.logits_processors:
+            row = proc(prompt, output, row)
+        if not bool(torch.isfinite(row).any()):
+            raise ValueError("it left no token that can be drawn")
+    except Exception as exc:  # noqa: BLE001 - processors are code the request chose
+        errors[i] = f"logits processor '{getattr(proc, 'name', '?')}' failed: {exc}"
+        return
+    logits[i] = row.to(device=logits.device, dtype=logits.dtype)
 
 
 def _apply_custom(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> torch.Tensor:

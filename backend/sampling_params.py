@@ -50,6 +50,7 @@ MAX_N = 64
 MAX_TOP_LOGPROBS = 64
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 MAX_WHITESPACE_PATTERN_CHARS = 256
+MAX_LOGITS_PROCESSORS = 16
 
 
 class SamplingParams(BaseModel):
@@ -101,6 +102,10 @@ class SamplingParams(BaseModel):
     # SGLang's CustomLogitProcessor.to_str() and its per-request parameters.
     custom_logit_processor: Optional[str] = None
     custom_params: Optional[dict[str, Any]] = None
+    # vLLM's logits_processors: qualified names or {"qualname", "args", "kwargs"} constructor
+    # objects, loaded by the engine when its logits_processor_pattern allows them
+    # (backend/logits_processors.py).
+    logits_processors: Optional[list[Union[str, dict[str, Any]]]] = None
 
     @field_validator("stop", "stop_regex", mode="before")
     @classmethod
@@ -185,6 +190,15 @@ class SamplingParams(BaseModel):
                 raise ValueError("logit_bias keys must be non-negative token ids")
             if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
                 raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.logits_processors is not None:
+            if not 1 <= len(self.logits_processors) <= MAX_LOGITS_PROCESSORS:
+                raise ValueError(f"logits_processors must list 1 to {MAX_LOGITS_PROCESSORS} processors")
+            for item in self.logits_processors:
+                name = item if isinstance(item, str) else item.get("qualname")
+                if not isinstance(name, str) or not name:
+                    raise ValueError("each of logits_processors must be a qualified name or an object with 'qualname'")
+                if isinstance(item, dict) and set(item) - {"qualname", "args", "kwargs"}:
+                    raise ValueError("a logits_processors constructor object has only qualname, args and kwargs")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
         if self.allowed_token_ids is not None:

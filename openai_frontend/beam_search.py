@@ -53,6 +53,7 @@ _NEUTRAL: dict[str, tuple] = {
     "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
     "custom_logit_processor": (None, ""),
+    "logits_processors": (None, []),
 }
 
 

@@ -66,8 +66,6 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
                               "json_schema, guided_json)", param="guided_whitespace_pattern")
     if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
         raise unsupported("guided_decoding_backend", "the engine's grammar backend is xgrammar")
-    if req.logits_processors:
-        raise unsupported("logits_processors")
     if req.lora_path:
         raise unsupported("lora_path", "LoRA adapters are not supported")
     check_custom_logit_processor(req.custom_logit_processor, settings)
@@ -233,6 +231,8 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         sp["truncate_prompt_tokens"] = req.truncate_prompt_tokens
     if req.priority:
         sp["priority"] = req.priority
+    if req.logits_processors:  # the engine loads them if its logits_processor_pattern allows
+        sp["logits_processors"] = list(req.logits_processors)
     if req.custom_logit_processor:
         sp["custom_logit_processor"] = req.custom_logit_processor
         if req.custom_params is not None:

@@ -4,6 +4,7 @@
 #   scripts/serve.sh [--model-path DIR] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
 #                    [--frontend-port 9000] [--no-frontend] [--tool-call-parser qwen25]
 #                    [--api-key KEY] [--chat-template FILE] [--trust-request-chat-template]
+#                    [--logits-processor-pattern REGEX]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_PATH=${LLM_MODEL_PATH:-models/demo}
@@ -21,6 +22,7 @@ while [ $# -gt 0 ]; do
     --api-key) API_KEY=$2; shift 2 ;;
     --chat-template) export LLM_CHAT_TEMPLATE="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
     --trust-request-chat-template) export LLM_TRUST_REQUEST_CHAT_TEMPLATE=1; shift ;;
+    --logits-processor-pattern) export LLM_LOGITS_PROCESSOR_PATTERN=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done

@@ -436,3 +436,54 @@ def test_token_counts_stay_equal_to_a_full_recount():
                 seqs[i] = ([rng.randrange(V)], [])
     assert counts.num_tracked == len(seqs)
     assert counts.counts.shape[0] >= 20
+
+
+EXAMPLES = "tests.logits_processor_examples"
+
+
+def test_logits_processors_by_qualified_name(demo_model_path, engine):
+    """vLLM's logits_processors: both signatures, constructor objects, one instance per sample,
+    and a processor that fails ends only its own request."""
+    with pytest.raises(RequestError, match="invalid parameter 'logits_processors': logits processors are disabled"):
+        engine.add_request([1, 2], engine.parse_params({"logits_processors": [f"{EXAMPLES}.ban_previous"]}),
+                           lambda o: None)
+    eng = make_engine(demo_model_path, logits_processor_pattern=r"tests\.logits_processor_examples\.")
+    try:
+        greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+        prompt = [11, 12, 13, 14]
+        replay = eng.parse_params({**greedy, "logits_processors": [f"{EXAMPLES}.replay_prompt"]})
+        count = eng.parse_params({**greedy, "temperature": 1.0, "n": 3, "seed": 1,
+                                  "logits_processors": [{"qualname": f"{EXAMPLES}.CountUp", "args": [100],
+                                                         "kwargs": {"step": 2}}]})
+        banned = eng.parse_params({**greedy, "max_new_tokens": 24, "repetition_penalty": 0.5,
+                                   "logits_processors": [f"{EXAMPLES}.ban_previous"]})
+        # in order: the replay forces the prompt's second 5, then ban_previous removes it
+        chained = eng.parse_params({**greedy, "logits_processors": [f"{EXAMPLES}.replay_prompt",
+                                                                     f"{EXAMPLES}.ban_previous"]})
+        failing = eng.parse_params({**greedy, "logits_processors": [f"{EXAMPLES}.fail_after_two"]})
+        outs = eng.generate([prompt, prompt, prompt, [5, 5, 6], prompt], [replay, count, banned, chained, failing])
+        assert len(outs) == 7  # one output per sample: count has three
+        replayed, counted, banned_out, chained_out, failed = outs[0], outs[1:4], outs[4], outs[5], outs[6]
+        assert replayed.new_token_ids == [11, 12, 13, 14, 11, 12]
+        for out in counted:  # each sample's own CountUp (a shared one raises on the second sample)
+            assert out.error is None and out.new_token_ids == [100, 102, 104, 106, 108, 110]
+        seqs = banned_out.new_token_ids
+        assert len(seqs) == 24 and all(a != b for a, b in zip(seqs, seqs[1:]))
+        assert chained_out.new_token_ids == [5] and "left no token that can be drawn" in chained_out.error
+        assert failed.finish_reason == "abort" and "fail_after_two' failed: boom" in failed.error
+        assert len(failed.new_token_ids) == 2
+
+        for spec, message in [
+            ("os.system", "does not match the server's logits_processor_pattern"),
+            (f"{EXAMPLES}.missing", "cannot be loaded"),
+            (f"{EXAMPLES}.not_callable", "is not callable"),
+            ({"qualname": f"{EXAMPLES}.CountUp", "args": []}, "could not be constructed: TypeError"),
+            ({"qualname": f"{EXAMPLES}.CountUp", "argz": []}, "only qualname, args and kwargs"),
+        ]:
+            with pytest.raises((RequestError, ValueError), match=message):
+                eng.add_request([1, 2], eng.parse_params({"logits_processors": [spec]}), lambda o: None)
+        bad = eng.generate([prompt], eng.parse_params({**greedy, "logits_processors": [f"{EXAMPLES}.wrong_shape"]}))
+        assert "must return a tensor shaped like its input logits" in bad[0].error
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()

@@ -465,7 +465,6 @@ def test_error_unknown_parameter_is_400(client):
 
 def test_error_unsupported_parameter_named(client, fake):
     for kwargs, name in [
-        ({"extra_body": {"logits_processors": ["my.module:Processor"]}}, "logits_processors"),
         ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:

@@ -57,9 +57,11 @@ def triton(demo_model_path, tmp_path_factory):
     if not (triton_home() / "backends" / "python" / "triton_python_backend_stub").exists():
         pytest.skip("tritonserver's Python backend stub is not installed (scripts/setup.sh)")
     # This server trusts chat templates in requests (vLLM's --trust-request-chat-template); the
-    # one in test_frontend_triton.py does not, and refuses them.
+    # one in test_frontend_triton.py does not, and refuses them. It also loads the tests'
+    # example logits processors (vLLM's --logits-processor-pattern).
     server = start_triton(demo_model_path, tmp_path_factory.mktemp("triton") / "server.log",
-                          env={"LLM_TRUST_REQUEST_CHAT_TEMPLATE": "1"})
+                          env={"LLM_TRUST_REQUEST_CHAT_TEMPLATE": "1",
+                               "LLM_LOGITS_PROCESSOR_PATTERN": r"tests\.logits_processor_examples\."})
     yield server
     server.stop(timeout=10)
 
@@ -476,6 +478,29 @@ def test_response_format_json_schema(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
+
+
+def test_logits_processors(client, tok):
+    """vLLM's logits_processors, loaded inside tritonserver by qualified name."""
+    examples = "tests.logits_processor_examples"
+    prompt = "Replay me, token by token."
+    n = len(tok(prompt).input_ids)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                  extra_body={"logits_processors": [f"{examples}.replay_prompt"]})
+    assert r.choices[0].text == prompt and r.usage.completion_tokens == n
+    counted = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, n=2, stream=False, extra_body={"ignore_eos": True,
+        "logits_processors": [{"qualname": f"{examples}.CountUp", "args": [300], "kwargs": {"step": 1}}]})
+    want = tok.decode([300, 301, 302, 303])
+    assert [c.message.content for c in counted.choices] == [want, want]
+    for extra, message in [([f"os.system"], "does not match the server's logits_processor_pattern"),
+                           ([f"{examples}.nope"], "cannot be loaded")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"logits_processors": extra})
+        assert message in err.value.body["message"] and err.value.body["param"] == "logits_processors"
+    with pytest.raises(openai.APIError, match="fail_after_two' failed: boom"):
+        list(client.completions.create(model=MODEL, prompt="x", max_tokens=8, stream=True, extra_body={
+            "ignore_eos": True, "logits_processors": [f"{examples}.fail_after_two"]}))
 
 
 def test_guided_whitespace_pattern(client):
