@@ -23,6 +23,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="require 'Authorization: Bearer KEY' (env OPENAI_FRONTEND_API_KEY)")
     p.add_argument("--tool-call-parser", default=None,
                    help="tool-call format of the model: qwen25/hermes, llama3, pythonic, mistral, deepseekv3")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="split thinking models' output into reasoning_content and content: deepseek_r1, "
+                        "qwen3, qwen3_thinking, glm45, kimi, granite (SGLang's dashed names work too)")
+    p.add_argument("--enable-reasoning", action="store_true",
+                   help="vLLM's older switch for the same; needs --reasoning-parser")
     p.add_argument("--tokenizer-path", default=None,
                    help="local HF model directory: token texts for logprobs, max_model_len for /v1/models")
     p.add_argument("--max-n", type=int, default=64, help="largest n accepted")
@@ -53,6 +58,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         model_name=args.model_name,
         api_key=args.api_key,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         tokenizer_path=args.tokenizer_path,
         max_n=args.max_n,
         stream_timeout=args.stream_timeout,
@@ -72,6 +78,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
+    if args.enable_reasoning and not args.reasoning_parser:
+        raise SystemExit("--enable-reasoning needs --reasoning-parser")
+    if settings.reasoning_parser:
+        from openai_frontend.reasoning import get_reasoning_format
+
+        try:
+            get_reasoning_format(settings.reasoning_parser)
+        except ValueError as exc:
+            raise SystemExit(f"--reasoning-parser: {exc}") from None
     if settings.tool_call_parser:
         from openai_frontend.errors import APIError
         from openai_frontend.tools import get_parser

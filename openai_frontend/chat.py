@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: OpenAI chat on the ensemble (chat template applied in Triton).
 
-Streaming emits preformatted `chat.completion.chunk` events: per choice a role chunk, content
-deltas, tool-call deltas (id/type/name first, then argument fragments), the finish reason, an
-optional usage chunk, then `data: [DONE]`. Non-streaming aggregates the same engine stream.
+Streaming emits preformatted `chat.completion.chunk` events: per choice a role chunk,
+reasoning deltas (`reasoning_content`, with --reasoning-parser), content deltas, tool-call deltas
+(id/type/name first, then argument fragments), the finish reason, an optional usage chunk, then
+`data: [DONE]`. Non-streaming aggregates the same engine stream and runs the same incremental
+reasoning and tool-call parsers over the whole text, so both give the same answer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from openai_frontend.engine_types import EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request, unsupported
 from openai_frontend.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
 from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
+from openai_frontend.reasoning import ReasoningFormat, ReasoningStreamer, get_reasoning_format, split_reasoning
 from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported
 from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 from openai_frontend.tools import (
@@ -66,15 +69,22 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 class _Choice:
     """Per-choice accumulation (non-streaming) or streaming state."""
 
-    __slots__ = ("texts", "finish", "completion_tokens", "logprobs", "tools", "got_logprobs")
+    __slots__ = ("texts", "finish", "completion_tokens", "logprobs", "tools", "got_logprobs", "reasoning",
+                 "held_reasoning")
 
-    def __init__(self, tools: Optional[ToolCallStreamer]) -> None:
+    def __init__(self, tools: Optional[ToolCallStreamer], reasoning: Optional[ReasoningFormat] = None) -> None:
         self.texts: list[str] = []
         self.finish: Optional[str] = None
         self.completion_tokens = 0
         self.logprobs: list[TokenLogprob] = []
         self.got_logprobs = False
         self.tools = tools
+        self.reasoning = ReasoningStreamer(reasoning) if reasoning is not None else None
+        self.held_reasoning = ""  # stream_reasoning false: sent when the section ends
+
+
+def _reasoning_format(req: ChatCompletionRequest, parser: Optional[str]) -> Optional[ReasoningFormat]:
+    return get_reasoning_format(parser) if parser and req.separate_reasoning else None
 
 
 class ChatHandler:
@@ -169,9 +179,15 @@ class ChatHandler:
         finally:
             await it.aclose()
         out = []
+        fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser)
         for i, c in enumerate(choices):
             text = "".join(c.texts)
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if fmt is not None:
+                reasoning, text = split_reasoning(fmt, text)
+                message["content"] = text
+                if req.include_reasoning:
+                    message["reasoning_content"] = reasoning
             finish = c.finish or "stop"
             if plan.parser_name:
                 normal, calls = parse_as_streamed(get_parser(plan.parser_name), text, plan.tools)
@@ -212,8 +228,10 @@ class ChatHandler:
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         head = f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},"model":{dumps(model)},"choices":[{{"index":'
+        fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser)
         choices = [
-            _Choice(ToolCallStreamer(get_parser(plan.parser_name), plan.tools, plan.parallel) if plan.parser_name else None)
+            _Choice(ToolCallStreamer(get_parser(plan.parser_name), plan.tools, plan.parallel) if plan.parser_name else None,
+                    fmt)
             for _ in range(n)
         ]
         prompt_tokens = 0
@@ -239,6 +257,19 @@ class ChatHandler:
                 text = echo + text
             parts: list[str] = []
             deltas: list[dict[str, Any]] = []
+            thought = ""
+            if c.reasoning is not None:
+                thought, text = c.reasoning.feed(text) if text else ("", "")
+                if chunk.finish_reason:
+                    more_thought, more_text = c.reasoning.finish()
+                    thought, text = thought + more_thought, text + more_text
+                if not req.include_reasoning:
+                    thought = ""
+                elif not req.stream_reasoning:
+                    c.held_reasoning += thought
+                    thought = ""
+                    if c.held_reasoning and (not c.reasoning.in_reasoning or chunk.finish_reason):
+                        thought, c.held_reasoning = c.held_reasoning, ""
             if c.tools is not None:
                 normal, deltas = c.tools.feed(text) if text else ("", [])
                 if chunk.finish_reason:
@@ -254,14 +285,19 @@ class ChatHandler:
             finish = chunk.finish_reason
             if finish == "stop" and c.tools is not None and c.tools.has_calls:
                 finish = "tool_calls"
+            # One event per kind of delta; the token logprobs ride on the first, the finish
+            # reason on the last.
+            items: list[str] = []
+            if thought:
+                items.append('{"reasoning_content":' + dumps(thought) + "}")
+            if text or (logprobs != "null" and not thought):
+                items.append('{"content":' + dumps(text) + "}")
             if deltas:
-                if text or logprobs != "null":
-                    parts.append(event(i, '{"content":' + dumps(text) + "}", None, logprobs))
-                parts.append(event(i, '{"tool_calls":' + dumps(deltas) + "}", finish))
-            elif text or logprobs != "null":
-                parts.append(event(i, '{"content":' + dumps(text) + "}", finish, logprobs))
-            elif finish:
-                parts.append(event(i, "{}", finish))
+                items.append('{"tool_calls":' + dumps(deltas) + "}")
+            if not items and finish:
+                items.append("{}")
+            for k, item in enumerate(items):
+                parts.append(event(i, item, finish if k == len(items) - 1 else None, logprobs if k == 0 else "null"))
             if parts:
                 yield "".join(parts).encode()
         if include_usage:

@@ -169,6 +169,12 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     mm_processor_kwargs: Optional[dict[str, Any]] = None
+    # Reasoning (with the server's --reasoning-parser): SGLang's separate_reasoning (false: the
+    # markers stay in content) and stream_reasoning (false: the reasoning comes in one delta when
+    # it ends), vLLM's include_reasoning (false: no reasoning_content at all).
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
 
     # OpenAI fields this server does not implement (refused when set; see sampling.py)
     functions: Optional[list[Any]] = None
@@ -263,6 +269,13 @@ class ParseFunctionCallRequest(_Strict):
     text: str
     tool_call_parser: Optional[str] = None
     tools: list[ChatTool] = Field(default_factory=list)
+
+
+class SeparateReasoningRequest(_Strict):
+    """SGLang's POST /separate_reasoning."""
+
+    text: str
+    reasoning_parser: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------------------------

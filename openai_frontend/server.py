@@ -3,7 +3,8 @@
 `create_app(settings, client=None)` builds the app; `client` defaults to a `TritonLLMClient` on
 `settings.triton_url` / `settings.triton_model` (tests pass a fake one).
 
-Routes: POST /v1/chat/completions, /v1/completions, /generate, /parse_function_call;
+Routes: POST /v1/chat/completions, /v1/completions, /generate, /parse_function_call,
+/separate_reasoning, /tokenize, /detokenize;
 GET /v1/models, /v1/models/{id}, /health, /get_model_info, /metrics, /openapi.json.
 
 * Errors are OpenAI bodies `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
@@ -45,8 +46,10 @@ from openai_frontend.protocol import (
     DetokenizeRequest,
     GenerateRequest,
     ParseFunctionCallRequest,
+    SeparateReasoningRequest,
     TokenizeRequest,
 )
+from openai_frontend.reasoning import get_reasoning_format, split_reasoning
 from openai_frontend.settings import Settings
 from openai_frontend.streams import run_until_disconnect
 from openai_frontend.tokenization import detokenize, tokenize
@@ -186,6 +189,8 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> R
 def create_app(settings: Settings, client: Optional[EngineClient] = None) -> FastAPI:
     if settings.tool_call_parser:
         get_parser(settings.tool_call_parser)  # an unknown name fails here, not on the first request
+    if settings.reasoning_parser:
+        get_reasoning_format(settings.reasoning_parser)
     owns_client = client is None
     if client is None:
         from openai_frontend.triton_client import TritonLLMClient
@@ -327,6 +332,19 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
             for c in result.calls
         ]
         return json_response({"normal_text": result.normal_text, "calls": calls})
+
+    @app.post("/separate_reasoning")
+    async def separate_reasoning(body: SeparateReasoningRequest) -> Response:
+        name = body.reasoning_parser or settings.reasoning_parser
+        if not name:
+            raise bad_request("reasoning_parser is required (the server has no --reasoning-parser)",
+                              param="reasoning_parser")
+        try:
+            fmt = get_reasoning_format(name)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="reasoning_parser") from None
+        reasoning, text = split_reasoning(fmt, body.text)
+        return json_response({"text": text, "reasoning_text": reasoning or ""})
 
     return app
 

@@ -13,6 +13,7 @@ class Settings:
     model_name: Optional[str] = None  # the served name clients use; default: see served_model_name
     api_key: Optional[str] = None
     tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None  # openai_frontend/reasoning.py; None: no separation
     tokenizer_path: Optional[str] = None
     max_n: int = 64
     stream_timeout: Optional[float] = None  # seconds for one whole generation; None: no limit

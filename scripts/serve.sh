@@ -4,12 +4,12 @@
 #   scripts/serve.sh [--model-path DIR] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
 #                    [--frontend-port 9000] [--no-frontend] [--tool-call-parser qwen25]
 #                    [--api-key KEY] [--chat-template FILE] [--trust-request-chat-template]
-#                    [--logits-processor-pattern REGEX]
+#                    [--logits-processor-pattern REGEX] [--reasoning-parser NAME]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_PATH=${LLM_MODEL_PATH:-models/demo}
 HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002 FRONTEND_PORT=9000 FRONTEND=1
-TOOL_CALL_PARSER=${TOOL_CALL_PARSER:-qwen25} API_KEY=${OPENAI_FRONTEND_API_KEY:-}
+TOOL_CALL_PARSER=${TOOL_CALL_PARSER:-qwen25} API_KEY=${OPENAI_FRONTEND_API_KEY:-} REASONING_PARSER=
 while [ $# -gt 0 ]; do
   case "$1" in
     --model-path) MODEL_PATH=$2; shift 2 ;;
@@ -23,6 +23,7 @@ while [ $# -gt 0 ]; do
     --chat-template) export LLM_CHAT_TEMPLATE="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
     --trust-request-chat-template) export LLM_TRUST_REQUEST_CHAT_TEMPLATE=1; shift ;;
     --logits-processor-pattern) export LLM_LOGITS_PROCESSOR_PATTERN=$2; shift 2 ;;
+    --reasoning-parser) REASONING_PARSER=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -42,7 +43,8 @@ pids+=($!)
 if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
   until curl -sf "localhost:$HTTP_PORT/v2/health/ready" >/dev/null; do sleep 1; done
   OPENAI_FRONTEND_API_KEY="$API_KEY" .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" \
-    --port "$FRONTEND_PORT" --tokenizer-path "$LLM_MODEL_PATH" --tool-call-parser "$TOOL_CALL_PARSER" &
+    --port "$FRONTEND_PORT" --tokenizer-path "$LLM_MODEL_PATH" --tool-call-parser "$TOOL_CALL_PARSER" \
+    ${REASONING_PARSER:+--reasoning-parser "$REASONING_PARSER"} &
   pids+=($!)
 fi
 wait -n "${pids[@]}"

@@ -503,6 +503,25 @@ def test_logits_processors(client, tok):
             "ignore_eos": True, "logits_processors": [f"{examples}.fail_after_two"]}))
 
 
+def test_reasoning_parser_on_the_real_server(client, triton):
+    """--reasoning-parser qwen3 on real model output (a regex makes the random model think)."""
+    settings = Settings(triton_url=triton.grpc_url, model_name=MODEL, reasoning_parser="qwen3")
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=80, seed=5, temperature=1.0,
+                  extra_body={"guided_regex": r"<think>\n[a-z]{2,8}( [a-z]{2,8}){1,3}\n</think>\n\n[a-z]{2,8}( [a-z]{2,8}){1,3}"})
+    raw = client.chat.completions.create(**kwargs).choices[0].message.content
+    thought, answer = raw.split("</think>")
+    with serve_in_thread(create_app(settings)) as url:
+        thinking = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        msg = thinking.chat.completions.create(**kwargs).choices[0].message
+        assert (msg.model_extra["reasoning_content"], msg.content) == (thought[len("<think>"):].strip(), answer.strip())
+        reasoning, content = "", ""
+        for chunk in thinking.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+                content += c.delta.content or ""
+        assert (reasoning, content) == (msg.model_extra["reasoning_content"], msg.content)
+
+
 def test_guided_whitespace_pattern(client):
     """vLLM's guided_whitespace_pattern: compact JSON with "", and the same text streamed."""
     from tests.test_grammar import _gaps

@@ -1,0 +1,152 @@
+"""Reasoning parsers: a thinking model's output split into `reasoning_content` and `content`.
+
+vLLM's and SGLang's `--reasoning-parser NAME`. Each format is a pair of markers around the
+reasoning section (``<think>`` ... ``</think>`` for DeepSeek-R1 and Qwen3) and whether the section
+is already open when the output starts (DeepSeek-R1's and Qwen3-thinking's chat templates end
+the prompt with ``<think>``, so the model's output starts inside it).
+
+One incremental splitter serves streaming and non-streaming (the whole output as one chunk), so
+the two always agree, whatever the chunking. Rules:
+
+* An output that starts (after whitespace) with an opening marker is reasoning up to the closing
+  marker. An output that does not is all content, unless the format starts inside the section.
+  In that case it is reasoning up to the closing marker, or to the end if the marker never comes.
+* Whitespace at both ends of the reasoning, and at the start of the content after the closing
+  marker, is dropped (``<think>\\n...\\n</think>\\n\\n`` is how these models lay it out).
+* After the closing marker everything is content: tool calls are parsed from it.
+
+Streaming holds back only what might still turn out to be a marker or whitespace to drop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["ReasoningFormat", "ReasoningStreamer", "get_reasoning_format", "split_reasoning", "FORMAT_NAMES"]
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    starts: tuple[str, ...]
+    ends: tuple[str, ...]
+    starts_in_reasoning: bool
+
+
+_THINK = ("<think>",), ("</think>",)
+_FORMATS: dict[str, ReasoningFormat] = {
+    "deepseek_r1": ReasoningFormat(*_THINK, starts_in_reasoning=True),
+    "qwen3": ReasoningFormat(*_THINK, starts_in_reasoning=False),
+    "qwen3_thinking": ReasoningFormat(*_THINK, starts_in_reasoning=True),
+    "glm45": ReasoningFormat(*_THINK, starts_in_reasoning=False),
+    "kimi": ReasoningFormat(("◁think▷",), ("◁/think▷",), starts_in_reasoning=False),
+    "granite": ReasoningFormat(
+        ("Here is my thought process:", "Here's my thought process:"),
+        ("Here is my response:", "Here's my response:"),
+        starts_in_reasoning=False,
+    ),
+}
+FORMAT_NAMES = tuple(sorted(_FORMATS))
+
+
+def get_reasoning_format(name: str) -> ReasoningFormat:
+    """The format for vLLM's (`deepseek_r1`) or SGLang's (`deepseek-r1`) spelling of a name."""
+    fmt = _FORMATS.get(name.strip().lower().replace("-", "_"))
+    if fmt is None:
+        raise ValueError(f"unknown reasoning parser {name!r}; expected one of {', '.join(FORMAT_NAMES)}")
+    return fmt
+
+
+def _partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of a marker."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class ReasoningStreamer:
+    """Per-choice splitter: ``feed(text)`` and, at the end, ``finish()``, each returning the
+    (reasoning, content) text that is settled."""
+
+    def __init__(self, fmt: ReasoningFormat) -> None:
+        self._fmt = fmt
+        self._mode = "start"  # start -> reasoning -> content, or start -> content
+        self._buf = ""
+        self._skip_ws = False
+        self.saw_reasoning = False
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._mode in ("start", "reasoning")
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._drain(final=True)
+
+    def _enter(self, mode: str) -> None:
+        self._mode = mode
+        self._skip_ws = True
+        if mode == "reasoning":
+            self.saw_reasoning = True
+
+    def _drain(self, final: bool) -> tuple[str, str]:
+        fmt = self._fmt
+        reasoning: list[str] = []
+        content: list[str] = []
+        while True:
+            if self._mode == "start":
+                head = self._buf.lstrip()
+                opened = next((m for m in fmt.starts if head.startswith(m)), None)
+                if opened is not None:
+                    self._buf = head[len(opened):]
+                    self._enter("reasoning")
+                    continue
+                if not final and (not head or any(m.startswith(head) for m in fmt.starts)):
+                    break  # still might open
+                if fmt.starts_in_reasoning:
+                    self._enter("reasoning")
+                else:
+                    self._mode = "content"  # no reasoning: the output is content as it is
+                continue
+            if self._skip_ws:
+                self._buf = self._buf.lstrip()
+                if not self._buf:
+                    break
+                self._skip_ws = False
+            if self._mode == "content":
+                content.append(self._buf)
+                self._buf = ""
+                break
+            # reasoning: up to the earliest closing marker
+            hits = [(i, m) for m in fmt.ends if (i := self._buf.find(m)) >= 0]
+            if hits:
+                i, m = min(hits)
+                reasoning.append(self._buf[:i].rstrip())
+                self._buf = self._buf[i + len(m):]
+                self._enter("content")
+                continue
+            if final:
+                reasoning.append(self._buf.rstrip())
+                self._buf = ""
+                break
+            keep = _partial_marker_len(self._buf, fmt.ends)
+            settled = self._buf[: len(self._buf) - keep].rstrip()
+            reasoning.append(settled)
+            self._buf = self._buf[len(settled):]
+            break
+        return "".join(reasoning), "".join(content)
+
+
+def split_reasoning(fmt: ReasoningFormat, text: str) -> tuple[Optional[str], str]:
+    """(reasoning or None when the output had no reasoning section, content) of a whole output."""
+    s = ReasoningStreamer(fmt)
+    r1, c1 = s.feed(text)
+    r2, c2 = s.finish()
+    return (r1 + r2 if s.saw_reasoning else None), c1 + c2

@@ -1,0 +1,190 @@
+"""openai_frontend/reasoning.py: thinking models' output split into reasoning and content, the
+same streamed in any chunking as parsed whole; and the frontend's reasoning_content, streamed
+and not, on a scripted engine through the OpenAI SDK."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import openai
+import pytest
+
+from openai_frontend.reasoning import FORMAT_NAMES, ReasoningStreamer, get_reasoning_format, split_reasoning
+from openai_frontend.server import create_app
+from openai_frontend.settings import Settings
+from openai_frontend.testing import FakeLLMClient, serve_in_thread, text_chunks
+
+R1, QWEN3, GRANITE = (get_reasoning_format(n) for n in ("deepseek-r1", "qwen3", "granite"))
+
+
+@pytest.mark.parametrize("fmt, text, want", [
+    (QWEN3, "<think>\nLet me see.\n</think>\n\nIt is 4.", ("Let me see.", "It is 4.")),
+    (QWEN3, "  <think>a</think>b", ("a", "b")),
+    (QWEN3, "It is 4.", (None, "It is 4.")),
+    (QWEN3, "  plain <think>x</think>", (None, "  plain <think>x</think>")),
+    (QWEN3, "<think>cut off by max_tokens", ("cut off by max_tokens", "")),
+    (QWEN3, "<think></think>\n\nNo thinking.", ("", "No thinking.")),  # enable_thinking false
+    (QWEN3, "<think>a</think>b</think>c<think>d", ("a", "b</think>c<think>d")),
+    (QWEN3, "<thinking>not a marker", (None, "<thinking>not a marker")),
+    (R1, "Hmm, 2+2.\n</think>\n\n4", ("Hmm, 2+2.", "4")),  # the template opened the section
+    (R1, "<think>Hmm</think>4", ("Hmm", "4")),
+    (R1, "never closed", ("never closed", "")),
+    (R1, "思考。</think>答案：四", ("思考。", "答案：四")),
+    (GRANITE, "Here's my thought process: x y Here is my response: z", ("x y", "z")),
+    (GRANITE, "Just z", (None, "Just z")),
+    (get_reasoning_format("kimi"), "◁think▷a◁/think▷b", ("a", "b")),
+])
+def test_split(fmt, text, want):
+    assert split_reasoning(fmt, text) == want
+
+
+def _stream(fmt, pieces: list[str]) -> tuple[str, str, bool]:
+    s = ReasoningStreamer(fmt)
+    r, c = "", ""
+    for p in pieces:
+        dr, dc = s.feed(p)
+        r, c = r + dr, c + dc
+    dr, dc = s.finish()
+    return r + dr, c + dc, s.saw_reasoning
+
+
+def _random_output(rng: random.Random, fmt) -> str:
+    words = ["a", "b c", "思考", " ", "\n", "\n\n", "<", "</", "</thi", "<th", "think", ">", "Here", "'s my",
+             " response", ":", "◁", "▷", "x" * 5]
+    parts = []
+    for _ in range(rng.randint(0, 12)):
+        roll = rng.random()
+        if roll < 0.12:
+            parts.append(rng.choice(fmt.starts))
+        elif roll < 0.3:
+            parts.append(rng.choice(fmt.ends))
+        else:
+            parts.append(rng.choice(words))
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_fuzz_stream_result_does_not_depend_on_chunking(name):
+    fmt = get_reasoning_format(name)
+    rng = random.Random(name)
+    for _ in range(300):
+        text = _random_output(rng, fmt)
+        reasoning, content = split_reasoning(fmt, text)
+        whole = (reasoning or "", content, reasoning is not None)
+        assert _stream(fmt, list(text)) == whole, text
+        for _ in range(4):
+            cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 5))))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            assert _stream(fmt, pieces) == whole, (text, pieces)
+        # nothing is lost but the markers and the whitespace around the reasoning
+        if reasoning is None:
+            assert content == text
+
+
+def test_streaming_holds_back_only_a_possible_marker():
+    s = ReasoningStreamer(QWEN3)
+    assert s.feed("<thi") == ("", "")
+    assert s.feed("nk>Step one") == ("Step one", "")
+    assert s.feed(". Then </th") == (". Then", "")  # " </th" may still be the closing marker
+    assert s.feed("ink>\n\nDone") == ("", "Done")
+    assert s.finish() == ("", "")
+
+
+def test_unknown_parser_name():
+    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'; expected one of deepseek_r1"):
+        get_reasoning_format("nope")
+
+
+# ------------------------------------------------------------------ the frontend, scripted engine
+MODEL = "demo-model"
+MESSAGES = [{"role": "user", "content": "2+2?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+OUTPUT = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n'
+          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def served():
+    fake = FakeLLMClient()
+    settings = Settings(model_name=MODEL, tool_call_parser="qwen25", reasoning_parser="qwen3")
+    with serve_in_thread(create_app(settings, client=fake)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0), fake, url
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def _collect(stream) -> dict:
+    got = {"reasoning": "", "content": "", "calls": {}, "finish": [], "reasoning_events": 0}
+    for chunk in stream:
+        for c in chunk.choices:
+            extra = c.delta.model_extra or {}
+            if extra.get("reasoning_content"):
+                got["reasoning"] += extra["reasoning_content"]
+                got["reasoning_events"] += 1
+            got["content"] += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                call = got["calls"].setdefault(d.index, {"name": "", "arguments": ""})
+                call["name"] += (d.function.name or "") if d.function else ""
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+            if c.finish_reason:
+                got["finish"].append(c.finish_reason)
+    return got
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_reasoning_then_tool_call_streamed_equals_whole(served, size):
+    client, fake, _ = served
+    fake.script = lambda req: text_chunks(_pieces(OUTPUT, size))
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER])
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "The user wants weather."
+    assert msg.content == "Let me check."
+    assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    assert r.choices[0].finish_reason == "tool_calls"
+    got = _collect(client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], stream=True))
+    assert got["reasoning"] == msg.model_extra["reasoning_content"] and got["content"] == msg.content
+    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == [("get_weather", '{"city": "Paris"}')]
+    assert got["finish"] == ["tool_calls"]
+
+
+def test_reasoning_request_switches(served):
+    client, fake, url = served
+    text = "<think>a b c</think>answer"
+    fake.script = lambda req: text_chunks(_pieces(text, 2))
+    # SGLang's stream_reasoning false: the whole reasoning in one delta, when it ends
+    got = _collect(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                  extra_body={"stream_reasoning": False}))
+    assert (got["reasoning"], got["content"], got["reasoning_events"]) == ("a b c", "answer", 1)
+    assert _collect(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))["reasoning_events"] > 1
+    # vLLM's include_reasoning false: no reasoning at all; SGLang's separate_reasoning false: markers stay
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"include_reasoning": False})
+    assert r.choices[0].message.content == "answer" and "reasoning_content" not in (r.choices[0].message.model_extra or {})
+    got = _collect(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                  extra_body={"include_reasoning": False}))
+    assert (got["reasoning"], got["content"]) == ("", "answer")
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"separate_reasoning": False})
+    assert r.choices[0].message.content == text
+    # no reasoning section: reasoning_content is null, content untouched
+    fake.script = lambda req: text_chunks(["Just ", "4."])
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert r.choices[0].message.content == "Just 4." and r.choices[0].message.model_extra["reasoning_content"] is None
+    # SGLang's /separate_reasoning
+    body = httpx.post(url + "/separate_reasoning", json={"text": "Hmm</think>4", "reasoning_parser": "deepseek-r1"}).json()
+    assert body == {"text": "4", "reasoning_text": "Hmm"}
+    bad = httpx.post(url + "/separate_reasoning", json={"text": "x", "reasoning_parser": "nope"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_parser"
+
+
+def test_no_reasoning_parser_leaves_the_text_alone():
+    fake = FakeLLMClient()
+    fake.script = lambda req: text_chunks(["<think>a</think>", "b"])
+    with serve_in_thread(create_app(Settings(model_name=MODEL), client=fake)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        msg = client.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message
+        assert msg.content == "<think>a</think>b" and "reasoning_content" not in (msg.model_extra or {})
+        r = httpx.post(url + "/separate_reasoning", json={"text": "x"})
+        assert r.status_code == 400 and "reasoning_parser is required" in r.json()["error"]["message"]
