@@ -23,7 +23,9 @@ from openai_frontend.engine_types import EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request, unsupported
 from openai_frontend.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
 from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
-from openai_frontend.reasoning import ReasoningFormat, ReasoningStreamer, get_reasoning_format, split_reasoning
+from openai_frontend.reasoning import (
+    ConstraintError, ReasoningFormat, ReasoningStreamer, constrain_after_reasoning, get_reasoning_format, split_reasoning,
+)
 from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported
 from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 from openai_frontend.tools import (
@@ -87,6 +89,23 @@ def _reasoning_format(req: ChatCompletionRequest, parser: Optional[str]) -> Opti
     return get_reasoning_format(parser) if parser and req.separate_reasoning else None
 
 
+def _constrain_content_only(sp: dict[str, Any], fmt: Optional[ReasoningFormat]) -> dict[str, Any]:
+    """With a reasoning parser, the request's constraint applies after the reasoning section."""
+    key = next((k for k in CONSTRAINT_KEYS if k in sp), None)
+    if fmt is None or key is None:
+        return sp
+    if "whitespace_pattern" in sp:
+        raise bad_request("guided_whitespace_pattern cannot be combined with a reasoning parser",
+                          param="guided_whitespace_pattern")
+    try:
+        wrapped = constrain_after_reasoning(fmt, key, sp[key])
+    except ConstraintError as exc:
+        raise bad_request(str(exc), param="structural_tag") from None
+    out = {k: v for k, v in sp.items() if k != key}
+    out["structural_tag"] = wrapped
+    return out
+
+
 class ChatHandler:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -115,6 +134,7 @@ class ChatHandler:
                     param="tool_choice",
                 )
             sp[plan.constraint[0]] = plan.constraint[1]
+        sp = _constrain_content_only(sp, _reasoning_format(req, ctx.settings.reasoning_parser))
         messages = normalize_messages(req.messages)
         requests = [
             EngineRequest(

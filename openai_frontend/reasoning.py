@@ -16,14 +16,21 @@ the two always agree, whatever the chunking. Rules:
 * After the closing marker everything is content: tool calls are parsed from it.
 
 Streaming holds back only what might still turn out to be a marker or whitespace to drop.
+
+Structured output (``response_format``, ``guided_*``, ``tool_choice`` required or named) constrains
+the content, not the reasoning, as in vLLM and SGLang: ``constrain_after_reasoning`` wraps the
+request's constraint in an xgrammar structural tag that lets the model think freely up to the
+closing marker first (or, for a format that need not think, answer directly).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["ReasoningFormat", "ReasoningStreamer", "get_reasoning_format", "split_reasoning", "FORMAT_NAMES"]
+__all__ = ["ReasoningFormat", "ReasoningStreamer", "get_reasoning_format", "split_reasoning", "FORMAT_NAMES",
+           "constrain_after_reasoning", "ConstraintError"]
 
 
 @dataclass(frozen=True)
@@ -150,3 +157,42 @@ def split_reasoning(fmt: ReasoningFormat, text: str) -> tuple[Optional[str], str
     r1, c1 = s.feed(text)
     r2, c2 = s.finish()
     return (r1 + r2 if s.saw_reasoning else None), c1 + c2
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot follow a reasoning section; the message says why."""
+
+
+# Whitespace the models put between the closing marker and the answer ("</think>\n\n").
+_GAP = {"type": "regex", "pattern": "[ \\n]{0,4}"}
+
+
+def _element(key: str, value: Any) -> dict[str, Any]:
+    """The engine constraint (its sampling-parameter key and value) as a structural-tag element."""
+    if key == "json_schema":
+        return {"type": "json_schema", "json_schema": json.loads(value) if isinstance(value, str) else value}
+    if key == "regex":
+        return {"type": "regex", "pattern": value}
+    if key == "ebnf":
+        return {"type": "grammar", "grammar": value}
+    if key == "guided_choice":
+        return {"type": "grammar", "grammar": "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)}
+    if key == "structural_tag":
+        tag = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(tag, dict) or "format" not in tag:
+            raise ConstraintError("with a reasoning parser, structural_tag must be in xgrammar's format "
+                                  '({"type": "structural_tag", "format": {...}}), not the legacy structures/triggers')
+        return tag["format"]
+    raise ConstraintError(f"unknown constraint {key!r}")
+
+
+def constrain_after_reasoning(fmt: ReasoningFormat, key: str, value: Any) -> str:
+    """A structural tag (JSON text) that leaves the reasoning section free and then applies the
+    constraint to the content."""
+    think = {"type": "tag", "begin": "" if fmt.starts_in_reasoning else fmt.starts[0],
+             "content": {"type": "any_text"}, "end": fmt.ends[0]}
+    answer = _element(key, value)
+    fmt_obj: dict[str, Any] = {"type": "sequence", "elements": [think, _GAP, answer]}
+    if not fmt.starts_in_reasoning:
+        fmt_obj = {"type": "or", "elements": [fmt_obj, answer]}
+    return json.dumps({"type": "structural_tag", "format": fmt_obj}, ensure_ascii=False)

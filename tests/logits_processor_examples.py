@@ -51,3 +51,14 @@ def wrong_shape(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
 
 
 not_callable = 42
+
+
+class ForceAfter:
+    """Forces `tokens`, one a step, from output position `after` on (e.g. a closing marker)."""
+
+    def __init__(self, after: int, tokens: list[int]) -> None:
+        self.after, self.tokens = after, tokens
+
+    def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        k = len(output_ids) - self.after
+        return _force(logits, self.tokens[k]) if 0 <= k < len(self.tokens) else logits

@@ -614,3 +614,28 @@ def test_whitespace_pattern_needs_a_json_schema():
         parse_sampling_params({"regex": "a+", "guided_whitespace_pattern": ""})
     with pytest.raises(ValueError, match="not both"):
         parse_sampling_params({"json_schema": {}, "guided_whitespace_pattern": "", "whitespace_pattern": ""})
+
+
+# --------------------------------------------------------------------- reasoning, then the constraint
+@pytest.mark.parametrize("parser, opening", [("deepseek_r1", ""), ("qwen3", "<think>")])
+def test_constraint_after_free_reasoning(compiler, tokenizer, parser, opening):
+    """openai_frontend.reasoning.constrain_after_reasoning: any text (JSON-breaking included) up to
+    the closing marker, then the schema."""
+    from openai_frontend.reasoning import constrain_after_reasoning, get_reasoning_format
+
+    fmt = get_reasoning_format(parser)
+    compiled = compiler.submit("structural_tag", constrain_after_reasoning(fmt, "json_schema", json.dumps(SCHEMA))).result(timeout=60)
+    rng = random.Random(7)
+    for _ in range(5):
+        state = compiler.matcher(compiled)
+        thought = opening + "Hmm { not json ]] 思考\n</think>\n\n"
+        assert feed(state, tokenizer, thought)
+        text = tokenizer.decode(walk(state, compiler.stop_token_ids, rng))
+        jsonschema.validate(json.loads(text), SCHEMA)
+    # qwen3 may answer without thinking; deepseek_r1 is inside the reasoning until the marker, so
+    # the same document is reasoning text there and the output cannot end after it
+    doc = '{"id": "AB-123", "status": "active", "owner": {"name": "Ann", "role": "user"}, "tags": ["red"]}'
+    jsonschema.validate(json.loads(doc), SCHEMA)
+    direct = compiler.matcher(compiled)
+    assert feed(direct, tokenizer, doc)
+    assert direct.is_completed == (opening == "<think>")

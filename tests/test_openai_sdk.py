@@ -503,17 +503,48 @@ def test_logits_processors(client, tok):
             "ignore_eos": True, "logits_processors": [f"{examples}.fail_after_two"]}))
 
 
-def test_reasoning_parser_on_the_real_server(client, triton):
+def test_reasoning_parser_on_the_real_server(client, triton, tok):
     """--reasoning-parser qwen3 on real model output (a regex makes the random model think)."""
     settings = Settings(triton_url=triton.grpc_url, model_name=MODEL, reasoning_parser="qwen3")
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=80, seed=5, temperature=1.0,
                   extra_body={"guided_regex": r"<think>\n[a-z]{2,8}( [a-z]{2,8}){1,3}\n</think>\n\n[a-z]{2,8}( [a-z]{2,8}){1,3}"})
     raw = client.chat.completions.create(**kwargs).choices[0].message.content
     thought, answer = raw.split("</think>")
+    # The parsing frontend would apply the regex after the reasoning, so there the same text is
+    # replayed by a logits processor instead.
+    ids = tok(raw, add_special_tokens=False).input_ids
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=len(ids), extra_body={"logits_processors": [
+        {"qualname": "tests.logits_processor_examples.ForceAfter", "kwargs": {"after": 0, "tokens": ids}}]})
     with serve_in_thread(create_app(settings)) as url:
         thinking = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         msg = thinking.chat.completions.create(**kwargs).choices[0].message
         assert (msg.model_extra["reasoning_content"], msg.content) == (thought[len("<think>"):].strip(), answer.strip())
+        reasoning, content = "", ""
+        for chunk in thinking.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+                content += c.delta.content or ""
+        assert (reasoning, content) == (msg.model_extra["reasoning_content"], msg.content)
+
+
+def test_structured_output_after_reasoning_on_the_real_server(triton, tok):
+    """deepseek_r1: the model reasons freely (here: 6 tokens, then a processor writes the closing
+    marker), then response_format's schema holds for the content."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    marker = tok("</think>", add_special_tokens=False).input_ids
+    settings = Settings(triton_url=triton.grpc_url, model_name=MODEL, reasoning_parser="deepseek_r1")
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=60, seed=2,
+                  response_format={"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}},
+                  extra_body={"logits_processors": [{"qualname": "tests.logits_processor_examples.ForceAfter",
+                                                     "kwargs": {"after": 6, "tokens": marker}}]})
+    with serve_in_thread(create_app(settings)) as url:
+        thinking = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = thinking.chat.completions.create(**kwargs)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "stop", r
+        assert msg.model_extra["reasoning_content"] and "</think>" not in msg.model_extra["reasoning_content"]
+        jsonschema.validate(json.loads(msg.content), schema)
         reasoning, content = "", ""
         for chunk in thinking.chat.completions.create(stream=True, **kwargs):
             for c in chunk.choices:

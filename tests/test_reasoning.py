@@ -4,6 +4,7 @@ and not, on a scripted engine through the OpenAI SDK."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
@@ -188,3 +189,37 @@ def test_no_reasoning_parser_leaves_the_text_alone():
         assert msg.content == "<think>a</think>b" and "reasoning_content" not in (msg.model_extra or {})
         r = httpx.post(url + "/separate_reasoning", json={"text": "x"})
         assert r.status_code == 400 and "reasoning_parser is required" in r.json()["error"]["message"]
+
+
+def test_constraints_apply_after_the_reasoning(served):
+    """response_format / guided_* / tool_choice required reach the engine wrapped: free reasoning,
+    then the constraint."""
+    client, fake, _ = served
+    fake.script = lambda req: text_chunks(["<think>x</think>", '{"a": 1}'])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    sp = fake.requests[-1].sampling_params
+    assert "json_schema" not in sp
+    fmt = json.loads(sp["structural_tag"])["format"]
+    thinking, direct = fmt["elements"]  # qwen3 need not think
+    assert direct == {"type": "json_schema", "json_schema": schema}
+    assert thinking["elements"][0] == {"type": "tag", "begin": "<think>", "content": {"type": "any_text"},
+                                       "end": "</think>"}
+    assert thinking["elements"][2] == direct
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"guided_choice": ["yes", "no"]})
+    fmt = json.loads(fake.requests[-1].sampling_params["structural_tag"])["format"]
+    assert fmt["elements"][1] == {"type": "grammar", "grammar": 'root ::= "yes" | "no"'}
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="required")
+    fmt = json.loads(fake.requests[-1].sampling_params["structural_tag"])["format"]
+    assert fmt["type"] == "or" and fmt["elements"][0]["elements"][0]["end"] == "</think>"
+    # separate_reasoning false: the constraint is the plain one again
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"guided_regex": "[0-9]+",
+                                                                               "separate_reasoning": False})
+    assert fake.requests[-1].sampling_params.get("regex") == "[0-9]+"
+    for extra, param in [({"guided_json": schema, "guided_whitespace_pattern": ""}, "guided_whitespace_pattern"),
+                         ({"structural_tag": {"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}],
+                                              "triggers": ["<a"]}}, "structural_tag")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=extra)
+        assert err.value.body["param"] == param
