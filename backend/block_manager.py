@@ -74,7 +74,7 @@ class BlockManager:
         bs = self.block_size
         full = (seq.num_tokens - 1) // bs
         hits: list[int] = []
-        parent: Optional[int] = None
+        parent: Optional[int] = seq.cache_salt
         for i in range(full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent = chain_hash(parent, tokens)
@@ -102,7 +102,7 @@ class BlockManager:
         cached = len(hits) * self.block_size
         self.num_hit_tokens += cached
         seq.num_hashed_blocks = len(hits)
-        seq.block_hash = chain_hash_of(seq.token_ids, len(hits), self.block_size)
+        seq.block_hash = chain_hash_of(seq.token_ids, len(hits), self.block_size, seq.cache_salt)
         return cached
 
     def register_full_blocks(self, seq: Sequence) -> None:
@@ -111,6 +111,8 @@ class BlockManager:
             return
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if seq.num_hashed_blocks == 0:
+            seq.block_hash = seq.cache_salt
         for i in range(seq.num_hashed_blocks, full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(seq.block_hash, tokens)
@@ -169,8 +171,8 @@ class BlockManager:
                 del self._by_hash[h]
 
 
-def chain_hash_of(token_ids: Seq[int], num_blocks: int, block_size: int) -> Optional[int]:
-    h: Optional[int] = None
+def chain_hash_of(token_ids: Seq[int], num_blocks: int, block_size: int, salt: Optional[int] = None) -> Optional[int]:
+    h: Optional[int] = salt
     for i in range(num_blocks):
         h = chain_hash(h, token_ids[i * block_size : (i + 1) * block_size])
     return h

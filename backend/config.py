@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class EngineConfig(BaseModel):
@@ -62,6 +62,16 @@ class EngineConfig(BaseModel):
     # one chunk (backend/grammar.py). Off by default: the forced text's token boundaries are
     # the tokenizer's, not the model's choice, so outputs differ from token-by-token decoding.
     enable_jump_forward: bool = False
+    # LoRA adapters served next to the base model, name -> PEFT directory (vLLM's --lora-modules,
+    # SGLang's --lora-paths); "name=path,name2=path2" is accepted too. Requests pick one by name.
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, v: Any) -> Any:
+        from backend.lora import parse_lora_modules
+
+        return parse_lora_modules(v)
 
     def prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:

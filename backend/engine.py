@@ -100,6 +100,9 @@ class LLMEngine:
             model_path, probe.num_blocks, config.block_size, device=device, dtype=config.torch_dtype(),
             graph_batch=graph_batch,
         )
+        for name, path in config.lora_modules.items():
+            adapter = self.model.load_lora(name, path)
+            log.info("LoRA adapter '%s' (rank %d) from %s", name, adapter.rank, path)
         if graph_batch:
             t0 = time.perf_counter()
             problem = self.model.enable_decode_graphs()
@@ -184,6 +187,7 @@ class LLMEngine:
                           ("allowed_token_ids", params.allowed_token_ids)):
             if ids and max(ids) >= self.vocab_size:
                 raise RequestError(f"{name} token ids must be < the vocabulary size {self.vocab_size}")
+        adapter = self._adapter(params.lora_path)
         processor = self._custom_processor(params)
         compiled = self._submit_grammar(params)
         max_new = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
@@ -203,6 +207,8 @@ class LLMEngine:
                 index=index,
                 seed=(base_seed + index * 0x9E3779B97F4A7C15) % 2**63,
                 wait_for=children[0].seq if children and self.config.enable_prefix_caching else None,
+                lora=adapter,
+                cache_salt=adapter.cache_salt if adapter is not None else None,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -230,6 +236,16 @@ class LLMEngine:
             return load_processor(params.custom_logit_processor)
         except CustomLogitProcessorError as exc:
             raise RequestError(str(exc)) from None
+
+    def _adapter(self, name: Optional[str]) -> Any:
+        if name is None:
+            return None
+        adapters = self.model.adapters
+        found = adapters.get(name) or next((a for a in adapters.values() if a.path == name), None)
+        if found is None:
+            loaded = ", ".join(sorted(adapters)) or "none (start the engine with lora_modules)"
+            raise RequestError(f"LoRA adapter '{name}' is not loaded; loaded adapters: {loaded}")
+        return found
 
     def _logits_processors(self, params: SamplingParams) -> list:
         if not params.logits_processors:
@@ -346,7 +362,8 @@ class LLMEngine:
             chunks.append((ids, start, seq.block_table, self._logit_rows(seq, start, len(ids), item.samples)))
             if start < seq.num_prompt_tokens:
                 self._prompt_tokens_total += min(item.num_new_tokens, seq.num_prompt_tokens - start)
-        batch = self.model.prepare(chunks)
+        adapters = [item.seq.lora for item in scheduled] if self.model.adapters else None
+        batch = self.model.prepare(chunks, adapters)
         logits = self.model.forward(batch)
 
         # Split the logits rows: prompt-logprob rows per sequence, then one sampling row.

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 import kernels
 from backend.decode_graphs import Capture, DecodeGraphs, capture_cuda_graph, graph_buckets
+from backend.lora import LoraAdapter, apply_lora, load_adapter
 from kernels import cpu_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -148,6 +149,8 @@ class BatchInput:
     logits_index: torch.Tensor  # [S] packed index of each token whose logits are needed
     max_position: int = 0
     decode_only: bool = False  # every sequence decodes one token: groups is one paged group, in order
+    # LoRA: each adapter in the step with the packed indexes of its tokens (None: base model only).
+    lora: Optional[list[tuple[LoraAdapter, torch.Tensor]]] = None
 
 
 def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True, paged_decode: bool = False) -> list[list[int]]:
@@ -192,6 +195,7 @@ class ModelRunner:
         self.block_size = block_size
         self.graph_batch = graph_batch
         self.graphs: Optional[DecodeGraphs] = None
+        self.adapters: dict[str, LoraAdapter] = {}
         self._load_weights(Path(model_path))
         c = self.config
         # Blocks past the pool that no sequence owns: padding rows of a graph replay write
@@ -288,13 +292,21 @@ class ModelRunner:
         if leftovers:
             raise ValueError(f"unexpected weights in {path}: {leftovers[:5]}")
 
+    def load_lora(self, name: str, path: str | Path) -> LoraAdapter:
+        """Load a PEFT adapter that requests may then name (backend/lora.py)."""
+        adapter = load_adapter(name, path, self.config, self.device, self.dtype)
+        self.adapters[name] = adapter
+        return adapter
+
     # ---------------------------------------------------------------- inputs
-    def prepare(self, chunks: list[tuple[list[int], int, list[int], Any]]) -> BatchInput:
+    def prepare(self, chunks: list[tuple[list[int], int, list[int], Any]],
+                adapters: Optional[list[Optional[LoraAdapter]]] = None) -> BatchInput:
         """Lay out a step. Each chunk is (new token ids, start position, block table, logit rows).
 
         Logit rows: True for the chunk's last token (it samples), False for none, or a list of
         offsets into the chunk (prompt logprobs need logits at prompt positions too). The
-        forward pass returns logits for these rows, in chunk order.
+        forward pass returns logits for these rows, in chunk order. ``adapters``: the LoRA
+        adapter of each chunk's sequence (None: the base model).
         """
         bs = self.block_size
         dev = self.device
@@ -371,7 +383,15 @@ class ModelRunner:
                     attn_bias=torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf")) if sdpa else None,
                 )
             )
+        lora = None
+        if adapters is not None and any(a is not None for a in adapters):
+            rows_of: dict[str, tuple[LoraAdapter, list[int]]] = {}
+            for i, adapter in enumerate(adapters):
+                if adapter is not None:
+                    rows_of.setdefault(adapter.name, (adapter, []))[1].extend(range(bases[i], bases[i] + q_lens[i]))
+            lora = [(a, torch.tensor(rows, dtype=torch.long).to(dev)) for a, rows in rows_of.values()]
         return BatchInput(
+            lora=lora,
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev),
             positions=torch.tensor(positions, dtype=torch.long).to(dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev),
@@ -385,7 +405,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: BatchInput) -> torch.Tensor:
         """Runs the step, writes the new K/V into the cache, returns float32 logits [S, vocab]."""
-        if self.graphs is not None:
+        if self.graphs is not None and batch.lora is None:  # graphs are captured without adapters
             logits = self.graphs.run(batch)
             if logits is not None:
                 return logits
@@ -407,6 +427,8 @@ class ModelRunner:
         for li, layer in enumerate(self.layers):
             x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
+            if batch.lora:
+                apply_lora(qkv, x, li, "qkv", batch.lora)
             v = qkv[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
             if c.qk_norm:
                 q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
@@ -441,10 +463,23 @@ class ModelRunner:
                 qp.index_copy_(0, g.query_slots, q[g.token_index])
                 out = self._attention(qp.view(g.num_seqs, g.max_q, c.num_heads, c.head_dim), keys, values, g)
                 attn[g.token_index] = out.reshape(g.num_seqs * g.max_q, q_size)[g.query_slots]
-            h = h + F.linear(attn, layer["o"])
+            if not batch.lora:
+                h = h + F.linear(attn, layer["o"])
+                x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
+                gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+                h = h + F.linear(F.silu(gate) * up, layer["down"])
+                continue
+            o = F.linear(attn, layer["o"])
+            apply_lora(o, attn, li, "o", batch.lora)
+            h = h + o
             x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["down"])
+            gate_up = F.linear(x, layer["gate_up"])
+            apply_lora(gate_up, x, li, "gate_up", batch.lora)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            down = F.linear(act, layer["down"])
+            apply_lora(down, act, li, "down", batch.lora)
+            h = h + down
         h = _rms_norm(h[batch.logits_index], self.final_norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 

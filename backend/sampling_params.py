@@ -22,7 +22,6 @@ class SamplingParamsError(ValueError):
 
 # Known SGLang/vLLM names that this engine does not implement. They get a clear error.
 UNSUPPORTED: dict[str, str] = {
-    "lora_path": "LoRA adapters are not supported",
     "image_data": "image input is not supported",
     "audio_data": "audio input is not supported",
     "video_data": "video input is not supported",
@@ -102,6 +101,8 @@ class SamplingParams(BaseModel):
     # SGLang's CustomLogitProcessor.to_str() and its per-request parameters.
     custom_logit_processor: Optional[str] = None
     custom_params: Optional[dict[str, Any]] = None
+    # SGLang's lora_path: the name (or path) of a LoRA adapter the engine loaded (lora_modules).
+    lora_path: Optional[str] = None
     # vLLM's logits_processors: qualified names or {"qualname", "args", "kwargs"} constructor
     # objects, loaded by the engine when its logits_processor_pattern allows them
     # (backend/logits_processors.py).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from backend.sampling_params import SamplingParams
 
@@ -47,6 +47,10 @@ class Sequence:
     prefix_cacheable: bool = True
     num_hashed_blocks: int = 0
     block_hash: Optional[int] = None
+    # LoRA: the sequence's adapter (backend.lora.LoraAdapter) and the start of its prefix-cache
+    # hash chain (K/V computed through an adapter are that adapter's only).
+    lora: Any = None
+    cache_salt: Optional[int] = None
     num_cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     # Prompt positions whose logprobs were reported: a prompt computed again after a preemption
     # reports only the rest.

@@ -138,6 +138,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "enable_prefix_caching": _flag,
         "enable_custom_logit_processor": _flag,
         "logits_processor_pattern": str,
+        "lora_modules": str,
         "torch_threads": int,
         "cuda_graphs": _flag,
         "enable_jump_forward": _flag,

@@ -1,0 +1,132 @@
+"""LoRA adapters (PEFT format), several served at once next to the base model.
+
+An adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
+``use_rslora``) and ``adapter_model.safetensors`` with ``...layers.{i}.{module}.lora_A.weight``
+([r, in]) and ``lora_B.weight`` ([out, r]). A targeted projection computes
+``W x + scaling * B (A x)``, with ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA).
+
+The base weights are never changed (no merging): every step, each adapter in the batch adds its
+delta to the rows of its own tokens, so requests for different adapters and for the base model
+share a batch (SGLang's and vLLM's multi-LoRA serving). The runner fuses q/k/v and gate/up into
+one matmul each; an adapter's per-module delta lands in that module's columns of the fused
+output.
+
+KV blocks depend on the adapter (k and v are projected through it), so prefix caching keys them
+by adapter too (``cache_salt``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+__all__ = ["LoraAdapter", "LoraError", "load_adapter", "parse_lora_modules", "TARGETS"]
+
+# PEFT module name -> (the runner's fused weight, which part of its output).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be loaded or used; the message says why."""
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    # Per layer: fused weight name -> [(first output column, last + 1, A [r, in], B [out, r])].
+    layers: list[dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+
+    @property
+    def cache_salt(self) -> int:
+        """The start of this adapter's prefix-cache hash chain."""
+        return hash(("lora", self.name, self.path))
+
+
+def parse_lora_modules(spec: Any) -> dict[str, str]:
+    """vLLM's ``--lora-modules name=path ...`` (a string with commas or spaces, or a dict)."""
+    if not spec:
+        return {}
+    if isinstance(spec, dict):
+        return {str(k): str(v) for k, v in spec.items()}
+    out: dict[str, str] = {}
+    for item in re.split(r"[,\s]+", str(spec).strip()):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise LoraError(f"lora_modules entries are name=path, got {item!r}")
+        out[name] = path
+    return out
+
+
+def load_adapter(name: str, path: str | Path, config: Any, device: torch.device, dtype: torch.dtype) -> LoraAdapter:
+    """Load a PEFT adapter for a runner whose model has ``config`` (backend.model_runner.ModelConfig)."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise LoraError(f"LoRA adapter '{name}': cannot read {path / 'adapter_config.json'}: {exc}") from None
+    files = sorted(path.glob("adapter_model*.safetensors"))
+    if not files:
+        raise LoraError(f"LoRA adapter '{name}': no adapter_model.safetensors in {path}")
+    rank = int(meta.get("r", 0))
+    alpha = float(meta.get("lora_alpha", rank))
+    if rank <= 0:
+        raise LoraError(f"LoRA adapter '{name}': r must be positive")
+    scaling = alpha / math.sqrt(rank) if meta.get("use_rslora") else alpha / rank
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    spans = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, q + kv), "v_proj": ("qkv", q + kv, q + 2 * kv),
+             "o_proj": ("o", 0, config.hidden_size), "gate_proj": ("gate_up", 0, inter),
+             "up_proj": ("gate_up", inter, 2 * inter), "down_proj": ("down", 0, config.hidden_size)}
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for f in files:
+        for key, tensor in load_file(str(f)).items():
+            m = _KEY.search(key)
+            if m is None:
+                raise LoraError(f"LoRA adapter '{name}': unexpected tensor {key!r} (only {', '.join(TARGETS)} "
+                                "LoRA weights are supported)")
+            layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+            if module not in spans:
+                raise LoraError(f"LoRA adapter '{name}': module {module!r} is not supported")
+            if layer >= config.num_layers:
+                raise LoraError(f"LoRA adapter '{name}': layer {layer} is beyond the model's {config.num_layers}")
+            pairs.setdefault((layer, module), {})[ab] = tensor.to(device=device, dtype=dtype)
+    adapter = LoraAdapter(name, str(path), rank, scaling, [{} for _ in range(config.num_layers)])
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"LoRA adapter '{name}': layer {layer} {module} lacks lora_A or lora_B")
+        fused, lo, hi = spans[module]
+        a, b = ab["A"], ab["B"]
+        in_features = config.intermediate_size if module == "down_proj" else (
+            q if module == "o_proj" else config.hidden_size)
+        if a.shape != (rank, in_features) or b.shape != (hi - lo, rank):
+            raise LoraError(f"LoRA adapter '{name}': layer {layer} {module} has lora_A {tuple(a.shape)} and "
+                            f"lora_B {tuple(b.shape)}; this model needs {(rank, in_features)} and {(hi - lo, rank)}")
+        adapter.layers[layer].setdefault(fused, []).append((lo, hi, a, b))
+    if not pairs:
+        raise LoraError(f"LoRA adapter '{name}': no LoRA weights in {path}")
+    return adapter
+
+
+def apply_lora(out: torch.Tensor, x: torch.Tensor, layer: int, fused: str,
+               lora: list[tuple[LoraAdapter, torch.Tensor]]) -> None:
+    """Add each adapter's delta to the rows of its tokens (``lora``: adapter, token indexes), in place."""
+    for adapter, rows in lora:
+        parts = adapter.layers[layer].get(fused)
+        if not parts:
+            continue
+        xs = x.index_select(0, rows)
+        for lo, hi, a, b in parts:
+            delta = (xs @ a.t()) @ b.t()
+            out[rows, lo:hi] += delta.mul_(adapter.scaling).to(out.dtype)

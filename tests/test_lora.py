@@ -1,0 +1,128 @@
+"""backend/lora.py: multi-LoRA serving. Engine outputs under an adapter equal Hugging Face's
+model with the adapter merged into its weights, token for token (greedy); base and adapter
+requests share batches; prefix caching never hands one adapter's KV blocks to another."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine, RequestError
+from backend.lora import LoraError, parse_lora_modules
+
+MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def make_adapter(model_path: Path, out: Path, seed: int, rank: int = 4, alpha: float = 8.0,
+                 targets: tuple[str, ...] = tuple(MODULES)) -> dict[str, torch.Tensor]:
+    """A random PEFT adapter for the model; returns the merged weight deltas (HF names)."""
+    cfg = json.loads((model_path / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    shapes = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
+              "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
+              "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    g = torch.Generator().manual_seed(seed)
+    tensors, deltas = {}, {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module in targets:
+            out_f, in_f = shapes[module]
+            a = torch.randn(rank, in_f, generator=g) * 0.3
+            b = torch.randn(out_f, rank, generator=g) * 0.3
+            key = f"base_model.model.model.layers.{layer}.{MODULES[module]}.{module}"
+            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
+            deltas[f"model.layers.{layer}.{MODULES[module]}.{module}.weight"] = (alpha / rank) * (b @ a)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets)}))
+    return deltas
+
+
+@pytest.fixture(scope="module")
+def adapters(demo_model_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "sql": (root / "sql", make_adapter(demo_model_path, root / "sql", seed=1)),
+        "attn": (root / "attn", make_adapter(demo_model_path, root / "attn", seed=2, rank=2, alpha=4.0,
+                                             targets=("q_proj", "v_proj"))),
+    }
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_path, adapters):
+    eng = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", dtype="float32", num_kv_blocks=256,
+                                 block_size=16, lora_modules={n: str(p) for n, (p, _) in adapters.items()}))
+    yield eng
+    eng.shutdown()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                         min_new_tokens=max_new, repetition_penalty=1.0, temperature=None, top_p=None, top_k=None)
+    return out[0, len(prompt):].tolist()
+
+
+def merged_model(demo_model_path, deltas):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model_path, dtype=torch.float32).eval()
+    if deltas:
+        state = model.state_dict()
+        with torch.no_grad():
+            for name, delta in deltas.items():
+                state[name].add_(delta)
+    return model
+
+
+def test_adapters_match_merged_weights_in_one_mixed_batch(engine, adapters, demo_model_path):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, 4000) for _ in range(rng.randint(5, 40))] for _ in range(6)]
+    names = [None, "sql", "attn", "sql", None, "attn"]
+    greedy = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "repetition_penalty": 1.0}
+    params = [engine.parse_params({**greedy, **({"lora_path": n} if n else {})}) for n in names]
+    outs = engine.generate(prompts, params)
+    for name in (None, "sql", "attn"):
+        model = merged_model(demo_model_path, adapters[name][1] if name else None)
+        for prompt, n, out in zip(prompts, names, outs):
+            if n == name:
+                assert out.new_token_ids == hf_greedy(model, prompt, 10), name
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prefix_cache_is_per_adapter(engine):
+    prompt = list(range(100, 180))  # five full blocks
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    base = engine.generate([prompt], engine.parse_params(greedy))[0]
+    hits_before = engine.block_manager.num_hit_tokens
+    sql = engine.generate([prompt], engine.parse_params({**greedy, "lora_path": "sql"}))[0]
+    assert engine.block_manager.num_hit_tokens == hits_before  # the base model's blocks are not reused
+    assert sql.new_token_ids != base.new_token_ids
+    again = engine.generate([prompt], engine.parse_params({**greedy, "lora_path": "sql"}))[0]
+    assert engine.block_manager.num_hit_tokens > hits_before  # its own blocks are
+    assert again.new_token_ids == sql.new_token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_adapter_errors_are_clear(engine, demo_model_path, tmp_path):
+    with pytest.raises(RequestError, match="LoRA adapter 'nope' is not loaded; loaded adapters: attn, sql"):
+        engine.add_request([1, 2, 3], engine.parse_params({"lora_path": "nope"}), lambda o: None)
+    assert parse_lora_modules("a=/x, b=/y") == {"a": "/x", "b": "/y"}
+    with pytest.raises(LoraError, match="name=path"):
+        parse_lora_modules("just-a-path")
+    bad = tmp_path / "bad"
+    make_adapter(demo_model_path, bad, seed=3)
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8}))  # weights have rank 4
+    with pytest.raises(LoraError, match="layer 0 .* has lora_A \\(4, .*this model needs \\(8, "):
+        engine.model.load_lora("bad", bad)
