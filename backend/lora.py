@@ -12,7 +12,8 @@ one matmul each; an adapter's per-module delta lands in that module's columns of
 output.
 
 KV blocks depend on the adapter (k and v are projected through it), so prefix caching keys them
-by adapter too (``cache_salt``).
+by adapter too (``cache_salt``). Batches with an adapter run eagerly (decode graphs are captured
+for the base model only).
 """
 
 from __future__ import annotations

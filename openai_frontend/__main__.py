@@ -28,6 +28,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "qwen3, qwen3_thinking, glm45, kimi, granite (SGLang's dashed names work too)")
     p.add_argument("--enable-reasoning", action="store_true",
                    help="vLLM's older switch for the same; needs --reasoning-parser")
+    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME[=PATH]",
+                   help="the LoRA adapters the engine serves (its lora_modules): requests may name them as "
+                        "`model`; /v1/models lists them (vLLM's flag; paths are the engine's business)")
     p.add_argument("--tokenizer-path", default=None,
                    help="local HF model directory: token texts for logprobs, max_model_len for /v1/models")
     p.add_argument("--max-n", type=int, default=64, help="largest n accepted")
@@ -59,6 +62,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         api_key=args.api_key,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=tuple(m.partition("=")[0] for arg in args.lora_modules for m in arg.replace(",", " ").split()),
         tokenizer_path=args.tokenizer_path,
         max_n=args.max_n,
         stream_timeout=args.stream_timeout,

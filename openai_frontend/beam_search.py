@@ -71,7 +71,7 @@ class BeamSpec:
     top_logprobs: Optional[int] = None  # None: the client asked for no logprobs
 
 
-def beam_spec(req: AnyRequest, files: ModelFiles) -> Optional[BeamSpec]:
+def beam_spec(req: AnyRequest, files: ModelFiles, lora: Optional[str] = None) -> Optional[BeamSpec]:
     """The request's beam search, checked, or None when it asks for none."""
     if not req.use_beam_search:
         if req.length_penalty != 1.0:
@@ -116,6 +116,8 @@ def beam_spec(req: AnyRequest, files: ModelFiles) -> Optional[BeamSpec]:
     }
     if req.priority:
         step["priority"] = req.priority
+    if lora:
+        step["lora_path"] = lora
     if top_logprobs is not None and not req.return_tokens_as_token_ids:
         step["return_text_in_logprobs"] = True
     return BeamSpec(

@@ -26,7 +26,7 @@ from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
 from openai_frontend.reasoning import (
     ConstraintError, ReasoningFormat, ReasoningStreamer, constrain_after_reasoning, get_reasoning_format, split_reasoning,
 )
-from openai_frontend.sampling import CONSTRAINT_KEYS, build_sampling_params, check_unsupported
+from openai_frontend.sampling import CONSTRAINT_KEYS, adapter_for, build_sampling_params, check_unsupported
 from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 from openai_frontend.tools import (
     ToolCallStreamer, ToolPlan, get_parser, new_call_id, parse_as_streamed, plan_tools,
@@ -117,12 +117,15 @@ class ChatHandler:
         samples = samples_per_prompt(req.best_of, req.n, req.stream, ctx.settings.max_n)
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
-        beams = beam_spec(req, ctx.files)
+        lora = adapter_for(req, ctx.settings)
+        beams = beam_spec(req, ctx.files, lora)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser)
         if beams is not None and plan.constraint is not None:
             raise bad_request("tool_choice required or a named function is not supported with use_beam_search",
                               param="tool_choice")
         sp = build_sampling_params(req)
+        if lora:
+            sp["lora_path"] = lora
         if samples > req.n:
             sp = with_sampled_logprobs(sp)
         if plan.constraint is not None:

@@ -65,7 +65,10 @@ class Context:
         return self.settings.served_model_name
 
     def check_model(self, model: Optional[str]) -> str:
-        """The served name for a request's `model` (None/empty means the served model)."""
+        """The served name for a request's `model` (None/empty means the served model; a LoRA
+        adapter's name is its own)."""
+        if model and model in self.settings.lora_modules:
+            return model
         if model and model != self.model_name and model != self.settings.triton_model:
             raise model_not_found(model)
         return self.model_name

@@ -19,7 +19,7 @@ from openai_frontend.engine_types import EngineChunk, EngineRequest, TokenLogpro
 from openai_frontend.errors import bad_request
 from openai_frontend.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs
 from openai_frontend.protocol import CompletionRequest
-from openai_frontend.sampling import build_sampling_params, check_unsupported
+from openai_frontend.sampling import adapter_for, build_sampling_params, check_unsupported
 from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 
 Prompt = Union[str, list[int]]
@@ -75,11 +75,14 @@ class CompletionHandler:
         model = ctx.check_model(req.model)
         check_unsupported(req, ctx.settings)
         samples = samples_per_prompt(req.best_of, req.n, req.stream, ctx.settings.max_n)
-        beams = beam_spec(req, ctx.files)
+        lora = adapter_for(req, ctx.settings)
+        beams = beam_spec(req, ctx.files, lora)
         prompts = split_prompts(req.prompt)
         if len(prompts) * samples > ctx.settings.max_n * 4:
             raise bad_request(f"too many samples: {len(prompts)} prompts x {samples}", param="prompt")
         sp = build_sampling_params(req)
+        if lora:
+            sp["lora_path"] = lora
         if samples > req.n:
             sp = with_sampled_logprobs(sp)
         requests = []

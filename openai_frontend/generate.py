@@ -34,7 +34,7 @@ _LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "tok
 
 
 def _check_unsupported(req: GenerateRequest, ctx: Context) -> None:
-    for name in ("input_embeds", "image_data", "audio_data", "video_data", "lora_path"):
+    for name in ("input_embeds", "image_data", "audio_data", "video_data"):
         if getattr(req, name) is not None:
             raise unsupported(name)
     hidden = req.return_hidden_states
@@ -208,6 +208,9 @@ class GenerateHandler:
                     sp[key] = value
             if req.return_text_in_logprobs:
                 sp["return_text_in_logprobs"] = True
+            lora = _pick(req.lora_path, p, b, "lora_path")
+            if lora is not None:  # SGLang's: the name of a LoRA adapter the engine serves
+                sp["lora_path"] = lora
             processor = _pick(req.custom_logit_processor, p, b, "custom_logit_processor")
             if processor:
                 sp["custom_logit_processor"] = processor

@@ -66,8 +66,6 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
                               "json_schema, guided_json)", param="guided_whitespace_pattern")
     if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
         raise unsupported("guided_decoding_backend", "the engine's grammar backend is xgrammar")
-    if req.lora_path:
-        raise unsupported("lora_path", "LoRA adapters are not supported")
     check_custom_logit_processor(req.custom_logit_processor, settings)
     if req.custom_params is not None and not req.custom_logit_processor:
         raise bad_request("custom_params needs custom_logit_processor", param="custom_params")
@@ -160,6 +158,15 @@ def constraint_from_request(req: AnyRequest) -> Optional[tuple[str, Any]]:
         names = ", ".join(p for p, _, _ in found)
         raise bad_request(f"only one structured-output constraint may be given, got: {names}", param=found[1][0])
     return (found[0][1], found[0][2]) if found else None
+
+
+def adapter_for(req: AnyRequest, settings: Settings) -> Optional[str]:
+    """The LoRA adapter a request asks for: its `model` (vLLM) or `lora_path` (SGLang)."""
+    by_model = req.model if req.model in settings.lora_modules else None
+    if req.lora_path and by_model and req.lora_path != by_model:
+        raise bad_request(f"model '{req.model}' and lora_path '{req.lora_path}' name different adapters",
+                          param="lora_path")
+    return req.lora_path or by_model
 
 
 def build_sampling_params(req: AnyRequest) -> dict[str, Any]:

@@ -266,12 +266,20 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
             card["max_model_len"] = max_len
         return card
 
+    def adapter_card(name: str) -> dict[str, Any]:
+        # vLLM lists a LoRA adapter as a model whose parent is the base model.
+        return {"id": name, "object": "model", "created": created, "owned_by": "triton-llm", "root": name,
+                "parent": ctx.model_name}
+
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return json_response({"object": "list", "data": [model_card()]})
+        cards = [model_card()] + [adapter_card(n) for n in settings.lora_modules]
+        return json_response({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
+        if model_id in settings.lora_modules:
+            return json_response(adapter_card(model_id))
         if model_id != ctx.model_name:
             raise model_not_found(model_id)
         return json_response(model_card())

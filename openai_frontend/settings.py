@@ -14,6 +14,9 @@ class Settings:
     api_key: Optional[str] = None
     tool_call_parser: Optional[str] = None
     reasoning_parser: Optional[str] = None  # openai_frontend/reasoning.py; None: no separation
+    # Names of the LoRA adapters the engine serves (its lora_modules): a request's `model` may be
+    # one of them (vLLM's --lora-modules); /v1/models lists them.
+    lora_modules: tuple[str, ...] = ()
     tokenizer_path: Optional[str] = None
     max_n: int = 64
     stream_timeout: Optional[float] = None  # seconds for one whole generation; None: no limit

@@ -5,6 +5,7 @@
 #                    [--frontend-port 9000] [--no-frontend] [--tool-call-parser qwen25]
 #                    [--api-key KEY] [--chat-template FILE] [--trust-request-chat-template]
 #                    [--logits-processor-pattern REGEX] [--reasoning-parser NAME]
+#                    [--lora-modules name=path,name2=path2]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_PATH=${LLM_MODEL_PATH:-models/demo}
@@ -24,6 +25,7 @@ while [ $# -gt 0 ]; do
     --trust-request-chat-template) export LLM_TRUST_REQUEST_CHAT_TEMPLATE=1; shift ;;
     --logits-processor-pattern) export LLM_LOGITS_PROCESSOR_PATTERN=$2; shift 2 ;;
     --reasoning-parser) REASONING_PARSER=$2; shift 2 ;;
+    --lora-modules) export LLM_LORA_MODULES=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -44,7 +46,7 @@ if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
   until curl -sf "localhost:$HTTP_PORT/v2/health/ready" >/dev/null; do sleep 1; done
   OPENAI_FRONTEND_API_KEY="$API_KEY" .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" \
     --port "$FRONTEND_PORT" --tokenizer-path "$LLM_MODEL_PATH" --tool-call-parser "$TOOL_CALL_PARSER" \
-    ${REASONING_PARSER:+--reasoning-parser "$REASONING_PARSER"} &
+    ${REASONING_PARSER:+--reasoning-parser "$REASONING_PARSER"} ${LLM_LORA_MODULES:+--lora-modules "$LLM_LORA_MODULES"} &
   pids+=($!)
 fi
 wait -n "${pids[@]}"

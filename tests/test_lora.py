@@ -126,3 +126,66 @@ def test_adapter_errors_are_clear(engine, demo_model_path, tmp_path):
     (bad / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8}))  # weights have rank 4
     with pytest.raises(LoraError, match="layer 0 .* has lora_A \\(4, .*this model needs \\(8, "):
         engine.model.load_lora("bad", bad)
+
+
+# ------------------------------------------------------------------ the frontend, scripted engine
+def test_frontend_routes_adapter_names(tmp_path):
+    import httpx
+    import openai
+
+    from openai_frontend.server import create_app
+    from openai_frontend.settings import Settings
+    from openai_frontend.testing import FakeLLMClient, serve_in_thread, text_chunks
+
+    fake = FakeLLMClient()
+    fake.script = lambda req: text_chunks(["a", "b"])
+    with serve_in_thread(create_app(Settings(model_name="demo", lora_modules=("sql",)), client=fake)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        models = client.models.list().data
+        assert [(m.id, m.model_extra.get("parent")) for m in models] == [("demo", None), ("sql", "demo")]
+        assert client.models.retrieve("sql").id == "sql"
+        r = client.completions.create(model="sql", prompt="x", max_tokens=2)
+        assert r.model == "sql" and fake.requests[-1].sampling_params["lora_path"] == "sql"
+        r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}],
+                                           extra_body={"lora_path": "sql"})
+        assert r.model == "demo" and fake.requests[-1].sampling_params["lora_path"] == "sql"
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}])
+        assert "lora_path" not in fake.requests[-1].sampling_params
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="sql", prompt="x", extra_body={"lora_path": "other"})
+        assert err.value.body["param"] == "lora_path"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="nope", prompt="x")
+        body = httpx.post(url + "/generate", json={"text": ["a", "b"], "lora_path": ["sql", None],
+                                                   "sampling_params": {"max_new_tokens": 2}}).json()
+        assert len(body) == 2
+        assert [r.sampling_params.get("lora_path") for r in fake.requests[-2:]] == ["sql", None]
+
+
+# ------------------------------------------------------------------ the real tritonserver
+def test_adapters_through_tritonserver_and_the_frontend(start_triton, demo_model_path, adapters):
+    import httpx
+    import openai
+
+    from openai_frontend.server import create_app
+    from openai_frontend.settings import Settings
+    from openai_frontend.testing import serve_in_thread
+
+    modules = ",".join(f"{n}={p}" for n, (p, _) in adapters.items())
+    prompt = list(range(300, 340))
+    want = hf_greedy(merged_model(demo_model_path, adapters["sql"][1]), prompt, 8)
+    base = hf_greedy(merged_model(demo_model_path, None), prompt, 8)
+    assert want != base
+    with start_triton(num_kv_blocks=256, max_model_len=1024, name="lora", env={"LLM_LORA_MODULES": modules}) as srv:
+        settings = Settings(triton_url=srv.grpc_url, model_name="demo", lora_modules=tuple(adapters))
+        with serve_in_thread(create_app(settings)) as url:
+            greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "repetition_penalty": 1.0}
+            outs = httpx.post(url + "/generate", timeout=120, json={
+                "input_ids": [prompt, prompt], "lora_path": ["sql", None], "sampling_params": greedy}).json()
+            assert [o["output_ids"] for o in outs] == [want, base]
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+            r = client.completions.create(model="sql", prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True, "repetition_penalty": 1.0})
+            assert r.choices[0].text == outs[0]["text"] and r.model == "sql"
+            with pytest.raises(openai.BadRequestError, match="LoRA adapter 'missing' is not loaded"):
+                client.completions.create(model="demo", prompt="x", extra_body={"lora_path": "missing"})
