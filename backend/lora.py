@@ -23,7 +23,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from safetensors.torch import load_file
@@ -45,8 +45,10 @@ class LoraAdapter:
     path: str
     rank: int
     scaling: float
-    # Per layer: fused weight name -> [(first output column, last + 1, A [r, in], B [out, r])].
-    layers: list[dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+    # Per layer: fused weight name -> (A of its modules stacked [k*r, in], B block-diagonal
+    # [fused out, k*r], scaling folded in): one pair of thin matmuls per fused weight, whatever
+    # subset of its modules the adapter targets.
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
     @property
     def cache_salt(self) -> int:
@@ -104,6 +106,8 @@ def load_adapter(name: str, path: str | Path, config: Any, device: torch.device,
                 raise LoraError(f"LoRA adapter '{name}': layer {layer} is beyond the model's {config.num_layers}")
             pairs.setdefault((layer, module), {})[ab] = tensor.to(device=device, dtype=dtype)
     adapter = LoraAdapter(name, str(path), rank, scaling, [{} for _ in range(config.num_layers)])
+    widths = {"qkv": q + 2 * kv, "o": config.hidden_size, "gate_up": 2 * inter, "down": config.hidden_size}
+    parts: list[dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]]] = [{} for _ in range(config.num_layers)]
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise LoraError(f"LoRA adapter '{name}': layer {layer} {module} lacks lora_A or lora_B")
@@ -114,20 +118,29 @@ def load_adapter(name: str, path: str | Path, config: Any, device: torch.device,
         if a.shape != (rank, in_features) or b.shape != (hi - lo, rank):
             raise LoraError(f"LoRA adapter '{name}': layer {layer} {module} has lora_A {tuple(a.shape)} and "
                             f"lora_B {tuple(b.shape)}; this model needs {(rank, in_features)} and {(hi - lo, rank)}")
-        adapter.layers[layer].setdefault(fused, []).append((lo, hi, a, b))
+        parts[layer].setdefault(fused, []).append((lo, hi, a, b))
     if not pairs:
         raise LoraError(f"LoRA adapter '{name}': no LoRA weights in {path}")
+    for layer, fused_parts in enumerate(parts):
+        for fused, items in fused_parts.items():
+            a_cat = torch.cat([a for _, _, a, _ in items])
+            b_blk = torch.zeros(widths[fused], a_cat.shape[0], device=device, dtype=dtype)
+            for k, (lo, hi, _, b) in enumerate(items):
+                b_blk[lo:hi, k * rank:(k + 1) * rank] = b * scaling
+            adapter.layers[layer][fused] = (a_cat, b_blk)
     return adapter
 
 
 def apply_lora(out: torch.Tensor, x: torch.Tensor, layer: int, fused: str,
-               lora: list[tuple[LoraAdapter, torch.Tensor]]) -> None:
-    """Add each adapter's delta to the rows of its tokens (``lora``: adapter, token indexes), in place."""
+               lora: list[tuple[LoraAdapter, Optional[torch.Tensor]]]) -> None:
+    """Add each adapter's delta to the rows of its tokens, in place. ``lora``: (adapter, token
+    indexes), or (adapter, None) when every token of the step uses that adapter."""
     for adapter, rows in lora:
-        parts = adapter.layers[layer].get(fused)
-        if not parts:
+        pair = adapter.layers[layer].get(fused)
+        if pair is None:
             continue
-        xs = x.index_select(0, rows)
-        for lo, hi, a, b in parts:
-            delta = (xs @ a.t()) @ b.t()
-            out[rows, lo:hi] += delta.mul_(adapter.scaling).to(out.dtype)
+        a, b = pair
+        if rows is None:
+            out.addmm_(x @ a.t(), b.t())
+        else:
+            out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())

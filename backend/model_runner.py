@@ -150,7 +150,7 @@ class BatchInput:
     max_position: int = 0
     decode_only: bool = False  # every sequence decodes one token: groups is one paged group, in order
     # LoRA: each adapter in the step with the packed indexes of its tokens (None: base model only).
-    lora: Optional[list[tuple[LoraAdapter, torch.Tensor]]] = None
+    lora: Optional[list[tuple[LoraAdapter, Optional[torch.Tensor]]]] = None
 
 
 def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True, paged_decode: bool = False) -> list[list[int]]:
@@ -389,7 +389,10 @@ class ModelRunner:
             for i, adapter in enumerate(adapters):
                 if adapter is not None:
                     rows_of.setdefault(adapter.name, (adapter, []))[1].extend(range(bases[i], bases[i] + q_lens[i]))
-            lora = [(a, torch.tensor(rows, dtype=torch.long).to(dev)) for a, rows in rows_of.values()]
+            if len(rows_of) == 1 and all(a is not None for a in adapters):
+                lora = [(next(iter(rows_of.values()))[0], None)]  # one adapter for every token
+            else:
+                lora = [(a, torch.tensor(rows, dtype=torch.long).to(dev)) for a, rows in rows_of.values()]
         return BatchInput(
             lora=lora,
             input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev),
