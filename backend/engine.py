@@ -101,8 +101,7 @@ class LLMEngine:
             graph_batch=graph_batch,
         )
         for name, path in config.lora_modules.items():
-            adapter = self.model.load_lora(name, path)
-            log.info("LoRA adapter '%s' (rank %d) from %s", name, adapter.rank, path)
+            self.load_lora(name, path)
         if graph_batch:
             t0 = time.perf_counter()
             problem = self.model.enable_decode_graphs()
@@ -237,6 +236,29 @@ class LLMEngine:
         except CustomLogitProcessorError as exc:
             raise RequestError(str(exc)) from None
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve another adapter (SGLang's /load_lora_adapter). Requests may name it at once."""
+        from backend.lora import LoraError
+
+        if not name or name in self.model.adapters:
+            raise RequestError(f"LoRA adapter '{name}' is already loaded" if name else "a LoRA adapter needs a name")
+        try:
+            adapter = self.model.load_lora(name, path)
+        except LoraError as exc:
+            raise RequestError(str(exc)) from None
+        log.info("LoRA adapter '%s' (rank %d) from %s", name, adapter.rank, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving an adapter: new requests may not name it; running ones finish with it
+        (each sequence holds its adapter)."""
+        if self.model.adapters.pop(name, None) is None:
+            raise RequestError(f"LoRA adapter '{name}' is not loaded")
+        log.info("LoRA adapter '%s' unloaded", name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        return {name: a.path for name, a in self.model.adapters.items()}
+
     def _adapter(self, name: Optional[str]) -> Any:
         if name is None:
             return None
@@ -362,8 +384,8 @@ class LLMEngine:
             chunks.append((ids, start, seq.block_table, self._logit_rows(seq, start, len(ids), item.samples)))
             if start < seq.num_prompt_tokens:
                 self._prompt_tokens_total += min(item.num_new_tokens, seq.num_prompt_tokens - start)
-        adapters = [item.seq.lora for item in scheduled] if self.model.adapters else None
-        batch = self.model.prepare(chunks, adapters)
+        # Each sequence carries its adapter: an adapter unloaded meanwhile still serves it.
+        batch = self.model.prepare(chunks, [item.seq.lora for item in scheduled])
         logits = self.model.forward(batch)
 
         # Split the logits rows: prompt-logprob rows per sequence, then one sampling row.

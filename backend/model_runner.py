@@ -293,7 +293,9 @@ class ModelRunner:
             raise ValueError(f"unexpected weights in {path}: {leftovers[:5]}")
 
     def load_lora(self, name: str, path: str | Path) -> LoraAdapter:
-        """Load a PEFT adapter that requests may then name (backend/lora.py)."""
+        """Load a PEFT adapter that requests may then name (backend/lora.py). The dict is only
+        ever replaced or has keys added/removed (atomic in CPython): the step loop never reads
+        it, sequences hold their adapter."""
         adapter = load_adapter(name, path, self.config, self.device, self.dtype)
         self.adapters[name] = adapter
         return adapter

@@ -26,7 +26,8 @@ SCALAR_INPUTS: dict[str, str] = {
     "min_p": "min_p",
     "random_seed": "seed",
 }
-LLM_INPUTS = ("input_ids", "stream", "stop_words", "sampling_parameters", "abort_request_id", *SCALAR_INPUTS)
+LLM_INPUTS = ("input_ids", "stream", "stop_words", "sampling_parameters", "abort_request_id", "lora_update",
+              *SCALAR_INPUTS)
 
 
 def _scalar(arr: np.ndarray, name: str = "input") -> Any:
@@ -168,3 +169,21 @@ def server_torch_threads() -> int:
 
 def parse_abort_request_id(arr: np.ndarray) -> str:
     return str(_scalar(arr, "abort_request_id"))
+
+
+def lora_update(engine: Any, arr: np.ndarray) -> np.ndarray:
+    """The llm model's `lora_update` control input: a JSON object {"op": "load", "name", "path"},
+    {"op": "unload", "name"} or {"op": "list"}. Returns the `meta_info` output: the adapters
+    loaded afterwards, {"loaded_adapters": {name: path}}. Raises ValueError with the reason."""
+    try:
+        cmd = json.loads(_scalar(arr, "lora_update"))
+    except ValueError as exc:
+        raise SamplingParamsError(f"lora_update must be a JSON object: {exc}") from None
+    op = cmd.get("op") if isinstance(cmd, dict) else None
+    if op == "load":
+        engine.load_lora(str(cmd.get("name") or ""), str(cmd.get("path") or ""))
+    elif op == "unload":
+        engine.unload_lora(str(cmd.get("name") or ""))
+    elif op != "list":
+        raise SamplingParamsError('lora_update.op must be "load", "unload" or "list"')
+    return np.array([json.dumps({"loaded_adapters": engine.lora_adapters()}).encode()], dtype=np.object_)

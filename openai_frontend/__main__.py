@@ -31,6 +31,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME[=PATH]",
                    help="the LoRA adapters the engine serves (its lora_modules): requests may name them as "
                         "`model`; /v1/models lists them (vLLM's flag; paths are the engine's business)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve /load_lora_adapter, /unload_lora_adapter and their /v1/ forms (the engine loads "
+                        "adapters from server paths named in the request)")
     p.add_argument("--tokenizer-path", default=None,
                    help="local HF model directory: token texts for logprobs, max_model_len for /v1/models")
     p.add_argument("--max-n", type=int, default=64, help="largest n accepted")
@@ -62,6 +65,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         api_key=args.api_key,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         lora_modules=tuple(m.partition("=")[0] for arg in args.lora_modules for m in arg.replace(",", " ").split()),
         tokenizer_path=args.tokenizer_path,
         max_n=args.max_n,

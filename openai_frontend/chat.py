@@ -112,12 +112,13 @@ class ChatHandler:
 
     async def __call__(self, req: ChatCompletionRequest, request_id: str) -> Response:
         ctx = self.ctx
+        await ctx.refresh_adapters(req.model)
         model = ctx.check_model(req.model)
         check_unsupported(req, ctx.settings)
         samples = samples_per_prompt(req.best_of, req.n, req.stream, ctx.settings.max_n)
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
-        lora = adapter_for(req, ctx.settings)
+        lora = adapter_for(req, ctx.adapter_names())
         beams = beam_spec(req, ctx.files, lora)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser)
         if beams is not None and plan.constraint is not None:

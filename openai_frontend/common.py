@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -64,10 +65,36 @@ class Context:
     def model_name(self) -> str:
         return self.settings.served_model_name
 
+    # Adapters loaded at runtime, as the engine last listed them (runtime LoRA updating only).
+    runtime_adapters: frozenset = frozenset()
+    _adapters_listed: float = 0.0
+
+    def adapter_names(self) -> tuple[str, ...]:
+        static = self.settings.lora_modules
+        return static + tuple(sorted(self.runtime_adapters.difference(static)))
+
+    async def refresh_adapters(self, model: Optional[str] = None) -> None:
+        """With runtime LoRA updating, learn the engine's adapters when `model` is a name not
+        known yet (another frontend worker may have loaded it), at most once a second."""
+        if not self.settings.allow_runtime_lora_updating:
+            return
+        if model is not None and (not model or model in (self.model_name, self.settings.triton_model)
+                                  or model in self.adapter_names()):
+            return
+        now = time.monotonic()
+        if now - self._adapters_listed < 1.0:
+            return
+        self._adapters_listed = now
+        self.set_runtime_adapters(await self.client.lora_update({"op": "list"}))
+
+    def set_runtime_adapters(self, loaded: dict[str, str]) -> None:
+        self.runtime_adapters = frozenset(loaded)
+        self._adapters_listed = time.monotonic()
+
     def check_model(self, model: Optional[str]) -> str:
         """The served name for a request's `model` (None/empty means the served model; a LoRA
         adapter's name is its own)."""
-        if model and model in self.settings.lora_modules:
+        if model and model in self.adapter_names():
             return model
         if model and model != self.model_name and model != self.settings.triton_model:
             raise model_not_found(model)

@@ -72,10 +72,11 @@ class CompletionHandler:
 
     async def __call__(self, req: CompletionRequest, request_id: str) -> Response:
         ctx = self.ctx
+        await ctx.refresh_adapters(req.model)
         model = ctx.check_model(req.model)
         check_unsupported(req, ctx.settings)
         samples = samples_per_prompt(req.best_of, req.n, req.stream, ctx.settings.max_n)
-        lora = adapter_for(req, ctx.settings)
+        lora = adapter_for(req, ctx.adapter_names())
         beams = beam_spec(req, ctx.files, lora)
         prompts = split_prompts(req.prompt)
         if len(prompts) * samples > ctx.settings.max_n * 4:

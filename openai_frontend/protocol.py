@@ -271,6 +271,17 @@ class ParseFunctionCallRequest(_Strict):
     tools: list[ChatTool] = Field(default_factory=list)
 
 
+class LoadLoraAdapterRequest(_Strict):
+    """SGLang's /load_lora_adapter and vLLM's /v1/load_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    lora_name: str = Field(min_length=1)
+
+
 class SeparateReasoningRequest(_Strict):
     """SGLang's POST /separate_reasoning."""
 

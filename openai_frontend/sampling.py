@@ -160,9 +160,9 @@ def constraint_from_request(req: AnyRequest) -> Optional[tuple[str, Any]]:
     return (found[0][1], found[0][2]) if found else None
 
 
-def adapter_for(req: AnyRequest, settings: Settings) -> Optional[str]:
+def adapter_for(req: AnyRequest, adapters: tuple[str, ...]) -> Optional[str]:
     """The LoRA adapter a request asks for: its `model` (vLLM) or `lora_path` (SGLang)."""
-    by_model = req.model if req.model in settings.lora_modules else None
+    by_model = req.model if req.model in adapters else None
     if req.lora_path and by_model and req.lora_path != by_model:
         raise bad_request(f"model '{req.model}' and lora_path '{req.lora_path}' name different adapters",
                           param="lora_path")

@@ -4,7 +4,8 @@
 `settings.triton_url` / `settings.triton_model` (tests pass a fake one).
 
 Routes: POST /v1/chat/completions, /v1/completions, /generate, /parse_function_call,
-/separate_reasoning, /tokenize, /detokenize;
+/separate_reasoning, /tokenize, /detokenize, /load_lora_adapter, /unload_lora_adapter (and their
+/v1/ forms, with --allow-runtime-lora-updating);
 GET /v1/models, /v1/models/{id}, /health, /get_model_info, /metrics, /openapi.json.
 
 * Errors are OpenAI bodies `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
@@ -45,8 +46,10 @@ from openai_frontend.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    LoadLoraAdapterRequest,
     ParseFunctionCallRequest,
     SeparateReasoningRequest,
+    UnloadLoraAdapterRequest,
     TokenizeRequest,
 )
 from openai_frontend.reasoning import get_reasoning_format, split_reasoning
@@ -273,12 +276,14 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        cards = [model_card()] + [adapter_card(n) for n in settings.lora_modules]
+        await ctx.refresh_adapters()
+        cards = [model_card()] + [adapter_card(n) for n in ctx.adapter_names()]
         return json_response({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
-        if model_id in settings.lora_modules:
+        await ctx.refresh_adapters(model_id)
+        if model_id in ctx.adapter_names():
             return json_response(adapter_card(model_id))
         if model_id != ctx.model_name:
             raise model_not_found(model_id)
@@ -340,6 +345,34 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
             for c in result.calls
         ]
         return json_response({"normal_text": result.normal_text, "calls": calls})
+
+    async def lora_update(command: dict[str, Any]) -> dict[str, str]:
+        if not settings.allow_runtime_lora_updating:
+            raise bad_request("runtime LoRA updating is disabled (start the frontend with "
+                              "--allow-runtime-lora-updating)", param="lora_name")
+        loaded = await ctx.client.lora_update(command)
+        ctx.set_runtime_adapters(loaded)
+        return loaded
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
+        loaded = await lora_update({"op": "load", "name": body.lora_name, "path": body.lora_path})
+        return json_response({"success": True, "error_message": "", "loaded_adapters": loaded})
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
+        loaded = await lora_update({"op": "unload", "name": body.lora_name})
+        return json_response({"success": True, "error_message": "", "loaded_adapters": loaded})
+
+    @app.post("/v1/load_lora_adapter")
+    async def v1_load_lora_adapter(body: LoadLoraAdapterRequest) -> Response:
+        await lora_update({"op": "load", "name": body.lora_name, "path": body.lora_path})
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def v1_unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
+        await lora_update({"op": "unload", "name": body.lora_name})
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.post("/separate_reasoning")
     async def separate_reasoning(body: SeparateReasoningRequest) -> Response:

@@ -17,6 +17,9 @@ class Settings:
     # Names of the LoRA adapters the engine serves (its lora_modules): a request's `model` may be
     # one of them (vLLM's --lora-modules); /v1/models lists them.
     lora_modules: tuple[str, ...] = ()
+    # SGLang's /load_lora_adapter and vLLM's /v1/load_lora_adapter (vLLM gates them with
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): the engine loads server-side paths, so off by default.
+    allow_runtime_lora_updating: bool = False
     tokenizer_path: Optional[str] = None
     max_n: int = 64
     stream_timeout: Optional[float] = None  # seconds for one whole generation; None: no limit

@@ -55,6 +55,18 @@ class FakeLLMClient:
         self.finished: list[str] = []  # "completed" | "closed" (consumer left early) per stream
         self.closed_early = threading.Event()
         self.ready = True
+        self.adapters: dict[str, str] = {}  # what lora_update loads, name -> path
+
+    async def lora_update(self, command: dict[str, Any]) -> dict[str, str]:
+        op, name = command.get("op"), command.get("name")
+        if op == "load":
+            if name in self.adapters:
+                raise APIError(400, f"LoRA adapter '{name}' is already loaded")
+            self.adapters[name] = command.get("path")
+        elif op == "unload":
+            if self.adapters.pop(name, None) is None:
+                raise APIError(400, f"LoRA adapter '{name}' is not loaded")
+        return dict(self.adapters)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         self.requests.append(request)

@@ -463,6 +463,34 @@ class TritonLLMClient:
                     "(responses out of order; is the ensemble's postprocessing running >1 instance?)",
                     request_id, now, before)
 
+    async def lora_update(self, command: dict[str, Any]) -> dict[str, str]:
+        """Send the llm model a `lora_update` control request ({"op": "load" | "unload" | "list",
+        "name", "path"}); returns the adapters it serves afterwards, name -> path."""
+        payload = {
+            "model_name": self.abort_model or "llm",
+            "inputs": [_bytes_input("lora_update", json.dumps(command))],
+            "request_id": f"lora.{uuid.uuid4().hex}",
+        }
+
+        async def one() -> AsyncIterator[dict[str, Any]]:
+            yield payload
+
+        try:
+            async with asyncio.timeout(120):  # loading reads the adapter's weights
+                async for result, error in self._get().stream_infer(one()):
+                    if error is not None:
+                        raise map_stream_error(error.message() if isinstance(error, InferenceServerException)
+                                               else str(error))
+                    meta = result.as_numpy("meta_info")
+                    if meta is not None:
+                        text = meta.reshape(-1)[0]
+                        return dict(json.loads(text.decode() if isinstance(text, bytes) else text)["loaded_adapters"])
+        except grpc.RpcError as exc:
+            raise map_rpc_error(exc) from None
+        except TimeoutError:
+            raise unavailable("the llm model did not answer the lora_update request") from None
+        raise unavailable("the llm model sent no answer to the lora_update request")
+
     async def _abort(self, request_id: str) -> None:
         """Ask the engine model to drop `request_id`.
 

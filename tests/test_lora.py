@@ -131,6 +131,35 @@ def test_adapter_errors_are_clear(engine, demo_model_path, tmp_path):
         engine.model.load_lora("bad", bad)
 
 
+def test_runtime_load_and_unload(engine, adapters, demo_model_path, tmp_path):
+    """SGLang's /load_lora_adapter at the engine: a new adapter serves at once; an unloaded one
+    refuses new requests, while a running request finishes under it."""
+    path = tmp_path / "late"
+    deltas = make_adapter(demo_model_path, path, seed=9)
+    prompt = list(range(500, 530))
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "repetition_penalty": 1.0}
+    engine.load_lora("late", str(path))
+    with pytest.raises(RequestError, match="already loaded"):
+        engine.load_lora("late", str(path))
+    assert engine.lora_adapters()["late"] == str(path)
+    out = engine.generate([prompt], engine.parse_params({**greedy, "lora_path": "late"}))[0]
+    assert out.new_token_ids == hf_greedy(merged_model(demo_model_path, deltas), prompt, 6)
+    # unloaded while it runs: the request keeps its adapter to the end
+    outs = []
+    engine.add_request(prompt, engine.parse_params({**greedy, "max_new_tokens": 6, "lora_path": "late"}), outs.append)
+    engine.step()
+    engine.unload_lora("late")
+    while engine.has_unfinished():
+        engine.step()
+    assert outs[-1].error is None and outs[-1].finish_reason == "length"
+    assert [t for o in outs for t in o.new_token_ids] == out.new_token_ids
+    with pytest.raises(RequestError, match="'late' is not loaded"):
+        engine.add_request(prompt, engine.parse_params({**greedy, "lora_path": "late"}), lambda o: None)
+    with pytest.raises(RequestError, match="not loaded"):
+        engine.unload_lora("late")
+    assert sorted(engine.lora_adapters()) == ["attn", "sql"]
+
+
 # ------------------------------------------------------------------ the frontend, scripted engine
 def test_frontend_routes_adapter_names(tmp_path):
     import httpx
@@ -165,6 +194,36 @@ def test_frontend_routes_adapter_names(tmp_path):
         assert [r.sampling_params.get("lora_path") for r in fake.requests[-2:]] == ["sql", None]
 
 
+def test_frontend_runtime_lora_endpoints():
+    import httpx
+
+    from openai_frontend.server import create_app
+    from openai_frontend.settings import Settings
+    from openai_frontend.testing import FakeLLMClient, serve_in_thread, text_chunks
+
+    fake = FakeLLMClient()
+    fake.script = lambda req: text_chunks(["a"])
+    with serve_in_thread(create_app(Settings(model_name="demo"), client=fake)) as url:
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/p"})
+        assert r.status_code == 400 and "--allow-runtime-lora-updating" in r.json()["error"]["message"]
+    settings = Settings(model_name="demo", allow_runtime_lora_updating=True)
+    with serve_in_thread(create_app(settings, client=fake)) as url, \
+            serve_in_thread(create_app(settings, client=fake)) as other:
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/p"})
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'x' added successfully."
+        body = httpx.post(url + "/load_lora_adapter", json={"lora_name": "y", "lora_path": "/q"}).json()
+        assert body == {"success": True, "error_message": "", "loaded_adapters": {"x": "/p", "y": "/q"}}
+        again = httpx.post(url + "/load_lora_adapter", json={"lora_name": "y", "lora_path": "/q"})
+        assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+        # another worker learns of them from the engine
+        assert [m["id"] for m in httpx.get(other + "/v1/models").json()["data"]] == ["demo", "x", "y"]
+        r = httpx.post(other + "/v1/completions", json={"model": "y", "prompt": "p", "max_tokens": 1})
+        assert r.status_code == 200 and fake.requests[-1].sampling_params["lora_path"] == "y"
+        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "y"}).status_code == 200
+        r = httpx.post(url + "/v1/completions", json={"model": "y", "prompt": "p", "max_tokens": 1})
+        assert r.status_code == 404
+
+
 # ------------------------------------------------------------------ the real tritonserver
 def test_adapters_through_tritonserver_and_the_frontend(start_triton, demo_model_path, adapters):
     import httpx
@@ -174,13 +233,14 @@ def test_adapters_through_tritonserver_and_the_frontend(start_triton, demo_model
     from openai_frontend.settings import Settings
     from openai_frontend.testing import serve_in_thread
 
-    modules = ",".join(f"{n}={p}" for n, (p, _) in adapters.items())
+    modules = f"sql={adapters['sql'][0]}"  # attn is loaded at runtime below
     prompt = list(range(300, 340))
     want = hf_greedy(merged_model(demo_model_path, adapters["sql"][1]), prompt, 8)
     base = hf_greedy(merged_model(demo_model_path, None), prompt, 8)
     assert want != base
     with start_triton(num_kv_blocks=256, max_model_len=1024, name="lora", env={"LLM_LORA_MODULES": modules}) as srv:
-        settings = Settings(triton_url=srv.grpc_url, model_name="demo", lora_modules=tuple(adapters))
+        settings = Settings(triton_url=srv.grpc_url, model_name="demo", lora_modules=("sql",),
+                            allow_runtime_lora_updating=True)
         with serve_in_thread(create_app(settings)) as url:
             greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "repetition_penalty": 1.0}
             outs = httpx.post(url + "/generate", timeout=120, json={
@@ -192,3 +252,19 @@ def test_adapters_through_tritonserver_and_the_frontend(start_triton, demo_model
             assert r.choices[0].text == outs[0]["text"] and r.model == "sql"
             with pytest.raises(openai.BadRequestError, match="LoRA adapter 'missing' is not loaded"):
                 client.completions.create(model="demo", prompt="x", extra_body={"lora_path": "missing"})
+            # vLLM's runtime loading, through the llm model's lora_update control input
+            r = httpx.post(url + "/v1/load_lora_adapter", timeout=120,
+                           json={"lora_name": "attn", "lora_path": str(adapters["attn"][0])})
+            assert r.status_code == 200, r.text
+            attn = client.completions.create(model="attn", prompt=prompt, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True, "repetition_penalty": 1.0})
+            gen = httpx.post(url + "/generate", timeout=120, json={
+                "input_ids": prompt, "lora_path": "attn", "sampling_params": greedy}).json()
+            assert gen["output_ids"] == hf_greedy(merged_model(demo_model_path, adapters["attn"][1]), prompt, 8)
+            assert attn.choices[0].text == gen["text"]
+            assert [m.id for m in client.models.list().data] == ["demo", "sql", "attn"]
+            bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"})
+            assert bad.status_code == 400 and "cannot read" in bad.json()["error"]["message"]
+            assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "attn"}).status_code == 200
+            with pytest.raises(openai.NotFoundError):
+                client.completions.create(model="attn", prompt="x", max_tokens=2)

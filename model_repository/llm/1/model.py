@@ -23,6 +23,7 @@ from backend.triton_io import (  # noqa: E402
     engine_config_overrides,
     llm_output_arrays,
     llm_setting,
+    lora_update,
     parse_abort_request_id,
     parse_llm_inputs,
     server_torch_threads,
@@ -98,6 +99,11 @@ class TritonPythonModel:
                 if "abort_request_id" in arrays:
                     self._abort(arrays["abort_request_id"])
                     sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+                    continue
+                if "lora_update" in arrays:
+                    meta = lora_update(self.engine, arrays["lora_update"])
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
+                                flags=FINAL)
                     continue
                 prompt_ids, raw, stream = parse_llm_inputs(arrays)
                 params = self.engine.parse_params(raw)
