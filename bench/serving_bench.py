@@ -37,6 +37,7 @@ and <timestamp>/ (tritonserver and frontend logs, perf_analyzer csv + profile ex
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import gc
 import json
@@ -586,9 +587,44 @@ def step_metrics(before: tuple[float, float, float], after: tuple[float, float, 
 
 
 # ====================================================================== the run
+class TorchThread:
+    """Every torch computation of this process (HF's baselines, the in-process engine's steps)
+    on one thread. libgomp keeps its idle workers spinning only while all the worker threads it
+    manages fit the CPUs: a second thread with its own OpenMP team (HF on the main thread, the
+    engine on its loop thread) makes every parallel region sleep and wake its workers, which cost
+    the engine a third of its throughput on 2 cores (backend/engine.py, _without_thread_team)."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="torch")
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self._pool.submit(fn, *args).result()
+
+    def start(self, engine) -> None:
+        """The engine's step loop on this thread until engine.shutdown()."""
+        self._pool.submit(engine.run)
+
+    @contextlib.contextmanager
+    def running(self, engine):
+        """The engine's step loop on this thread for the block (HF may run between blocks)."""
+        import threading
+
+        stop = threading.Event()
+        future = self._pool.submit(engine.run, stop)
+        try:
+            yield
+        finally:
+            stop.set()
+            engine.wake()
+            future.result()
+
+
 class Bench:
     def __init__(self, args) -> None:
         self.args = args
+        self.torch = TorchThread()
         self.results: dict[str, Any] = {"systems": {}, "notes": []}
         from backend.tokenizer import load_tokenizer
 
@@ -672,19 +708,19 @@ class Bench:
         if not (self.want("hf_one_by_one") or self.want("hf_static")):
             return
         a = self.args
-        model = self.hf_model()
-        hf_one_by_one(model, self.wl, [0], a.device)  # warm-up
+        model = self.torch.call(self.hf_model)
+        self.torch.call(hf_one_by_one, model, self.wl, [0], a.device)  # warm-up
         if self.want("hf_one_by_one"):
             idx = self.hf_one_indices()
             log(f"HF generate one at a time: {len(idx)} requests")
-            recs, wall = hf_one_by_one(model, self.wl, idx, a.device)
+            recs, wall = self.torch.call(hf_one_by_one, model, self.wl, idx, a.device)
             m = metrics(recs, wall)
             m["num_requests_measured"] = len(idx)
             self.record("hf_one_by_one", 1, m)
             self.hf_one_ids = [r.ids for r in recs]
         if self.want("hf_static"):
             log(f"HF generate, one static batch of {len(self.indices)}")
-            recs, wall = hf_static_batch(model, self.wl, self.indices, a.device)
+            recs, wall = self.torch.call(hf_static_batch, model, self.wl, self.indices, a.device)
             m = metrics(recs, wall)
             m["padded_tokens_generated"] = len(self.indices) * max(self.wl.new_tokens)
             self.record("hf_static", len(self.indices), m)
@@ -715,26 +751,28 @@ class Bench:
             return
         c = max(a.concurrency)
         log(f"alternating rounds: engine at c={c}, {', '.join(hf)}; {a.alternating_rounds} rounds")
-        model = self.hf_model()
+        model = self.torch.call(self.hf_model)
         cfg, _ = engine_config(a, **self.main_prefix_override())
-        engine = LLMEngine(cfg)  # idle (no CPU) while HF runs
-        engine.start()
+        engine = LLMEngine(cfg)  # its steps run on the torch thread, between HF's runs
         tok_s: dict[str, list[float]] = {"engine": [], **{x: [] for x in hf}}
         try:
             request = engine_requester(engine, self.wl.prompts, self.wl.sampling)
-            asyncio.run(self._warm(request))
-            hf_one_by_one(model, self.wl, [0], a.device)  # warm-up
+            with self.torch.running(engine):
+                asyncio.run(self._warm(request))
+            self.torch.call(hf_one_by_one, model, self.wl, [0], a.device)  # warm-up
 
             def run_engine() -> None:
-                recs, wall = asyncio.run(closed_loop(request, self.indices, c))
+                with self.torch.running(engine):
+                    recs, wall = asyncio.run(closed_loop(request, self.indices, c))
                 tok_s["engine"].append(metrics(recs, wall)["output_tok_s"])
 
             run_engine()
             for _ in range(a.alternating_rounds):
                 if "hf_static" in hf:
-                    tok_s["hf_static"].append(metrics(*hf_static_batch(model, self.wl, self.indices, a.device))["output_tok_s"])
+                    recs, wall = self.torch.call(hf_static_batch, model, self.wl, self.indices, a.device)
+                    tok_s["hf_static"].append(metrics(recs, wall)["output_tok_s"])
                 if "hf_one_by_one" in hf:
-                    recs, wall = hf_one_by_one(model, self.wl, self.hf_one_indices(), a.device)
+                    recs, wall = self.torch.call(hf_one_by_one, model, self.wl, self.hf_one_indices(), a.device)
                     tok_s["hf_one_by_one"].append(metrics(recs, wall)["output_tok_s"])
                 run_engine()
                 log("  round: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in tok_s.items()) + " tok/s")
@@ -757,7 +795,7 @@ class Bench:
         if dropped:
             self.results["notes"].append(f"engine settings not in EngineConfig, ignored: {dropped}")
         engine = LLMEngine(cfg)
-        engine.start()
+        self.torch.start(engine)
         try:
             request = engine_requester(engine, self.wl.prompts, self.wl.sampling)
             asyncio.run(self._warm(request))
@@ -813,7 +851,7 @@ class Bench:
         for enabled in (False, True):
             cfg, _ = engine_config(a, enable_prefix_caching=enabled)
             engine = LLMEngine(cfg)
-            engine.start()
+            self.torch.start(engine)
             try:
                 request = engine_requester(engine, prompts, sampling)
                 # Request 0 warms up and (with caching) puts the prefix in the cache; the rest share it.
@@ -856,7 +894,7 @@ class Bench:
 
         out: dict[str, Any] = {"streams": n_s, "long_prompt_len": long_len,
                                "max_num_batched_tokens": cfg.max_num_batched_tokens}
-        engine.start()
+        self.torch.start(engine)
         try:
             request = engine_requester(engine, prompts, sampling)
             asyncio.run(closed_loop(request, [0, n_s], 2))  # warm-up, including one long prefill
@@ -1008,7 +1046,7 @@ class Bench:
         log(f"alternating rounds at c={c}: engine, {', '.join(paths)}; {a.alternating_rounds} rounds")
         cfg, _ = engine_config(a, **self.main_prefix_override())
         engine = LLMEngine(cfg)  # idle (no CPU) while the servers run
-        engine.start()
+        self.torch.start(engine)
         fe: Optional[Frontend] = None
         try:
             served, closers, fe = self.open_paths(srv, paths, run_dir / "frontend_alternating.log")
