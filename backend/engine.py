@@ -272,7 +272,8 @@ class LLMEngine:
         if not name or name in self.model.adapters:
             raise RequestError(f"LoRA adapter '{name}' is already loaded" if name else "a LoRA adapter needs a name")
         try:
-            adapter = self.model.load_lora(name, path)
+            with _without_thread_team():  # called from a server thread: no OpenMP team there either
+                adapter = self.model.load_lora(name, path)
         except LoraError as exc:
             raise RequestError(str(exc)) from None
         log.info("LoRA adapter '%s' (rank %d) from %s", name, adapter.rank, path)
@@ -285,13 +286,14 @@ class LLMEngine:
         log.info("LoRA adapter '%s' unloaded", name)
 
     def lora_adapters(self) -> dict[str, str]:
-        return {name: a.path for name, a in self.model.adapters.items()}
+        # list() copies in one step: another thread may load or unload meanwhile.
+        return {name: a.path for name, a in list(self.model.adapters.items())}
 
     def _adapter(self, name: Optional[str]) -> Any:
         if name is None:
             return None
         adapters = self.model.adapters
-        found = adapters.get(name) or next((a for a in adapters.values() if a.path == name), None)
+        found = adapters.get(name) or next((a for a in list(adapters.values()) if a.path == name), None)
         if found is None:
             loaded = ", ".join(sorted(adapters)) or "none (start the engine with lora_modules)"
             raise RequestError(f"LoRA adapter '{name}' is not loaded; loaded adapters: {loaded}")

@@ -29,6 +29,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from openai_frontend.tool_parsers.base import find_trigger, partial_trigger_len
+
 __all__ = ["ReasoningFormat", "ReasoningStreamer", "get_reasoning_format", "split_reasoning", "FORMAT_NAMES",
            "constrain_after_reasoning", "ConstraintError"]
 
@@ -62,17 +64,6 @@ def get_reasoning_format(name: str) -> ReasoningFormat:
     if fmt is None:
         raise ValueError(f"unknown reasoning parser {name!r}; expected one of {', '.join(FORMAT_NAMES)}")
     return fmt
-
-
-def _partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that is a proper prefix of a marker."""
-    best = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:k]):
-                best = k
-                break
-    return best
 
 
 class ReasoningStreamer:
@@ -132,18 +123,17 @@ class ReasoningStreamer:
                 self._buf = ""
                 break
             # reasoning: up to the earliest closing marker
-            hits = [(i, m) for m in fmt.ends if (i := self._buf.find(m)) >= 0]
-            if hits:
-                i, m = min(hits)
+            i, n = find_trigger(self._buf, fmt.ends)
+            if i >= 0:
                 reasoning.append(self._buf[:i].rstrip())
-                self._buf = self._buf[i + len(m):]
+                self._buf = self._buf[i + n:]
                 self._enter("content")
                 continue
             if final:
                 reasoning.append(self._buf.rstrip())
                 self._buf = ""
                 break
-            keep = _partial_marker_len(self._buf, fmt.ends)
+            keep = partial_trigger_len(self._buf, fmt.ends)
             settled = self._buf[: len(self._buf) - keep].rstrip()
             reasoning.append(settled)
             self._buf = self._buf[len(settled):]

@@ -503,6 +503,16 @@ def test_logits_processors(client, tok):
             "ignore_eos": True, "logits_processors": [f"{examples}.fail_after_two"]}))
 
 
+def _stream_reasoning(client, **kwargs) -> tuple[str, str]:
+    """(reasoning_content, content) of a streamed chat completion, reassembled."""
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            content += c.delta.content or ""
+    return reasoning, content
+
+
 def test_reasoning_parser_on_the_real_server(client, triton, tok):
     """--reasoning-parser qwen3 on real model output (a regex makes the random model think)."""
     settings = Settings(triton_url=triton.grpc_url, model_name=MODEL, reasoning_parser="qwen3")
@@ -519,12 +529,7 @@ def test_reasoning_parser_on_the_real_server(client, triton, tok):
         thinking = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         msg = thinking.chat.completions.create(**kwargs).choices[0].message
         assert (msg.model_extra["reasoning_content"], msg.content) == (thought[len("<think>"):].strip(), answer.strip())
-        reasoning, content = "", ""
-        for chunk in thinking.chat.completions.create(stream=True, **kwargs):
-            for c in chunk.choices:
-                reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
-                content += c.delta.content or ""
-        assert (reasoning, content) == (msg.model_extra["reasoning_content"], msg.content)
+        assert _stream_reasoning(thinking, **kwargs) == (msg.model_extra["reasoning_content"], msg.content)
 
 
 def test_structured_output_after_reasoning_on_the_real_server(triton, tok):
@@ -545,12 +550,7 @@ def test_structured_output_after_reasoning_on_the_real_server(triton, tok):
         assert r.choices[0].finish_reason == "stop", r
         assert msg.model_extra["reasoning_content"] and "</think>" not in msg.model_extra["reasoning_content"]
         jsonschema.validate(json.loads(msg.content), schema)
-        reasoning, content = "", ""
-        for chunk in thinking.chat.completions.create(stream=True, **kwargs):
-            for c in chunk.choices:
-                reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
-                content += c.delta.content or ""
-        assert (reasoning, content) == (msg.model_extra["reasoning_content"], msg.content)
+        assert _stream_reasoning(thinking, **kwargs) == (msg.model_extra["reasoning_content"], msg.content)
 
 
 def test_guided_whitespace_pattern(client):
