@@ -131,18 +131,25 @@ start_frontend() {
   log "frontend started (pid $FRONTEND_PID) on port $FRONTEND_PORT as model '$SERVED_MODEL_NAME'"
 }
 
-# Stop a process: SIGTERM, then SIGKILL after $2 seconds.
+# Stop a process: SIGTERM, then SIGKILL after $2 seconds. Sets STOP_RC to its exit status and
+# STOP_ESCALATED to 1 when it took our SIGKILL.
 stop_pid() {
   local pid=$1 grace=$2
-  alive "$pid" || { [ -z "$pid" ] || wait "$pid" 2>/dev/null || true; return 0; }
+  STOP_RC=0
+  STOP_ESCALATED=0
+  if ! alive "$pid"; then
+    [ -z "$pid" ] || { wait "$pid" 2>/dev/null || STOP_RC=$?; }
+    return 0
+  fi
   kill -TERM "$pid" 2>/dev/null || true
   local deadline=$((SECONDS + grace))
   while alive "$pid" && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.5; done
   if alive "$pid"; then
     log "pid $pid still running after ${grace}s: SIGKILL"
+    STOP_ESCALATED=1
     kill -KILL "$pid" 2>/dev/null || true
   fi
-  wait "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || STOP_RC=$?
 }
 
 # Is the llm model's Python-backend stub (a child of tritonserver) alive?
@@ -171,10 +178,17 @@ note_restart() {
 }
 
 restart_triton() {
-  log "restarting tritonserver: $1"
-  note_restart
+  log "stopping tritonserver: $1"
   # In-flight requests of a dead stub never finish, so no grace beyond a few seconds.
   stop_pid "$TRITON_PID" 5
+  if [ "$STOP_RC" = 137 ] && [ "$STOP_ESCALATED" = 0 ]; then
+    # A SIGKILL we did not send: tritonserver itself was killed, and its stubs went with it
+    # before it showed as exited (a loaded server can take longer than STUB_GRACE to die).
+    log "tritonserver exited (status 137, killed from outside)"
+  else
+    log "restarting tritonserver: $1"
+  fi
+  note_restart
   start_triton || shutdown 1
 }
 
