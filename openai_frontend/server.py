@@ -15,7 +15,7 @@ GET /v1/models, /v1/models/{id}, /health, /get_model_info, /metrics, /openapi.js
 * `--api-key`: every route except /health and /metrics needs `Authorization: Bearer <key>`
   (hmac.compare_digest).
 * `X-Request-Id`: echoed on every response; generated when absent; used in completion ids and
-  in the Triton request id.
+  in the Triton request id. As in vLLM, a client's header wins over the body's `request_id`.
 * A client disconnect cancels the request's engine streams, before or during the response.
 """
 
@@ -93,10 +93,13 @@ class FrontDoorMiddleware:
                 auth = value
             elif name == b"content-length":
                 length = value
+        state = scope.setdefault("state", {})
         if not request_id or len(request_id) > 256:
             request_id = uuid.uuid4().hex.encode()
+        else:
+            state["request_id_from_client"] = True
         rid_header = (b"x-request-id", request_id)
-        scope.setdefault("state", {})["request_id"] = request_id.decode("latin-1")
+        state["request_id"] = request_id.decode("latin-1")
         path = scope["path"]
         endpoint = endpoint_label(path)
         metrics = self.metrics
@@ -149,7 +152,9 @@ class FrontDoorMiddleware:
                 nonlocal status
                 if message["type"] == "http.response.start":
                     status = message["status"]
-                    message["headers"] = [*message.get("headers", []), rid_header]
+                    # The route may have taken the id from the body (`request_id`, `rid`).
+                    rid = state["request_id"].encode("latin-1")
+                    message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
                 await send(message)
 
             await self.app(scope, limited_receive, send_with_id)
@@ -175,8 +180,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     return (f"Invalid value for '{param}': {msg}" if param else msg), param
 
 
-def _request_id(request: Request) -> str:
-    return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
+def _request_id(request: Request, *body_ids: Optional[str]) -> str:
+    """The client's X-Request-Id header, else the body's id, else the generated one (vLLM's order)."""
+    state = request.scope.get("state", {})
+    if not state.get("request_id_from_client"):
+        for rid in body_ids:
+            if rid:
+                if rid.isascii() and rid.isprintable() and len(rid) <= 256:
+                    state["request_id"] = rid  # echoed in the response header
+                return rid
+    return state.get("request_id") or uuid.uuid4().hex
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
@@ -313,12 +326,12 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await cancel_on_disconnect(request, chat(body, body.request_id or body.rid or _request_id(request)))
+        return await cancel_on_disconnect(request, chat(body, _request_id(request, body.request_id, body.rid)))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await cancel_on_disconnect(
-            request, completions(body, body.request_id or body.rid or _request_id(request))
+            request, completions(body, _request_id(request, body.request_id, body.rid))
         )
 
     @app.post("/generate")

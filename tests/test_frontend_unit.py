@@ -93,6 +93,22 @@ def test_request_id_echoed_and_used(base_url, client):
     assert raw.headers["x-request-id"] == "sdk-1"
 
 
+def test_request_id_header_wins_over_body_as_in_vllm(base_url):
+    body = {"model": MODEL, "messages": MESSAGES, "request_id": "from-body"}
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "from-header"})
+    assert r.status_code == 200
+    assert r.json()["id"] == "chatcmpl-from-header" and r.headers["x-request-id"] == "from-header"
+    # Without the header the body's id is used, and echoed.
+    r = httpx.post(base_url + "/v1/chat/completions", json=body)
+    assert r.json()["id"] == "chatcmpl-from-body" and r.headers["x-request-id"] == "from-body"
+    r = httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "rid": "sg-1"})
+    assert r.json()["id"] == "cmpl-sg-1" and r.headers["x-request-id"] == "sg-1"
+    # An id that cannot be a header value is still used, but not echoed.
+    r = httpx.post(base_url + "/v1/chat/completions", json={**body, "request_id": "naïve\nid"})
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-naïve\nid"
+    assert r.headers["x-request-id"] not in ("", "naïve\nid")
+
+
 # ---------------------------------------------------------------------------------------------
 # chat
 # ---------------------------------------------------------------------------------------------
