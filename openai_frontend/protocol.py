@@ -282,6 +282,13 @@ class UnloadLoraAdapterRequest(_Strict):
     lora_name: str = Field(min_length=1)
 
 
+class AbortRequest(_Strict):
+    """SGLang's POST /abort_request."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
 class SeparateReasoningRequest(_Strict):
     """SGLang's POST /separate_reasoning."""
 

@@ -21,6 +21,7 @@ GET /v1/models, /v1/models/{id}, /health, /get_model_info, /metrics, /openapi.js
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -37,11 +38,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from openai_frontend.chat import ChatHandler
 from openai_frontend.common import Context, json_response
 from openai_frontend.completions import CompletionHandler
-from openai_frontend.engine_types import EngineClient
+from openai_frontend.engine_types import EngineClient, EngineRequest
 from openai_frontend.errors import APIError, bad_request, model_not_found, unavailable
 from openai_frontend.generate import GenerateHandler
 from openai_frontend.metrics import FrontendMetrics, endpoint_label
 from openai_frontend.protocol import (
+    AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -308,6 +310,23 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
             return Response(status_code=200)
         raise unavailable(f"Triton model '{settings.triton_model}' at {settings.triton_url} is not ready")
 
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        """SGLang's: 200 once one token went through the whole path (ensemble and engine)."""
+        probe = EngineRequest(sampling_params={"max_new_tokens": 1, "temperature": 0},
+                              input_ids=[0], request_id=f"health-{_request_id(request)}", stream=False)
+
+        async def one_token() -> None:
+            async for _ in ctx.client.generate(probe):
+                pass
+
+        try:
+            await asyncio.wait_for(one_token(), settings.health_generate_timeout)
+        except (APIError, TimeoutError) as exc:
+            reason = exc.message if isinstance(exc, APIError) else "no answer in time"
+            raise unavailable(f"the engine did not generate a token: {reason}") from None
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         text = ctx.metrics.render(out_of_order=getattr(ctx.client, "out_of_order_responses", None))
@@ -386,6 +405,15 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     async def v1_unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
         await lora_update({"op": "unload", "name": body.lora_name})
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    @app.api_route("/abort_request", methods=["POST", "PUT"])
+    async def abort_request(body: AbortRequest) -> Response:
+        """SGLang's: the named request (or all of this frontend's) ends now with finish_reason
+        "abort", keeping what it generated; an id with nothing in flight is not an error."""
+        if not body.rid and not body.abort_all:
+            raise bad_request("give the request's rid, or abort_all: true", param="rid")
+        aborted = await ctx.client.abort_requests(body.rid or None, body.abort_all)
+        return json_response({"aborted": aborted})
 
     @app.post("/separate_reasoning")
     async def separate_reasoning(body: SeparateReasoningRequest) -> Response:

@@ -33,6 +33,7 @@ class Settings:
     # unless enabled here (and in the engine: LLM_ENABLE_CUSTOM_LOGIT_PROCESSOR).
     enable_custom_logit_processor: bool = False
     retry_after_s: int = 1  # Retry-After on 503s (overload, Triton down)
+    health_generate_timeout: float = 20.0  # seconds /health_generate waits for its one token
 
     @property
     def served_model_name(self) -> str:

@@ -56,6 +56,7 @@ class FakeLLMClient:
         self.closed_early = threading.Event()
         self.ready = True
         self.adapters: dict[str, str] = {}  # what lora_update loads, name -> path
+        self.aborts: list[tuple[Optional[str], bool]] = []  # abort_requests calls
 
     async def lora_update(self, command: dict[str, Any]) -> dict[str, str]:
         op, name = command.get("op"), command.get("name")
@@ -67,6 +68,10 @@ class FakeLLMClient:
             if self.adapters.pop(name, None) is None:
                 raise APIError(400, f"LoRA adapter '{name}' is not loaded")
         return dict(self.adapters)
+
+    async def abort_requests(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
+        self.aborts.append((rid, abort_all))
+        return 0
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         self.requests.append(request)

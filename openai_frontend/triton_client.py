@@ -199,6 +199,11 @@ def _decode_generic(response: Any) -> EngineChunk:
     )
 
 
+def _batch_item_of(client_id: str, rid: Optional[str]) -> bool:
+    """Whether `client_id` is prompt i of the batch request `rid` (its streams are `<rid>-<i>`)."""
+    return bool(rid) and client_id.startswith(f"{rid}-") and client_id[len(rid) + 1 :].isdigit()
+
+
 def _is_final(response: Any) -> bool:
     params = response.parameters
     return "triton_final_response" in params and params["triton_final_response"].bool_param
@@ -328,6 +333,9 @@ class TritonLLMClient:
         self.abort_model = abort_model
         self._client: Optional[grpcclient_aio.InferenceServerClient] = None
         self._aborts: set[asyncio.Task] = set()
+        # The Triton request id of every stream in flight, by the request id the client knows
+        # (SGLang's /abort_request names the latter).
+        self._streams: dict[str, set[str]] = {}
         self.out_of_order_responses = 0  # see _out_of_order
 
     def _get(self) -> grpcclient_aio.InferenceServerClient:
@@ -377,6 +385,8 @@ class TritonLLMClient:
             responses = self._get().stream_infer(requests(), stream_timeout=self.stream_timeout)
         except InferenceServerException as exc:
             raise unavailable(f"Triton server unavailable: {exc.message()}") from None
+        streams = self._streams.setdefault(request.request_id, set())
+        streams.add(request_id)
         decode = ResponseDecoder()
         multi = request.n > 1
         seen = [0] * request.n  # completion_tokens so far, per sample: must never go down
@@ -409,12 +419,31 @@ class TritonLLMClient:
             raise map_rpc_error(exc) from None
         finally:
             done.set()
+            streams.discard(request_id)
+            if not streams and self._streams.get(request.request_id) is streams:
+                del self._streams[request.request_id]
             if not finished:
                 responses.cancel()
                 if self.abort_model:
                     task = asyncio.ensure_future(self._abort(request_id))
                     self._aborts.add(task)
                     task.add_done_callback(self._aborts.discard)
+
+    async def abort_requests(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
+        """End in-flight requests early, as SGLang's /abort_request does: each one finishes
+        normally with finish_reason "abort" (what it generated so far is kept). `rid` names a
+        request by the id its client knows (a batch's prompts are `<rid>-<i>`); `abort_all`
+        takes every request of this frontend. Returns the number of streams aborted."""
+        if not self.abort_model:
+            raise APIError(400, "aborting requests needs the frontend's --abort-model (the engine model)")
+        targets = [
+            triton_id
+            for client_id, ids in self._streams.items()
+            if abort_all or client_id == rid or _batch_item_of(client_id, rid)
+            for triton_id in ids
+        ]
+        await asyncio.gather(*(self._abort(triton_id) for triton_id in targets))
+        return len(targets)
 
     async def tokenize(self, request: EngineRequest) -> list[int]:
         """The prompt's token ids as the server computes them for generation: the

@@ -30,7 +30,7 @@ from openai_frontend.errors import APIError
 from openai_frontend.server import create_app
 from openai_frontend.settings import Settings
 from openai_frontend.testing import scrape_metric, serve_in_thread, start_triton, wait_kv_blocks_free
-from openai_frontend.triton_client import TritonLLMClient
+from openai_frontend.triton_client import TritonLLMClient, _is_final, build_inputs
 
 MODEL = "demo"
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -561,6 +561,116 @@ def test_client_disconnect_before_the_response_frees_kv_blocks(triton, base_url)
     while _aborted(triton) < aborted + 1:
         assert time.monotonic() < deadline, "the engine did not abort the request"
         time.sleep(0.05)
+
+
+def _stream_until_aborted(url: str, body: dict, started: threading.Event, out: list) -> None:
+    with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 3:
+                    started.set()
+        out.append(events)
+
+
+def test_abort_request_ends_streams_with_finish_reason_abort(triton, base_url):
+    """SGLang's /abort_request: by rid (a /generate stream, and one prompt of a batch), and
+    abort_all (OpenAI streams); each keeps what it generated and frees its blocks."""
+    aborted = _aborted(triton)
+    long = {"max_new_tokens": 3000, "ignore_eos": True}
+    bodies = {
+        "single": {"text": "tell me", "stream": True, "rid": "abort-me", "sampling_params": long},
+        "batch": {"text": ["one", "two"], "stream": True, "rid": "abort-batch", "sampling_params": long},
+    }
+    for name, body in bodies.items():
+        started, out = threading.Event(), []
+        t = threading.Thread(target=_stream_until_aborted, args=(base_url + "/generate", body, started, out))
+        t.start()
+        assert started.wait(30)
+        r = httpx.post(base_url + "/abort_request", json={"rid": body["rid"]})
+        assert r.status_code == 200 and r.json() == {"aborted": 1 if name == "single" else 2}, r.text
+        t.join(30)
+        assert not t.is_alive() and out, name
+        finals = [e["meta_info"] for e in out[0] if e["meta_info"].get("finish_reason")]
+        assert finals and all(m["finish_reason"]["type"] == "abort" for m in finals), finals
+        assert all(0 < m["completion_tokens"] < 3000 for m in finals)
+    # abort_all, over OpenAI chat streams
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 3000, "ignore_eos": True}
+    threads, outs = [], []
+    for _ in range(3):
+        started, out = threading.Event(), []
+        threads.append((threading.Thread(target=_stream_until_aborted,
+                                         args=(base_url + "/v1/chat/completions", body, started, out)), started))
+        outs.append(out)
+        threads[-1][0].start()
+    assert all(started.wait(30) for _, started in threads)
+    r = httpx.put(base_url + "/abort_request", json={"abort_all": True})
+    assert r.status_code == 200 and r.json()["aborted"] >= 3
+    for t, _ in threads:
+        t.join(30)
+    for out in outs:
+        reasons = [c["choices"][0]["finish_reason"] for c in out[0] if c.get("choices") and c["choices"][0]["finish_reason"]]
+        assert reasons == ["abort"], reasons
+    wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+    assert _aborted(triton) >= aborted + 6
+    # an id with nothing in flight is no error; neither rid nor abort_all is one
+    assert httpx.post(base_url + "/abort_request", json={"rid": "nobody"}).json() == {"aborted": 0}
+    r = httpx.post(base_url + "/abort_request", json={})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
+    assert httpx.post(base_url + "/abort_request", json={"rid": "x", "bogus": 1}).status_code == 400
+
+
+def test_health_generate_goes_through_the_engine(triton, base_url):
+    steps = scrape_metric(_metrics_url(triton), "llm_engine_steps_total") or 0.0
+    r = httpx.get(base_url + "/health_generate", timeout=30)
+    assert r.status_code == 200
+    time.sleep(1.2)  # the engine publishes at once when idle, at most every 1 s while busy
+    assert (scrape_metric(_metrics_url(triton), "llm_engine_steps_total") or 0.0) > steps
+    wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+
+
+def test_an_abort_that_overtakes_its_request_still_aborts_it(triton):
+    """The frontend's abort can reach the llm model before the request it names (still in
+    preprocessing): the model remembers it and ends the request as soon as it arrives."""
+    url = triton["server"].grpc_url
+    client = TritonLLMClient(url, "llm", abort_model="llm")
+
+    async def scenario():
+        try:
+            await client._abort("early-1")  # nothing runs under this id yet
+            req = EngineRequest(sampling_params={"max_new_tokens": 3000, "ignore_eos": True}, input_ids=[5, 6, 7])
+            payload = {"model_name": "llm", "inputs": build_inputs(req), "request_id": "early-1",
+                       "parameters": {"triton_enable_empty_final_response": True}}
+            return await _llm_stream(client, payload)
+        finally:
+            await client.close()
+
+    reasons = _run(scenario())
+    assert reasons and reasons[-1] == "abort", reasons
+    wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+
+
+async def _llm_stream(client: TritonLLMClient, payload: dict) -> list[str]:
+    """The finish_reason of each response of one llm stream, to the final one."""
+    done = asyncio.Event()
+
+    async def one():
+        yield payload
+        await done.wait()
+
+    reasons = []
+    try:
+        async for result, error in client._get().stream_infer(one()):
+            assert error is None, error
+            if result.get_response().outputs:
+                reasons.append(result.as_numpy("finish_reason").reshape(-1)[0].decode())
+            if _is_final(result.get_response()):
+                break
+    finally:
+        done.set()
+    return reasons
 
 
 def test_client_disconnect_stops_a_beam_search(triton):

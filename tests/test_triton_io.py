@@ -20,3 +20,4 @@ def test_engine_config_overrides_cast_through_the_same_rule():
     assert engine_config_overrides(params, env) == {"max_num_seqs": 8, "enable_prefix_caching": False, "seed": 3}
     assert engine_config_overrides({"scheduling_policy": "fcfs"}, {"LLM_SCHEDULING_POLICY": "priority"}) == {
         "scheduling_policy": "priority"}
+

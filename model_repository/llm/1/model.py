@@ -3,8 +3,8 @@
 import json
 import os
 import sys
-import threading
 import time
+import uuid
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -17,6 +17,7 @@ from backend.config import EngineConfig  # noqa: E402
 from backend.engine import EngineOverloaded, EngineStats, LLMEngine, RequestError  # noqa: E402
 from backend.outbox import Outbox, StreamResponder  # noqa: E402
 from backend.outputs import RequestOutput  # noqa: E402
+from backend.request_index import TritonRequestIndex  # noqa: E402
 from backend.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
 from backend.triton_io import (  # noqa: E402
     LLM_INPUTS,
@@ -78,11 +79,8 @@ class TritonPythonModel:
         self._outbox = Outbox("llm-responses", responses_per_step=per_step, senders=senders)
         self._last_publish = 0.0
         self.engine.on_step = self._on_step
-        # Triton request id -> engine request ids, for abort_request_id: cancelling an ensemble
-        # stream does not reach this model's running request in Triton 2.51, so the frontend
-        # sends an explicit abort naming the ensemble request's id (which Triton propagates).
-        self._by_triton_id: dict[str, set[str]] = {}
-        self._ids_lock = threading.Lock()
+        # Triton request id -> engine request ids, for abort_request_id (backend/request_index.py).
+        self._requests = TritonRequestIndex()
         self.engine.start()
         stats = self.engine.stats()
         self._publish(stats, force=True)
@@ -118,13 +116,19 @@ class TritonPythonModel:
                     stream_interval=self.stream_interval,
                     on_output=self._metrics.request_timing(params.n).on_output,
                 )
-                engine_id = self.engine.add_request(
-                    prompt_ids, params, responder, is_cancelled=guarded.is_cancelled
-                )
+                # Indexed before the engine sees it, so a fast finish cannot precede the entry.
+                engine_id = uuid.uuid4().hex
+                aborted_first = bool(triton_id) and self._requests.add(triton_id, engine_id)
                 if triton_id:
-                    responder.on_final = lambda t=triton_id, e=engine_id: self._forget(t, e)
-                    with self._ids_lock:
-                        self._by_triton_id.setdefault(triton_id, set()).add(engine_id)
+                    responder.on_final = lambda t=triton_id, e=engine_id: self._requests.forget(t, e)
+                try:
+                    self.engine.add_request(prompt_ids, params, responder, request_id=engine_id,
+                                            is_cancelled=guarded.is_cancelled)
+                except Exception:
+                    self._requests.forget(triton_id, engine_id)
+                    raise
+                if aborted_first:
+                    self.engine.abort(engine_id)
             except (RequestError, SamplingParamsError) as exc:
                 self._metrics.rejected("invalid_argument")
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
@@ -139,19 +143,8 @@ class TritonPythonModel:
         return None
 
     def _abort(self, arr) -> None:
-        triton_id = parse_abort_request_id(arr)
-        with self._ids_lock:
-            engine_ids = self._by_triton_id.pop(triton_id, set())
-        for engine_id in engine_ids:
+        for engine_id in self._requests.abort(parse_abort_request_id(arr)):
             self.engine.abort(engine_id)
-
-    def _forget(self, triton_id: str, engine_id: str) -> None:
-        with self._ids_lock:
-            ids = self._by_triton_id.get(triton_id)
-            if ids is not None:
-                ids.discard(engine_id)
-                if not ids:
-                    del self._by_triton_id[triton_id]
 
     def _on_step(self, stats: EngineStats) -> None:
         self._outbox.tick()
