@@ -163,12 +163,16 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.block_hash = None
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached contents of every block nobody holds; returns how many."""
+        forgotten = 0
         for h, block in list(self._by_hash.items()):
             b = self._blocks[block]
             if b.ref_count == 0:
                 b.hash, b.token_ids = None, ()
                 del self._by_hash[h]
+                forgotten += 1
+        return forgotten
 
 
 def chain_hash_of(token_ids: Seq[int], num_blocks: int, block_size: int, salt: Optional[int] = None) -> Optional[int]:

@@ -7,6 +7,7 @@ boundaries, so the scheduler and KV bookkeeping need no locks.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -351,10 +352,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._tracked) or not self._inbox.empty()
 
-    def reset_prefix_cache(self) -> None:
-        """Forget cached blocks not in use (benchmarks: measure with a cold cache)."""
-        self._inbox.put(("reset_prefix_cache", None))
+    def reset_prefix_cache(self) -> "concurrent.futures.Future[int]":
+        """Forget the cached blocks no request holds (benchmarks: measure with a cold cache;
+        SGLang's /flush_cache, vLLM's /reset_prefix_cache). Done by the step loop between steps;
+        the future gets the number of blocks forgotten."""
+        done: "concurrent.futures.Future[int]" = concurrent.futures.Future()
+        self._inbox.put(("reset_prefix_cache", done))
         self._wakeup.set()
+        return done
 
     # ------------------------------------------------------------------ loop
     def start(self) -> None:
@@ -645,7 +650,7 @@ class LLMEngine:
                 for rid in self._groups.get(payload, [payload]):
                     self._end(rid, FinishReason.ABORT)
             elif kind == "reset_prefix_cache":
-                self.block_manager.reset_prefix_cache()
+                payload.set_result(self.block_manager.reset_prefix_cache())
 
     def _admit_compiled(self) -> None:
         if not self._compiling:

@@ -27,7 +27,7 @@ SCALAR_INPUTS: dict[str, str] = {
     "random_seed": "seed",
 }
 LLM_INPUTS = ("input_ids", "stream", "stop_words", "sampling_parameters", "abort_request_id", "lora_update",
-              *SCALAR_INPUTS)
+              "reset_prefix_cache", *SCALAR_INPUTS)
 
 
 def _scalar(arr: np.ndarray, name: str = "input") -> Any:
@@ -169,6 +169,13 @@ def server_torch_threads() -> int:
 
 def parse_abort_request_id(arr: np.ndarray) -> str:
     return str(_scalar(arr, "abort_request_id"))
+
+
+def reset_prefix_cache(engine: Any, timeout: float = 30.0) -> np.ndarray:
+    """The llm model's `reset_prefix_cache` control input; returns the `meta_info` output,
+    {"forgotten_blocks": N}."""
+    forgotten = engine.reset_prefix_cache().result(timeout)
+    return np.array([json.dumps({"forgotten_blocks": forgotten}).encode()], dtype=np.object_)
 
 
 def lora_update(engine: Any, arr: np.ndarray) -> np.ndarray:

@@ -415,6 +415,18 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         aborted = await ctx.client.abort_requests(body.rid or None, body.abort_all)
         return json_response({"aborted": aborted})
 
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        """SGLang's: forget the prefix cache (blocks running requests hold stay until they end)."""
+        forgotten = await ctx.client.reset_prefix_cache()
+        return Response(f"Cache flushed: {forgotten} cached KV blocks forgotten.\n", media_type="text/plain")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's (its dev-mode route): the same as /flush_cache."""
+        await ctx.client.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.post("/separate_reasoning")
     async def separate_reasoning(body: SeparateReasoningRequest) -> Response:
         name = body.reasoning_parser or settings.reasoning_parser

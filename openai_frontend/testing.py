@@ -73,6 +73,9 @@ class FakeLLMClient:
         self.aborts.append((rid, abort_all))
         return 0
 
+    async def reset_prefix_cache(self) -> int:
+        return 0
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         self.requests.append(request)
         outcome = "closed"

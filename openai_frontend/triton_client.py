@@ -495,17 +495,28 @@ class TritonLLMClient:
     async def lora_update(self, command: dict[str, Any]) -> dict[str, str]:
         """Send the llm model a `lora_update` control request ({"op": "load" | "unload" | "list",
         "name", "path"}); returns the adapters it serves afterwards, name -> path."""
+        # Loading reads the adapter's weights: a generous timeout.
+        meta = await self._llm_control([_bytes_input("lora_update", json.dumps(command))], "lora_update", 120)
+        return dict(meta["loaded_adapters"])
+
+    async def reset_prefix_cache(self) -> int:
+        """Have the engine forget the cached KV blocks no request holds; returns how many."""
+        meta = await self._llm_control([_bool_input("reset_prefix_cache", True)], "reset_prefix_cache", 30)
+        return int(meta["forgotten_blocks"])
+
+    async def _llm_control(self, inputs: list[InferInput], what: str, timeout: float) -> dict[str, Any]:
+        """One control request to the llm model; its answer is the final response's meta_info."""
         payload = {
             "model_name": self.abort_model or "llm",
-            "inputs": [_bytes_input("lora_update", json.dumps(command))],
-            "request_id": f"lora.{uuid.uuid4().hex}",
+            "inputs": inputs,
+            "request_id": f"{what}.{uuid.uuid4().hex}",
         }
 
         async def one() -> AsyncIterator[dict[str, Any]]:
             yield payload
 
         try:
-            async with asyncio.timeout(120):  # loading reads the adapter's weights
+            async with asyncio.timeout(timeout):
                 async for result, error in self._get().stream_infer(one()):
                     if error is not None:
                         raise map_stream_error(error.message() if isinstance(error, InferenceServerException)
@@ -513,12 +524,12 @@ class TritonLLMClient:
                     meta = result.as_numpy("meta_info")
                     if meta is not None:
                         text = meta.reshape(-1)[0]
-                        return dict(json.loads(text.decode() if isinstance(text, bytes) else text)["loaded_adapters"])
+                        return json.loads(text.decode() if isinstance(text, bytes) else text)
         except grpc.RpcError as exc:
             raise map_rpc_error(exc) from None
         except TimeoutError:
-            raise unavailable("the llm model did not answer the lora_update request") from None
-        raise unavailable("the llm model sent no answer to the lora_update request")
+            raise unavailable(f"the llm model did not answer the {what} request") from None
+        raise unavailable(f"the llm model sent no answer to the {what} request")
 
     async def _abort(self, request_id: str) -> None:
         """Ask the engine model to drop `request_id`.

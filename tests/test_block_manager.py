@@ -233,6 +233,21 @@ def test_cached_free_blocks_are_evicted_lru_when_pool_is_needed():
     assert bm.match_prefix(again) == []
 
 
+def test_reset_prefix_cache_forgets_only_blocks_nobody_holds():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    done = _tokens_seq(list(range(10, 19)))  # 2 full blocks
+    _admit_and_compute(sched, done)
+    sched.finish(done, FinishReason.STOP)
+    running = _tokens_seq(list(range(30, 39)))  # 2 full blocks, held
+    _admit_and_compute(sched, running)
+    assert bm.num_cached_blocks == 4
+    assert bm.reset_prefix_cache() == 2
+    assert bm.match_prefix(_tokens_seq(list(range(10, 19)))) == []
+    assert len(bm.match_prefix(_tokens_seq(list(range(30, 39))))) == 2  # still shareable
+    assert bm.reset_prefix_cache() == 0
+
+
 def test_different_content_never_hits_and_disabled_cache_never_shares():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)

@@ -631,6 +631,28 @@ def test_health_generate_goes_through_the_engine(triton, base_url):
     wait_kv_blocks_free(_metrics_url(triton), timeout=10)
 
 
+def test_flush_cache_makes_the_next_prompt_cold(triton, base_url):
+    """SGLang's /flush_cache and vLLM's /reset_prefix_cache reach the engine's prefix cache."""
+    body = {"text": "a shared system prompt " * 20, "sampling_params": {"max_new_tokens": 1}}
+
+    def cached() -> int:
+        r = httpx.post(base_url + "/generate", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0  # the second time, the prompt's full blocks come from the cache
+    r = httpx.post(base_url + "/flush_cache")
+    assert r.status_code == 200 and r.text.startswith("Cache flushed: ")
+    assert int(r.text.split()[2]) > 0, r.text
+    assert cached() == 0
+    assert httpx.post(base_url + "/reset_prefix_cache").status_code == 200
+    assert cached() == 0
+    r = httpx.get(base_url + "/flush_cache")  # SGLang accepts GET too; the last prompt is cached again
+    assert r.status_code == 200 and int(r.text.split()[2]) > 0, r.text
+    wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+
+
 def test_an_abort_that_overtakes_its_request_still_aborts_it(triton):
     """The frontend's abort can reach the llm model before the request it names (still in
     preprocessing): the model remembers it and ends the request as soon as it arrives."""

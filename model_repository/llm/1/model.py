@@ -27,6 +27,7 @@ from backend.triton_io import (  # noqa: E402
     lora_update,
     parse_abort_request_id,
     parse_llm_inputs,
+    reset_prefix_cache,
     server_torch_threads,
 )  # noqa: E402
 from backend.triton_metrics import LLMMetrics  # noqa: E402
@@ -98,8 +99,9 @@ class TritonPythonModel:
                     self._abort(arrays["abort_request_id"])
                     sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
                     continue
-                if "lora_update" in arrays:
-                    meta = lora_update(self.engine, arrays["lora_update"])
+                if "lora_update" in arrays or "reset_prefix_cache" in arrays:
+                    meta = (lora_update(self.engine, arrays["lora_update"]) if "lora_update" in arrays
+                            else reset_prefix_cache(self.engine))
                     sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
                                 flags=FINAL)
                     continue
