@@ -406,7 +406,8 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         await lora_update({"op": "unload", "name": body.lora_name})
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
-    @app.api_route("/abort_request", methods=["POST", "PUT"])
+    @app.post("/abort_request", operation_id="abort_request_post")
+    @app.put("/abort_request", operation_id="abort_request_put")
     async def abort_request(body: AbortRequest) -> Response:
         """SGLang's: the named request (or all of this frontend's) ends now with finish_reason
         "abort", keeping what it generated; an id with nothing in flight is not an error."""
@@ -415,7 +416,8 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         aborted = await ctx.client.abort_requests(body.rid or None, body.abort_all)
         return json_response({"aborted": aborted})
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache_post")
     async def flush_cache() -> Response:
         """SGLang's: forget the prefix cache (blocks running requests hold stay until they end)."""
         forgotten = await ctx.client.reset_prefix_cache()

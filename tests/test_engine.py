@@ -239,3 +239,51 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
 def _collect(results: dict, key, out: RequestOutput) -> None:
     prev = results.get(key)
     results[key] = out if prev is None else prev.merge(out)
+
+
+def test_random_traffic_with_aborts_preemption_and_sharing_stays_exact(demo_model_path, hf_model):
+    """Requests arrive over time with shared prefixes (prefix caching), some with n = 2, into a
+    pool small enough that preemption is routine, and a quarter are aborted mid-flight. Every
+    sample equals HF's greedy continuation (an aborted one, a prefix of it), and the pool is
+    whole at the end."""
+    eng = make_engine(demo_model_path, num_kv_blocks=24, block_size=8, max_model_len=128,
+                      max_num_batched_tokens=64, enable_prefix_caching=True)
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(eng.vocab_size) for _ in range(rng.randint(10, 40))] for _ in range(3)]
+    plan = []  # (arrival step, prompt, n, abort step or None, max_new)
+    for i in range(20):
+        prompt = rng.choice(prefixes) + [rng.randrange(eng.vocab_size) for _ in range(rng.randint(1, 20))]
+        arrive = rng.randint(0, 40)
+        plan.append((arrive, prompt, rng.choice([1, 1, 2]),
+                     arrive + rng.randint(1, 30) if rng.random() < 0.25 else None, rng.randint(4, MAX_NEW)))
+    outs: dict[tuple[int, int], RequestOutput] = {}
+    ids: dict[int, str] = {}
+    try:
+        step = 0
+        while step <= 80 or eng.has_unfinished():
+            for i, (arrive, prompt, n, abort_at, max_new) in enumerate(plan):
+                if arrive == step:
+                    params = eng.parse_params({"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True, "n": n})
+                    ids[i] = eng.add_request(prompt, params, lambda o, i=i: _collect(outs, (i, o.index), o))
+                if abort_at == step:
+                    eng.abort(ids[i])
+            eng.step()
+            step += 1
+            assert step < 2000, "the engine stopped making progress"
+        stats = eng.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+    aborted = 0
+    for i, (_, prompt, n, abort_at, max_new) in enumerate(plan):
+        want = hf_greedy(hf_model, prompt, max_new)
+        for s in range(n):
+            out = outs[(i, s)]
+            assert out.finished
+            if out.finish_reason == "abort":
+                aborted += 1
+                assert out.new_token_ids == want[: len(out.new_token_ids)], (i, s)
+            else:
+                assert out.finish_reason == "length" and out.new_token_ids == want, (i, s)
+    assert aborted > 0
