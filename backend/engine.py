@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import queue
@@ -348,6 +349,18 @@ class LLMEngine:
             jump_forward_tokens_total=self._jump_forward_tokens_total,
             jump_forward_respelled_total=self._jump_forward_respelled_total,
         )
+
+    def info(self) -> dict[str, Any]:
+        """The effective configuration ("auto" resolved) and counters, for SGLang's /get_server_info."""
+        config = self.config.model_dump(mode="json")
+        config.update(
+            device=str(self.model.device),
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            num_kv_blocks=self.block_manager.num_blocks,
+            max_model_len=self.max_model_len,
+        )
+        return {"config": config, "vocab_size": self.vocab_size, "lora_adapters": self.lora_adapters(),
+                "stats": dataclasses.asdict(self.stats())}
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked) or not self._inbox.empty()

@@ -27,7 +27,7 @@ SCALAR_INPUTS: dict[str, str] = {
     "random_seed": "seed",
 }
 LLM_INPUTS = ("input_ids", "stream", "stop_words", "sampling_parameters", "abort_request_id", "lora_update",
-              "reset_prefix_cache", *SCALAR_INPUTS)
+              "reset_prefix_cache", "engine_info", *SCALAR_INPUTS)
 
 
 def _scalar(arr: np.ndarray, name: str = "input") -> Any:
@@ -171,11 +171,18 @@ def parse_abort_request_id(arr: np.ndarray) -> str:
     return str(_scalar(arr, "abort_request_id"))
 
 
-def reset_prefix_cache(engine: Any, timeout: float = 30.0) -> np.ndarray:
-    """The llm model's `reset_prefix_cache` control input; returns the `meta_info` output,
-    {"forgotten_blocks": N}."""
-    forgotten = engine.reset_prefix_cache().result(timeout)
-    return np.array([json.dumps({"forgotten_blocks": forgotten}).encode()], dtype=np.object_)
+def control(engine: Any, arrays: dict[str, np.ndarray]) -> Optional[np.ndarray]:
+    """The llm model's control inputs (each comes alone in its request): the one response's
+    `meta_info`, or None when the request is a generation. Raises ValueError with the reason."""
+    if "lora_update" in arrays:
+        return lora_update(engine, arrays["lora_update"])
+    if "reset_prefix_cache" in arrays:
+        meta = {"forgotten_blocks": engine.reset_prefix_cache().result(30.0)}
+    elif "engine_info" in arrays:
+        meta = engine.info()
+    else:
+        return None
+    return np.array([json.dumps(meta).encode()], dtype=np.object_)
 
 
 def lora_update(engine: Any, arr: np.ndarray) -> np.ndarray:

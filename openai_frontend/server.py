@@ -22,6 +22,7 @@ GET /v1/models, /v1/models/{id}, /health, /get_model_info, /metrics, /openapi.js
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -331,6 +332,15 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     async def metrics() -> Response:
         text = ctx.metrics.render(out_of_order=getattr(ctx.client, "out_of_order_responses", None))
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/get_server_info")
+    async def server_info() -> Response:
+        """SGLang's: how this server runs. The frontend's settings (no secrets) and the engine's
+        effective configuration ("auto" resolved: KV blocks, context length, device, dtype)
+        with its counters."""
+        frontend = {k: v for k, v in dataclasses.asdict(settings).items() if k != "api_key"}
+        frontend["served_model_name"] = ctx.model_name
+        return json_response({"frontend": frontend, "engine": await ctx.client.engine_info()})
 
     @app.get("/get_model_info")
     async def model_info() -> Response:

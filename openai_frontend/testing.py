@@ -76,6 +76,9 @@ class FakeLLMClient:
     async def reset_prefix_cache(self) -> int:
         return 0
 
+    async def engine_info(self) -> dict[str, Any]:
+        return {"config": {"model_path": "fake"}, "stats": {}}
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         self.requests.append(request)
         outcome = "closed"

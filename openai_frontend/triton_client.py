@@ -504,6 +504,10 @@ class TritonLLMClient:
         meta = await self._llm_control([_bool_input("reset_prefix_cache", True)], "reset_prefix_cache", 30)
         return int(meta["forgotten_blocks"])
 
+    async def engine_info(self) -> dict[str, Any]:
+        """The engine's effective configuration and counters (the llm model's `engine_info`)."""
+        return await self._llm_control([_bool_input("engine_info", True)], "engine_info", 30)
+
     async def _llm_control(self, inputs: list[InferInput], what: str, timeout: float) -> dict[str, Any]:
         """One control request to the llm model; its answer is the final response's meta_info."""
         payload = {

@@ -653,6 +653,18 @@ def test_flush_cache_makes_the_next_prompt_cold(triton, base_url):
     wait_kv_blocks_free(_metrics_url(triton), timeout=10)
 
 
+def test_get_server_info_reports_the_effective_engine_config(triton, base_url):
+    info = httpx.get(base_url + "/get_server_info").json()
+    engine, frontend = info["engine"], info["frontend"]
+    cfg = engine["config"]
+    assert cfg["device"] == "cpu" and cfg["dtype"] == "float32"
+    assert cfg["num_kv_blocks"] > 0 and cfg["max_model_len"] > 0 and cfg["block_size"] == 16  # "auto" resolved
+    assert cfg["model_path"] == str(triton["model"]) and engine["vocab_size"] == 4096
+    assert engine["stats"]["num_kv_blocks"] == cfg["num_kv_blocks"] and engine["stats"]["num_steps"] >= 0
+    assert frontend["served_model_name"] == MODEL and frontend["tool_call_parser"] == "qwen25"
+    assert "api_key" not in frontend
+
+
 def test_an_abort_that_overtakes_its_request_still_aborts_it(triton):
     """The frontend's abort can reach the llm model before the request it names (still in
     preprocessing): the model remembers it and ends the request as soon as it arrives."""

@@ -21,13 +21,12 @@ from backend.request_index import TritonRequestIndex  # noqa: E402
 from backend.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
 from backend.triton_io import (  # noqa: E402
     LLM_INPUTS,
+    control,
     engine_config_overrides,
     llm_output_arrays,
     llm_setting,
-    lora_update,
     parse_abort_request_id,
     parse_llm_inputs,
-    reset_prefix_cache,
     server_torch_threads,
 )  # noqa: E402
 from backend.triton_metrics import LLMMetrics  # noqa: E402
@@ -99,9 +98,8 @@ class TritonPythonModel:
                     self._abort(arrays["abort_request_id"])
                     sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
                     continue
-                if "lora_update" in arrays or "reset_prefix_cache" in arrays:
-                    meta = (lora_update(self.engine, arrays["lora_update"]) if "lora_update" in arrays
-                            else reset_prefix_cache(self.engine))
+                meta = control(self.engine, arrays)
+                if meta is not None:
                     sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
                                 flags=FINAL)
                     continue
