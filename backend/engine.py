@@ -219,7 +219,17 @@ class LLMEngine:
         adapter = self._adapter(params.lora_path)
         processor = self._custom_processor(params)
         compiled = self._submit_grammar(params)
-        max_new = min(params.max_new_tokens, self.max_model_len - len(prompt_ids))
+        room = self.max_model_len - len(prompt_ids)
+        if params.max_new_tokens is None:
+            max_new = room
+        elif params.max_new_tokens > room and "max_new_tokens" in params.model_fields_set:
+            # Asked for, not defaulted: refused, as SGLang and vLLM do, rather than cut short.
+            raise RequestError(
+                f"max_new_tokens {params.max_new_tokens} does not fit: the context is {self.max_model_len} tokens "
+                f"and the prompt has {len(prompt_ids)}, which leaves {room}"
+            )
+        else:
+            max_new = min(params.max_new_tokens, room)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         stop_regexes = [regex.compile(p) for p in params.stop_regex]
         children: list[_Tracked] = []

@@ -254,7 +254,7 @@ class Sampler:
 
         custom = [i for i, r in enumerate(rows) if r.custom_processor is not None]
         if custom:
-            logits = _apply_custom(logits, rows, custom)
+            logits = _apply_custom(logits, rows, custom, errors)
 
         if any(r.params.temperature > 0 for r in rows):  # rows at temperature 0 come back unscaled anyway
             temps = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=torch.float32)
@@ -340,16 +340,25 @@ def _apply_row_processors(logits: torch.Tensor, i: int, r: SamplingRow, errors: 
     logits[i] = row.to(device=logits.device, dtype=logits.dtype)
 
 
-def _apply_custom(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> torch.Tensor:
-    # One call per distinct processor, with the rows that use it, as SGLang batches them.
+def _apply_custom(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int], errors: dict[int, str]) -> torch.Tensor:
+    # One call per distinct processor, with the rows that use it, as SGLang batches them. A
+    # processor that raises or returns a bad tensor fails only the rows it was given (recorded
+    # in ``errors``, left drawable), not the batch.
     groups: dict[int, list[int]] = {}
     for i in idx:
         groups.setdefault(id(rows[i].custom_processor), []).append(i)
     for members in groups.values():
         proc: Callable = rows[members[0]].custom_processor
         params = [dict(rows[i].params.custom_params or {}) for i in members]
-        out = proc(logits[members].clone(), params)
-        if not isinstance(out, torch.Tensor) or out.shape != (len(members), logits.shape[1]):
-            raise ValueError("custom_logit_processor must return a tensor shaped like its input logits")
+        try:
+            out = proc(logits[members].clone(), params)
+            if not isinstance(out, torch.Tensor) or out.shape != (len(members), logits.shape[1]):
+                raise ValueError("it must return a tensor shaped like its input logits")
+            if not bool(torch.isfinite(out).any(dim=-1).all()):
+                raise ValueError("it left no token that can be drawn")
+        except Exception as exc:  # noqa: BLE001 - processors are code the request chose
+            for i in members:
+                errors[i] = f"custom_logit_processor failed: {exc!r}"
+            continue
         logits[members] = out.to(device=logits.device, dtype=logits.dtype)
     return logits

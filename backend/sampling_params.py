@@ -52,12 +52,17 @@ MAX_WHITESPACE_PATTERN_CHARS = 256
 MAX_LOGITS_PROCESSORS = 16
 
 
+# Temperatures below this are greedy (SGLang's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-6
+
+
 class SamplingParams(BaseModel):
     """The parameters the engine implements. Defaults are SGLang's constant ("openai") defaults."""
 
     model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
-    max_new_tokens: int = 128
+    # None: up to the end of the context (SGLang's and vLLM's meaning of an absent limit).
+    max_new_tokens: Optional[int] = 128
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -130,12 +135,19 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "SamplingParams":
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be at most max_new_tokens={self.max_new_tokens}, "
+                             f"got {self.min_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0  # as SGLang: below float precision, sampling would be greedy anyway
+        if self.top_k >= 2**31:
+            self.top_k = -1  # at least the vocabulary: no cut (and no int32 overflow in the sampler)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
@@ -324,7 +336,7 @@ def parse_sampling_params(raw: dict[str, Any], defaults: Optional[dict[str, Any]
     """
     merged: dict[str, Any] = dict(defaults or {})
     for key, value in _map_vllm_aliases(raw).items():
-        if value is None:
+        if value is None and key != "max_new_tokens":  # an explicit null limit: the whole context
             continue
         if key in UNSUPPORTED:
             if value in _OFF_VALUES.get(key, ()):

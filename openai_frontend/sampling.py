@@ -30,7 +30,11 @@ def _dumps(value: Any) -> str:
 
 
 def check_stop(stop: Any, stop_token_ids: Any, settings: Settings) -> None:
-    """The input-safety limits on stop strings (the engine checks their length)."""
+    """The input-safety limits on stop strings (the engine checks their length and types)."""
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise bad_request("stop must be a string or a list of strings", param="stop")
+    if stop_token_ids is not None and not isinstance(stop_token_ids, list):
+        raise bad_request("stop_token_ids must be a list of token ids", param="stop_token_ids")
     count = 1 if isinstance(stop, str) else len(stop or ())
     if count > settings.max_stop_strings:
         raise bad_request(f"at most {settings.max_stop_strings} stop strings are allowed, got {count}", param="stop")
@@ -177,10 +181,10 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     else:
         max_tokens, param = req.max_tokens, "max_tokens"
-    if max_tokens is not None:
-        if max_tokens < 0:
-            raise bad_request(f"{param} must be >= 0, got {max_tokens}", param=param)
-        sp["max_new_tokens"] = max_tokens
+    if max_tokens is not None and max_tokens < 0:
+        raise bad_request(f"{param} must be >= 0, got {max_tokens}", param=param)
+    # None: up to the end of the context, as vLLM (the engine's own default would be 128).
+    sp["max_new_tokens"] = max_tokens
     if req.temperature is not None:
         sp["temperature"] = req.temperature
     if req.top_p is not None:
@@ -193,13 +197,18 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         sp["frequency_penalty"] = req.frequency_penalty
     if req.presence_penalty:
         sp["presence_penalty"] = req.presence_penalty
-    if req.repetition_penalty is not None and req.repetition_penalty != 1.0:
+    # Sent even at its neutral value: an explicit 1.0 must win over the model's default.
+    if req.repetition_penalty is not None:
         sp["repetition_penalty"] = req.repetition_penalty
     if req.min_tokens:
+        if max_tokens is not None and req.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens must be less than or equal to {param}={max_tokens}, got {req.min_tokens}",
+                              param="min_tokens")
         sp["min_new_tokens"] = req.min_tokens
     if req.seed is not None:
         sp["seed"] = req.seed
-    if req.stop:
+    if req.stop is not None and req.stop != []:
+        # "" reaches the engine, which refuses an empty stop string as it does [""].
         sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if req.stop_token_ids:
         sp["stop_token_ids"] = list(req.stop_token_ids)

@@ -200,6 +200,16 @@ def test_bad_requests_are_refused_with_reasons(engine):
         engine.add_request([engine.vocab_size + 5], greedy(engine), lambda o: None)
     with pytest.raises(RequestError, match="context"):
         engine.add_request([1] * engine.max_model_len, greedy(engine), lambda o: None)
+    # A limit asked for that the context cannot hold is refused; the default one is cut to fit,
+    # and an explicit null one is the whole context.
+    room = engine.max_model_len - 3
+    with pytest.raises(RequestError, match=f"max_new_tokens {room + 1} does not fit.*leaves {room}"):
+        engine.add_request([1, 2, 3], greedy(engine, max_new_tokens=room + 1), lambda o: None)
+    long_prompt = [1] * (engine.max_model_len - 5)
+    (out,) = engine.generate([long_prompt], engine.parse_params({"temperature": 0, "ignore_eos": True}))
+    assert len(out.new_token_ids) == 5 and out.finish_reason == "length"  # 128 by default, cut to 5
+    (out,) = engine.generate([long_prompt], engine.parse_params({"max_new_tokens": None, "ignore_eos": True}))
+    assert len(out.new_token_ids) == 5
     # The engine still serves the next request.
     (out,) = engine.generate([[1, 2, 3]], greedy(engine))
     assert len(out.new_token_ids) == MAX_NEW

@@ -365,6 +365,13 @@ def test_custom_logit_processor_needs_the_flag(demo_model_path, engine):
         plain = eng.parse_params({"temperature": 0, "max_new_tokens": 5, "ignore_eos": True})
         forced, free = eng.generate([[5, 6, 7], [5, 6, 7]], [p, plain])
         assert forced.new_token_ids == [42] * 5 and free.new_token_ids != [42] * 5
+        # Without custom_params the processor raises (KeyError): only its own request fails.
+        broken = eng.parse_params({"temperature": 0, "max_new_tokens": 5, "ignore_eos": True,
+                                   "custom_logit_processor": serialized})
+        failed, ok = eng.generate([[5, 6, 7], [5, 6, 7]], [broken, plain])
+        assert failed.finish_reason == "abort" and "custom_logit_processor failed: KeyError" in failed.error
+        assert ok.new_token_ids == free.new_token_ids and ok.error is None
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
         with pytest.raises(RequestError, match="to_str"):
             eng.add_request([1], eng.parse_params({"custom_logit_processor": "not json"}), lambda o: None)
     finally:

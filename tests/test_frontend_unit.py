@@ -136,7 +136,8 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(client, fake):
     client.chat.completions.create(model=MODEL, messages=MESSAGES, logit_bias={"17": -100, "42": 2.5},
                                    extra_body={"allowed_token_ids": [17, 42, 99]})
     client.completions.create(model=MODEL, prompt="x", logit_bias={"5": 100})
-    assert fake.requests[0].sampling_params == {"logit_bias": {"17": -100, "42": 2.5}, "allowed_token_ids": [17, 42, 99]}
+    assert fake.requests[0].sampling_params == {"max_new_tokens": None,  # chat: up to the end of the context
+                                                "logit_bias": {"17": -100, "42": 2.5}, "allowed_token_ids": [17, 42, 99]}
     assert fake.requests[1].sampling_params == {"max_new_tokens": 16, "logit_bias": {"5": 100}}  # 16: legacy default
 
 
@@ -1299,3 +1300,21 @@ def test_tokenize_sends_the_prompt_as_a_generation_would(base_url, fake):
         resp = httpx.post(base_url + "/tokenize", json=body)
         assert resp.status_code == 400 and resp.json()["error"]["message"], (body, resp.text)
     assert httpx.post(base_url + "/detokenize", json={"tokens": [2**31]}).status_code == 400
+
+
+def test_sampling_edge_values_are_sent_or_refused(base_url, fake):
+    post = lambda path, body: httpx.post(base_url + path, json={"model": MODEL, **body})
+    # Wrong types for stop / stop_token_ids are 400s naming them, not 500s.
+    for sp, param in (({"stop": 5}, "stop"), ({"stop": True}, "stop"), ({"stop_token_ids": 5}, "stop_token_ids")):
+        r = httpx.post(base_url + "/generate", json={"text": "hi", "sampling_params": sp})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    n = len(fake.requests)
+    # An explicit repetition_penalty 1.0 is sent (it must win over the model's default), and so is
+    # stop "" (the engine refuses it as it refuses [""]).
+    assert post("/v1/chat/completions", {"messages": MESSAGES, "repetition_penalty": 1.0, "stop": ""}).status_code == 200
+    sp = fake.requests[n].sampling_params
+    assert sp["repetition_penalty"] == 1.0 and sp["stop"] == [""] and sp["max_new_tokens"] is None
+    r = post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    r = post("/v1/completions", {"prompt": "x", "max_tokens": None})
+    assert r.status_code == 200 and fake.requests[-1].sampling_params["max_new_tokens"] is None

@@ -32,3 +32,16 @@ def test_defaults_apply_under_request_values():
     p = parse_sampling_params({"top_p": 0.5}, defaults={"temperature": 0.7, "top_p": 0.8})
     assert p.temperature == 0.7 and p.top_p == 0.5
     assert parse_sampling_params({"stop": "x"}).stop == ["x"]
+
+
+def test_edge_values_mean_what_sglang_and_vllm_mean():
+    # Below float precision a temperature is greedy (SGLang's 1e-6), not an unscaled draw.
+    assert parse_sampling_params({"temperature": 1e-50}).greedy
+    assert not parse_sampling_params({"temperature": 1e-5}).greedy
+    # A top_k past any vocabulary is no cut (it must not overflow the sampler's int32 tensor).
+    assert parse_sampling_params({"top_k": 2**40}).top_k == -1
+    # An explicit null limit is the whole context; an absent one is the default.
+    assert parse_sampling_params({"max_new_tokens": None}).max_new_tokens is None
+    assert parse_sampling_params({}).max_new_tokens == 128
+    with pytest.raises(SamplingParamsError, match="min_new_tokens must be at most max_new_tokens=4"):
+        parse_sampling_params({"max_new_tokens": 4, "min_new_tokens": 5})
