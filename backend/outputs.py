@@ -42,6 +42,7 @@ class RequestOutput:
     completion_tokens: int
     finish_reason: Optional[str] = None
     stop_reason: Optional[str | int] = None
+    matched_eos: bool = False  # stop_reason is the model's EOS (vLLM reports no stop_reason then)
     trim: int = 0
     error: Optional[str] = None
     num_preemptions: int = 0
@@ -142,6 +143,7 @@ class OutputState:
         if seq.finish_reason is None:
             if stop_token:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, last
+                seq.matched_eos = last not in params.stop_token_ids
             elif grammar_done:
                 seq.finish_reason = FinishReason.STOP
             elif seq.num_output_tokens >= seq.max_new_tokens:
@@ -217,6 +219,7 @@ class OutputState:
             completion_tokens=seq.num_output_tokens,
             finish_reason=seq.finish_reason.value if final and seq.finish_reason else None,
             stop_reason=seq.stop_reason if final else None,
+            matched_eos=final and seq.matched_eos,
             trim=trim,
             num_preemptions=seq.num_preemptions,
             index=seq.index,

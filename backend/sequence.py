@@ -39,6 +39,7 @@ class Sequence:
     finish_reason: Optional[FinishReason] = None
     # The stop string or token id that ended the sequence (None for length/abort).
     stop_reason: Optional[str | int] = None
+    matched_eos: bool = False  # the stop token was the model's EOS, not one of stop_token_ids
     num_preemptions: int = 0
     is_cancelled: Optional[Callable[[], bool]] = None
     arrival_time: float = 0.0

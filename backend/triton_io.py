@@ -85,6 +85,7 @@ def llm_output_arrays(out: RequestOutput, params: SamplingParams) -> dict[str, n
     meta: dict[str, Any] = {
         "index": out.index,
         "stop_reason": out.stop_reason,
+        **({"matched_eos": True} if out.matched_eos else {}),
         "num_preemptions": out.num_preemptions,
         "cached_tokens": out.cached_tokens,
     }

@@ -71,12 +71,13 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 class _Choice:
     """Per-choice accumulation (non-streaming) or streaming state."""
 
-    __slots__ = ("texts", "finish", "completion_tokens", "logprobs", "tools", "got_logprobs", "reasoning",
-                 "held_reasoning")
+    __slots__ = ("texts", "finish", "stop_reason", "completion_tokens", "logprobs", "tools", "got_logprobs",
+                 "reasoning", "held_reasoning")
 
     def __init__(self, tools: Optional[ToolCallStreamer], reasoning: Optional[ReasoningFormat] = None) -> None:
         self.texts: list[str] = []
         self.finish: Optional[str] = None
+        self.stop_reason: Any = None  # vLLM's: the matched stop string or stop token id
         self.completion_tokens = 0
         self.logprobs: list[TokenLogprob] = []
         self.got_logprobs = False
@@ -200,6 +201,7 @@ class ChatHandler:
                 prompt_tokens = chunk.prompt_tokens or prompt_tokens
                 if chunk.finish_reason:
                     c.finish = chunk.finish_reason
+                    c.stop_reason = chunk.openai_stop_reason
         finally:
             await it.aclose()
         out = []
@@ -226,7 +228,8 @@ class ChatHandler:
                     if finish == "stop":
                         finish = "tool_calls"
             logprobs = chat_logprobs(c.logprobs, namer) if namer is not None and c.got_logprobs else None
-            out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                        "stop_reason": c.stop_reason})
         body = {
             "id": completion_id,
             "object": "chat.completion",
@@ -250,7 +253,7 @@ class ChatHandler:
         echoed = [not echo] * n
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
+        continuous = include_usage and bool(opts.continuous_usage_stats)  # vLLM: both are needed
         head = f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},"model":{dumps(model)},"choices":[{{"index":'
         fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser)
         choices = [
@@ -258,15 +261,18 @@ class ChatHandler:
                     fmt)
             for _ in range(n)
         ]
-        prompt_tokens = 0
+        # The first engine chunk is already here: the role chunks can report the prompt's size.
+        prompt_tokens = stream.first[1].prompt_tokens if stream.first is not None else 0
         cached: Optional[int] = None
 
-        def event(i: int, delta: str, finish: Optional[str] = None, logprobs: str = "null") -> str:
+        def event(i: int, delta: str, finish: Optional[str] = None, logprobs: str = "null",
+                  stop_reason: str = "null") -> str:
             f = "null" if finish is None else f'"{finish}"'
             tail = "}]"
             if continuous:
                 tail += ',"usage":' + dumps(usage(prompt_tokens, choices[i].completion_tokens))
-            return f'{head}{i},"delta":{delta},"logprobs":{logprobs},"finish_reason":{f}{tail}}}\n\n'
+            return (f'{head}{i},"delta":{delta},"logprobs":{logprobs},"finish_reason":{f},'
+                    f'"stop_reason":{stop_reason}{tail}}}\n\n')
 
         yield "".join(event(i, '{"role":"assistant","content":""}') for i in range(n)).encode()
         async for i, chunk in stream:
@@ -320,8 +326,11 @@ class ChatHandler:
                 items.append('{"tool_calls":' + dumps(deltas) + "}")
             if not items and finish:
                 items.append("{}")
+            stop_reason = dumps(chunk.openai_stop_reason) if finish else "null"
             for k, item in enumerate(items):
-                parts.append(event(i, item, finish if k == len(items) - 1 else None, logprobs if k == 0 else "null"))
+                last = k == len(items) - 1
+                parts.append(event(i, item, finish if last else None, logprobs if k == 0 else "null",
+                                   stop_reason if last else "null"))
             if parts:
                 yield "".join(parts).encode()
         if include_usage:

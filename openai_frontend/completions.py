@@ -114,6 +114,7 @@ class CompletionHandler:
         k = len(requests) * n
         texts: list[list[str]] = [[echoes[j]] if echoes else [] for j in range(k)]
         finish: list[Optional[str]] = [None] * k
+        stop_reasons: list[Any] = [None] * k
         completion_tokens = [0] * k
         prompt_tokens = [0] * k
         logprobs = [CompletionLogprobs(namer) if req.logprobs is not None else None for _ in range(k)]
@@ -139,6 +140,7 @@ class CompletionHandler:
                 prompt_tokens[j] = chunk.prompt_tokens or prompt_tokens[j]
                 if chunk.finish_reason:
                     finish[j] = chunk.finish_reason
+                    stop_reasons[j] = chunk.openai_stop_reason
         finally:
             await it.aclose()
         choices = [
@@ -147,6 +149,7 @@ class CompletionHandler:
                 "text": "".join(texts[j]),
                 "logprobs": logprobs[j].result() if logprobs[j] is not None and got_logprobs[j] else None,
                 "finish_reason": finish[j] or "stop",
+                "stop_reason": stop_reasons[j],
             }
             for j in range(k)
         ]
@@ -170,7 +173,7 @@ class CompletionHandler:
     ) -> AsyncIterator[bytes]:
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
+        continuous = include_usage and bool(opts.continuous_usage_stats)  # vLLM: both are needed
         head = f'data: {{"id":{dumps(completion_id)},"object":"text_completion","created":{created},"model":{dumps(model)},"choices":[{{"index":'
         completion_tokens = [0] * k
         prompt_tokens = [0] * k
@@ -197,10 +200,12 @@ class CompletionHandler:
             if not text and not finish and lp_json == "null":
                 continue
             f = "null" if finish is None else f'"{finish}"'
+            stop_reason = dumps(chunk.openai_stop_reason) if finish else "null"
             tail = "}]"
             if continuous:
                 tail += ',"usage":' + dumps(usage(prompt_tokens[j], completion_tokens[j]))
-            yield f'{head}{j},"text":{dumps(text)},"logprobs":{lp_json},"finish_reason":{f}{tail}}}\n\n'.encode()
+            yield (f'{head}{j},"text":{dumps(text)},"logprobs":{lp_json},"finish_reason":{f},'
+                   f'"stop_reason":{stop_reason}{tail}}}\n\n').encode()
         if include_usage:
             u = usage(sum(prompt_tokens[::n]), sum(completion_tokens), _cached(cached[::n]))
             yield (

@@ -86,6 +86,11 @@ class EngineChunk:
         return self.meta.get("stop_reason")
 
     @property
+    def openai_stop_reason(self) -> Any:
+        """vLLM's `stop_reason`: the matched stop string or stop_token_ids entry; None for EOS."""
+        return None if self.meta.get("matched_eos") else self.meta.get("stop_reason")
+
+    @property
     def cached_tokens(self) -> Optional[int]:
         """Prompt tokens served from the prefix cache, when the engine reports it."""
         if not self.meta_raw or "cached_tokens" not in self.meta_raw:

@@ -101,6 +101,11 @@ class StartedStream:
         async for item in self._it:
             yield item
 
+    @property
+    def first(self) -> Optional[Item]:
+        """The first item, until iteration takes it (e.g. its prompt_tokens for a role chunk)."""
+        return self._first
+
     async def aclose(self) -> None:
         await self._it.aclose()
 

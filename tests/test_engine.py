@@ -222,7 +222,12 @@ def test_stop_token_ids_and_eos(engine):
     (out,) = engine.generate([prompt], greedy(engine, stop_token_ids=[stop_at]))
     first = ref.new_token_ids.index(stop_at)
     assert out.new_token_ids == ref.new_token_ids[: first + 1]
-    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at and not out.matched_eos
+    # The model's EOS ends it too, marked as such (vLLM then reports no stop_reason).
+    eos = min(engine.eos_ids)
+    (out,) = engine.generate([prompt], engine.parse_params({"temperature": 0, "max_new_tokens": 5,
+                                                             "logit_bias": {str(eos): 100}}))
+    assert out.new_token_ids == [eos] and out.stop_reason == eos and out.matched_eos
 
 
 def test_stop_strings_are_matched_on_text_and_trimmed(engine):

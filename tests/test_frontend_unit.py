@@ -1318,3 +1318,32 @@ def test_sampling_edge_values_are_sent_or_refused(base_url, fake):
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     r = post("/v1/completions", {"prompt": "x", "max_tokens": None})
     assert r.status_code == 200 and fake.requests[-1].sampling_params["max_new_tokens"] is None
+
+
+def test_stop_reason_and_continuous_usage_as_vllm(base_url, client, fake):
+    import json as _json
+
+    def sse(path: str, body: dict) -> list[dict]:
+        r = httpx.post(base_url + path, json={"model": MODEL, "stream": True, **body})
+        return [_json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+    # A matched stop string (or stop token id) is the choice's stop_reason, streamed or not.
+    fake.script = lambda req: text_chunks(["a", "b"], stop_reason="END")
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert r.choices[0].model_extra["stop_reason"] == "END"
+    r = client.completions.create(model=MODEL, prompt="x")
+    assert r.choices[0].model_extra["stop_reason"] == "END"
+    for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "x"})):
+        events = sse(path, body)
+        assert [e["choices"][0]["stop_reason"] for e in events] == [None] * (len(events) - 1) + ["END"]
+    # The model's EOS is no stop_reason (vLLM reports null), though /generate's matched keeps it.
+    fake.script = lambda req: text_chunks(["a", "b"], meta=["", '{"stop_reason": 4093, "matched_eos": true}'])
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].model_extra["stop_reason"] is None
+    # continuous_usage_stats needs include_usage; the role chunk already has the prompt's size.
+    fake.script = lambda req: text_chunks(["a", "b"], prompt_tokens=7)
+    events = sse("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"continuous_usage_stats": True}})
+    assert not any("usage" in e for e in events)
+    events = sse("/v1/chat/completions", {"messages": MESSAGES,
+                                          "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert all(e["usage"]["prompt_tokens"] == 7 for e in events)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[0]["usage"]["completion_tokens"] == 0
