@@ -13,12 +13,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 
 # Token ids travel to Triton as INT32: anything outside [0, 2**31) would wrap into another, valid
 # token (2**32 + 5 became 5) or fail deep in numpy, so it is refused here as a 400.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+def _null_is(default: Any) -> BeforeValidator:
+    """OpenAI marks these fields nullable: null means the default, as in vLLM."""
+    return BeforeValidator(lambda v: default if v is None else v)
+
+
+NullableInt1 = Annotated[int, _null_is(1)]
+NullableFalse = Annotated[bool, _null_is(False)]
 
 
 class _Strict(BaseModel):
@@ -89,10 +98,10 @@ class _SamplingFields(_Strict):
     presence_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
     max_tokens: Optional[int] = None
-    n: int = 1
+    n: NullableInt1 = 1
     seed: Optional[int] = None
     stop: StopType = None
-    stream: bool = False
+    stream: NullableFalse = False
     stream_options: Optional[StreamOptions] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
@@ -154,11 +163,12 @@ class _SamplingFields(_Strict):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
+    logprobs: NullableFalse = False
     top_logprobs: Optional[int] = None
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: Optional[bool] = None
+    metadata: Optional[dict[str, Any]] = None  # tags for stored completions: accepted, no effect on generation
 
     # vLLM chat extras
     echo: bool = False
@@ -185,7 +195,6 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Optional[str] = None
     service_tier: Optional[str] = None
     store: Optional[bool] = None
-    metadata: Optional[dict[str, Any]] = None
     web_search_options: Optional[Any] = None
 
 
@@ -199,7 +208,7 @@ PromptType = Union[str, list[str], list[TokenId], list[list[TokenId]]]
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
     max_tokens: Optional[int] = 16
-    echo: bool = False
+    echo: NullableFalse = False
     logprobs: Optional[int] = None
     suffix: Optional[str] = None
     add_special_tokens: bool = True

@@ -1318,6 +1318,10 @@ def test_sampling_edge_values_are_sent_or_refused(base_url, fake):
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     r = post("/v1/completions", {"prompt": "x", "max_tokens": None})
     assert r.status_code == 200 and fake.requests[-1].sampling_params["max_new_tokens"] is None
+    # OpenAI's nullable fields: null is the default.
+    r = post("/v1/chat/completions", {"messages": MESSAGES, "n": None, "stream": None, "logprobs": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+    assert post("/v1/completions", {"prompt": "x", "echo": None, "n": None}).status_code == 200
 
 
 def test_stop_reason_and_continuous_usage_as_vllm(base_url, client, fake):
