@@ -225,8 +225,8 @@ class LLMEngine:
         elif params.max_new_tokens > room and "max_new_tokens" in params.model_fields_set:
             # Asked for, not defaulted: refused, as SGLang and vLLM do, rather than cut short.
             raise RequestError(
-                f"max_new_tokens {params.max_new_tokens} does not fit: the context is {self.max_model_len} tokens "
-                f"and the prompt has {len(prompt_ids)}, which leaves {room}"
+                f"max_new_tokens must be at most {room}: the context is {self.max_model_len} tokens and the "
+                f"prompt has {len(prompt_ids)}; got {params.max_new_tokens}"
             )
         else:
             max_new = min(params.max_new_tokens, room)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Union
 
-from openai_frontend.errors import bad_request, unsupported
+from openai_frontend.errors import APIError, bad_request, unsupported
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.settings import Settings
 
@@ -171,6 +171,25 @@ def adapter_for(req: AnyRequest, adapters: tuple[str, ...]) -> Optional[str]:
         raise bad_request(f"model '{req.model}' and lora_path '{req.lora_path}' name different adapters",
                           param="lora_path")
     return req.lora_path or by_model
+
+
+# The engine names parameters as SGLang does; an OpenAI client sent them under these names.
+_OPENAI_NAMES = {
+    "min_new_tokens": "min_tokens",
+    "no_stop_trim": "include_stop_str_in_output",
+    "top_logprobs_num": "top_logprobs",
+    "json_schema": "response_format",
+    "whitespace_pattern": "guided_whitespace_pattern",
+}
+
+
+def openai_param(exc: APIError, req: AnyRequest) -> APIError:
+    """`exc` with its `param` under the name the OpenAI request used."""
+    if exc.param == "max_new_tokens":
+        exc.param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    elif exc.param in _OPENAI_NAMES:
+        exc.param = _OPENAI_NAMES[exc.param]
+    return exc
 
 
 def build_sampling_params(req: AnyRequest) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from openai_frontend.protocol import (
     TokenizeRequest,
 )
 from openai_frontend.reasoning import get_reasoning_format, split_reasoning
+from openai_frontend.sampling import openai_param
 from openai_frontend.settings import Settings
 from openai_frontend.streams import run_until_disconnect
 from openai_frontend.tokenization import detokenize, tokenize
@@ -355,13 +356,19 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await cancel_on_disconnect(request, chat(body, _request_id(request, body.request_id, body.rid)))
+        try:
+            return await cancel_on_disconnect(request, chat(body, _request_id(request, body.request_id, body.rid)))
+        except APIError as exc:
+            raise openai_param(exc, body) from None
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await cancel_on_disconnect(
-            request, completions(body, _request_id(request, body.request_id, body.rid))
-        )
+        try:
+            return await cancel_on_disconnect(
+                request, completions(body, _request_id(request, body.request_id, body.rid))
+            )
+        except APIError as exc:
+            raise openai_param(exc, body) from None
 
     @app.post("/generate")
     async def generate_route(body: GenerateRequest, request: Request) -> Response:

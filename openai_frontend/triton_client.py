@@ -224,20 +224,26 @@ def _clean(message: str) -> str:
     return message
 
 
-# "unsupported parameter 'x'", "invalid sampling parameter x: ...", "x must be ..." -> x
+# "unsupported parameter 'x'", "invalid sampling parameter x: ...", "x must be ...",
+# "x: ...", "priority 3 needs ...", "logits processor 'm.f' ..." -> x
 _PARAM_RE = re.compile(
     r"parameter '([A-Za-z_][A-Za-z0-9_]*)'"
     r"|invalid sampling parameter ([A-Za-z_][A-Za-z0-9_]*)"
     r"|unknown sampling parameter\(s\): ([A-Za-z_][A-Za-z0-9_]*)"
     r"|^([a-z_][a-z0-9_]*) must "
+    r"|^([a-z_][a-z0-9_]*): "
+    r"|^(priority) -?\d"
+    r"|^logits (processor) '"
 )
+_PARAM_ALIASES = {"processor": "logits_processors"}
 
 
 def _param(msg: str) -> Optional[str]:
     match = _PARAM_RE.search(msg)
     if not match:
         return None
-    return next(g for g in match.groups() if g)
+    name = next(g for g in match.groups() if g)
+    return _PARAM_ALIASES.get(name, name)
 
 
 def map_stream_error(message: str) -> APIError:

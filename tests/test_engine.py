@@ -203,7 +203,7 @@ def test_bad_requests_are_refused_with_reasons(engine):
     # A limit asked for that the context cannot hold is refused; the default one is cut to fit,
     # and an explicit null one is the whole context.
     room = engine.max_model_len - 3
-    with pytest.raises(RequestError, match=f"max_new_tokens {room + 1} does not fit.*leaves {room}"):
+    with pytest.raises(RequestError, match=f"max_new_tokens must be at most {room}: .*got {room + 1}"):
         engine.add_request([1, 2, 3], greedy(engine, max_new_tokens=room + 1), lambda o: None)
     long_prompt = [1] * (engine.max_model_len - 5)
     (out,) = engine.generate([long_prompt], engine.parse_params({"temperature": 0, "ignore_eos": True}))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -809,3 +810,21 @@ def test_random_requests_stream_exactly_what_they_return(client):
                   _completion_result([c for ch in chunks for c in ch.choices], True), where)
         assert (usage.prompt_tokens, usage.completion_tokens) == (
             plain.usage.prompt_tokens, plain.usage.completion_tokens), where
+
+
+def test_context_limits_and_param_names_as_vllm(client):
+    """No max_tokens: up to the end of the context (not a hidden 128). One that cannot fit: a 400
+    naming max_tokens. Engine-side errors name the OpenAI parameter, not the engine's."""
+    base = str(client.base_url).removesuffix("/v1/").removesuffix("/v1")
+    max_len = httpx.get(base + "/get_server_info").json()["engine"]["config"]["max_model_len"]
+    prompt = [7] * (max_len - 200)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=None, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 200 and r.choices[0].finish_reason == "length"
+    for kwargs, param in ((dict(max_tokens=201), "max_tokens"), (dict(extra_body={"min_tokens": -1}), "min_tokens")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=prompt, **kwargs)
+        assert err.value.body["param"] == param, err.value.body
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=max_len)
+    assert err.value.body["param"] == "max_completion_tokens" and "at most" in err.value.body["message"]
