@@ -602,7 +602,7 @@ class LLMEngine:
         if params.top_logprobs_num:
             entries["input_top_logprobs"] = [None]
         if params.token_ids_logprob:
-            entries["input_token_ids_logprob"] = [None]
+            entries["input_token_ids_logprobs"] = [None]
         tracked.state.add_logprobs(entries)
 
     def _logprob_entries(self, kind: str, items: list[TokenLogprobs], params: SamplingParams) -> dict[str, list]:
@@ -612,7 +612,7 @@ class LLMEngine:
         if params.top_logprobs_num:
             out[f"{kind}_top_logprobs"] = [[[lp, t, text(t)] for t, lp in i.top] for i in items]
         if params.token_ids_logprob:
-            out[f"{kind}_token_ids_logprob"] = [[[lp, t, text(t)] for t, lp in i.requested] for i in items]
+            out[f"{kind}_token_ids_logprobs"] = [[[lp, t, text(t)] for t, lp in i.requested] for i in items]
         return out
 
     def _token_text(self, token_id: int, params: SamplingParams) -> Optional[str]:

@@ -100,7 +100,7 @@ class EngineChunk:
 
     def raw_logprobs(self) -> dict[str, list]:
         """The SGLang-format logprob lists of this chunk's meta_info, keyed as SGLang names them
-        (output_token_logprobs, output_top_logprobs, output_token_ids_logprob, input_...)."""
+        (output_token_logprobs, output_top_logprobs, output_token_ids_logprobs, input_...)."""
         if not self.meta_raw or "logprob" not in self.meta_raw:
             return {}
         return {k: v for k, v in self.meta.items() if k in LOGPROB_KEYS and isinstance(v, list)}
@@ -141,8 +141,8 @@ class EngineChunk:
         return out
 
 
-OUTPUT_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprob")
-INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprob")
+OUTPUT_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 LOGPROB_KEYS = frozenset(OUTPUT_LOGPROB_KEYS + INPUT_LOGPROB_KEYS)
 
 

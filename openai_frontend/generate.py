@@ -74,9 +74,9 @@ class _Out:
     """Accumulated output of one sample (JSON-encoded pieces kept for cheap cumulative events)."""
 
     __slots__ = ("rid", "text_json", "texts", "ids", "ids_json", "finish", "prompt_tokens", "completion_tokens",
-                 "cached_tokens", "logprob", "lps", "lps_json", "input_lps", "start")
+                 "cached_tokens", "logprob", "lp_keys", "lps", "lps_json", "input_lps", "start")
 
-    def __init__(self, rid: str, logprob: bool, start: float) -> None:
+    def __init__(self, rid: str, lp_keys: tuple[str, ...], start: float) -> None:
         self.rid = rid
         self.text_json = ""
         self.texts: list[str] = []
@@ -86,11 +86,14 @@ class _Out:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
-        self.logprob = logprob
+        # With return_logprob, the output lists SGLang always sends (the top ones only with
+        # top_logprobs_num): present even while empty.
+        self.logprob = bool(lp_keys)
+        self.lp_keys = lp_keys
         # output_* lists (extended per chunk) and their JSON (without brackets); input_* (once)
         self.lps: dict[str, list] = {}
         self.lps_json: dict[str, str] = {}
-        self.input_lps: dict[str, Any] = {}
+        self.input_lps: dict[str, Any] = {k.replace("output", "input", 1): [] for k in lp_keys}
         self.start = start
 
     def add(self, chunk: EngineChunk, encode: bool) -> None:
@@ -138,7 +141,7 @@ class _Out:
     def meta(self) -> dict[str, Any]:
         meta = self._base()
         if self.logprob:
-            for key in OUTPUT_LOGPROB_KEYS[:2]:
+            for key in self.lp_keys:
                 meta[key] = []
             meta.update(self.lps)
             meta.update(self.input_lps)
@@ -151,7 +154,7 @@ class _Out:
         base = self._base()
         base.update(self.input_lps)
         parts = [dumps(base)[:-1]]
-        keys = list(OUTPUT_LOGPROB_KEYS[:2]) + [k for k in self.lps_json if k not in OUTPUT_LOGPROB_KEYS[:2]]
+        keys = list(self.lp_keys) + [k for k in self.lps_json if k not in self.lp_keys]
         for key in keys:
             parts.append(f',"{key}":[{self.lps_json.get(key, "")}]')
         parts.append("}")
@@ -165,7 +168,7 @@ class GenerateHandler:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
 
-    def _requests(self, req: GenerateRequest, request_id: str) -> tuple[list[EngineRequest], list[str], list[bool], bool]:
+    def _requests(self, req: GenerateRequest, request_id: str) -> tuple[list[EngineRequest], list[str], list[tuple[str, ...]], bool]:
         settings = self.ctx.settings
         _check_unsupported(req, self.ctx)
         if (req.text is None) == (req.input_ids is None):
@@ -184,7 +187,7 @@ class GenerateHandler:
             raise bad_request(f"sampling_params has {len(req.sampling_params)} entries for {b} prompts", param="sampling_params")
         requests: list[EngineRequest] = []
         rids: list[str] = []
-        want_logprob: list[bool] = []
+        lp_keys: list[tuple[str, ...]] = []
         multi = batch
         total = 0
         for p, prompt in enumerate(prompts):
@@ -214,21 +217,27 @@ class GenerateHandler:
             processor = _pick(req.custom_logit_processor, p, b, "custom_logit_processor")
             if processor:
                 sp["custom_logit_processor"] = processor
-            rid = _pick(req.rid, p, b, "rid") or (request_id if b == 1 else f"{request_id}-{p}")
+            # SGLang's: one string rid for a batch names its prompts <rid>_<i>.
+            rid = _pick(req.rid, p, b, "rid") if isinstance(req.rid, list) else (req.rid or request_id)
+            if b > 1 and not isinstance(req.rid, list):
+                rid = f"{rid}_{p}"
             common = dict(sampling_params=sp, request_id=rid, n=n, stream=req.stream)
             if isinstance(prompt, str):
                 requests.append(EngineRequest(text_input=prompt, **common))
             else:
                 requests.append(EngineRequest(input_ids=list(prompt), **common))
+            keys: tuple[str, ...] = ()
+            if sp.get("return_logprob"):
+                keys = OUTPUT_LOGPROB_KEYS[:2] if sp.get("top_logprobs_num") else OUTPUT_LOGPROB_KEYS[:1]
             for i in range(n):
-                rids.append(rid if n == 1 else f"{rid}-{i}")
-                want_logprob.append(bool(sp.get("return_logprob")))
-        return requests, rids, want_logprob, multi
+                rids.append(rid if n == 1 else f"{rid}_{i}")
+                lp_keys.append(keys)
+        return requests, rids, lp_keys, multi
 
     async def __call__(self, req: GenerateRequest, request_id: Optional[str] = None) -> Response:
-        requests, rids, want_logprob, multi = self._requests(req, request_id or uuid.uuid4().hex)
+        requests, rids, lp_keys, multi = self._requests(req, request_id or uuid.uuid4().hex)
         start = time.perf_counter()
-        outs = [_Out(rid, lp, start) for rid, lp in zip(rids, want_logprob)]
+        outs = [_Out(rid, keys, start) for rid, keys in zip(rids, lp_keys)]
         if req.stream:
             stream = await start_stream(self.ctx.client, requests)
             return sse_response(sse_events(stream, self._stream(stream, outs, multi)), hooks=self.ctx.stream_hooks)

@@ -200,8 +200,10 @@ def _decode_generic(response: Any) -> EngineChunk:
 
 
 def _batch_item_of(client_id: str, rid: Optional[str]) -> bool:
-    """Whether `client_id` is prompt i of the batch request `rid` (its streams are `<rid>-<i>`)."""
-    return bool(rid) and client_id.startswith(f"{rid}-") and client_id[len(rid) + 1 :].isdigit()
+    """Whether `client_id` is prompt i of the batch request `rid` (its streams are `<rid>_<i>` on
+    /generate, as SGLang names them, and `<rid>-<i>` on /v1/completions)."""
+    return (bool(rid) and client_id[len(rid) : len(rid) + 1] in ("_", "-") and client_id.startswith(rid)
+            and client_id[len(rid) + 1 :].isdigit())
 
 
 def _is_final(response: Any) -> bool:

@@ -171,7 +171,7 @@ def test_output_and_prompt_logprobs_match_hf(engine, hf_model):
         assert math.isclose(lp, float(ref_lp[tok]), abs_tol=1e-4)
         ref_top = ref_lp.topk(3)
         assert [t for _, t, _ in top] == ref_top.indices.tolist()
-    for entry, ref_lp in zip(out.logprobs["output_token_ids_logprob"], lps):
+    for entry, ref_lp in zip(out.logprobs["output_token_ids_logprobs"], lps):
         assert [t for _, t, _ in entry] == [5, 17]
         assert all(math.isclose(lp, float(ref_lp[t]), abs_tol=1e-4) for lp, t, _ in entry)
     # Prompt logprobs from position 2: token t's logprob given tokens < t.
@@ -229,7 +229,7 @@ def test_impossible_tokens_report_a_finite_logprob_floor(engine):
     assert out.new_token_ids == [300] * 3
     lps = out.logprobs
     for (lp, token, _), top, asked in zip(lps["output_token_logprobs"], lps["output_top_logprobs"],
-                                          lps["output_token_ids_logprob"]):
+                                          lps["output_token_ids_logprobs"]):
         assert (lp, token) == (0.0, 300) and top[0][:2] == [0.0, 300]
         assert [e[0] for e in top[1:]] == [LOGPROB_FLOOR] * 2 and asked[0][:2] == [LOGPROB_FLOOR, 301]
     json.dumps(lps, allow_nan=False)

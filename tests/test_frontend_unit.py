@@ -1351,3 +1351,22 @@ def test_stop_reason_and_continuous_usage_as_vllm(base_url, client, fake):
                                           "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     assert all(e["usage"]["prompt_tokens"] == 7 for e in events)
     assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[0]["usage"]["completion_tokens"] == 0
+
+
+def test_generate_ids_and_logprob_keys_as_sglang(base_url, fake):
+    fake.script = lambda req: text_chunks(["a", "b"])
+    r = httpx.post(base_url + "/generate", json={"text": ["x", "y"], "rid": "X", "sampling_params": {"n": 2}})
+    assert [o["meta_info"]["id"] for o in r.json()] == ["X_0_0", "X_0_1", "X_1_0", "X_1_1"]
+    r = httpx.post(base_url + "/generate", json={"text": "x", "rid": "Y", "sampling_params": {"n": 2}})
+    assert [o["meta_info"]["id"] for o in r.json()] == ["Y_0", "Y_1"]
+    # return_logprob: the token lists always (input ones too), the top ones only with top_logprobs_num.
+    meta = httpx.post(base_url + "/generate", json={"text": "x", "return_logprob": True}).json()["meta_info"]
+    assert meta["output_token_logprobs"] == [] and meta["input_token_logprobs"] == []
+    assert "output_top_logprobs" not in meta and "input_top_logprobs" not in meta
+    meta = httpx.post(base_url + "/generate", json={"text": "x", "return_logprob": True,
+                                                    "top_logprobs_num": 2}).json()["meta_info"]
+    assert meta["output_top_logprobs"] == [] and meta["input_top_logprobs"] == []
+    events = [line for line in httpx.post(base_url + "/generate", json={
+        "text": "x", "return_logprob": True, "stream": True}).text.splitlines() if line.startswith("data: {")]
+    import json as _json
+    assert all("input_token_logprobs" in _json.loads(e[6:])["meta_info"] for e in events)

@@ -299,8 +299,8 @@ def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
             if kind == "truncate":
                 assert final.prompt_tokens == min(p["truncate_prompt_tokens"], len(prompts[i])), (i, final.prompt_tokens)
             if kind == "top":
-                assert len(merged.logprobs["output_token_ids_logprob"]) == len(ids), (i, kind)
-                assert all(len(e) == 3 for e in merged.logprobs["output_token_ids_logprob"]), (i, kind)
+                assert len(merged.logprobs["output_token_ids_logprobs"]) == len(ids), (i, kind)
+                assert all(len(e) == 3 for e in merged.logprobs["output_token_ids_logprobs"]), (i, kind)
             if kind == "score":
                 assert not ids and final.finish_reason == "length", (i, final)
                 assert len(merged.logprobs["input_token_logprobs"]) == final.prompt_tokens, (i, kind)

@@ -219,7 +219,7 @@ def test_http_generate_and_generate_stream(server, hf):
 def test_cancelled_stream_frees_its_blocks(server, client, hf):
     tok, _ = hf
     stream = client.stream_generate("llm", {
-        "input_ids": tok("a long generation " * 20).input_ids, "max_tokens": 3000, "stream": True,
+        "input_ids": tok("a long generation " * 20).input_ids, "max_tokens": 900, "stream": True,
         "sampling_parameters": GREEDY,
     })
     for _ in range(3):
