@@ -151,7 +151,10 @@ class OutputState:
 
         trim = 0
         partial_at: Optional[int] = None
-        if self.stops or self.stop_regexes:
+        # As vLLM: stop strings count only once min_new_tokens are out (text before is released
+        # as it comes; a stop may still begin in it and end in the new text).
+        matching = bool(self.stops or self.stop_regexes) and seq.num_output_tokens >= params.min_new_tokens
+        if matching:
             pending_text = "".join(s.text for s in self.pending)
             hay = self.released_tail + pending_text
             hit = _find_stop(hay, self.stops, start=max(0, len(self.released_tail) - self.max_stop_len + 1))
@@ -167,7 +170,7 @@ class OutputState:
 
         if seq.finish_reason is not None:
             return self._release(seq, len(self.pending), trim=trim, final=True)
-        if not self.stops and not self.stop_regexes:
+        if not matching:
             return self._release(seq, len(self.pending))
         # Hold back steps whose text could still grow into a stop string.
         pending_text = "".join(s.text for s in self.pending)

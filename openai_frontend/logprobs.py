@@ -75,7 +75,15 @@ class CompletionLogprobs:
             token = self.name(lp)
             self.tokens.append(token)
             self.token_logprobs.append(lp.logprob)
-            self.top_logprobs.append({self.name(t): t.logprob for t in lp.top} if lp.top else None)
+            # OpenAI's legacy format: the `logprobs` most likely tokens "as well as the chosen
+            # token", the chosen one first (vLLM's order); none for a prompt's first token.
+            if lp.logprob is None:
+                self.top_logprobs.append(None)
+            else:
+                top = {token: lp.logprob}
+                for t in lp.top:
+                    top.setdefault(self.name(t), t.logprob)
+                self.top_logprobs.append(top)
             self.text_offset.append(self.offset)
             self.offset += len(token)
         return self._slice(start)

@@ -260,6 +260,8 @@ def test_logprobs_chat_and_completions(client):
     assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v, abs=1e-4)
                for top, v in zip(lp.top_logprobs, lp.token_logprobs))
     assert lp.text_offset == sorted(lp.text_offset)
+    zero = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logprobs=0, **GREEDY).choices[0].logprobs
+    assert zero.top_logprobs == [{t: v} for t, v in zip(zero.tokens, zero.token_logprobs)]
 
 
 def test_echo_with_logprobs_scores_the_prompt(client, tok):
@@ -272,7 +274,10 @@ def test_echo_with_logprobs_scores_the_prompt(client, tok):
     assert choice.text == prompt and scored.usage.completion_tokens == 0
     assert scored.usage.prompt_tokens == n_prompt == len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) <= 3 for t in lp.top_logprobs[1:])
+    # OpenAI's legacy top_logprobs hold the chosen (here: prompt) token too, first.
+    assert all(next(iter(t.items())) == (tok_, v) for t, tok_, v in zip(lp.top_logprobs[1:], lp.tokens[1:],
+                                                                           lp.token_logprobs[1:]))
     assert "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
     # A one-token prompt (no logits of its own to score) still gets its entry.
     assert len(tok("The").input_ids) == 1
