@@ -69,6 +69,8 @@ class BeamSpec:
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     top_logprobs: Optional[int] = None  # None: the client asked for no logprobs
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids: they end a beam even with ignore_eos
+    keep_stop: bool = False  # include_stop_str_in_output: the stop token's text stays
 
 
 def beam_spec(req: AnyRequest, files: ModelFiles, lora: Optional[str] = None) -> Optional[BeamSpec]:
@@ -122,7 +124,8 @@ def beam_spec(req: AnyRequest, files: ModelFiles, lora: Optional[str] = None) ->
         step["return_text_in_logprobs"] = True
     return BeamSpec(
         width=width, max_tokens=max_tokens, length_penalty=req.length_penalty,
-        eos=eos | frozenset(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
+        eos=eos, ignore_eos=bool(req.ignore_eos), stop_ids=frozenset(req.stop_token_ids or ()),
+        keep_stop=bool(req.include_stop_str_in_output),
         max_model_len=files.max_model_len, step_params=step,
         skip_special_tokens=req.skip_special_tokens, spaces_between_special_tokens=req.spaces_between_special_tokens,
         top_logprobs=top_logprobs,
@@ -218,7 +221,7 @@ async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -
                     continue
                 child = _Beam(beam, alt.token_id, beam.cum_logprob + alt.logprob, beam.length + 1,
                               logprob=TokenLogprob(alt.token_id, alt.logprob, alt.text, top))
-                if alt.token_id in spec.eos and not spec.ignore_eos:
+                if alt.token_id in spec.stop_ids or (alt.token_id in spec.eos and not spec.ignore_eos):
                     child.finish = "stop"
                     finished.append(child)
                 else:
@@ -230,7 +233,8 @@ async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -
     best = sorted(finished + live, key=lambda b: _score(b, len(ids), spec.length_penalty), reverse=True)[: spec.width]
     paths = [b.path() for b in best]
     texts = await _all([
-        client.detokenize([b.token for b in (path[:-1] if path and path[-1].finish == "stop" else path)],
+        client.detokenize([b.token for b in (path[:-1] if path and path[-1].finish == "stop" and not spec.keep_stop
+                                             else path)],
                           skip_special_tokens=spec.skip_special_tokens,
                           spaces_between_special_tokens=spec.spaces_between_special_tokens, validate=False)
         for path in paths

@@ -415,6 +415,13 @@ def test_beam_search_keeps_the_best_beams_not_the_greedy_path(beam_client):
     r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=3,
                                   extra_body={"use_beam_search": True, "length_penalty": 0.0, "ignore_eos": True})
     assert [c.text for c in r.choices] == ["BEH", "ACZ"]
+    # stop_token_ids end a beam even with ignore_eos; include_stop_str_in_output keeps the token's text
+    r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=3,
+                                  extra_body={"use_beam_search": True, "ignore_eos": True, "stop_token_ids": [EOS]})
+    assert [(c.text, c.finish_reason) for c in r.choices] == [("BEH", "length"), ("AC", "stop")]
+    r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=3,
+                                  extra_body={"use_beam_search": True, "include_stop_str_in_output": True})
+    assert [(c.text, c.finish_reason) for c in r.choices] == [("BEH", "length"), ("ACZ", "stop")]
 
     # logprobs: each beam's own tokens, with the step's alternatives; echo prepends the prompt
     r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=2, logprobs=2,
