@@ -199,6 +199,8 @@ class GenerateHandler:
             if total > settings.max_n * 4:
                 raise bad_request(f"too many samples in one request ({total})", param="sampling_params")
             multi = multi or n > 1
+            if "stream" in sp:  # the engine would take it for the request's own
+                raise bad_request("stream is a /generate argument, not a sampling parameter", param="stream")
             check_stop(sp.get("stop"), sp.get("stop_token_ids"), settings)
             check_custom_logit_processor(sp.get("custom_logit_processor"), settings)
             for key in _LOGPROB_KEYS:

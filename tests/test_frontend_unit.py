@@ -1315,6 +1315,8 @@ def test_sampling_edge_values_are_sent_or_refused(base_url, fake):
     for sp, param in (({"stop": 5}, "stop"), ({"stop": True}, "stop"), ({"stop_token_ids": 5}, "stop_token_ids")):
         r = httpx.post(base_url + "/generate", json={"text": "hi", "sampling_params": sp})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(base_url + "/generate", json={"text": "hi", "sampling_params": {"stream": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
     n = len(fake.requests)
     # An explicit repetition_penalty 1.0 is sent (it must win over the model's default), and so is
     # stop "" (the engine refuses it as it refuses [""]).
