@@ -278,7 +278,7 @@ def test_preemption_recomputes_forced_tokens(demo_model_path):
     # recomputed from their tokens, forced ones included.
     eng = make_engine(demo_model_path, num_kv_blocks=12, block_size=8, max_model_len=96)
     try:
-        params = [eng.parse_params({**T1, "seed": i, "max_new_tokens": 200, "regex": FORM}) for i in range(8)]
+        params = [eng.parse_params({**T1, "seed": i, "max_new_tokens": None, "regex": FORM}) for i in range(8)]
         outs = eng.generate(_prompts(eng, 8), params)
         assert eng.stats().num_preemptions > 0
         assert eng.stats().jump_forward_tokens_total > 0
