@@ -73,7 +73,8 @@ class BeamSpec:
     keep_stop: bool = False  # include_stop_str_in_output: the stop token's text stays
 
 
-def beam_spec(req: AnyRequest, files: ModelFiles, lora: Optional[str] = None) -> Optional[BeamSpec]:
+def beam_spec(req: AnyRequest, files: ModelFiles, lora: Optional[str] = None,
+              max_model_len: Optional[int] = None) -> Optional[BeamSpec]:
     """The request's beam search, checked, or None when it asks for none."""
     if not req.use_beam_search:
         if req.length_penalty != 1.0:
@@ -126,7 +127,7 @@ def beam_spec(req: AnyRequest, files: ModelFiles, lora: Optional[str] = None) ->
         width=width, max_tokens=max_tokens, length_penalty=req.length_penalty,
         eos=eos, ignore_eos=bool(req.ignore_eos), stop_ids=frozenset(req.stop_token_ids or ()),
         keep_stop=bool(req.include_stop_str_in_output),
-        max_model_len=files.max_model_len, step_params=step,
+        max_model_len=max_model_len or files.max_model_len, step_params=step,
         skip_special_tokens=req.skip_special_tokens, spaces_between_special_tokens=req.spaces_between_special_tokens,
         top_logprobs=top_logprobs,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -14,6 +15,8 @@ from openai_frontend.errors import APIError, model_not_found
 from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.settings import Settings
 from openai_frontend.tokenizer import ModelFiles
+
+log = logging.getLogger(__name__)
 
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 # Valid in JSON strings, but line breaks to str.splitlines(), which many SSE clients (httpx's
@@ -64,6 +67,20 @@ class Context:
     @property
     def model_name(self) -> str:
         return self.settings.served_model_name
+
+    _engine_max_model_len: Optional[int] = None
+
+    async def max_model_len(self) -> Optional[int]:
+        """The engine's context length (its max_model_len setting may be below the model's),
+        asked once; until the engine answers, the model's config.json value, if known."""
+        if self._engine_max_model_len is None:
+            try:
+                info = await self.client.engine_info()
+                self._engine_max_model_len = int(info["config"]["max_model_len"])
+            except (APIError, KeyError, TypeError, ValueError) as exc:
+                log.debug("engine max_model_len unknown: %s", exc)
+                return self.files.max_model_len
+        return self._engine_max_model_len
 
     # Adapters loaded at runtime, as the engine last listed them (runtime LoRA updating only).
     runtime_adapters: frozenset = frozenset()

@@ -272,7 +272,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     # -- models and health -------------------------------------------------------------------
 
-    def model_card() -> dict[str, Any]:
+    def model_card(max_len: Optional[int]) -> dict[str, Any]:
         card: dict[str, Any] = {
             "id": ctx.model_name,
             "object": "model",
@@ -281,7 +281,6 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
             "root": settings.tokenizer_path or settings.triton_model,
             "parent": None,
         }
-        max_len = ctx.files.max_model_len
         if max_len is not None:
             card["max_model_len"] = max_len
         return card
@@ -294,7 +293,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     @app.get("/v1/models")
     async def list_models() -> Response:
         await ctx.refresh_adapters()
-        cards = [model_card()] + [adapter_card(n) for n in ctx.adapter_names()]
+        cards = [model_card(await ctx.max_model_len())] + [adapter_card(n) for n in ctx.adapter_names()]
         return json_response({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
@@ -304,7 +303,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
             return json_response(adapter_card(model_id))
         if model_id != ctx.model_name:
             raise model_not_found(model_id)
-        return json_response(model_card())
+        return json_response(model_card(await ctx.max_model_len()))
 
     @app.get("/health")
     async def health() -> Response:

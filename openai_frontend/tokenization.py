@@ -47,7 +47,7 @@ async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
             add_special_tokens=req.add_special_tokens,
         )
     tokens = await ctx.client.tokenize(request)
-    return {"count": len(tokens), "max_model_len": ctx.files.max_model_len, "tokens": tokens,
+    return {"count": len(tokens), "max_model_len": await ctx.max_model_len(), "tokens": tokens,
             "token_strs": None if tok is None else [tok.id_to_token(t) for t in tokens]}
 
 

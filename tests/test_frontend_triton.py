@@ -339,7 +339,7 @@ def test_tokenize_and_detokenize_as_the_server_does(triton, base_url, tok):
     text = "Hello, 世界 🙂 spaces  kept"
     r = requests.post(base_url + "/tokenize", json={"model": MODEL, "prompt": text}).json()
     assert r["tokens"] == tok(text).input_ids and r["count"] == len(r["tokens"]) and r["token_strs"] is None
-    assert r["max_model_len"] is None  # known only with --tokenizer-path
+    assert r["max_model_len"] == 1024  # the engine's (LLM_MAX_MODEL_LEN), not the model's 4096
     back = requests.post(base_url + "/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json()
     assert back == {"prompt": text}
     assert requests.post(base_url + "/detokenize", json={"tokens": []}).json() == {"prompt": ""}
@@ -388,7 +388,9 @@ def test_tokenize_and_detokenize_as_the_server_does(triton, base_url, tok):
     with serve_in_thread(create_app(settings)) as url:
         r = requests.post(url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
         assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
-        assert r["max_model_len"] == 4096
+        assert r["max_model_len"] == 1024
+        card = requests.get(url + "/v1/models").json()["data"][0]
+        assert card["max_model_len"] == 1024
 
 
 def test_streamed_text_survives_cjk_emoji_and_spaces(base_url, tok):
