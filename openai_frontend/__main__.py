@@ -35,7 +35,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="serve /load_lora_adapter, /unload_lora_adapter and their /v1/ forms (the engine loads "
                         "adapters from server paths named in the request)")
     p.add_argument("--tokenizer-path", default=None,
-                   help="local HF model directory: token texts for logprobs, max_model_len for /v1/models")
+                   help="local HF model directory: token texts for logprobs, EOS ids for beam search")
     p.add_argument("--max-n", type=int, default=64, help="largest n accepted")
     p.add_argument("--stream-timeout", type=float, default=None, help="seconds one generation may take")
     p.add_argument("--abort-model", default="llm",

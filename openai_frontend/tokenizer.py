@@ -1,8 +1,8 @@
 """Optional local model files: token texts (for logprobs, echo of token prompts) and model info.
 
 The frontend never needs the tokenizer to serve text (Triton's preprocessing/postprocessing own
-tokenization); `--tokenizer-path` only adds token strings, `max_model_len` and the end-of-sequence
-ids beam search needs. Loaded lazily with
+tokenization); `--tokenizer-path` only adds token strings, the end-of-sequence ids beam search
+needs, and the model's context length until the engine reports its own. Loaded lazily with
 the `tokenizers` library (no transformers import).
 """
 
