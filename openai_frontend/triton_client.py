@@ -440,7 +440,7 @@ class TritonLLMClient:
     async def abort_requests(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
         """End in-flight requests early, as SGLang's /abort_request does: each one finishes
         normally with finish_reason "abort" (what it generated so far is kept). `rid` names a
-        request by the id its client knows (a batch's prompts are `<rid>-<i>`); `abort_all`
+        request by the id its client knows (and a batch's prompts, see _batch_item_of); `abort_all`
         takes every request of this frontend. Returns the number of streams aborted."""
         if not self.abort_model:
             raise APIError(400, "aborting requests needs the frontend's --abort-model (the engine model)")
@@ -518,10 +518,20 @@ class TritonLLMClient:
 
     async def _llm_control(self, inputs: list[InferInput], what: str, timeout: float) -> dict[str, Any]:
         """One control request to the llm model; its answer is the final response's meta_info."""
+        meta = await self._llm_request(inputs, what, timeout, f"{what}.{uuid.uuid4().hex}")
+        if meta is None:
+            raise unavailable(f"the llm model sent no answer to the {what} request")
+        return meta
+
+    async def _llm_request(self, inputs: list[InferInput], what: str, timeout: float,
+                           request_id: str) -> Optional[dict[str, Any]]:
+        """A one-response request to the llm model: its meta_info, or None when the final
+        response carries none."""
         payload = {
             "model_name": self.abort_model or "llm",
             "inputs": inputs,
-            "request_id": f"{what}.{uuid.uuid4().hex}",
+            "request_id": request_id,
+            "parameters": {"triton_enable_empty_final_response": True},
         }
 
         async def one() -> AsyncIterator[dict[str, Any]]:
@@ -537,11 +547,13 @@ class TritonLLMClient:
                     if meta is not None:
                         text = meta.reshape(-1)[0]
                         return json.loads(text.decode() if isinstance(text, bytes) else text)
+                    if _is_final(result.get_response()):
+                        return None
         except grpc.RpcError as exc:
             raise map_rpc_error(exc) from None
         except TimeoutError:
             raise unavailable(f"the llm model did not answer the {what} request") from None
-        raise unavailable(f"the llm model sent no answer to the {what} request")
+        return None
 
     async def _abort(self, request_id: str) -> None:
         """Ask the engine model to drop `request_id`.
@@ -551,23 +563,8 @@ class TritonLLMClient:
         False). With `abort_model` set, a cancelled stream is followed by a request to that
         model carrying only `abort_request_id` (the ensemble passes its request id to its steps).
         """
-        payload = {
-            "model_name": self.abort_model,
-            "inputs": [_bytes_input("abort_request_id", request_id)],
-            "request_id": f"abort.{request_id}",
-            "parameters": {"triton_enable_empty_final_response": True},
-        }
-
-        async def one() -> AsyncIterator[dict[str, Any]]:
-            yield payload
-
         try:
-            async with asyncio.timeout(10):
-                async for result, error in self._get().stream_infer(one()):
-                    if error is not None:
-                        log.warning("abort of %s failed: %s", request_id, error)
-                        return
-                    if _is_final(result.get_response()):
-                        return
-        except (grpc.RpcError, InferenceServerException, TimeoutError) as exc:
+            await self._llm_request([_bytes_input("abort_request_id", request_id)], "abort", 10,
+                                    f"abort.{request_id}")
+        except (APIError, InferenceServerException) as exc:
             log.warning("abort of %s failed: %s", request_id, exc)
