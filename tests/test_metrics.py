@@ -305,6 +305,26 @@ def test_n_samples_and_abort(server, client):
     assert value(after, "llm_kv_blocks_used") == 0
 
 
+def test_a_busy_engine_never_shows_the_idle_numbers(server, client):
+    """Busy numbers are published at most once a second, but the first step after idle always
+    publishes: a stream a few tokens in never shows llm_kv_blocks_used == 0, so a scraper that
+    waits for 0 after its requests end does wait for their finish reasons to be counted."""
+    rng = random.Random(13)
+    for _ in range(5):
+        time.sleep(0.7)  # idle long enough for an idle publish (the loop wakes every 0.5 s)
+        stream = client.stream_generate("llm", {
+            "input_ids": _ids(rng, 20), "max_tokens": 400, "stream": True,
+            "sampling_parameters": json.dumps(GREEDY),
+        })
+        for _, _chunk in zip(range(3), stream):
+            pass
+        busy = scrape(server)
+        stream.close()
+        assert value(busy, "llm_kv_blocks_used") > 0
+        assert value(busy, "llm_num_requests_running") == 1
+        wait_settled(server, busy, finished=1)
+
+
 def test_rejected_requests_are_counted_apart(server, client):
     from tritonclient.utils import InferenceServerException
 

@@ -78,6 +78,7 @@ class TritonPythonModel:
         senders = int(llm_setting(params, env, "response_senders") or 4)
         self._outbox = Outbox("llm-responses", responses_per_step=per_step, senders=senders)
         self._last_publish = 0.0
+        self._published_idle = True
         self.engine.on_step = self._on_step
         # Triton request id -> engine request ids, for abort_request_id (backend/request_index.py).
         self._requests = TritonRequestIndex()
@@ -154,11 +155,16 @@ class TritonPythonModel:
         # Every metric update is an IPC round trip to the server that holds the GIL (the
         # histograms alone are ~60 series), on the engine thread: publish at most once per
         # METRICS_INTERVAL_S while busy (Triton's own metrics refresh every 2 s), but never
-        # leave an idle engine showing stale numbers.
+        # leave an idle engine showing stale numbers, nor a busy one showing idle ones: the first
+        # step after idle publishes too. Responses go out on the outbox's threads, so a client
+        # can see its request end before the next publish; without this, a scraper that waits
+        # for llm_kv_blocks_used == 0 could read the idle value from before its requests ran,
+        # and find their finish reasons not counted yet.
         now = time.monotonic()
         idle = stats.num_running == 0 and stats.num_waiting == 0
-        if force or idle or now - self._last_publish > METRICS_INTERVAL_S:
+        if force or idle or self._published_idle or now - self._last_publish > METRICS_INTERVAL_S:
             self._last_publish = now
+            self._published_idle = idle
             self._metrics.update(stats)
 
     def finalize(self):
