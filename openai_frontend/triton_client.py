@@ -263,10 +263,19 @@ def map_stream_error(message: str) -> APIError:
     return APIError(400, msg, param=_param(msg))
 
 
+# What grpc core reports when the connection to the server is lost mid-call. A crashed
+# tritonserver often surfaces as UNKNOWN "Stream removed" rather than UNAVAILABLE
+# (grpc/grpc#34076): it is an outage to retry, not a server error.
+_TRANSPORT_LOST = ("connect", "stream removed", "socket closed", "connection reset", "rst_stream", "goaway",
+                   "broken pipe", "end of tcp stream")
+
+
 def map_rpc_error(err: grpc.RpcError) -> APIError:
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else None) or str(err)
-    if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.UNKNOWN and "connect" in details.lower()):
+    lost = code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and any(
+        s in details.lower() for s in _TRANSPORT_LOST)
+    if code == grpc.StatusCode.UNAVAILABLE or lost:
         if "overloaded" in details.lower():
             return unavailable(f"The server is overloaded, retry later: {_clean(details)}", code="overloaded")
         return unavailable(f"Triton server unavailable: {details}")

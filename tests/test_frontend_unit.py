@@ -10,6 +10,7 @@ import json
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -877,6 +878,39 @@ def test_error_mapping():
     assert map_stream_error("invalid sampling parameter top_p: must be in (0, 1]").param == "top_p"
     assert map_stream_error("Request for unknown model: 'ensemble' is not found").status_code == 503
     assert map_stream_error("internal error: boom").status_code == 500
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize("code,details,status", [
+    (grpc.StatusCode.UNAVAILABLE, "Socket closed", 503),
+    (grpc.StatusCode.UNKNOWN, "Stream removed", 503),  # a SIGKILLed server (grpc/grpc#34076)
+    (grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2", 503),
+    (grpc.StatusCode.UNKNOWN, "failed to connect to all addresses", 503),
+    (grpc.StatusCode.NOT_FOUND, "Request for unknown model", 503),
+    (grpc.StatusCode.INVALID_ARGUMENT, "unsupported parameter 'n'", 400),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", 504),
+    (grpc.StatusCode.INTERNAL, "model raised: boom", 500),
+    (grpc.StatusCode.UNKNOWN, "something else", 500),
+])
+def test_rpc_errors_map_lost_connections_to_503(code, details, status):
+    """A server that dies mid-call is an outage (503, Retry-After), whatever code grpc picks."""
+    from openai_frontend.triton_client import map_rpc_error
+
+    err = map_rpc_error(_RpcError(code, details))
+    assert err.status_code == status, (code, details, err.message)
+    if status == 503:
+        assert err.headers and "Retry-After" in err.headers
+
 
 
 def test_build_inputs():
