@@ -263,11 +263,13 @@ def map_stream_error(message: str) -> APIError:
     return APIError(400, msg, param=_param(msg))
 
 
-# What grpc core reports when the connection to the server is lost mid-call. A crashed
-# tritonserver often surfaces as UNKNOWN "Stream removed" rather than UNAVAILABLE
-# (grpc/grpc#34076): it is an outage to retry, not a server error.
+# What grpc reports when the connection to the server is lost mid-call: an outage to retry, not
+# a server error. A crashed tritonserver can surface as UNKNOWN "Stream removed" rather than
+# UNAVAILABLE (grpc/grpc#34076), and a stream whose request is written as the connection drops
+# fails in grpc.aio with INTERNAL "Internal error from Core" (the failed batch operation; seen
+# in tests/test_faults.py's restart test).
 _TRANSPORT_LOST = ("connect", "stream removed", "socket closed", "connection reset", "rst_stream", "goaway",
-                   "broken pipe", "end of tcp stream")
+                   "broken pipe", "end of tcp stream", "internal error from core")
 
 
 def map_rpc_error(err: grpc.RpcError) -> APIError:

@@ -895,6 +895,7 @@ class _RpcError(grpc.RpcError):
     (grpc.StatusCode.UNAVAILABLE, "Socket closed", 503),
     (grpc.StatusCode.UNKNOWN, "Stream removed", 503),  # a SIGKILLed server (grpc/grpc#34076)
     (grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2", 503),
+    (grpc.StatusCode.INTERNAL, "Internal error from Core", 503),  # grpc.aio: the write failed
     (grpc.StatusCode.UNKNOWN, "failed to connect to all addresses", 503),
     (grpc.StatusCode.NOT_FOUND, "Request for unknown model", 503),
     (grpc.StatusCode.INVALID_ARGUMENT, "unsupported parameter 'n'", 400),
