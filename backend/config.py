@@ -42,7 +42,8 @@ class EngineConfig(BaseModel):
     # the step budget and which sequence is preempted first (the last in that order).
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
-    # Requests past this many waiting ones are refused as overloaded (bounded memory under load).
+    # Requests the next step cannot start (past max_num_seqs) wait; past this many waiting ones they
+    # are refused as overloaded (bounded memory under load).
     max_waiting_requests: int = 1024
     # Content-addressed sharing of full KV blocks between requests with a common prefix.
     enable_prefix_caching: bool = True

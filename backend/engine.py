@@ -201,7 +201,11 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens, but the context is {self.max_model_len} tokens "
                 "(at least one must be left to generate)"
             )
-        waiting = len(self.scheduler.waiting) + self._inbox.qsize()
+        # Queued requests that the next step can start (free running slots) are not waiting:
+        # otherwise a burst arriving between two steps is refused before max_num_seqs fill up,
+        # and how many get in depends on how the arrivals fall between steps.
+        queued = len(self.scheduler.waiting) + self._inbox.qsize()
+        waiting = max(0, queued - max(0, self.scheduler.max_num_seqs - len(self.scheduler.running)))
         if waiting >= self.config.max_waiting_requests:
             raise EngineOverloaded(
                 f"the server is overloaded: {waiting} requests are already waiting (max_waiting_requests="

@@ -312,3 +312,29 @@ def test_random_traffic_with_aborts_preemption_and_sharing_stays_exact(demo_mode
             else:
                 assert out.finish_reason == "length" and out.new_token_ids == want, (i, s)
     assert aborted > 0
+
+
+def test_a_burst_between_steps_fills_the_running_slots_before_it_is_refused(demo_model_path):
+    """max_waiting_requests counts only what the next step cannot start: with 2 running slots and
+    2 waiting places, 4 requests arriving before the engine steps are all taken, the 5th refused."""
+    from backend.engine import EngineOverloaded
+
+    eng = make_engine(demo_model_path, num_kv_blocks=64, block_size=16, max_model_len=512, max_num_seqs=2,
+                      max_waiting_requests=2)
+    try:
+        prompts = _prompts(eng, 5, seed=3)
+        done: dict[int, RequestOutput] = {}
+        for i, p in enumerate(prompts[:4]):  # the loop is not running: all four sit in the inbox
+            eng.add_request(p, greedy(eng), lambda out, i=i: _collect(done, i, out))
+        with pytest.raises(EngineOverloaded, match="2 requests are already waiting"):
+            eng.add_request(prompts[4], greedy(eng), lambda out: None)
+        eng.step()  # two start, two wait: still full
+        assert len(eng.scheduler.running) == 2 and len(eng.scheduler.waiting) == 2
+        with pytest.raises(EngineOverloaded):
+            eng.add_request(prompts[4], greedy(eng), lambda out: None)
+        while eng.step():
+            pass
+        assert sorted(i for i, r in done.items() if r.finished) == [0, 1, 2, 3]
+    finally:
+        eng.shutdown()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
