@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import httpx
 
@@ -137,49 +137,9 @@ def _tokens_from(endpoint: str, stream: bool, raw: bytes) -> int:
     return data["usage"]["completion_tokens"]
 
 
-async def run_raw_load(url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
-                       max_tokens: int, temperature: Optional[float] = None) -> dict[str, float]:
-    from urllib.parse import urlparse
-
-    parsed = urlparse(url)
-    queue: asyncio.Queue = asyncio.Queue()
-    for i in range(requests):
-        queue.put_nowait(i)
-    totals = {"tokens": 0, "requests": 0}
-
-    async def worker() -> None:
-        conn = _RawConnection(parsed.hostname or "127.0.0.1", parsed.port or 80)
-        try:
-            while True:
-                try:
-                    i = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                path, body = _body(endpoint, max_tokens, stream, i, temperature)
-                status, raw = await conn.request(path, body)
-                if status != 200:
-                    raise RuntimeError(f"HTTP {status}: {raw[:300]!r}")
-                tokens = _tokens_from(endpoint, stream, raw)
-                totals["tokens"] += tokens
-                totals["requests"] += 1
-        finally:
-            conn.close()
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "tokens": totals["tokens"], "requests": totals["requests"],
-            "tokens_per_s": totals["tokens"] / elapsed, "requests_per_s": totals["requests"] / elapsed}
-
-
-async def run_direct_load(triton_url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
-                          max_tokens: int, temperature: Optional[float] = None) -> dict[str, float]:
-    """The same load straight to Triton with TritonLLMClient (no HTTP): what the Triton side
-    alone costs, to set the frontend's numbers against."""
-    from openai_frontend.engine_types import EngineRequest
-    from openai_frontend.triton_client import TritonLLMClient
-
-    client = TritonLLMClient(triton_url)
+async def _closed_loop(one: Callable[[int], Awaitable[int]], concurrency: int, requests: int) -> dict[str, float]:
+    """`concurrency` workers take request indices from one queue until it is empty; `one(i)` sends
+    request i and returns its completion tokens."""
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
@@ -191,54 +151,80 @@ async def run_direct_load(triton_url: str, *, endpoint: str, stream: bool, concu
                 i = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            sp = {"max_new_tokens": max_tokens, "ignore_eos": True}
-            if temperature is not None:
-                sp["temperature"] = temperature
-            if endpoint == "chat":
-                req = EngineRequest(sp, messages=[{"role": "user", "content": f"Tell me a story number {i}."}],
-                                    stream=stream)
-            else:
-                req = EngineRequest(sp, text_input=f"Story {i}: once upon a time", stream=stream)
-            tokens = 0
-            async for chunk in client.generate(req):
-                tokens += len(chunk.token_ids)
+            tokens = await one(i)  # (not `totals[...] += await ...`: racy)
             totals["tokens"] += tokens
             totals["requests"] += 1
 
-    try:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - start
-    finally:
-        await client.close()
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "tokens": totals["tokens"], "requests": totals["requests"],
             "tokens_per_s": totals["tokens"] / elapsed, "requests_per_s": totals["requests"] / elapsed}
+
+
+async def run_raw_load(url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
+                       max_tokens: int, temperature: Optional[float] = None) -> dict[str, float]:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    # One keep-alive connection per worker: a worker holds one while its request runs.
+    conns: asyncio.Queue = asyncio.Queue()
+    for _ in range(concurrency):
+        conns.put_nowait(_RawConnection(parsed.hostname or "127.0.0.1", parsed.port or 80))
+
+    async def one(i: int) -> int:
+        conn = await conns.get()
+        try:
+            path, body = _body(endpoint, max_tokens, stream, i, temperature)
+            status, raw = await conn.request(path, body)
+            if status != 200:
+                raise RuntimeError(f"HTTP {status}: {raw[:300]!r}")
+            return _tokens_from(endpoint, stream, raw)
+        finally:
+            conns.put_nowait(conn)
+
+    try:
+        return await _closed_loop(one, concurrency, requests)
+    finally:
+        while not conns.empty():
+            conns.get_nowait().close()
+
+
+async def run_direct_load(triton_url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
+                          max_tokens: int, temperature: Optional[float] = None) -> dict[str, float]:
+    """The same load straight to Triton with TritonLLMClient (no HTTP): what the Triton side
+    alone costs, to set the frontend's numbers against."""
+    from openai_frontend.engine_types import EngineRequest
+    from openai_frontend.triton_client import TritonLLMClient
+
+    client = TritonLLMClient(triton_url)
+
+    async def one(i: int) -> int:
+        sp = {"max_new_tokens": max_tokens, "ignore_eos": True}
+        if temperature is not None:
+            sp["temperature"] = temperature
+        if endpoint == "chat":
+            req = EngineRequest(sp, messages=[{"role": "user", "content": f"Tell me a story number {i}."}],
+                                stream=stream)
+        else:
+            req = EngineRequest(sp, text_input=f"Story {i}: once upon a time", stream=stream)
+        tokens = 0
+        async for chunk in client.generate(req):
+            tokens += len(chunk.token_ids)
+        return tokens
+
+    try:
+        return await _closed_loop(one, concurrency, requests)
+    finally:
+        await client.close()
 
 
 async def run_load(url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
                    max_tokens: int, temperature: Optional[float] = None) -> dict[str, float]:
-    queue: asyncio.Queue = asyncio.Queue()
-    for i in range(requests):
-        queue.put_nowait(i)
-    totals = {"tokens": 0, "requests": 0}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        async def worker() -> None:
-            while True:
-                try:
-                    i = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                tokens = await _one(http, endpoint, max_tokens, stream, i, temperature)  # (not `+= await`: racy)
-                totals["tokens"] += tokens
-                totals["requests"] += 1
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "tokens": totals["tokens"], "requests": totals["requests"],
-            "tokens_per_s": totals["tokens"] / elapsed, "requests_per_s": totals["requests"] / elapsed}
+        return await _closed_loop(lambda i: _one(http, endpoint, max_tokens, stream, i, temperature),
+                                  concurrency, requests)
 
 
 async def run_sdk_load(url: str, *, endpoint: str, stream: bool, concurrency: int, requests: int,
@@ -249,10 +235,6 @@ async def run_sdk_load(url: str, *, endpoint: str, stream: bool, concurrency: in
 
     if endpoint == "generate":
         raise SystemExit("--client sdk: /generate is not an OpenAI endpoint")
-    queue: asyncio.Queue = asyncio.Queue()
-    for i in range(requests):
-        queue.put_nowait(i)
-    totals = {"tokens": 0, "requests": 0}
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
                              timeout=600)
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", http_client=http, max_retries=0)
@@ -272,24 +254,10 @@ async def run_sdk_load(url: str, *, endpoint: str, stream: bool, concurrency: in
                 tokens = chunk.usage.completion_tokens
         return tokens
 
-    async def worker() -> None:
-        while True:
-            try:
-                i = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            tokens = await one(i)
-            totals["tokens"] += tokens
-            totals["requests"] += 1
-
     try:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - start
+        return await _closed_loop(one, concurrency, requests)
     finally:
         await client.close()
-    return {"seconds": elapsed, "tokens": totals["tokens"], "requests": totals["requests"],
-            "tokens_per_s": totals["tokens"] / elapsed, "requests_per_s": totals["requests"] / elapsed}
 
 
 class _PacedEngine:

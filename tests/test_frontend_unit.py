@@ -1414,3 +1414,19 @@ def test_generate_ids_and_logprob_keys_as_sglang(base_url, fake):
         "text": "x", "return_logprob": True, "stream": True}).text.splitlines() if line.startswith("data: {")]
     import json as _json
     assert all("input_token_logprobs" in _json.loads(e[6:])["meta_info"] for e in events)
+
+
+def test_frontend_bench_clients_count_every_token():
+    """openai_frontend.bench's three load generators against its scripted-engine frontend (in
+    its own process): each request's completion tokens counted once, streamed or not."""
+    import asyncio
+
+    from openai_frontend import bench
+
+    with bench._fake_server(0.0, 8) as url:
+        for load in (bench.run_raw_load, bench.run_load, bench.run_sdk_load):
+            for endpoint in ("chat", "completions"):
+                for stream in (False, True):
+                    r = asyncio.run(load(url, endpoint=endpoint, stream=stream, concurrency=3, requests=7,
+                                         max_tokens=5))
+                    assert (r["requests"], r["tokens"]) == (7, 35), (load.__name__, endpoint, stream, r)
