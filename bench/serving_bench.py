@@ -19,6 +19,8 @@ chunks that carry tokens) p50/p99, end-to-end latency p50/p99.
                   longest max_new_tokens (a static-batching server); useful tokens only
   engine          backend.engine.LLMEngine in this process (add_request + callbacks)
   triton          tritonserver, `ensemble` model, gRPC bidirectional streaming (tritonclient aio)
+  triton_llm      the same straight to the `llm` model (token ids out, no postprocessing step):
+                  what the ensemble's detokenization hop costs (reported, no target)
   frontend        python -m openai_frontend in front of that tritonserver, OpenAI SDK
                   /v1/completions with token-id prompts, streaming
   frontend_nonstream   the same, stream=False
@@ -65,7 +67,7 @@ import torch  # noqa: E402
 from client.perf.make_inputs import ids_entries, mixed_workload, usable_vocab, write  # noqa: E402
 from client.perf.run_perf_analyzer import percentile as pct  # noqa: E402
 
-SECTIONS = ("hf_one_by_one", "hf_static", "engine", "triton", "frontend", "frontend_nonstream", "perf_analyzer",
+SECTIONS = ("hf_one_by_one", "hf_static", "engine", "triton", "triton_llm", "frontend", "frontend_nonstream", "perf_analyzer",
             "alternating",
             "prefix", "chunked")
 TARGETS = {
@@ -960,13 +962,14 @@ class Bench:
             self.run_engine("engine_after", [max(self.args.concurrency)])
 
     def open_paths(self, srv, paths: Sequence[str], frontend_log: Path) -> tuple[dict[str, Any], list, Optional[Frontend]]:
-        """Requesters for the server paths in `paths` (triton, frontend, frontend_nonstream), their
+        """Requesters for the server paths in `paths` (triton, triton_llm, frontend, frontend_nonstream), their
         close functions, and the frontend process they need (started here, stopped by the caller)."""
         requesters: dict[str, Any] = {}
         closers = []
-        if "triton" in paths:
-            requesters["triton"], close = triton_requester(srv.grpc_url, self.wl)
-            closers.append(close)
+        for system, model in (("triton", "ensemble"), ("triton_llm", "llm")):
+            if system in paths:
+                requesters[system], close = triton_requester(srv.grpc_url, self.wl, model=model)
+                closers.append(close)
         fe: Optional[Frontend] = None
         if "frontend" in paths or "frontend_nonstream" in paths:
             fe = Frontend(srv.grpc_url, self.args.model_path, frontend_log).start()
@@ -978,7 +981,7 @@ class Bench:
         return requesters, closers, fe
 
     def run_servers(self, run_dir: Path) -> None:
-        if not any(self.want(s) for s in ("triton", "frontend", "frontend_nonstream", "perf_analyzer")):
+        if not any(self.want(s) for s in ("triton", "triton_llm", "frontend", "frontend_nonstream", "perf_analyzer")):
             return
         from client.local_server import LocalTritonServer
 
@@ -997,7 +1000,7 @@ class Bench:
         server_steps = lambda: scraped_steps(srv.metrics_url)  # noqa: E731
         try:
             # One path at a time, each with only its own processes running.
-            for paths in (["triton"], ["frontend", "frontend_nonstream"]):
+            for paths in (["triton", "triton_llm"], ["frontend", "frontend_nonstream"]):
                 paths = [p for p in paths if self.want(p)]
                 if not paths:
                     continue
@@ -1012,7 +1015,7 @@ class Bench:
                                 recs, wall, extra = await self.measure(request, c, steps=server_steps)
                                 m = metrics(recs, wall, streaming=system != "frontend_nonstream")
                                 m.update(extra)
-                                self.check_outputs(m, recs, by_text=system != "triton")
+                                self.check_outputs(m, recs, by_text=not system.startswith("triton"))
                                 self.record(system, c, m)
                         for close in closers:
                             await close()
@@ -1040,7 +1043,7 @@ class Bench:
 
         a = self.args
         c = max(a.concurrency)
-        paths = [x for x in ("triton", "frontend", "frontend_nonstream") if self.want(x)]
+        paths = [x for x in ("triton", "triton_llm", "frontend", "frontend_nonstream") if self.want(x)]
         if not self.want("engine") or not paths:
             return
         log(f"alternating rounds at c={c}: engine, {', '.join(paths)}; {a.alternating_rounds} rounds")
@@ -1142,6 +1145,7 @@ class Bench:
             "engine_vs_hf_one_by_one": div(eng, tput("hf_one_by_one")),
             "engine_drift": div(after, eng),
             "triton_vs_engine": div(tput("triton", top), bracket),
+            "triton_llm_vs_engine": div(tput("triton_llm", top), bracket),
             "frontend_vs_engine": div(tput("frontend", top), bracket),
             "frontend_nonstream_vs_engine": div(tput("frontend_nonstream", top), bracket),
             "frontend_stream_vs_nonstream": div(tput("frontend", top), tput("frontend_nonstream", top)),
@@ -1159,7 +1163,8 @@ class Bench:
         per_level = {}
         for c in map(str, self.args.concurrency):
             e = bracket if c == top else tput("engine", c)
-            per_level[c] = {"triton_vs_engine": div(tput("triton", c), e), "frontend_vs_engine": div(tput("frontend", c), e),
+            per_level[c] = {"triton_vs_engine": div(tput("triton", c), e), "triton_llm_vs_engine": div(tput("triton_llm", c), e),
+                            "frontend_vs_engine": div(tput("frontend", c), e),
                             "frontend_stream_vs_nonstream": div(tput("frontend", c), tput("frontend_nonstream", c))}
         r["per_level"] = per_level
         checks = {}
@@ -1211,7 +1216,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     systems = results["systems"]
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    styles = {"engine": ("o", "tab:blue"), "triton": ("s", "tab:orange"), "frontend": ("^", "tab:green"),
+    styles = {"engine": ("o", "tab:blue"), "triton": ("s", "tab:orange"), "triton_llm": ("D", "tab:red"),
+              "frontend": ("^", "tab:green"),
               "frontend_nonstream": ("v", "tab:olive"), "perf_analyzer": ("x", "tab:purple")}
     all_levels: set[int] = set()
     nan = float("nan")
@@ -1267,8 +1273,9 @@ def print_ratios(r: dict[str, Any], results: dict[str, Any]) -> None:
             single = ", ".join(f"{k}={v:.2f}" for k, v in r["single_sweep"].items()
                                if v is not None and k.startswith("engine_vs_hf") == is_hf)
             print(f"  {kind} ratios above: {r[label]} (the sweep alone: {single})")
-    if r.get("frontend_nonstream_vs_engine") is not None:
-        print(f"  {'frontend_nonstream_vs_engine':32s} {r['frontend_nonstream_vs_engine']:8.2f}")
+    for name in ("triton_llm_vs_engine", "frontend_nonstream_vs_engine"):  # reported, no target
+        if r.get(name) is not None:
+            print(f"  {name:32s} {r[name]:8.2f}")
     if r.get("engine_drift") is not None:
         print(f"  {'engine_drift (after / before)':32s} {r['engine_drift']:8.2f}   server paths at c={r['concurrency']} "
               "are compared with the mean of both engine runs")
