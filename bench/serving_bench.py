@@ -70,6 +70,7 @@ from client.perf.run_perf_analyzer import percentile as pct  # noqa: E402
 SECTIONS = ("hf_one_by_one", "hf_static", "engine", "triton", "triton_llm", "frontend", "frontend_nonstream", "perf_analyzer",
             "alternating",
             "prefix", "chunked")
+SERVER_PATHS = ("triton", "triton_llm", "frontend", "frontend_nonstream")  # the systems behind tritonserver
 TARGETS = {
     # ratio name: (minimum or maximum, bound) from issue 6
     "engine_vs_hf_static": (">=", 2.0),
@@ -981,7 +982,7 @@ class Bench:
         return requesters, closers, fe
 
     def run_servers(self, run_dir: Path) -> None:
-        if not any(self.want(s) for s in ("triton", "triton_llm", "frontend", "frontend_nonstream", "perf_analyzer")):
+        if not any(self.want(s) for s in (*SERVER_PATHS, "perf_analyzer")):
             return
         from client.local_server import LocalTritonServer
 
@@ -1043,7 +1044,7 @@ class Bench:
 
         a = self.args
         c = max(a.concurrency)
-        paths = [x for x in ("triton", "triton_llm", "frontend", "frontend_nonstream") if self.want(x)]
+        paths = [x for x in SERVER_PATHS if self.want(x)]
         if not self.want("engine") or not paths:
             return
         log(f"alternating rounds at c={c}: engine, {', '.join(paths)}; {a.alternating_rounds} rounds")
