@@ -272,12 +272,17 @@ _TRANSPORT_LOST = ("connect", "stream removed", "socket closed", "connection res
                    "broken pipe", "end of tcp stream", "internal error from core")
 
 
+def _connection_lost(code_name: str, details: str) -> bool:
+    """`code_name` is the gRPC status name (UNAVAILABLE, ...), as both error kinds carry it."""
+    if code_name.endswith("UNAVAILABLE"):
+        return True
+    return code_name.endswith(("UNKNOWN", "INTERNAL")) and any(s in details.lower() for s in _TRANSPORT_LOST)
+
+
 def map_rpc_error(err: grpc.RpcError) -> APIError:
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else None) or str(err)
-    lost = code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and any(
-        s in details.lower() for s in _TRANSPORT_LOST)
-    if code == grpc.StatusCode.UNAVAILABLE or lost:
+    if _connection_lost(code.name if code else "", details):
         if "overloaded" in details.lower():
             return unavailable(f"The server is overloaded, retry later: {_clean(details)}", code="overloaded")
         return unavailable(f"Triton server unavailable: {details}")
@@ -301,7 +306,7 @@ def map_infer_error(exc: InferenceServerException) -> APIError:
     msg = _clean(exc.message() or str(exc))
     if "INVALID_ARGUMENT" in status:
         return APIError(400, msg, param=_param(msg))
-    if any(s in status for s in ("UNAVAILABLE", "NOT_FOUND")) or "unknown model" in msg.lower():
+    if _connection_lost(status, msg) or "NOT_FOUND" in status or "unknown model" in msg.lower():
         return unavailable(f"Triton model unavailable: {msg}")
     if "DEADLINE_EXCEEDED" in status:
         return APIError(504, f"Triton request timed out: {msg}")

@@ -904,13 +904,17 @@ class _RpcError(grpc.RpcError):
     (grpc.StatusCode.UNKNOWN, "something else", 500),
 ])
 def test_rpc_errors_map_lost_connections_to_503(code, details, status):
-    """A server that dies mid-call is an outage (503, Retry-After), whatever code grpc picks."""
-    from openai_frontend.triton_client import map_rpc_error
+    """A server that dies mid-call is an outage (503, Retry-After), whatever code grpc picks; a
+    stream (grpc's error) and a unary call (tritonclient's exception) map it alike."""
+    from tritonclient.utils import InferenceServerException
 
-    err = map_rpc_error(_RpcError(code, details))
-    assert err.status_code == status, (code, details, err.message)
-    if status == 503:
-        assert err.headers and "Retry-After" in err.headers
+    from openai_frontend.triton_client import map_infer_error, map_rpc_error
+
+    for err in (map_rpc_error(_RpcError(code, details)),
+                map_infer_error(InferenceServerException(details, status=str(code)))):
+        assert err.status_code == status, (code, details, err.message)
+        if status == 503:
+            assert err.headers and "Retry-After" in err.headers
 
 
 
