@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 import kernels
 from backend.decode_graphs import Capture, DecodeGraphs, capture_cuda_graph, graph_buckets
+from backend.host_tensors import host_tensor, on_device
 from backend.lora import LoraAdapter, apply_lora, load_adapter
 from kernels import cpu_attention
 
@@ -359,26 +360,27 @@ class ModelRunner:
                 qpos_rows.append(list(range(start, start + n)) + [0] * (max_q - n))
                 token_index.extend(range(bases[i], bases[i] + n))
                 query_slots.extend(range(row * max_q, row * max_q + n))
-            token_index_t = torch.tensor(token_index, dtype=torch.long).to(dev)
-            query_slots_t = torch.tensor(query_slots, dtype=torch.long).to(dev)
+            token_index_t = host_tensor(token_index, torch.long, dev)
+            query_slots_t = host_tensor(query_slots, torch.long, dev)
             if paged_decode and max_q == 1:
                 groups.append(
                     AttentionGroup(token_index_t, query_slots_t, None, None, len(members), 1,
-                                   block_tables=torch.tensor(table_rows, dtype=torch.int32).to(dev),
-                                   context_lens=torch.tensor([r[0] + 1 for r in qpos_rows], dtype=torch.int32).to(dev))
+                                   block_tables=host_tensor(table_rows, torch.int32, dev),
+                                   context_lens=host_tensor([r[0] + 1 for r in qpos_rows], torch.int32, dev))
                 )
                 continue
-            tables = torch.tensor(table_rows, dtype=torch.long)
-            qpos = torch.tensor(qpos_rows, dtype=torch.long)
+            tables = host_tensor(table_rows, torch.long, torch.device("cpu"))
+            qpos = host_tensor(qpos_rows, torch.long, torch.device("cpu"))
             n = len(members)
             visible = torch.arange(max_k)[None, None, :] <= qpos[:, :, None]  # [n, max_q, max_k]
-            mask = visible[:, None].expand(n, gqa, max_q, max_k).reshape(1, n, gqa * max_q, max_k).to(dev)
+            mask = visible[:, None].expand(n, gqa, max_q, max_k).reshape(1, n, gqa * max_q, max_k)
+            mask = on_device(mask, dev)
             sdpa = self.device.type == "cuda" or max_q > 1
             groups.append(
                 AttentionGroup(
                     token_index=token_index_t,
                     query_slots=query_slots_t,
-                    gather_blocks=tables.reshape(-1).to(dev),
+                    gather_blocks=on_device(tables.reshape(-1), dev),
                     mask=None if sdpa else mask,
                     num_seqs=n,
                     max_q=max_q,
@@ -394,14 +396,14 @@ class ModelRunner:
             if len(rows_of) == 1 and all(a is not None for a in adapters):
                 lora = [(next(iter(rows_of.values()))[0], None)]  # one adapter for every token
             else:
-                lora = [(a, torch.tensor(rows, dtype=torch.long).to(dev)) for a, rows in rows_of.values()]
+                lora = [(a, host_tensor(rows, torch.long, dev)) for a, rows in rows_of.values()]
         return BatchInput(
             lora=lora,
-            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev),
-            positions=torch.tensor(positions, dtype=torch.long).to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev),
+            input_ids=host_tensor(input_ids, torch.long, dev),
+            positions=host_tensor(positions, torch.long, dev),
+            slot_mapping=host_tensor(slots, torch.long, dev),
             groups=groups,
-            logits_index=torch.tensor(logits_index, dtype=torch.long).to(dev),
+            logits_index=host_tensor(logits_index, torch.long, dev),
             max_position=max(positions, default=0),
             decode_only=decode_only,
         )

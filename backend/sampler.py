@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence as Seq
 import torch
 
 import kernels
+from backend.host_tensors import host_tensor
 from backend.sampling_params import SamplingParams
 
 
@@ -149,9 +150,9 @@ class TokenCounts:
             entry[1] = len(r.token_ids) - r.num_prompt_tokens
             slots.append(slot)
         if upd_ids:
-            index = (torch.tensor(upd_slots, device=device), torch.tensor(upd_ids, device=device))
+            index = (host_tensor(upd_slots, torch.long, device), host_tensor(upd_ids, torch.long, device))
             self.counts.index_put_(index, torch.ones(len(upd_ids), dtype=torch.int32, device=device), accumulate=True)
-        return torch.tensor(slots, device=device)
+        return host_tensor(slots, torch.long, device)
 
     def release(self, seq_id: int) -> None:
         entry = self._slot.pop(seq_id, None)
@@ -188,7 +189,7 @@ class Sampler:
         pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if pen:
             slots = self.token_counts.update([rows[i] for i in pen], dev)[:, None]
-            at = torch.tensor(pen, device=dev)
+            at = host_tensor(pen, torch.long, dev)
             cand = idx.index_select(0, at)
             p = [rows[i].params for i in pen]
             x = vals.clone()
@@ -196,9 +197,9 @@ class Sampler:
                 vals.index_select(0, at),
                 self.token_counts.counts[slots, cand],
                 self.token_counts.prompt_mask[slots, cand],
-                torch.tensor([q.frequency_penalty for q in p], device=dev),
-                torch.tensor([q.presence_penalty for q in p], device=dev),
-                torch.tensor([q.repetition_penalty for q in p], device=dev),
+                host_tensor([q.frequency_penalty for q in p], torch.float32, dev),
+                host_tensor([q.presence_penalty for q in p], torch.float32, dev),
+                host_tensor([q.repetition_penalty for q in p], torch.float32, dev),
             )
         best = x.max(dim=-1, keepdim=True).values
         if not bool((best[:, 0] > vals[:, -1]).all()):
@@ -233,9 +234,9 @@ class Sampler:
                 logits[pen],
                 counts,
                 prompt_mask,
-                torch.tensor([x.frequency_penalty for x in p], device=dev),
-                torch.tensor([x.presence_penalty for x in p], device=dev),
-                torch.tensor([x.repetition_penalty for x in p], device=dev),
+                host_tensor([x.frequency_penalty for x in p], torch.float32, dev),
+                host_tensor([x.presence_penalty for x in p], torch.float32, dev),
+                host_tensor([x.repetition_penalty for x in p], torch.float32, dev),
                 use_triton=use_triton,
             )
         for i, r in enumerate(rows):
@@ -257,7 +258,7 @@ class Sampler:
             logits = _apply_custom(logits, rows, custom, errors)
 
         if any(r.params.temperature > 0 for r in rows):  # rows at temperature 0 come back unscaled anyway
-            temps = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=torch.float32)
+            temps = host_tensor([r.params.temperature for r in rows], torch.float32, dev)
             logits = kernels.apply_temperature(logits, temps, use_triton=use_triton)
 
         want_lp = [i for i, r in enumerate(rows) if r.params.return_logprob]
@@ -266,16 +267,16 @@ class Sampler:
         if any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows if not r.params.greedy):
             logits = kernels.top_k_top_p_min_p(
                 logits,
-                torch.tensor([r.params.top_k for r in rows], device=dev, dtype=torch.int32),
-                torch.tensor([r.params.top_p for r in rows], device=dev, dtype=torch.float32),
-                torch.tensor([r.params.min_p for r in rows], device=dev, dtype=torch.float32),
+                host_tensor([r.params.top_k for r in rows], torch.int32, dev),
+                host_tensor([r.params.top_p for r in rows], torch.float32, dev),
+                host_tensor([r.params.min_p for r in rows], torch.float32, dev),
                 use_triton=use_triton,
             )
         tokens = kernels.sample(
             logits,
-            torch.tensor([r.seed for r in rows], device=dev, dtype=torch.int64),
-            torch.tensor([r.step for r in rows], device=dev, dtype=torch.int64),
-            torch.tensor([r.params.greedy for r in rows], device=dev, dtype=torch.bool),
+            host_tensor([r.seed for r in rows], torch.int64, dev),
+            host_tensor([r.step for r in rows], torch.int64, dev),
+            host_tensor([r.params.greedy for r in rows], torch.bool, dev),
             use_triton=use_triton,
         ).tolist()
 

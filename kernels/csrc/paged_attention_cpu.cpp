@@ -103,9 +103,14 @@ void decode(const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* o
   });
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     double scale) {
+// Takes references and releases the GIL only around the loop: a Tensor copied or destroyed
+// without the GIL while its PyObject is alive takes the GIL back to fix that object's refcount
+// (torch's PyObject preservation), and inside tritonserver a response thread may hold it then.
+// With the whole call outside the GIL (pybind's call_guard), the by-value arguments and no-op
+// `.to()`s did that several times per call.
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                     const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                                     int64_t block_size, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(),
               "q must be [B, H, d] and the caches [kvh, slots, d]");
@@ -117,8 +122,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(k_cache.size(2) == D && H % kvh == 0, "head dims must agree and H % kvh == 0");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && context_lens.numel() == B,
               "block_tables [B, max_blocks] and context_lens [B]");
-  auto tables = block_tables.to(torch::kInt32).contiguous();
-  auto lens = context_lens.to(torch::kInt32).contiguous();
+  const torch::Tensor tables = block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous()
+                                   ? block_tables
+                                   : block_tables.to(torch::kInt32).contiguous();
+  const torch::Tensor lens = context_lens.scalar_type() == torch::kInt32 && context_lens.is_contiguous()
+                                 ? context_lens
+                                 : context_lens.to(torch::kInt32).contiguous();
   const int64_t max_blocks = tables.size(1), slots = k_cache.size(1);
   const int32_t* lp = lens.data_ptr<int32_t>();
   const int32_t* tp = tables.data_ptr<int32_t>();
@@ -128,9 +137,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       TORCH_CHECK(tp[b * max_blocks + i] >= 0 && (tp[b * max_blocks + i] + 1) * block_size <= slots,
                   "block id out of range");
   }
-  auto qc = q.contiguous();
-  auto out = torch::empty_like(qc);
+  const torch::Tensor qc = q.is_contiguous() ? q : q.contiguous();
+  torch::Tensor out = torch::empty_like(qc);
   if (B == 0) return out;
+  py::gil_scoped_release no_gil;  // raw pointers only from here to the end of the loop
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention_cpu", [&] {
     auto run = [&](auto dim) {
       decode<scalar_t, decltype(dim)::value>(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
@@ -144,15 +154,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       default: run(std::integral_constant<int, 0>{});
     }
   });
-  return out;
+  return out;  // no_gil ends first: `out` goes back to Python with the GIL held
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Without the GIL, like torch's own ops: inside tritonserver the response sender thread
-  // shares this process with the step loop and must not stall for the attention's duration.
+  // The loop runs without the GIL, like torch's own ops: inside tritonserver the response
+  // threads share this process with the step loop and must not stall for the attention.
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (q [B,H,d], caches [kvh,slots,d])",
-        py::call_guard<py::gil_scoped_release>());
+        "decode attention over a paged KV cache (q [B,H,d], caches [kvh,slots,d])");
 }
