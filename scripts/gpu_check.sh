@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The GPU path's checks and figures in one go, on a CUDA host that cannot reach a package index
+# (the GPU machine some sessions are lent holds torch, triton and transformers, not the rest):
+#
+#   scripts/gpu_check.sh fetch                    # where PyPI is reachable: the wheels that host lacks -> .whl/
+#   scripts/gpu_check.sh run [OUT_DIR [STEP...]]  # on the GPU host, from the repository root (.whl/ beside it)
+#
+# `run` installs .whl/ into /tmp/site (nothing else is touched) and runs the steps (default: all),
+# each allowed to fail without stopping the others, into OUT_DIR (default bench/results/gpu-<stamp>):
+# gpu_check.log (the GPU, torch and triton versions, then every step's output and exit status)
+# and one JSON per benchmark. Steps:
+#   tests      CUDA-only tests: real CUDA-graph capture against the eager engine, bf16 paged
+#              attention, the Triton kernels compiled for the GPU
+#   engine     the engine and sampling tests with the engine on CUDA (LLM_TEST_DEVICE=cuda)
+#   demo       engine vs HF generate on the demo model, with cuda_graphs_vs_eager -> engine_vs_hf_demo.json
+#   0.4b       the same on a random 0.4B Qwen2 (bench/make_random_model.py) -> engine_vs_hf_0.4b.json
+#   kernels    the sampling kernels against their torch references, batch 256, vocab 128k -> kernels_vs_torch.json
+# A device call runs 10 minutes at most: split the steps over calls if needed (tests engine | demo | 0.4b kernels).
+# The serving paths (tritonserver, frontend) need the Docker image; see README "GPU hosts".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# The engine's imports that a CUDA image with torch/transformers/triton lacks, at this
+# repository's pinned versions (constraints.txt), for the GPU host's Python (3.12 there).
+WHEELS=(pydantic pydantic_core annotated-types typing-inspection xgrammar apache-tvm-ffi dill jsonschema
+        jsonschema-specifications referencing rpds-py)
+PY_VERSION=${GPU_PY_VERSION:-3.12}
+
+pinned() {  # name -> name==version from constraints.txt (names compared the way pip does)
+  local want
+  want=$(echo "$1" | tr '_.' '--' | tr '[:upper:]' '[:lower:]')
+  while IFS= read -r line; do
+    local name=${line%%==*}
+    if [ "$(echo "$name" | tr '_.' '--' | tr '[:upper:]' '[:lower:]')" = "$want" ]; then
+      echo "$line"
+      return 0
+    fi
+  done < <(grep -E '^[A-Za-z0-9_.-]+==' constraints.txt)
+  echo "gpu_check: $1 is not pinned in constraints.txt" >&2
+  return 1
+}
+
+fetch() {
+  local py=${PYTHON:-.venv/bin/python}
+  mkdir -p .whl
+  for name in "${WHEELS[@]}"; do
+    spec=$(pinned "$name") || exit 1
+    "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$spec" || exit 1
+  done
+  du -sh .whl
+  echo "carry .whl to the GPU host (the device tool: carry [\".whl\"]), then: scripts/gpu_check.sh run"
+}
+
+step() {  # name, command...: run it into the log, record its exit status, keep going
+  local name=$1
+  shift
+  echo "==== $name: $*" >> "$LOG"
+  "$@" >> "$LOG" 2>&1
+  local rc=$?
+  echo "==== $name: exit $rc" >> "$LOG"
+  echo "$name: exit $rc"
+}
+
+run() {
+  OUT=${1:-bench/results/gpu-$(date +%Y%m%d-%H%M%S)}
+  shift || true
+  local steps=("$@")
+  [ ${#steps[@]} -gt 0 ] || steps=(tests engine demo 0.4b kernels)
+  mkdir -p "$OUT"
+  LOG="$OUT/gpu_check.log"
+  local py=${PYTHON:-python3}
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || { echo "gpu_check: installing .whl/ failed" >&2; exit 1; }
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  export PYTHONUNBUFFERED=1
+  unset TRITON_INTERPRET  # compile the Triton kernels for the GPU
+  {
+    date -u
+    nvidia-smi -L
+    "$py" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")'
+  } >> "$LOG" 2>&1
+  [ -f models/demo/config.json ] || "$py" -m backend.demo_model --out models/demo >> "$LOG" 2>&1
+  for s in "${steps[@]}"; do
+    case "$s" in
+      tests) step tests "$py" -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_paged_attention.py \
+               tests/test_kernels.py tests/test_kernel_distribution.py ;;
+      engine) step engine env LLM_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider tests/test_engine.py \
+                tests/test_engine_sampling.py ;;
+      demo) step demo "$py" -m bench.engine_vs_hf --device cuda --model-path models/demo --num-requests 64 \
+              --json "$OUT/engine_vs_hf_demo.json" ;;
+      0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "$py" -m bench.make_random_model --out /tmp/model-0.4b
+            step 0.4b "$py" -m bench.engine_vs_hf --device cuda --model-path /tmp/model-0.4b --num-requests 64 \
+              --skip-one-by-one --json "$OUT/engine_vs_hf_0.4b.json" ;;
+      kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
+      *) echo "gpu_check: unknown step $s" >&2 ;;
+    esac
+  done
+  echo "log: $LOG"
+}
+
+case "${1:-}" in
+  fetch) fetch ;;
+  run) shift; run "$@" ;;
+  *) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 2 ;;
+esac
