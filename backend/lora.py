@@ -4,6 +4,9 @@ An adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``tar
 ``use_rslora``) and ``adapter_model.safetensors`` with ``...layers.{i}.{module}.lora_A.weight``
 ([r, in]) and ``lora_B.weight`` ([out, r]). A targeted projection computes
 ``W x + scaling * B (A x)``, with ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA).
+``embed_tokens`` (``lora_embedding_A`` [r, vocab], ``lora_embedding_B`` [hidden, r]) adds
+``scaling * B A[:, id]`` to a token's embedding, and ``lm_head`` is a projection like the others.
+With tied embeddings, an adapter on ``embed_tokens`` changes the input embedding only, as in PEFT.
 
 The base weights are never changed (no merging): every step, each adapter in the batch adds its
 delta to the rows of its own tokens, so requests for different adapters and for the base model
@@ -28,11 +31,15 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file
 
-__all__ = ["LoraAdapter", "LoraError", "load_adapter", "parse_lora_modules", "TARGETS"]
+__all__ = ["LoraAdapter", "LoraError", "apply_lora", "apply_lora_embedding", "apply_lora_logits", "load_adapter",
+           "parse_lora_modules", "TARGETS"]
 
 # PEFT module name -> (the runner's fused weight, which part of its output).
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
+# PEFT saves an embedding's LoRA as parameters, without ".weight".
+_EMBED_KEY = re.compile(r"(?:^|\.)embed_tokens\.lora_embedding_([AB])(?:\.weight)?$")
+_LM_HEAD_KEY = re.compile(r"(?:^|\.)lm_head\.lora_([AB])\.weight$")
 
 
 class LoraError(ValueError):
@@ -49,6 +56,10 @@ class LoraAdapter:
     # [fused out, k*r], scaling folded in): one pair of thin matmuls per fused weight, whatever
     # subset of its modules the adapter targets.
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    # embed_tokens: (A transposed [vocab, r], so a token's row is a lookup; B^T scaled [r, hidden]).
+    embed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # lm_head: (A [r, hidden], B scaled [vocab, r]).
+    lm_head: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def cache_salt(self) -> int:
@@ -93,8 +104,16 @@ def load_adapter(name: str, path: str | Path, config: Any, device: torch.device,
              "o_proj": ("o", 0, config.hidden_size), "gate_proj": ("gate_up", 0, inter),
              "up_proj": ("gate_up", inter, 2 * inter), "down_proj": ("down", 0, config.hidden_size)}
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    edges: dict[str, dict[str, torch.Tensor]] = {}  # embed_tokens / lm_head -> {"A", "B"}
     for f in files:
         for key, tensor in load_file(str(f)).items():
+            for module, pattern in (("embed_tokens", _EMBED_KEY), ("lm_head", _LM_HEAD_KEY)):
+                edge = pattern.search(key)
+                if edge is not None:
+                    edges.setdefault(module, {})[edge.group(1)] = tensor.to(device=device, dtype=dtype)
+                    break
+            if edge is not None:
+                continue
             m = _KEY.search(key)
             if m is None:
                 raise LoraError(f"LoRA adapter '{name}': unexpected tensor {key!r} (only {', '.join(TARGETS)} "
@@ -119,8 +138,22 @@ def load_adapter(name: str, path: str | Path, config: Any, device: torch.device,
             raise LoraError(f"LoRA adapter '{name}': layer {layer} {module} has lora_A {tuple(a.shape)} and "
                             f"lora_B {tuple(b.shape)}; this model needs {(rank, in_features)} and {(hi - lo, rank)}")
         parts[layer].setdefault(fused, []).append((lo, hi, a, b))
-    if not pairs:
+    if not pairs and not edges:
         raise LoraError(f"LoRA adapter '{name}': no LoRA weights in {path}")
+    for module, ab in edges.items():
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"LoRA adapter '{name}': {module} lacks its LoRA A or B")
+        a, b = ab["A"], ab["B"]
+        # embed_tokens: A [r, vocab], B [hidden, r]; lm_head: A [r, hidden], B [vocab, r].
+        want = ((rank, config.vocab_size), (config.hidden_size, rank)) if module == "embed_tokens" else (
+            (rank, config.hidden_size), (config.vocab_size, rank))
+        if (tuple(a.shape), tuple(b.shape)) != want:
+            raise LoraError(f"LoRA adapter '{name}': {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
+                            f"this model needs {want[0]} and {want[1]}")
+        if module == "embed_tokens":
+            adapter.embed = (a.t().contiguous(), (b * scaling).t().contiguous())
+        else:
+            adapter.lm_head = (a, b * scaling)
     for layer, fused_parts in enumerate(parts):
         for fused, items in fused_parts.items():
             a_cat = torch.cat([a for _, _, a, _ in items])
@@ -144,3 +177,30 @@ def apply_lora(out: torch.Tensor, x: torch.Tensor, layer: int, fused: str,
             out.addmm_(x @ a.t(), b.t())
         else:
             out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+
+
+def apply_lora_embedding(h: torch.Tensor, input_ids: torch.Tensor,
+                         lora: list[tuple[LoraAdapter, Optional[torch.Tensor]]]) -> None:
+    """Add each adapter's embed_tokens delta to its tokens' embeddings ``h`` [T, hidden], in place."""
+    for adapter, rows in lora:
+        if adapter.embed is None:
+            continue
+        a_t, b_t = adapter.embed
+        if rows is None:
+            h.add_(a_t[input_ids] @ b_t)
+        else:
+            h.index_add_(0, rows, a_t[input_ids.index_select(0, rows)] @ b_t)
+
+
+def apply_lora_logits(logits: torch.Tensor, h: torch.Tensor, lora: list[tuple[LoraAdapter, Optional[torch.Tensor]]],
+                      logit_rows: list[Optional[torch.Tensor]]) -> None:
+    """Add each adapter's lm_head delta to its rows of ``logits`` [S, vocab], in place. ``h`` holds
+    the final hidden states of those rows; ``logit_rows`` pairs with ``lora`` (None: every row)."""
+    for (adapter, _), rows in zip(lora, logit_rows):
+        if adapter.lm_head is None:
+            continue
+        a, b = adapter.lm_head
+        if rows is None:
+            logits.addmm_(h @ a.t(), b.t())
+        elif rows.numel():
+            logits.index_add_(0, rows, (h.index_select(0, rows) @ a.t()) @ b.t())

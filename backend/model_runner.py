@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 import kernels
 from backend.decode_graphs import Capture, DecodeGraphs, capture_cuda_graph, graph_buckets
 from backend.host_tensors import host_tensor, on_device
-from backend.lora import LoraAdapter, apply_lora, load_adapter
+from backend.lora import LoraAdapter, apply_lora, apply_lora_embedding, apply_lora_logits, load_adapter
 from kernels import cpu_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -152,6 +152,8 @@ class BatchInput:
     decode_only: bool = False  # every sequence decodes one token: groups is one paged group, in order
     # LoRA: each adapter in the step with the packed indexes of its tokens (None: base model only).
     lora: Optional[list[tuple[LoraAdapter, Optional[torch.Tensor]]]] = None
+    # Pairs with `lora`: each adapter's rows of the logits (None: every row), for lm_head LoRA.
+    lora_logit_rows: Optional[list[Optional[torch.Tensor]]] = None
 
 
 def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True, paged_decode: bool = False) -> list[list[int]]:
@@ -318,10 +320,12 @@ class ModelRunner:
         slots: list[int] = []
         logits_index: list[int] = []
         bases: list[int] = []
+        logit_spans: list[tuple[int, int]] = []  # each chunk's rows of the logits
         for ids, start, table, rows in chunks:
             n = len(ids)
             base = len(input_ids)
             bases.append(base)
+            first_logit = len(logits_index)
             pos = range(start, start + n)
             input_ids.extend(ids)
             positions.extend(pos)
@@ -330,6 +334,7 @@ class ModelRunner:
                 logits_index.append(base + n - 1)
             elif rows:
                 logits_index.extend(base + r for r in rows)
+            logit_spans.append((first_logit, len(logits_index)))
 
         groups = []
         gqa = self.config.num_heads // self.config.num_kv_heads
@@ -387,18 +392,23 @@ class ModelRunner:
                     attn_bias=torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf")) if sdpa else None,
                 )
             )
-        lora = None
+        lora = lora_logit_rows = None
         if adapters is not None and any(a is not None for a in adapters):
-            rows_of: dict[str, tuple[LoraAdapter, list[int]]] = {}
+            rows_of: dict[str, tuple[LoraAdapter, list[int], list[int]]] = {}
             for i, adapter in enumerate(adapters):
                 if adapter is not None:
-                    rows_of.setdefault(adapter.name, (adapter, []))[1].extend(range(bases[i], bases[i] + q_lens[i]))
+                    _, token_rows, logit_rows = rows_of.setdefault(adapter.name, (adapter, [], []))
+                    token_rows.extend(range(bases[i], bases[i] + q_lens[i]))
+                    logit_rows.extend(range(*logit_spans[i]))
             if len(rows_of) == 1 and all(a is not None for a in adapters):
                 lora = [(next(iter(rows_of.values()))[0], None)]  # one adapter for every token
+                lora_logit_rows = [None]
             else:
-                lora = [(a, host_tensor(rows, torch.long, dev)) for a, rows in rows_of.values()]
+                lora = [(a, host_tensor(rows, torch.long, dev)) for a, rows, _ in rows_of.values()]
+                lora_logit_rows = [host_tensor(rows, torch.long, dev) for _, _, rows in rows_of.values()]
         return BatchInput(
             lora=lora,
+            lora_logit_rows=lora_logit_rows,
             input_ids=host_tensor(input_ids, torch.long, dev),
             positions=host_tensor(positions, torch.long, dev),
             slot_mapping=host_tensor(slots, torch.long, dev),
@@ -429,6 +439,8 @@ class ModelRunner:
         sin = self._rope_sin[batch.positions][:, None, :]
 
         h = self.embed[batch.input_ids]
+        if batch.lora:
+            apply_lora_embedding(h, batch.input_ids, batch.lora)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         for li, layer in enumerate(self.layers):
@@ -488,7 +500,10 @@ class ModelRunner:
             apply_lora(down, act, li, "down", batch.lora)
             h = h + down
         h = _rms_norm(h[batch.logits_index], self.final_norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        logits = F.linear(h, self.lm_head)
+        if batch.lora:
+            apply_lora_logits(logits, h, batch.lora, batch.lora_logit_rows or [None] * len(batch.lora))
+        return logits.float()
 
     def _gather(self, cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         kvh, _, d = cache.shape

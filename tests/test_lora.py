@@ -32,8 +32,21 @@ def make_adapter(model_path: Path, out: Path, seed: int, rank: int = 4, alpha: f
               "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
     g = torch.Generator().manual_seed(seed)
     tensors, deltas = {}, {}
+    vocab = cfg["vocab_size"]
+    if "embed_tokens" in targets:  # PEFT: parameters A [r, vocab], B [hidden, r], no ".weight"
+        a = torch.randn(rank, vocab, generator=g) * 0.3
+        b = torch.randn(hidden, rank, generator=g) * 0.3
+        tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = a
+        tensors["base_model.model.model.embed_tokens.lora_embedding_B"] = b
+        deltas["model.embed_tokens.weight"] = (alpha / rank) * (b @ a).t()
+    if "lm_head" in targets:
+        a = torch.randn(rank, hidden, generator=g) * 0.3
+        b = torch.randn(vocab, rank, generator=g) * 0.3
+        tensors["base_model.model.lm_head.lora_A.weight"] = a
+        tensors["base_model.model.lm_head.lora_B.weight"] = b
+        deltas["lm_head.weight"] = (alpha / rank) * (b @ a)
     for layer in range(cfg["num_hidden_layers"]):
-        for module in targets:
+        for module in (t for t in targets if t in MODULES):
             out_f, in_f = shapes[module]
             a = torch.randn(rank, in_f, generator=g) * 0.3
             b = torch.randn(out_f, rank, generator=g) * 0.3
@@ -77,6 +90,11 @@ def merged_model(demo_model_path, deltas):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(demo_model_path, dtype=torch.float32).eval()
+    if deltas and {"model.embed_tokens.weight", "lm_head.weight"} & set(deltas):
+        # The demo model ties lm_head to the embeddings; PEFT's embed_tokens LoRA changes the
+        # input embedding only, and lm_head's its own: untie before merging.
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
     if deltas:
         state = model.state_dict()
         with torch.no_grad():
@@ -101,6 +119,34 @@ def test_adapters_match_merged_weights_in_one_mixed_batch(engine, adapters, demo
     alone = engine.generate([prompts[1], prompts[3]], [params[1], params[3]])
     assert [o.new_token_ids for o in alone] == [outs[1].new_token_ids, outs[3].new_token_ids]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_embed_tokens_and_lm_head_adapters_match_merged_weights(demo_model_path, tmp_path):
+    made = {
+        "edges": make_adapter(demo_model_path, tmp_path / "edges", seed=5, targets=("embed_tokens", "lm_head", "q_proj")),
+        "embed": make_adapter(demo_model_path, tmp_path / "embed", seed=6, rank=2, alpha=2.0, targets=("embed_tokens",)),
+        "head": make_adapter(demo_model_path, tmp_path / "head", seed=7, targets=("lm_head",)),
+    }
+    eng = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", dtype="float32", num_kv_blocks=256,
+                                 block_size=16, lora_modules={n: str(tmp_path / n) for n in made}))
+    try:
+        rng = random.Random(1)
+        prompts = [[rng.randrange(4, 4000) for _ in range(rng.randint(5, 30))] for _ in range(5)]
+        names = ["edges", None, "embed", "head", "edges"]
+        greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True, "repetition_penalty": 1.0}
+        params = [eng.parse_params({**greedy, **({"lora_path": n} if n else {})}) for n in names]
+        outs = eng.generate(prompts, params)
+        for name in ("edges", "embed", "head", None):
+            model = merged_model(demo_model_path, made[name] if name else None)
+            for prompt, n, out in zip(prompts, names, outs):
+                if n == name:
+                    assert out.new_token_ids == hf_greedy(model, prompt, 8), name
+        # one adapter for every token of a step: the path without row gathering
+        alone = eng.generate([prompts[0], prompts[4]], [params[0], params[4]])
+        assert [o.new_token_ids for o in alone] == [outs[0].new_token_ids, outs[4].new_token_ids]
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
 
 
 def test_prefix_cache_is_per_adapter(engine):
@@ -129,6 +175,12 @@ def test_adapter_errors_are_clear(engine, demo_model_path, tmp_path):
     (bad / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8}))  # weights have rank 4
     with pytest.raises(LoraError, match="layer 0 .* has lora_A \\(4, .*this model needs \\(8, "):
         engine.model.load_lora("bad", bad)
+    bad_embed = tmp_path / "bad_embed"
+    make_adapter(demo_model_path, bad_embed, seed=3, targets=("embed_tokens",))
+    cfg = json.loads((bad_embed / "adapter_config.json").read_text())
+    (bad_embed / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8}))
+    with pytest.raises(LoraError, match="embed_tokens has A \\(4, 4096\\) .*this model needs \\(8, 4096\\)"):
+        engine.model.load_lora("bad_embed", bad_embed)
 
 
 def test_runtime_load_and_unload(engine, adapters, demo_model_path, tmp_path):
