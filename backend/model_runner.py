@@ -152,7 +152,7 @@ class BatchInput:
     decode_only: bool = False  # every sequence decodes one token: groups is one paged group, in order
     # LoRA: each adapter in the step with the packed indexes of its tokens (None: base model only).
     lora: Optional[list[tuple[LoraAdapter, Optional[torch.Tensor]]]] = None
-    # Pairs with `lora`: each adapter's rows of the logits (None: every row), for lm_head LoRA.
+    # Set with `lora`, one entry per adapter: its rows of the logits (None: every row), for lm_head LoRA.
     lora_logit_rows: Optional[list[Optional[torch.Tensor]]] = None
 
 
@@ -374,8 +374,8 @@ class ModelRunner:
                                    context_lens=host_tensor([r[0] + 1 for r in qpos_rows], torch.int32, dev))
                 )
                 continue
-            tables = host_tensor(table_rows, torch.long, torch.device("cpu"))
-            qpos = host_tensor(qpos_rows, torch.long, torch.device("cpu"))
+            tables = host_tensor(table_rows, torch.long, "cpu")
+            qpos = host_tensor(qpos_rows, torch.long, "cpu")
             n = len(members)
             visible = torch.arange(max_k)[None, None, :] <= qpos[:, :, None]  # [n, max_q, max_k]
             mask = visible[:, None].expand(n, gqa, max_q, max_k).reshape(1, n, gqa * max_q, max_k)
@@ -502,7 +502,7 @@ class ModelRunner:
         h = _rms_norm(h[batch.logits_index], self.final_norm, c.rms_norm_eps)
         logits = F.linear(h, self.lm_head)
         if batch.lora:
-            apply_lora_logits(logits, h, batch.lora, batch.lora_logit_rows or [None] * len(batch.lora))
+            apply_lora_logits(logits, h, batch.lora, batch.lora_logit_rows)
         return logits.float()
 
     def _gather(self, cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

@@ -103,22 +103,30 @@ def merged_model(demo_model_path, deltas):
     return model
 
 
-def test_adapters_match_merged_weights_in_one_mixed_batch(engine, adapters, demo_model_path):
-    rng = random.Random(0)
-    prompts = [[rng.randrange(4, 4000) for _ in range(rng.randint(5, 40))] for _ in range(6)]
-    names = [None, "sql", "attn", "sql", None, "attn"]
-    greedy = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True, "repetition_penalty": 1.0}
+def check_mixed_batch_matches_merged(engine, demo_model_path, deltas: dict[str, dict], names: list, seed: int,
+                                     max_new: int, alone: tuple[int, int]) -> None:
+    """One batch of random prompts under `names` (None: the base model): each output equals HF's
+    greedy output with that adapter's `deltas` merged. Then the two requests at `alone` (one
+    adapter) run as a batch of their own, which takes the path without row gathering."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(4, 4000) for _ in range(rng.randint(5, 40))] for _ in names]
+    greedy = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True, "repetition_penalty": 1.0}
     params = [engine.parse_params({**greedy, **({"lora_path": n} if n else {})}) for n in names]
     outs = engine.generate(prompts, params)
-    for name in (None, "sql", "attn"):
-        model = merged_model(demo_model_path, adapters[name][1] if name else None)
+    for name in {*names}:
+        model = merged_model(demo_model_path, deltas[name] if name else None)
         for prompt, n, out in zip(prompts, names, outs):
             if n == name:
-                assert out.new_token_ids == hf_greedy(model, prompt, 10), name
-    # a step where every token uses one adapter takes the path without row gathering
-    alone = engine.generate([prompts[1], prompts[3]], [params[1], params[3]])
-    assert [o.new_token_ids for o in alone] == [outs[1].new_token_ids, outs[3].new_token_ids]
+                assert out.new_token_ids == hf_greedy(model, prompt, max_new), name
+    i, j = alone
+    again = engine.generate([prompts[i], prompts[j]], [params[i], params[j]])
+    assert [o.new_token_ids for o in again] == [outs[i].new_token_ids, outs[j].new_token_ids]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_adapters_match_merged_weights_in_one_mixed_batch(engine, adapters, demo_model_path):
+    check_mixed_batch_matches_merged(engine, demo_model_path, {n: d for n, (_, d) in adapters.items()},
+                                     [None, "sql", "attn", "sql", None, "attn"], seed=0, max_new=10, alone=(1, 3))
 
 
 def test_embed_tokens_and_lm_head_adapters_match_merged_weights(demo_model_path, tmp_path):
@@ -130,21 +138,8 @@ def test_embed_tokens_and_lm_head_adapters_match_merged_weights(demo_model_path,
     eng = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", dtype="float32", num_kv_blocks=256,
                                  block_size=16, lora_modules={n: str(tmp_path / n) for n in made}))
     try:
-        rng = random.Random(1)
-        prompts = [[rng.randrange(4, 4000) for _ in range(rng.randint(5, 30))] for _ in range(5)]
-        names = ["edges", None, "embed", "head", "edges"]
-        greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True, "repetition_penalty": 1.0}
-        params = [eng.parse_params({**greedy, **({"lora_path": n} if n else {})}) for n in names]
-        outs = eng.generate(prompts, params)
-        for name in ("edges", "embed", "head", None):
-            model = merged_model(demo_model_path, made[name] if name else None)
-            for prompt, n, out in zip(prompts, names, outs):
-                if n == name:
-                    assert out.new_token_ids == hf_greedy(model, prompt, 8), name
-        # one adapter for every token of a step: the path without row gathering
-        alone = eng.generate([prompts[0], prompts[4]], [params[0], params[4]])
-        assert [o.new_token_ids for o in alone] == [outs[0].new_token_ids, outs[4].new_token_ids]
-        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        check_mixed_batch_matches_merged(eng, demo_model_path, made, ["edges", None, "embed", "head", "edges"],
+                                         seed=1, max_new=8, alone=(0, 4))
     finally:
         eng.shutdown()
 
