@@ -42,6 +42,15 @@ _EMBED_KEY = re.compile(r"(?:^|\.)embed_tokens\.lora_embedding_([AB])(?:\.weight
 _LM_HEAD_KEY = re.compile(r"(?:^|\.)lm_head\.lora_([AB])\.weight$")
 
 
+def _edge_key(key: str) -> Optional[tuple[str, str]]:
+    """("embed_tokens" | "lm_head", "A" | "B") for those modules' LoRA tensors, else None."""
+    for module, pattern in (("embed_tokens", _EMBED_KEY), ("lm_head", _LM_HEAD_KEY)):
+        m = pattern.search(key)
+        if m is not None:
+            return module, m.group(1)
+    return None
+
+
 class LoraError(ValueError):
     """An adapter that cannot be loaded or used; the message says why."""
 
@@ -107,12 +116,9 @@ def load_adapter(name: str, path: str | Path, config: Any, device: torch.device,
     edges: dict[str, dict[str, torch.Tensor]] = {}  # embed_tokens / lm_head -> {"A", "B"}
     for f in files:
         for key, tensor in load_file(str(f)).items():
-            for module, pattern in (("embed_tokens", _EMBED_KEY), ("lm_head", _LM_HEAD_KEY)):
-                edge = pattern.search(key)
-                if edge is not None:
-                    edges.setdefault(module, {})[edge.group(1)] = tensor.to(device=device, dtype=dtype)
-                    break
+            edge = _edge_key(key)
             if edge is not None:
+                edges.setdefault(edge[0], {})[edge[1]] = tensor.to(device=device, dtype=dtype)
                 continue
             m = _KEY.search(key)
             if m is None:

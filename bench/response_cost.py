@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.serving_bench import CpuMeter  # noqa: E402
+from bench.serving_bench import CpuMeter, Rec, closed_loop  # noqa: E402
 from client.local_server import LocalTritonServer  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent / "response_cost_models"
@@ -51,12 +51,10 @@ async def stream_all(url: str, model: str, tensors: int, responses: int, streams
     from tritonclient.grpc import InferInput
 
     client = grpc_aio.InferenceServerClient(url)
-    received = 0
     problems: list[str] = []
-    todo = list(range(streams))
 
-    async def one() -> None:
-        nonlocal received
+    async def one(_: int) -> Rec:
+        rec = Rec(start=time.perf_counter())
         n_in = InferInput("responses", [1], "INT32")
         n_in.set_data_from_numpy(np.array([responses], dtype=np.int32))
         k_in = InferInput("tensors", [1], "INT32")
@@ -87,20 +85,15 @@ async def stream_all(url: str, model: str, tensors: int, responses: int, streams
             done.set()
         if count != responses:
             problems.append(f"a stream got {count} of {responses} responses")
-        received += count
-
-    async def worker() -> None:
-        while todo:
-            todo.pop()
-            await one()
+        rec.tokens, rec.end = count, time.perf_counter()
+        return rec
 
     try:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
+        recs, wall = await closed_loop(one, range(streams), concurrency)
     finally:
         await client.close()
-    return {"responses": received, "wall_s": wall, "problems": problems[:5]}
+    problems.extend(r.error for r in recs if r.error)
+    return {"responses": sum(r.tokens for r in recs), "wall_s": wall, "problems": problems[:5]}
 
 
 def measure(srv: LocalTritonServer, case: str, args) -> dict[str, Any]:
