@@ -246,7 +246,8 @@ class LLMEngine:
                 max_new_tokens=max_new,
                 is_cancelled=is_cancelled,
                 arrival_time=time.monotonic(),
-                prefix_cacheable=params.logprob_start_len < 0,
+                # Prompt logprobs and hidden states need every prompt position run, none cached.
+                prefix_cacheable=params.logprob_start_len < 0 and not params.return_hidden_states,
                 index=index,
                 seed=(base_seed + index * 0x9E3779B97F4A7C15) % 2**63,
                 wait_for=children[0].seq if children and self.config.enable_prefix_caching else None,
@@ -466,23 +467,35 @@ class LLMEngine:
                 self._prompt_tokens_total += min(item.num_new_tokens, seq.num_prompt_tokens - start)
         # Each sequence carries its adapter: an adapter unloaded meanwhile still serves it.
         batch = self.model.prepare(chunks, [item.seq.lora for item in scheduled])
-        logits = self.model.forward(batch)
+        hidden = None
+        if any(item.seq.params.return_hidden_states for item in scheduled):
+            logits, hidden = self.model.forward_with_hidden(batch)
+        else:
+            logits = self.model.forward(batch)
 
-        # Split the logits rows: prompt-logprob rows per sequence, then one sampling row.
-        sampling, sample_logits, prompt_rows = [], [], {}
+        # Split the logits rows. A chunk's rows are consecutive positions (see _logit_rows):
+        # prompt-logprob rows, hidden-state rows, and last the sampling row if it samples.
+        sampling, sample_logits = [], []
         row = 0
         for item, chunk in zip(scheduled, chunks):
-            rows = chunk[3]
+            seq, rows, start = item.seq, chunk[3], chunk[1]
             count = 1 if rows is True else len(rows) if rows else 0
-            n_prompt = count - (1 if item.samples else 0)
-            if n_prompt:
-                prompt_rows[item.seq.request_id] = (item.seq, chunk[1] + (rows[0] if rows is not True else 0), logits[row : row + n_prompt])
+            first = start + (len(chunk[0]) - 1 if rows is True else rows[0] if rows else 0)
+            if seq.params.wants_prompt_logprobs:
+                # Logits at position p score prompt token p + 1: p in [lo, P - 2].
+                lo = max(first, max(seq.params.logprob_start_len, 1) - 1)
+                hi = min(first + count, seq.num_prompt_tokens - 1)
+                if hi > lo:
+                    self._prompt_logprobs(seq, lo, logits[row + lo - first : row + hi - first])
+            if hidden is not None and seq.params.return_hidden_states:
+                tracked = self._tracked.get(seq.request_id)
+                if tracked is not None:
+                    rows_hidden = hidden[row : row + count].float().cpu().tolist()
+                    tracked.state.add_hidden_states(first, rows_hidden, seq.num_prompt_tokens)
             if item.samples:
                 sampling.append(item)
                 sample_logits.append(row + count - 1)
             row += count
-        for seq, first_pos, rows_logits in prompt_rows.values():
-            self._prompt_logprobs(seq, first_pos, rows_logits)
 
         result = None
         if sampling:
@@ -563,7 +576,10 @@ class LLMEngine:
 
     def _logit_rows(self, seq: Sequence, start: int, n: int, samples: bool) -> Any:
         """Which rows of this chunk need logits: the sampling row, plus prompt positions
-        whose next-token logprobs were asked for (logprob_start_len)."""
+        whose next-token logprobs were asked for (logprob_start_len), or every row for
+        return_hidden_states. Always consecutive rows (True: the last row only)."""
+        if seq.params.return_hidden_states:
+            return True if n == 1 and samples else list(range(n))
         lsl = seq.params.logprob_start_len
         if not seq.params.wants_prompt_logprobs or start >= seq.num_prompt_tokens - 1:
             return samples
@@ -667,7 +683,7 @@ class LLMEngine:
                     self._tracked[rid] = tracked
                     if tracked.seq.params.wants_prompt_logprobs and tracked.seq.params.logprob_start_len == 0:
                         self._first_prompt_logprob(tracked)
-                    if tracked.seq.max_new_tokens == 0 and not tracked.seq.params.wants_prompt_logprobs:
+                    if tracked.seq.max_new_tokens == 0 and not tracked.seq.params.needs_prompt_rows:
                         self._end(rid, FinishReason.LENGTH)
                     elif tracked.grammar_future is not None:
                         self._compiling.append(tracked)  # waits off the batch until compiled

@@ -429,7 +429,16 @@ class ModelRunner:
         return self.eager_forward(batch)
 
     @torch.inference_mode()
+    def forward_with_hidden(self, batch: BatchInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, also returning the final-norm hidden states of the logits rows [S, hidden]
+        (return_hidden_states). Always eager: the decode graphs keep only their logits."""
+        return self._eager(batch)
+
     def eager_forward(self, batch: BatchInput) -> torch.Tensor:
+        return self._eager(batch)[0]
+
+    @torch.inference_mode()
+    def _eager(self, batch: BatchInput) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         if batch.max_position >= self._rope_cos.shape[0]:
             # Captured graphs read the old tables: they go (only past max_position_embeddings).
@@ -503,7 +512,7 @@ class ModelRunner:
         logits = F.linear(h, self.lm_head)
         if batch.lora:
             apply_lora_logits(logits, h, batch.lora, batch.lora_logit_rows)
-        return logits.float()
+        return logits.float(), h
 
     def _gather(self, cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         kvh, _, d = cache.shape

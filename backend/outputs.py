@@ -48,7 +48,8 @@ class RequestOutput:
     num_preemptions: int = 0
     index: int = 0  # which of the request's n samples
     cached_tokens: int = 0
-    # SGLang-format logprob entries for new_token_ids ([logprob, token_id, text]) and friends.
+    # SGLang-format logprob entries for new_token_ids ([logprob, token_id, text]) and friends,
+    # and hidden_states entries (return_hidden_states): meta_info lists that grow per response.
     logprobs: Optional[dict[str, list]] = None
     error_code: str = "internal"  # or "invalid_arg"
 
@@ -113,6 +114,10 @@ class OutputState:
     pending_new_ids: list[int] = field(default_factory=list)
     pending_logprobs: dict[str, list] = field(default_factory=dict)
     hidden_tokens: int = 0  # trailing tokens kept out of the text (a matched stop token)
+    # return_hidden_states: positions whose hidden state is accounted for (a preemption's
+    # recompute runs them again), and the prompt's rows until the prompt is complete.
+    hidden_done: int = 0
+    prompt_hidden: list[list[float]] = field(default_factory=list)
 
     @property
     def max_stop_len(self) -> int:
@@ -122,6 +127,26 @@ class OutputState:
     def add_logprobs(self, entries: dict[str, list]) -> None:
         for k, v in entries.items():
             self.pending_logprobs.setdefault(k, []).extend(v)
+
+    def add_hidden_states(self, first_pos: int, rows: list[list[float]], num_prompt_tokens: int) -> None:
+        """Hidden states of positions first_pos, first_pos + 1, ... in SGLang's layout: one entry
+        for the whole prompt (a list of rows, sent once the prompt's last row is in, whatever the
+        chunking), then one row per later position. Positions already accounted for are skipped,
+        so a sequence recomputed after a preemption reports each position once."""
+        entries: list[Any] = []
+        for pos, row in enumerate(rows, start=first_pos):
+            if pos < self.hidden_done:
+                continue
+            self.hidden_done = pos + 1
+            if pos < num_prompt_tokens:
+                self.prompt_hidden.append(row)
+                if pos == num_prompt_tokens - 1:
+                    entries.append(self.prompt_hidden)
+                    self.prompt_hidden = []
+            else:
+                entries.append(row)
+        if entries:
+            self.add_logprobs({"hidden_states": entries})
 
     def on_tokens(self, seq: Sequence, new_ids: list[int], grammar_done: bool = False) -> Optional[RequestOutput]:
         """Feed the step's tokens (already appended to seq); returns the output to send, if any."""

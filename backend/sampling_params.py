@@ -26,14 +26,12 @@ UNSUPPORTED: dict[str, str] = {
     "audio_data": "audio input is not supported",
     "video_data": "video input is not supported",
     "input_embeds": "input_embeds is not supported",
-    "return_hidden_states": "return_hidden_states is not supported",
     "return_routed_experts": "return_routed_experts is not supported (no MoE models)",
     "routed_experts_start_len": "routed_experts_start_len is not supported (no MoE models)",
 }
 
 # Values of an unsupported parameter that mean "off" are accepted: clients often send defaults.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "return_hidden_states": (False,),
     "return_routed_experts": (False,),
     "routed_experts_start_len": (0,),
 }
@@ -94,6 +92,9 @@ class SamplingParams(BaseModel):
     token_ids_logprob: Optional[list[int]] = None
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    # SGLang's return_hidden_states: the final-norm hidden state of every position the model
+    # runs for this request, in meta_info["hidden_states"] (backend/outputs.py has the layout).
+    return_hidden_states: bool = False
     # OpenAI's logit_bias (token id -> bias added to its logit, -100..100) and vLLM's
     # allowed_token_ids (every other token is excluded), applied to the model's logits first.
     logit_bias: Optional[dict[int, float]] = None
@@ -242,6 +243,12 @@ class SamplingParams(BaseModel):
     def wants_prompt_logprobs(self) -> bool:
         """Logprobs of prompt tokens were asked for (SGLang's logprob_start_len >= 0)."""
         return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """The prompt's own positions produce output (prompt logprobs, hidden states): the prompt
+        is run even with max_new_tokens 0."""
+        return self.wants_prompt_logprobs or self.return_hidden_states
 
     @property
     def restricts_tokens(self) -> bool:

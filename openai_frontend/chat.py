@@ -18,7 +18,7 @@ from starlette.responses import Response
 from openai_frontend.beam_search import BeamSpec, beam_spec
 from openai_frontend.best_of import samples_per_prompt, with_sampled_logprobs
 from openai_frontend.choices import returned_choices
-from openai_frontend.common import Context, dumps, json_response, usage
+from openai_frontend.common import Context, LastHiddenState, dumps, json_response, usage
 from openai_frontend.engine_types import EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request, unsupported
 from openai_frontend.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
@@ -72,9 +72,10 @@ class _Choice:
     """Per-choice accumulation (non-streaming) or streaming state."""
 
     __slots__ = ("texts", "finish", "stop_reason", "completion_tokens", "logprobs", "tools", "got_logprobs",
-                 "reasoning", "held_reasoning")
+                 "reasoning", "held_reasoning", "hidden")
 
-    def __init__(self, tools: Optional[ToolCallStreamer], reasoning: Optional[ReasoningFormat] = None) -> None:
+    def __init__(self, tools: Optional[ToolCallStreamer], reasoning: Optional[ReasoningFormat] = None,
+                 hidden: bool = False) -> None:
         self.texts: list[str] = []
         self.finish: Optional[str] = None
         self.stop_reason: Any = None  # vLLM's: the matched stop string or stop token id
@@ -84,6 +85,7 @@ class _Choice:
         self.tools = tools
         self.reasoning = ReasoningStreamer(reasoning) if reasoning is not None else None
         self.held_reasoning = ""  # stream_reasoning false: sent when the section ends
+        self.hidden = LastHiddenState() if hidden else None  # return_hidden_states
 
 
 def _reasoning_format(req: ChatCompletionRequest, parser: Optional[str]) -> Optional[ReasoningFormat]:
@@ -176,7 +178,7 @@ class ChatHandler:
         model: str, completion_id: str, created: int, namer: Optional[TokenNamer], echo: str,
         beams: Optional[BeamSpec] = None,
     ) -> Response:
-        choices = [_Choice(None) for _ in range(req.n)]
+        choices = [_Choice(None, hidden=req.return_hidden_states) for _ in range(req.n)]
         for c in choices:
             c.texts.append(echo)
         prompt_tokens = 0
@@ -199,6 +201,8 @@ class ChatHandler:
                     prompt_lps = chunk.prompt_logprobs(req.prompt_logprobs)
                 c.completion_tokens = chunk.completion_tokens
                 prompt_tokens = chunk.prompt_tokens or prompt_tokens
+                if c.hidden is not None:
+                    c.hidden.add(chunk)
                 if chunk.finish_reason:
                     c.finish = chunk.finish_reason
                     c.stop_reason = chunk.openai_stop_reason
@@ -230,6 +234,8 @@ class ChatHandler:
             logprobs = chat_logprobs(c.logprobs, namer) if namer is not None and c.got_logprobs else None
             out.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish,
                         "stop_reason": c.stop_reason})
+            if c.hidden is not None:
+                out[-1]["hidden_states"] = c.hidden.value()
         body = {
             "id": completion_id,
             "object": "chat.completion",
@@ -258,7 +264,7 @@ class ChatHandler:
         fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser)
         choices = [
             _Choice(ToolCallStreamer(get_parser(plan.parser_name), plan.tools, plan.parallel) if plan.parser_name else None,
-                    fmt)
+                    fmt, req.return_hidden_states)
             for _ in range(n)
         ]
         # The first engine chunk is already here: the role chunks can report the prompt's size.
@@ -279,6 +285,8 @@ class ChatHandler:
             c = choices[i]
             c.completion_tokens = chunk.completion_tokens
             prompt_tokens = chunk.prompt_tokens or prompt_tokens
+            if c.hidden is not None:
+                c.hidden.add(chunk)
             if include_usage and cached is None:
                 cached = chunk.cached_tokens
             text = chunk.text
@@ -331,6 +339,8 @@ class ChatHandler:
                 last = k == len(items) - 1
                 parts.append(event(i, item, finish if last else None, logprobs if k == 0 else "null",
                                    stop_reason if last else "null"))
+            if finish and c.hidden is not None:  # as SGLang: an event of its own after the finish
+                parts.append(event(i, '{"hidden_states":' + dumps(c.hidden.value()) + "}"))
             if parts:
                 yield "".join(parts).encode()
         if include_usage:

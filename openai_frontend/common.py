@@ -51,6 +51,27 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[in
     return out
 
 
+class LastHiddenState:
+    """SGLang's OpenAI-side `hidden_states` of a choice (return_hidden_states): the row of the last
+    position the model ran, [] when only the prompt's rows came (the engine's layout is in
+    backend/outputs.py). Keeps the latest entry only, not the prompt's block."""
+
+    __slots__ = ("count", "last")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last: Any = None
+
+    def add(self, chunk: Any) -> None:
+        entries = chunk.hidden_states()
+        if entries:
+            self.count += len(entries)
+            self.last = entries[-1]
+
+    def value(self) -> Any:
+        return self.last if self.count > 1 else []
+
+
 @dataclass
 class Context:
     """What every handler needs; one per app."""

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from openai_frontend.beam_search import BeamSpec, beam_spec
 from openai_frontend.best_of import samples_per_prompt, with_sampled_logprobs
 from openai_frontend.choices import returned_choices
-from openai_frontend.common import Context, dumps, json_response, usage
+from openai_frontend.common import Context, LastHiddenState, dumps, json_response, usage
 from openai_frontend.engine_types import EngineChunk, EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request
 from openai_frontend.logprobs import CompletionLogprobs, TokenNamer, prompt_logprobs
@@ -121,6 +121,7 @@ class CompletionHandler:
         got_logprobs = [False] * k
         prompt_lps: list[Optional[list[TokenLogprob]]] = [None] * k  # vLLM's prompt_logprobs
         cached: list[Optional[int]] = [None] * k
+        hidden = [LastHiddenState() if req.return_hidden_states else None for _ in range(k)]
         it = returned_choices(self.ctx.client, requests, n, beams)
         try:
             async for j, chunk in it:
@@ -138,6 +139,8 @@ class CompletionHandler:
                     prompt_lps[j] = chunk.prompt_logprobs(req.prompt_logprobs)
                 completion_tokens[j] = chunk.completion_tokens
                 prompt_tokens[j] = chunk.prompt_tokens or prompt_tokens[j]
+                if hidden[j] is not None:
+                    hidden[j].add(chunk)
                 if chunk.finish_reason:
                     finish[j] = chunk.finish_reason
                     stop_reasons[j] = chunk.openai_stop_reason
@@ -153,6 +156,9 @@ class CompletionHandler:
             }
             for j in range(k)
         ]
+        for choice, h in zip(choices, hidden):
+            if h is not None:
+                choice["hidden_states"] = h.value()
         if req.prompt_logprobs is not None:
             for choice, items in zip(choices, prompt_lps):
                 choice["prompt_logprobs"] = prompt_logprobs(items, namer) if items is not None else None
@@ -180,10 +186,13 @@ class CompletionHandler:
         echoed = [not echoes] * k
         logprobs = [CompletionLogprobs(namer) if req.logprobs is not None else None for _ in range(k)]
         cached: list[Optional[int]] = [None] * k
+        hidden = [LastHiddenState() if req.return_hidden_states else None for _ in range(k)]
         n = req.n
         async for j, chunk in stream:
             completion_tokens[j] = chunk.completion_tokens
             prompt_tokens[j] = chunk.prompt_tokens or prompt_tokens[j]
+            if hidden[j] is not None:
+                hidden[j].add(chunk)
             if include_usage and cached[j] is None:
                 cached[j] = chunk.cached_tokens
             text = chunk.text
@@ -206,6 +215,9 @@ class CompletionHandler:
                 tail += ',"usage":' + dumps(usage(prompt_tokens[j], completion_tokens[j]))
             yield (f'{head}{j},"text":{dumps(text)},"logprobs":{lp_json},"finish_reason":{f},'
                    f'"stop_reason":{stop_reason}{tail}}}\n\n').encode()
+            if finish and hidden[j] is not None:  # as SGLang: an event of its own after the finish
+                yield (f'{head}{j},"text":"","logprobs":null,"finish_reason":null,"stop_reason":null,'
+                       f'"hidden_states":{dumps(hidden[j].value())}}}]}}\n\n').encode()
         if include_usage:
             u = usage(sum(prompt_tokens[::n]), sum(completion_tokens), _cached(cached[::n]))
             yield (

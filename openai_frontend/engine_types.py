@@ -90,6 +90,14 @@ class EngineChunk:
         """vLLM's `stop_reason`: the matched stop string or stop_token_ids entry; None for EOS."""
         return None if self.meta.get("matched_eos") else self.meta.get("stop_reason")
 
+    def hidden_states(self) -> list:
+        """The return_hidden_states entries new in this chunk (SGLang's layout: the prompt's rows
+        as one entry, then one row per later position), or [] when the engine sent none."""
+        if not self.meta_raw or "hidden_states" not in self.meta_raw:
+            return []
+        value = self.meta.get("hidden_states")
+        return value if isinstance(value, list) else []
+
     @property
     def cached_tokens(self) -> Optional[int]:
         """Prompt tokens served from the prefix cache, when the engine reports it."""

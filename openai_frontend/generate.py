@@ -3,11 +3,14 @@
 Request: `text` or `input_ids` (one prompt or a batch), `sampling_params` (SGLang names, passed
 to the engine as is, `n` included: one engine stream per prompt carries its n samples), `rid`,
 `return_logprob`, `top_logprobs_num`, `token_ids_logprob`, `logprob_start_len`,
-`return_text_in_logprobs`, `custom_logit_processor` (only with --enable-custom-logit-processor).
+`return_text_in_logprobs`, `return_hidden_states`, `custom_logit_processor` (only with
+--enable-custom-logit-processor).
 Response: `{"text", "output_ids", "meta_info"}` (a list for a batch or n > 1, prompt-major).
 meta_info: id, finish_reason ({"type": "stop", "matched": ...} / {"type": "length", "length": n} /
 {"type": "abort", ...}), prompt_tokens, completion_tokens, cached_tokens, e2e_latency and, with
-return_logprob, the engine's SGLang-format logprob lists.
+return_logprob, the engine's SGLang-format logprob lists; with return_hidden_states,
+`hidden_states` (the prompt's final-norm rows as one entry, then one row per generated token
+fed back, as SGLang).
 
 Streaming, like SGLang: every event carries the cumulative `text` and `output_ids` and the
 `meta_info` so far (plus `index` for a batch or n > 1), then `data: [DONE]`. The cumulative
@@ -37,9 +40,6 @@ def _check_unsupported(req: GenerateRequest, ctx: Context) -> None:
     for name in ("input_embeds", "image_data", "audio_data", "video_data"):
         if getattr(req, name) is not None:
             raise unsupported(name)
-    hidden = req.return_hidden_states
-    if any(hidden) if isinstance(hidden, list) else hidden:
-        raise unsupported("return_hidden_states")
     if req.return_routed_experts:
         raise unsupported("return_routed_experts", "no MoE models")
     if req.routed_experts_start_len:
@@ -74,9 +74,10 @@ class _Out:
     """Accumulated output of one sample (JSON-encoded pieces kept for cheap cumulative events)."""
 
     __slots__ = ("rid", "text_json", "texts", "ids", "ids_json", "finish", "prompt_tokens", "completion_tokens",
-                 "cached_tokens", "logprob", "lp_keys", "lps", "lps_json", "input_lps", "start")
+                 "cached_tokens", "logprob", "lp_keys", "lps", "lps_json", "input_lps", "start", "hidden",
+                 "hidden_json")
 
-    def __init__(self, rid: str, lp_keys: tuple[str, ...], start: float) -> None:
+    def __init__(self, rid: str, lp_keys: tuple[str, ...], start: float, hidden: bool = False) -> None:
         self.rid = rid
         self.text_json = ""
         self.texts: list[str] = []
@@ -95,6 +96,9 @@ class _Out:
         self.lps_json: dict[str, str] = {}
         self.input_lps: dict[str, Any] = {k.replace("output", "input", 1): [] for k in lp_keys}
         self.start = start
+        # return_hidden_states: the entries so far (None: not asked for) and, streaming, their JSON.
+        self.hidden: Optional[list] = [] if hidden else None
+        self.hidden_json = ""
 
     def add(self, chunk: EngineChunk, encode: bool) -> None:
         self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
@@ -115,6 +119,13 @@ class _Out:
             self.cached_tokens = cached
         if chunk.finish_reason:
             self.finish = finish_reason_obj(chunk)
+        if self.hidden is not None:
+            entries = chunk.hidden_states()
+            if entries:
+                self.hidden.extend(entries)
+                if encode:
+                    new = dumps(entries)[1:-1]
+                    self.hidden_json = f"{self.hidden_json},{new}" if self.hidden_json else new
         if self.logprob:
             for key, value in chunk.raw_logprobs().items():
                 if key in INPUT_LOGPROB_KEYS:
@@ -140,6 +151,8 @@ class _Out:
 
     def meta(self) -> dict[str, Any]:
         meta = self._base()
+        if self.hidden is not None:
+            meta["hidden_states"] = self.hidden
         if self.logprob:
             for key in self.lp_keys:
                 meta[key] = []
@@ -149,11 +162,12 @@ class _Out:
 
     def meta_json(self) -> str:
         """meta() as JSON, with the growing logprob lists spliced in from their encoded form."""
+        hidden = f',"hidden_states":[{self.hidden_json}]' if self.hidden is not None else ""
         if not self.logprob:
-            return dumps(self._base())
+            return dumps(self._base())[:-1] + hidden + "}"
         base = self._base()
         base.update(self.input_lps)
-        parts = [dumps(base)[:-1]]
+        parts = [dumps(base)[:-1], hidden]
         keys = list(self.lp_keys) + [k for k in self.lps_json if k not in self.lp_keys]
         for key in keys:
             parts.append(f',"{key}":[{self.lps_json.get(key, "")}]')
@@ -168,7 +182,8 @@ class GenerateHandler:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
 
-    def _requests(self, req: GenerateRequest, request_id: str) -> tuple[list[EngineRequest], list[str], list[tuple[str, ...]], bool]:
+    def _requests(self, req: GenerateRequest, request_id: str
+                  ) -> tuple[list[EngineRequest], list[str], list[tuple[str, ...]], list[bool], bool]:
         settings = self.ctx.settings
         _check_unsupported(req, self.ctx)
         if (req.text is None) == (req.input_ids is None):
@@ -188,6 +203,7 @@ class GenerateHandler:
         requests: list[EngineRequest] = []
         rids: list[str] = []
         lp_keys: list[tuple[str, ...]] = []
+        hidden: list[bool] = []
         multi = batch
         total = 0
         for p, prompt in enumerate(prompts):
@@ -216,6 +232,9 @@ class GenerateHandler:
             lora = _pick(req.lora_path, p, b, "lora_path")
             if lora is not None:  # SGLang's: the name of a LoRA adapter the engine serves
                 sp["lora_path"] = lora
+            wants_hidden = bool(_pick(req.return_hidden_states, p, b, "return_hidden_states"))
+            if wants_hidden:
+                sp["return_hidden_states"] = True
             processor = _pick(req.custom_logit_processor, p, b, "custom_logit_processor")
             if processor:
                 sp["custom_logit_processor"] = processor
@@ -234,12 +253,13 @@ class GenerateHandler:
             for i in range(n):
                 rids.append(rid if n == 1 else f"{rid}_{i}")
                 lp_keys.append(keys)
-        return requests, rids, lp_keys, multi
+                hidden.append(wants_hidden)
+        return requests, rids, lp_keys, hidden, multi
 
     async def __call__(self, req: GenerateRequest, request_id: Optional[str] = None) -> Response:
-        requests, rids, lp_keys, multi = self._requests(req, request_id or uuid.uuid4().hex)
+        requests, rids, lp_keys, hidden, multi = self._requests(req, request_id or uuid.uuid4().hex)
         start = time.perf_counter()
-        outs = [_Out(rid, keys, start) for rid, keys in zip(rids, lp_keys)]
+        outs = [_Out(rid, keys, start, wants) for rid, keys, wants in zip(rids, lp_keys, hidden)]
         if req.stream:
             stream = await start_stream(self.ctx.client, requests)
             return sse_response(sse_events(stream, self._stream(stream, outs, multi)), hooks=self.ctx.stream_hooks)

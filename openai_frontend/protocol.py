@@ -229,15 +229,15 @@ class GenerateRequest(_Strict):
     top_logprobs_num: Optional[Union[int, list[int]]] = None
     token_ids_logprob: Optional[Union[list[TokenId], list[list[TokenId]]]] = None
     return_text_in_logprobs: bool = False
+    return_hidden_states: Optional[Union[bool, list[bool]]] = False
     stream: bool = False
+    lora_path: Optional[Any] = None
+    custom_logit_processor: Optional[Any] = None
     # known, not implemented: refused when set
     input_embeds: Optional[Any] = None
     image_data: Optional[Any] = None
     audio_data: Optional[Any] = None
     video_data: Optional[Any] = None
-    lora_path: Optional[Any] = None
-    custom_logit_processor: Optional[Any] = None
-    return_hidden_states: Optional[Union[bool, list[bool]]] = False
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
 

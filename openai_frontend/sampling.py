@@ -73,8 +73,8 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
     check_custom_logit_processor(req.custom_logit_processor, settings)
     if req.custom_params is not None and not req.custom_logit_processor:
         raise bad_request("custom_params needs custom_logit_processor", param="custom_params")
-    if req.return_hidden_states:
-        raise unsupported("return_hidden_states")
+    if req.return_hidden_states and req.use_beam_search:
+        raise unsupported("return_hidden_states", "not with use_beam_search")
     if isinstance(req, ChatCompletionRequest):
         _check_chat(req)
     else:
@@ -258,6 +258,8 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         sp["top_logprobs_num"] = max(sp.get("top_logprobs_num", 0), req.prompt_logprobs)
     if sp.get("return_logprob") and not req.return_tokens_as_token_ids:
         sp["return_text_in_logprobs"] = True
+    if req.return_hidden_states:
+        sp["return_hidden_states"] = True
     if req.logit_bias:
         sp["logit_bias"] = dict(req.logit_bias)
     if req.allowed_token_ids is not None:

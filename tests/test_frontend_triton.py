@@ -290,6 +290,30 @@ def _generate_events(base_url: str, body: dict) -> dict[int, dict]:
     return last
 
 
+def test_generate_return_hidden_states_match_hf(base_url, demo_model_path):
+    # SGLang's layout through the ensemble: the prompt's final-norm rows as one entry, then a row
+    # per generated token fed back; together HF's last hidden states of prompt + output[:-1].
+    # Streamed events carry them cumulatively, the last one all of them.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = [11, 12, 13, 14, 15, 16, 17]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 5, **GREEDY}, "return_hidden_states": True}
+    out = requests.post(base_url + "/generate", json=body).json()
+    hidden = out["meta_info"]["hidden_states"]
+    assert len(hidden) == 5 and len(hidden[0]) == len(ids)
+    model = AutoModelForCausalLM.from_pretrained(demo_model_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = model(torch.tensor([ids + out["output_ids"][:-1]]), output_hidden_states=True).hidden_states[-1][0]
+    assert torch.allclose(torch.tensor(hidden[0] + hidden[1:]), want, atol=1e-3, rtol=0)
+    events = [json.loads(line[5:]) for line in requests.post(base_url + "/generate", json={**body, "stream": True})
+              .iter_lines(decode_unicode=True) if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["hidden_states"] == hidden
+    assert [len(e["meta_info"]["hidden_states"]) for e in events] == list(range(1, 6))
+    plain = requests.post(base_url + "/generate", json={**body, "return_hidden_states": False}).json()
+    assert "hidden_states" not in plain["meta_info"] and plain["output_ids"] == out["output_ids"]
+
+
 def test_random_generate_requests_stream_exactly_what_they_return(base_url):
     """SGLang /generate with random sampling parameters (seeds, n, stops, stop ids, min tokens,
     penalties, constraints, logprobs): the last streamed event of every sample equals the

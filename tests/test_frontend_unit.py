@@ -1434,3 +1434,30 @@ def test_frontend_bench_clients_count_every_token():
                     r = asyncio.run(load(url, endpoint=endpoint, stream=stream, concurrency=3, requests=7,
                                          max_tokens=5))
                     assert (r["requests"], r["tokens"]) == (7, 35), (load.__name__, endpoint, stream, r)
+
+
+def test_generate_return_hidden_states_as_sglang(base_url, fake):
+    # The engine sends each response's new entries (the prompt's rows as one, then a row per
+    # fed-back token); /generate reports them all, cumulative in every streamed event.
+    rows = [[[0.5, 1.0], [1.5, 2.0]], [2.5, 3.0], [3.5, 4.0]]
+
+    def script(req):
+        chunks = text_chunks(["a", "b", "c"])
+        for chunk, entry in zip(chunks, rows):
+            chunk.meta_raw = json.dumps({"index": 0, "hidden_states": [entry]})
+        return chunks
+
+    fake.script = script
+    r = httpx.post(base_url + "/generate", json={"text": "x", "return_hidden_states": True}).json()
+    assert r["meta_info"]["hidden_states"] == rows
+    assert fake.requests[-1].sampling_params["return_hidden_states"] is True
+    events = [json.loads(line[6:]) for line in httpx.post(base_url + "/generate", json={
+        "text": "x", "return_hidden_states": True, "return_logprob": True, "stream": True}).text.splitlines()
+        if line.startswith("data: {")]
+    assert [e["meta_info"]["hidden_states"] for e in events] == [rows[:1], rows[:2], rows]
+    # Off (the default, or false for this prompt of a batch): no key, nothing asked of the engine.
+    batch = httpx.post(base_url + "/generate", json={"text": ["x", "y"], "return_hidden_states": [False, True]}).json()
+    assert "hidden_states" not in batch[0]["meta_info"] and batch[1]["meta_info"]["hidden_states"] == rows
+    assert [q.sampling_params.get("return_hidden_states") for q in fake.requests[-2:]] == [None, True]
+    bad = httpx.post(base_url + "/generate", json={"text": ["x", "y"], "return_hidden_states": [True]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_hidden_states"

@@ -331,6 +331,32 @@ def test_vllm_prompt_logprobs(client, tok):
                                   extra_body={"prompt_logprobs": 1})
 
 
+def test_return_hidden_states_as_sglang_openai(client):
+    # SGLang's OpenAI extension: each choice's hidden_states is the row of the last position the
+    # model ran; streamed, it comes in an event of its own after the finish reason.
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, n=2,
+                  extra_body={"return_hidden_states": True, "ignore_eos": True})
+    done = client.chat.completions.create(**kwargs)
+    rows = [c.model_extra["hidden_states"] for c in done.choices]
+    assert all(len(r) == 128 and all(isinstance(v, float) for v in r) for r in rows)
+    assert rows[0] == pytest.approx(rows[1], abs=1e-3)  # greedy: both choices ran the same tokens
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = {c.index: c.delta.model_extra["hidden_states"] for ch in chunks for c in ch.choices
+                if (c.delta.model_extra or {}).get("hidden_states") is not None}
+    assert sorted(streamed) == [0, 1] and streamed[0] == pytest.approx(rows[0], abs=1e-3)
+    comp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
+                                     extra_body={"return_hidden_states": True})
+    assert len(comp.choices[0].model_extra["hidden_states"]) == 128
+    # One generated token: only the prompt's rows exist, so the choice's hidden_states is [].
+    one = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, extra_body={"return_hidden_states": True})
+    assert one.choices[0].model_extra["hidden_states"] == []
+    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert "hidden_states" not in (plain.choices[0].model_extra or {})
+    with pytest.raises(openai.BadRequestError, match="return_hidden_states"):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, n=2,
+                                  extra_body={"return_hidden_states": True, "use_beam_search": True})
+
+
 def test_stop_strings_and_stop_token_ids(client):
     base = dict(model=MODEL, prompt="Tell me a story about a dragon.", max_tokens=24, **GREEDY)
     full = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text
