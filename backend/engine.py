@@ -473,8 +473,9 @@ class LLMEngine:
         else:
             logits = self.model.forward(batch)
 
-        # Split the logits rows. A chunk's rows are consecutive positions (see _logit_rows):
-        # prompt-logprob rows, hidden-state rows, and last the sampling row if it samples.
+        # Split the logits rows (see _logit_rows). A chunk's rows start at position `first`: its
+        # prompt-logprob rows are consecutive from there, a hidden-states chunk has a row for
+        # every position, and the sampling row, if it samples, is last.
         sampling, sample_logits = [], []
         row = 0
         for item, chunk in zip(scheduled, chunks):
@@ -577,7 +578,7 @@ class LLMEngine:
     def _logit_rows(self, seq: Sequence, start: int, n: int, samples: bool) -> Any:
         """Which rows of this chunk need logits: the sampling row, plus prompt positions
         whose next-token logprobs were asked for (logprob_start_len), or every row for
-        return_hidden_states. Always consecutive rows (True: the last row only)."""
+        return_hidden_states (True: the last row only)."""
         if seq.params.return_hidden_states:
             return True if n == 1 and samples else list(range(n))
         lsl = seq.params.logprob_start_len
