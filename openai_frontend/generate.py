@@ -232,7 +232,12 @@ class GenerateHandler:
             lora = _pick(req.lora_path, p, b, "lora_path")
             if lora is not None:  # SGLang's: the name of a LoRA adapter the engine serves
                 sp["lora_path"] = lora
-            wants_hidden = bool(_pick(req.return_hidden_states, p, b, "return_hidden_states"))
+            # SGLang takes it at the top level and, in newer versions, among the sampling params.
+            inner = sp.get("return_hidden_states", False)
+            if not isinstance(inner, bool):
+                raise bad_request("sampling_params.return_hidden_states must be true or false",
+                                  param="return_hidden_states")
+            wants_hidden = bool(_pick(req.return_hidden_states, p, b, "return_hidden_states")) or inner
             if wants_hidden:
                 sp["return_hidden_states"] = True
             processor = _pick(req.custom_logit_processor, p, b, "custom_logit_processor")

@@ -1459,5 +1459,10 @@ def test_generate_return_hidden_states_as_sglang(base_url, fake):
     batch = httpx.post(base_url + "/generate", json={"text": ["x", "y"], "return_hidden_states": [False, True]}).json()
     assert "hidden_states" not in batch[0]["meta_info"] and batch[1]["meta_info"]["hidden_states"] == rows
     assert [q.sampling_params.get("return_hidden_states") for q in fake.requests[-2:]] == [None, True]
+    # Newer SGLang takes it among the sampling params too.
+    inside = httpx.post(base_url + "/generate", json={"text": "x", "sampling_params": {"return_hidden_states": True}})
+    assert inside.json()["meta_info"]["hidden_states"] == rows
+    odd = httpx.post(base_url + "/generate", json={"text": "x", "sampling_params": {"return_hidden_states": "yes"}})
+    assert odd.status_code == 400 and odd.json()["error"]["param"] == "return_hidden_states"
     bad = httpx.post(base_url + "/generate", json={"text": ["x", "y"], "return_hidden_states": [True]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_hidden_states"
