@@ -5,29 +5,14 @@ norm): chunked prefill, prefix caching, preemption, n > 1 and prompt logprobs al
 from __future__ import annotations
 
 import math
-import os
-import random
 
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.engine import LLMEngine
+# The engine-test helpers, and its autouse check that every test leaves the KV pool free.
+from test_engine_sampling import _pool_free, _prompt, hf_model, make_engine  # noqa: F401
 
-TEST_DEVICE = os.environ.get("LLM_TEST_DEVICE", "cpu")
 ATOL = 1e-3  # the rows run to |30|: float32 rounding of a different summation order
-
-
-@pytest.fixture(scope="module")
-def hf_model(demo_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(demo_model_path, dtype=torch.float32).eval()
-
-
-def make_engine(path, **kw) -> LLMEngine:
-    kw = {"num_kv_blocks": 512, "max_num_batched_tokens": 256, "block_size": 16, **kw}
-    return LLMEngine(EngineConfig(model_path=path, device=TEST_DEVICE, dtype="float32", **kw))
 
 
 @pytest.fixture(scope="module")
@@ -36,19 +21,6 @@ def engine(demo_model_path):
     eng = make_engine(demo_model_path, max_num_batched_tokens=16, enable_prefix_caching=True)
     yield eng
     eng.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def _pool_free(request):
-    yield
-    if "engine" in request.fixturenames:
-        eng = request.getfixturevalue("engine")
-        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, 4000) for _ in range(n)]
 
 
 def _greedy(max_new: int, **extra) -> dict:
