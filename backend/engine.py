@@ -153,6 +153,7 @@ class LLMEngine:
         self.defaults = load_model_defaults(model_path) if config.sampling_defaults == "model" else {}
         self.eos_ids = frozenset(_eos_token_ids(model_path, self.tokenizer))
         self.vocab_size = self.model.config.vocab_size
+        self._embeds_placeholder = _placeholder_id(self.tokenizer, self.eos_ids)
 
         self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -182,8 +183,22 @@ class LLMEngine:
         on_output: OutputCallback,
         request_id: Optional[str] = None,
         is_cancelled: Optional[Callable[[], bool]] = None,
+        input_embeds: Any = None,
     ) -> str:
-        """Validate and enqueue. Raises RequestError for a request that can never run."""
+        """Validate and enqueue. Raises RequestError for a request that can never run.
+
+        `input_embeds` (SGLang's): the prompt as rows of the model's embedding space, [L, hidden]
+        (a tensor, an array or nested lists), instead of `prompt_ids`, which must then be empty.
+        """
+        embeds = None
+        if input_embeds is not None:
+            if prompt_ids:
+                raise RequestError("give either prompt token ids or input_embeds, not both")
+            embeds = self._prompt_embeds(input_embeds, params)
+            # Placeholders keep the sequence's positions, block accounting and detokenization
+            # windows as for any prompt; a special token, so a window that reaches back into
+            # the prompt decodes it to nothing. The model reads the embeddings instead.
+            prompt_ids = [self._embeds_placeholder] * embeds.shape[0]
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if params.priority != 0 and self.config.scheduling_policy != "priority":
@@ -193,7 +208,9 @@ class LLMEngine:
             )
         if params.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]  # vLLM: keep the last k
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            if embeds is not None:
+                embeds = embeds[-params.truncate_prompt_tokens :]
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size] if embeds is None else []
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
         if len(prompt_ids) >= self.max_model_len:
@@ -236,6 +253,7 @@ class LLMEngine:
             max_new = min(params.max_new_tokens, room)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         stop_regexes = [regex.compile(p) for p in params.stop_regex]
+        cacheable = params.logprob_start_len < 0 and not params.return_hidden_states and embeds is None
         children: list[_Tracked] = []
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -246,11 +264,14 @@ class LLMEngine:
                 max_new_tokens=max_new,
                 is_cancelled=is_cancelled,
                 arrival_time=time.monotonic(),
-                # Prompt logprobs and hidden states need every prompt position run, none cached.
-                prefix_cacheable=params.logprob_start_len < 0 and not params.return_hidden_states,
+                # Prompt logprobs and hidden states need every prompt position run, none cached;
+                # an embedded prompt's placeholder ids must never match another prompt's blocks.
+                prefix_cacheable=cacheable,
+                prompt_embeds=embeds,
                 index=index,
                 seed=(base_seed + index * 0x9E3779B97F4A7C15) % 2**63,
-                wait_for=children[0].seq if children and self.config.enable_prefix_caching else None,
+                # Siblings wait for the first one's prefill only to find its blocks cached.
+                wait_for=children[0].seq if children and cacheable and self.config.enable_prefix_caching else None,
                 lora=adapter,
                 cache_salt=adapter.cache_salt if adapter is not None else None,
             )
@@ -266,6 +287,27 @@ class LLMEngine:
         self._inbox.put(("add", children))
         self._wakeup.set()
         return request_id
+
+    def _prompt_embeds(self, value: Any, params: SamplingParams) -> torch.Tensor:
+        hidden = self.model.config.hidden_size
+        if params.wants_prompt_logprobs:
+            raise RequestError(
+                "prompt logprobs (logprob_start_len >= 0) need the prompt's token ids; with input_embeds only the "
+                "output's logprobs are available (logprob_start_len -1)"
+            )
+        try:
+            rows = torch.as_tensor(value, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise RequestError(f"input_embeds must be rows of {hidden} numbers: {exc}") from None
+        if rows.dim() != 2 or rows.shape[0] == 0 or rows.shape[1] != hidden:
+            raise RequestError(
+                f"input_embeds must have the shape [num_tokens, {hidden}] (this model's hidden size), "
+                f"got {list(rows.shape)}"
+            )
+        if not bool(torch.isfinite(rows).all()):
+            raise RequestError("input_embeds holds a value that is not a finite number")
+        # A copy: a numpy input may be a view of the request's tensor, which its server frees.
+        return rows.to(device=self.model.device, dtype=self.model.dtype, copy=True)
 
     def _custom_processor(self, params: SamplingParams) -> Any:
         if params.custom_logit_processor is None:
@@ -458,15 +500,19 @@ class LLMEngine:
 
     def _run(self, scheduled: list) -> None:
         chunks = []
-        for item in scheduled:
+        embeds: Optional[list[Optional[torch.Tensor]]] = None
+        for c, item in enumerate(scheduled):
             seq = item.seq
             start = seq.num_computed_tokens
             ids = seq.token_ids[start : start + item.num_new_tokens]
             chunks.append((ids, start, seq.block_table, self._logit_rows(seq, start, len(ids), item.samples)))
             if start < seq.num_prompt_tokens:
                 self._prompt_tokens_total += min(item.num_new_tokens, seq.num_prompt_tokens - start)
+                if seq.prompt_embeds is not None:  # the chunk's prompt part reads the given rows
+                    embeds = embeds or [None] * len(scheduled)
+                    embeds[c] = seq.prompt_embeds[start : start + item.num_new_tokens]
         # Each sequence carries its adapter: an adapter unloaded meanwhile still serves it.
-        batch = self.model.prepare(chunks, [item.seq.lora for item in scheduled])
+        batch = self.model.prepare(chunks, [item.seq.lora for item in scheduled], embeds)
         hidden = None
         if any(item.seq.params.return_hidden_states for item in scheduled):
             logits, hidden = self.model.forward_with_hidden(batch)
@@ -654,6 +700,7 @@ class LLMEngine:
             seq_id=seq.seq_id,
             token_ids=seq.token_ids if params.has_penalties or params.logits_processors else (),
             num_prompt_tokens=seq.num_prompt_tokens,
+            prompt_is_placeholder=seq.prompt_embeds is not None,
             suppress_ids=suppress,
             grammar=tracked.grammar,
             custom_processor=tracked.custom_processor,
@@ -760,10 +807,13 @@ class LLMEngine:
             log.exception("output callback failed for %s", out.request_id)
 
     # ------------------------------------------------------------------ sync helper
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[RequestOutput]:
-        """Run prompts to completion on the calling thread (tests, benchmarks). Engine must not be started."""
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams,
+                 input_embeds: Optional[list[Any]] = None) -> list[RequestOutput]:
+        """Run prompts to completion on the calling thread (tests, benchmarks). Engine must not be started.
+        `input_embeds`: per prompt, its embeddings (the prompt's ids then empty) or None."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        embeds = input_embeds or [None] * len(prompts)
         results: dict[str, RequestOutput] = {}
         order = []
 
@@ -771,8 +821,8 @@ class LLMEngine:
             prev = results.get(out.request_id)
             results[out.request_id] = out if prev is None else prev.merge(out)
 
-        for ids, p in zip(prompts, params):
-            rid = self.add_request(ids, p, collect)
+        for ids, p, e in zip(prompts, params, embeds):
+            rid = self.add_request(ids, p, collect, input_embeds=e)
             order.extend([rid] if p.n == 1 else [f"{rid}#{i}" for i in range(p.n)])
         while self.has_unfinished():
             self.step()
@@ -819,3 +869,13 @@ def _eos_token_ids(model_path: Path, tokenizer: Any) -> list[int]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(tokenizer.eos_token_id)
     return sorted(set(ids))
+
+
+def _placeholder_id(tokenizer: Any, eos_ids: frozenset[int]) -> int:
+    """The token id that stands for each row of an input_embeds prompt: a special token (it
+    decodes to nothing in a detokenization window), never fed to the model."""
+    for name in ("pad_token_id", "bos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return min(eos_ids, default=0)

@@ -154,6 +154,8 @@ class BatchInput:
     lora: Optional[list[tuple[LoraAdapter, Optional[torch.Tensor]]]] = None
     # Set with `lora`, one entry per adapter: its rows of the logits (None: every row), for lm_head LoRA.
     lora_logit_rows: Optional[list[Optional[torch.Tensor]]] = None
+    # input_embeds: packed indexes [E] of tokens whose embedding is given, and the rows [E, hidden].
+    embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True, paged_decode: bool = False) -> list[list[int]]:
@@ -305,13 +307,15 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- inputs
     def prepare(self, chunks: list[tuple[list[int], int, list[int], Any]],
-                adapters: Optional[list[Optional[LoraAdapter]]] = None) -> BatchInput:
+                adapters: Optional[list[Optional[LoraAdapter]]] = None,
+                embeds: Optional[list[Optional[torch.Tensor]]] = None) -> BatchInput:
         """Lay out a step. Each chunk is (new token ids, start position, block table, logit rows).
 
         Logit rows: True for the chunk's last token (it samples), False for none, or a list of
         offsets into the chunk (prompt logprobs need logits at prompt positions too). The
         forward pass returns logits for these rows, in chunk order. ``adapters``: the LoRA
-        adapter of each chunk's sequence (None: the base model).
+        adapter of each chunk's sequence (None: the base model). ``embeds``: per chunk, rows
+        [k, hidden] that replace the embeddings of its first k tokens (input_embeds), or None.
         """
         bs = self.block_size
         dev = self.device
@@ -406,7 +410,12 @@ class ModelRunner:
             else:
                 lora = [(a, host_tensor(rows, torch.long, dev)) for a, rows, _ in rows_of.values()]
                 lora_logit_rows = [host_tensor(rows, torch.long, dev) for _, _, rows in rows_of.values()]
+        given = None
+        if embeds is not None and any(e is not None for e in embeds):
+            at = [bases[i] + j for i, e in enumerate(embeds) if e is not None for j in range(e.shape[0])]
+            given = (host_tensor(at, torch.long, dev), torch.cat([e for e in embeds if e is not None]))
         return BatchInput(
+            embeds=given,
             lora=lora,
             lora_logit_rows=lora_logit_rows,
             input_ids=host_tensor(input_ids, torch.long, dev),
@@ -422,7 +431,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: BatchInput) -> torch.Tensor:
         """Runs the step, writes the new K/V into the cache, returns float32 logits [S, vocab]."""
-        if self.graphs is not None and batch.lora is None:  # graphs are captured without adapters
+        # Graphs are captured without adapters and embed token ids only.
+        if self.graphs is not None and batch.lora is None and batch.embeds is None:
             logits = self.graphs.run(batch)
             if logits is not None:
                 return logits
@@ -450,6 +460,8 @@ class ModelRunner:
         h = self.embed[batch.input_ids]
         if batch.lora:
             apply_lora_embedding(h, batch.input_ids, batch.lora)
+        if batch.embeds is not None:
+            h.index_copy_(0, *batch.embeds)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         for li, layer in enumerate(self.layers):

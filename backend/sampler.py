@@ -32,6 +32,9 @@ class SamplingRow:
     seq_id: Optional[int] = None
     token_ids: Seq[int] = ()
     num_prompt_tokens: int = 0
+    # input_embeds: the prompt's ids are placeholders, so penalties and logits processors see
+    # no prompt tokens (as for an empty prompt).
+    prompt_is_placeholder: bool = False
     suppress_ids: Seq[int] = ()  # tokens that may not be drawn yet (EOS/stop under min_new_tokens)
     grammar: Any = None  # backend.grammar.GrammarState
     custom_processor: Any = None  # a loaded CustomLogitProcessor
@@ -139,8 +142,9 @@ class TokenCounts:
                 slot = self._free.pop()
                 self.counts[slot].zero_()
                 self.prompt_mask[slot].zero_()
-                prompt = torch.as_tensor(r.token_ids[: r.num_prompt_tokens], dtype=torch.long, device=device)
-                self.prompt_mask[slot, prompt[(prompt >= 0) & (prompt < V)]] = True
+                if not r.prompt_is_placeholder:
+                    prompt = torch.as_tensor(r.token_ids[: r.num_prompt_tokens], dtype=torch.long, device=device)
+                    self.prompt_mask[slot, prompt[(prompt >= 0) & (prompt < V)]] = True
                 entry = self._slot[r.seq_id] = [slot, 0]
             slot, counted = entry
             new = [t for t in r.token_ids[r.num_prompt_tokens + counted :] if 0 <= t < V]
@@ -327,7 +331,8 @@ def _apply_row_processors(logits: torch.Tensor, i: int, r: SamplingRow, errors: 
     """vLLM's per-sequence logits processors on row i, in order, in place. A processor that
     raises or returns a bad row fails only its own request: the row is recorded in ``errors``
     and left drawable so the batch's draw still runs."""
-    prompt, output = r.token_ids[: r.num_prompt_tokens], r.token_ids[r.num_prompt_tokens :]
+    prompt = [] if r.prompt_is_placeholder else r.token_ids[: r.num_prompt_tokens]
+    output = r.token_ids[r.num_prompt_tokens :]
     row = logits[i].clone()
     proc = None
     try:

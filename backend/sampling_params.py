@@ -20,12 +20,13 @@ class SamplingParamsError(ValueError):
     """Bad sampling parameters; the message names the parameter."""
 
 
-# Known SGLang/vLLM names that this engine does not implement. They get a clear error.
+# Known SGLang/vLLM names that are not sampling parameters here (not implemented, or request inputs
+# of their own). They get a clear error.
 UNSUPPORTED: dict[str, str] = {
     "image_data": "image input is not supported",
     "audio_data": "audio input is not supported",
     "video_data": "video input is not supported",
-    "input_embeds": "input_embeds is not supported",
+    "input_embeds": "it is the prompt, not a sampling parameter (the input tensor input_embeds, /generate's input_embeds)",
     "return_routed_experts": "return_routed_experts is not supported (no MoE models)",
     "routed_experts_start_len": "routed_experts_start_len is not supported (no MoE models)",
 }

@@ -53,6 +53,10 @@ class Sequence:
     lora: Any = None
     cache_salt: Optional[int] = None
     num_cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    # input_embeds: the prompt's rows [num_prompt_tokens, hidden] (a torch tensor on the model's
+    # device), which the model reads instead of embedding token_ids[:num_prompt_tokens] (there
+    # placeholders). Kept to the end: a preempted sequence computes its prompt again.
+    prompt_embeds: Any = None
     # Prompt positions whose logprobs were reported: a prompt computed again after a preemption
     # reports only the rest.
     prompt_logprobs_done: int = 0

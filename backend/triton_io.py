@@ -26,7 +26,7 @@ SCALAR_INPUTS: dict[str, str] = {
     "min_p": "min_p",
     "random_seed": "seed",
 }
-LLM_INPUTS = ("input_ids", "stream", "stop_words", "sampling_parameters", "abort_request_id", "lora_update",
+LLM_INPUTS = ("input_ids", "input_embeds", "stream", "stop_words", "sampling_parameters", "abort_request_id", "lora_update",
               "reset_prefix_cache", "engine_info", *SCALAR_INPUTS)
 
 
@@ -56,9 +56,9 @@ def _text(value: Any, name: str = "input") -> str:
 
 def parse_llm_inputs(arrays: dict[str, np.ndarray]) -> tuple[list[int], dict[str, Any], bool]:
     """(prompt ids, raw sampling parameters, stream) from the llm model's input tensors."""
-    if "input_ids" not in arrays:
-        raise SamplingParamsError("input 'input_ids' is required")
-    ids = arrays["input_ids"].reshape(-1).astype(np.int64).tolist()
+    if "input_ids" not in arrays and "input_embeds" not in arrays:
+        raise SamplingParamsError("input 'input_ids' (or 'input_embeds') is required")
+    ids = arrays["input_ids"].reshape(-1).astype(np.int64).tolist() if "input_ids" in arrays else []
     raw: dict[str, Any] = {}
     if "sampling_parameters" in arrays:
         text = _scalar(arrays["sampling_parameters"], "sampling_parameters")

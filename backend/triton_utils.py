@@ -26,7 +26,7 @@ TRUST_REQUEST_CHAT_TEMPLATE_ENV = "LLM_TRUST_REQUEST_CHAT_TEMPLATE"
 
 PREPROCESSING_INPUTS = (
     "text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-    "documents", "chat_template", "add_special_tokens", "input_ids",
+    "documents", "chat_template", "add_special_tokens", "input_ids", "input_embeds",
 )
 POSTPROCESSING_INPUTS = (
     "detok_ids",
@@ -176,7 +176,21 @@ def _ids(arrays: Mapping[str, np.ndarray], name: str) -> Optional[np.ndarray]:
 def preprocess_arrays(
     tokenizer: Any, arrays: Mapping[str, np.ndarray], trust_request_template: bool = False
 ) -> dict[str, np.ndarray]:
-    """preprocessing: {text_input | messages (+tools, ...) | input_ids} -> {prompt_ids}."""
+    """preprocessing: {text_input | messages (+tools, ...) | input_ids | input_embeds} -> {prompt_ids}.
+
+    With input_embeds, prompt_ids is empty: the llm step reads the embeddings (the ensemble
+    passes them to it directly) and checks them against the model.
+    """
+    if "input_embeds" in arrays:
+        given = (("text_input", _scalar(arrays, "text_input")), ("messages", _scalar(arrays, "messages")),
+                 ("input_ids", _ids(arrays, "input_ids")))
+        others = [name for name, value in given if value is not None and len(value) > 0]
+        if others:
+            raise ValueError(f"give either input_embeds or {others[0]}, not both")
+        shape = list(np.shape(arrays["input_embeds"]))
+        if len(shape) != 2 or 0 in shape:
+            raise ValueError(f"input_embeds must have the shape [num_tokens, hidden_size], got {shape}")
+        return {"prompt_ids": np.zeros(0, dtype=np.int32)}
     agp = _scalar(arrays, "add_generation_prompt")
     template = _scalar(arrays, "chat_template") or None
     if template is not None and not trust_request_template:

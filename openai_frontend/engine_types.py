@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Optional, Protocol
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One generation: exactly one of `text_input`, `messages`, `input_ids` is set.
+    """One generation: exactly one of `text_input`, `messages`, `input_ids`, `input_embeds` is set.
 
     `sampling_params` uses SGLang names (max_new_tokens, temperature, stop, json_schema, ...);
     it goes to the ensemble as the `sampling_parameters` JSON tensor. `n` samples of the prompt
@@ -34,6 +34,7 @@ class EngineRequest:
     chat_template: Optional[str] = None  # the request's own (the server must trust request templates)
     add_special_tokens: Optional[bool] = None  # None: the default (true for text, false for messages)
     input_ids: Optional[list[int]] = None
+    input_embeds: Optional[list[list[float]]] = None  # [num_tokens][hidden_size] (SGLang's input_embeds)
     request_id: str = ""
     n: int = 1
     stream: bool = True

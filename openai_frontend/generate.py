@@ -1,10 +1,11 @@
 """POST /generate: SGLang's native API on the ensemble.
 
-Request: `text` or `input_ids` (one prompt or a batch), `sampling_params` (SGLang names, passed
-to the engine as is, `n` included: one engine stream per prompt carries its n samples), `rid`,
-`return_logprob`, `top_logprobs_num`, `token_ids_logprob`, `logprob_start_len`,
-`return_text_in_logprobs`, `return_hidden_states`, `custom_logit_processor` (only with
---enable-custom-logit-processor).
+Request: `text`, `input_ids` or `input_embeds` (one prompt or a batch; embeddings are rows of
+the model's hidden size, not prefix-cached, and allow no prompt logprobs), `sampling_params`
+(SGLang names, passed to the engine as is, `n` included: one engine stream per prompt carries
+its n samples), `rid`, `return_logprob`, `top_logprobs_num`, `token_ids_logprob`,
+`logprob_start_len`, `return_text_in_logprobs`, `return_hidden_states`,
+`custom_logit_processor` (only with --enable-custom-logit-processor).
 Response: `{"text", "output_ids", "meta_info"}` (a list for a batch or n > 1, prompt-major).
 meta_info: id, finish_reason ({"type": "stop", "matched": ...} / {"type": "length", "length": n} /
 {"type": "abort", ...}), prompt_tokens, completion_tokens, cached_tokens, e2e_latency and, with
@@ -37,7 +38,7 @@ _LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "tok
 
 
 def _check_unsupported(req: GenerateRequest, ctx: Context) -> None:
-    for name in ("input_embeds", "image_data", "audio_data", "video_data"):
+    for name in ("image_data", "audio_data", "video_data"):
         if getattr(req, name) is not None:
             raise unsupported(name)
     if req.return_routed_experts:
@@ -186,17 +187,23 @@ class GenerateHandler:
                   ) -> tuple[list[EngineRequest], list[str], list[tuple[str, ...]], list[bool], bool]:
         settings = self.ctx.settings
         _check_unsupported(req, self.ctx)
-        if (req.text is None) == (req.input_ids is None):
-            raise bad_request("exactly one of text and input_ids is required", param="text")
+        given = [name for name in ("text", "input_ids", "input_embeds") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise bad_request("exactly one of text, input_ids and input_embeds is required", param="text")
+        embedded = req.input_embeds is not None
         if req.text is not None:
             batch = isinstance(req.text, list)
             prompts: list[Any] = req.text if batch else [req.text]
         else:
-            ids = req.input_ids or []
-            batch = bool(ids) and isinstance(ids[0], list)
+            ids = (req.input_ids if not embedded else req.input_embeds) or []
+            # input_ids [[ids]] and input_embeds [[[floats]]] are batches
+            batch = bool(ids) and isinstance(ids[0], list) and (not embedded or bool(ids[0]) and isinstance(ids[0][0], list))
             prompts = ids if batch else [ids]
         if not prompts or any(not p for p in prompts if isinstance(p, list)):
-            raise bad_request("empty prompt", param="input_ids" if req.text is None else "text")
+            raise bad_request("empty prompt", param=given[0])
+        if embedded and any(len({len(row) for row in p}) != 1 or not p[0] for p in prompts):
+            raise bad_request("input_embeds: every row needs the same number (the model's hidden size) of values",
+                              param="input_embeds")
         b = len(prompts)
         if isinstance(req.sampling_params, list) and len(req.sampling_params) != b:
             raise bad_request(f"sampling_params has {len(req.sampling_params)} entries for {b} prompts", param="sampling_params")
@@ -250,6 +257,8 @@ class GenerateHandler:
             common = dict(sampling_params=sp, request_id=rid, n=n, stream=req.stream)
             if isinstance(prompt, str):
                 requests.append(EngineRequest(text_input=prompt, **common))
+            elif embedded:
+                requests.append(EngineRequest(input_embeds=prompt, **common))
             else:
                 requests.append(EngineRequest(input_ids=list(prompt), **common))
             keys: tuple[str, ...] = ()

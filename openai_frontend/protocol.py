@@ -233,8 +233,9 @@ class GenerateRequest(_Strict):
     stream: bool = False
     lora_path: Optional[Any] = None
     custom_logit_processor: Optional[Any] = None
+    # The prompt as embeddings: [num_tokens][hidden_size], or a batch of those.
+    input_embeds: Optional[Union[list[list[float]], list[list[list[float]]]]] = None
     # known, not implemented: refused when set
-    input_embeds: Optional[Any] = None
     image_data: Optional[Any] = None
     audio_data: Optional[Any] = None
     video_data: Optional[Any] = None

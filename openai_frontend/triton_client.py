@@ -75,6 +75,11 @@ def prompt_inputs(request: EngineRequest) -> list[InferInput]:
         tensor = InferInput("input_ids", [int(ids.size)], "INT32")
         tensor.set_data_from_numpy(ids)
         inputs.append(tensor)
+    elif request.input_embeds is not None:
+        rows = np.asarray(request.input_embeds, dtype=np.float32)
+        tensor = InferInput("input_embeds", list(rows.shape), "FP32")
+        tensor.set_data_from_numpy(rows)
+        inputs.append(tensor)
     elif request.messages is not None:
         inputs.append(_bytes_input("messages", json.dumps(request.messages, ensure_ascii=False)))
         if request.tools:
@@ -92,8 +97,8 @@ def prompt_inputs(request: EngineRequest) -> list[InferInput]:
     elif request.text_input is not None:
         inputs.append(_bytes_input("text_input", request.text_input))
     else:
-        raise APIError(400, "one of text_input, messages, input_ids is required")
-    if request.add_special_tokens is not None and request.input_ids is None:
+        raise APIError(400, "one of text_input, messages, input_ids, input_embeds is required")
+    if request.add_special_tokens is not None and request.input_ids is None and request.input_embeds is None:
         inputs.append(_bool_input("add_special_tokens", request.add_special_tokens))
     return inputs
 

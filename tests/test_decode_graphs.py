@@ -104,6 +104,20 @@ def test_prefill_and_oversized_steps_run_eagerly(demo_model_path):
     assert runner.graphs.replays == 1
 
 
+def test_given_embeddings_run_eagerly(demo_model_path):
+    # A one-row input_embeds prompt (or the last row of one) makes a decode-shaped step, but the
+    # graphs embed token ids only: it must run eagerly, with the given row.
+    runner = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=2)
+    assert runner.enable_decode_graphs(capture=eager_replay) is None
+    row = torch.randn(1, runner.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.02
+    chunks = [([1], 0, [1], True), ([2], 0, [2], True)]
+    logits = runner.forward(runner.prepare(chunks, embeds=[row, None]))
+    assert runner.graphs.replays == 0
+    want = runner.eager_forward(runner.prepare(chunks, embeds=[row, None]))
+    torch.testing.assert_close(logits, want)
+    assert not torch.allclose(logits[0], runner.eager_forward(runner.prepare(chunks))[0])
+
+
 def test_bad_capture_is_rejected(demo_model_path):
     runner = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=4)
 

@@ -314,6 +314,44 @@ def test_generate_return_hidden_states_match_hf(base_url, demo_model_path):
     assert "hidden_states" not in plain["meta_info"] and plain["output_ids"] == out["output_ids"]
 
 
+def test_generate_input_embeds_equal_the_same_prompt_as_ids(triton, base_url, demo_model_path):
+    # SGLang's input_embeds through the ensemble (preprocessing checks them and hands llm an
+    # empty prompt_ids; llm reads the embeddings): the model's own embedding rows of a prompt
+    # generate what its ids do, single, batched and streamed; tritonclient straight to the
+    # ensemble and to llm too. The demo model's default repetition penalty counts prompt tokens,
+    # which an embedded prompt has none of: off for the comparison.
+    from safetensors.numpy import load_file
+
+    table = load_file(str(demo_model_path / "model.safetensors"))["model.embed_tokens.weight"]
+    prompts = [[11, 12, 13, 14, 15, 16, 17], [300, 301, 302]]
+    sp = {"max_new_tokens": 6, "repetition_penalty": 1.0, **GREEDY}
+    embeds = [table[p].tolist() for p in prompts]
+    by_ids = requests.post(base_url + "/generate", json={"input_ids": prompts, "sampling_params": sp}).json()
+    batch = requests.post(base_url + "/generate", json={"input_embeds": embeds, "sampling_params": sp}).json()
+    single = requests.post(base_url + "/generate", json={"input_embeds": embeds[0], "sampling_params": sp}).json()
+    for got, want in ((batch[0], by_ids[0]), (batch[1], by_ids[1]), (single, by_ids[0])):
+        assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
+        assert got["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+        assert got["meta_info"]["cached_tokens"] == 0
+    streamed = _generate_events(base_url, {"input_embeds": embeds[1], "sampling_params": sp})[0]
+    assert streamed["output_ids"] == by_ids[1]["output_ids"] and streamed["text"] == by_ids[1]["text"]
+
+    url = triton["server"].grpc_url
+    request = EngineRequest(sampling_params=sp, input_embeds=embeds[0])
+    for model in ("ensemble", "llm"):
+        chunks = _run(_collect(url, request, model=model))
+        assert [t for c in chunks for t in c.token_ids] == by_ids[0]["output_ids"]
+
+    post = lambda body: httpx.post(base_url + "/generate", json=body, timeout=60)  # noqa: E731
+    err = _error(post({"input_embeds": [[0.1] * 64] * 3}), 400)
+    assert "hidden size" in err["message"] and "[num_tokens, 128]" in err["message"]
+    assert _error(post({"input_embeds": [[0.1] * 128, [0.1] * 127]}), 400)["param"] == "input_embeds"
+    assert "exactly one of" in _error(post({"text": "x", "input_embeds": [[0.1] * 128]}), 400)["message"]
+    err = _error(post({"input_embeds": [[0.1] * 128], "return_logprob": True, "logprob_start_len": 0}), 400)
+    assert "prompt logprobs" in err["message"]
+    assert _error(post({"input_embeds": [[0.1, "x"]]}), 400)["param"].startswith("input_embeds")
+
+
 def test_random_generate_requests_stream_exactly_what_they_return(base_url):
     """SGLang /generate with random sampling parameters (seeds, n, stops, stop ids, min tokens,
     penalties, constraints, logprobs): the last streamed event of every sample equals the

@@ -198,6 +198,18 @@ def test_preprocess_arrays(tok):
     assert tok.decode(text_only["prompt_ids"].tolist()) == "Hi"
 
 
+def test_preprocess_arrays_input_embeds(tok):
+    # Only checked here: the llm step reads the rows from the ensemble input and gets no ids.
+    rows = np.zeros((3, 128), dtype=np.float32)
+    out = preprocess_arrays(tok, {"input_embeds": rows, "text_input": np.array([b""], dtype=object)})
+    assert out["prompt_ids"].dtype == np.int32 and out["prompt_ids"].shape == (0,)
+    with pytest.raises(ValueError, match="either input_embeds or input_ids, not both"):
+        preprocess_arrays(tok, {"input_embeds": rows, "input_ids": np.array([1, 2], dtype=np.int32)})
+    for bad in (np.zeros((0, 128), np.float32), np.zeros(128, np.float32)):
+        with pytest.raises(ValueError, match=r"shape \[num_tokens, hidden_size\]"):
+            preprocess_arrays(tok, {"input_embeds": bad})
+
+
 RAG_TEMPLATE = ("{% for d in documents %}<doc title={{ d.title }}>{{ d.text }}</doc>{% endfor %}"
                 "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
 

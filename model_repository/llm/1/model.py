@@ -124,7 +124,7 @@ class TritonPythonModel:
                     responder.on_final = lambda t=triton_id, e=engine_id: self._requests.forget(t, e)
                 try:
                     self.engine.add_request(prompt_ids, params, responder, request_id=engine_id,
-                                            is_cancelled=guarded.is_cancelled)
+                                            is_cancelled=guarded.is_cancelled, input_embeds=arrays.get("input_embeds"))
                 except Exception:
                     self._requests.forget(triton_id, engine_id)
                     raise
