@@ -511,17 +511,20 @@ class LLMEngine:
                 if seq.prompt_embeds is not None:  # the chunk's prompt part reads the given rows
                     embeds = embeds or [None] * len(scheduled)
                     embeds[c] = seq.prompt_embeds[start : start + item.num_new_tokens]
+        wants_hidden = [item.seq.params.return_hidden_states for item in scheduled]
         # Each sequence carries its adapter: an adapter unloaded meanwhile still serves it.
-        batch = self.model.prepare(chunks, [item.seq.lora for item in scheduled], embeds)
+        batch = self.model.prepare(chunks, [item.seq.lora for item in scheduled], embeds, wants_hidden)
         hidden = None
-        if any(item.seq.params.return_hidden_states for item in scheduled):
+        if batch.hidden_index is not None:
             logits, hidden = self.model.forward_with_hidden(batch)
+            # Rows in chunk order, every position of each chunk that asked.
+            hidden_rows = iter(hidden.float().cpu().split([len(c[0]) for c, w in zip(chunks, wants_hidden) if w]))
         else:
             logits = self.model.forward(batch)
 
         # Split the logits rows (see _logit_rows). A chunk's rows start at position `first`: its
-        # prompt-logprob rows are consecutive from there, a hidden-states chunk has a row for
-        # every position, and the sampling row, if it samples, is last.
+        # prompt-logprob rows are consecutive from there, and the sampling row, if it samples,
+        # is last.
         sampling, sample_logits = [], []
         row = 0
         for item, chunk in zip(scheduled, chunks):
@@ -535,10 +538,10 @@ class LLMEngine:
                 if hi > lo:
                     self._prompt_logprobs(seq, lo, logits[row + lo - first : row + hi - first])
             if hidden is not None and seq.params.return_hidden_states:
+                rows_hidden = next(hidden_rows)
                 tracked = self._tracked.get(seq.request_id)
                 if tracked is not None:
-                    rows_hidden = hidden[row : row + count].float().cpu().tolist()
-                    tracked.state.add_hidden_states(first, rows_hidden, seq.num_prompt_tokens)
+                    tracked.state.add_hidden_states(start, rows_hidden.tolist(), seq.num_prompt_tokens)
             if item.samples:
                 sampling.append(item)
                 sample_logits.append(row + count - 1)
@@ -623,10 +626,7 @@ class LLMEngine:
 
     def _logit_rows(self, seq: Sequence, start: int, n: int, samples: bool) -> Any:
         """Which rows of this chunk need logits: the sampling row, plus prompt positions
-        whose next-token logprobs were asked for (logprob_start_len), or every row for
-        return_hidden_states (True: the last row only)."""
-        if seq.params.return_hidden_states:
-            return True if n == 1 and samples else list(range(n))
+        whose next-token logprobs were asked for (logprob_start_len) (True: the last row only)."""
         lsl = seq.params.logprob_start_len
         if not seq.params.wants_prompt_logprobs or start >= seq.num_prompt_tokens - 1:
             return samples

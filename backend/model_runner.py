@@ -156,6 +156,9 @@ class BatchInput:
     lora_logit_rows: Optional[list[Optional[torch.Tensor]]] = None
     # input_embeds: packed indexes [E] of tokens whose embedding is given, and the rows [E, hidden].
     embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # return_hidden_states: packed indexes [N] of tokens whose final-norm hidden states are
+    # wanted. Kept apart from logits_index: a prompt's rows need no [rows, vocab] logits.
+    hidden_index: Optional[torch.Tensor] = None
 
 
 def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True, paged_decode: bool = False) -> list[list[int]]:
@@ -308,7 +311,8 @@ class ModelRunner:
     # ---------------------------------------------------------------- inputs
     def prepare(self, chunks: list[tuple[list[int], int, list[int], Any]],
                 adapters: Optional[list[Optional[LoraAdapter]]] = None,
-                embeds: Optional[list[Optional[torch.Tensor]]] = None) -> BatchInput:
+                embeds: Optional[list[Optional[torch.Tensor]]] = None,
+                hidden: Optional[list[bool]] = None) -> BatchInput:
         """Lay out a step. Each chunk is (new token ids, start position, block table, logit rows).
 
         Logit rows: True for the chunk's last token (it samples), False for none, or a list of
@@ -316,6 +320,8 @@ class ModelRunner:
         forward pass returns logits for these rows, in chunk order. ``adapters``: the LoRA
         adapter of each chunk's sequence (None: the base model). ``embeds``: per chunk, rows
         [k, hidden] that replace the embeddings of its first k tokens (input_embeds), or None.
+        ``hidden``: per chunk, whether the hidden states of all its tokens are wanted
+        (forward_with_hidden returns them in chunk order).
         """
         bs = self.block_size
         dev = self.device
@@ -410,12 +416,17 @@ class ModelRunner:
             else:
                 lora = [(a, host_tensor(rows, torch.long, dev)) for a, rows, _ in rows_of.values()]
                 lora_logit_rows = [host_tensor(rows, torch.long, dev) for _, _, rows in rows_of.values()]
+        hidden_index = None
+        if hidden is not None and any(hidden):
+            rows = [bases[i] + j for i, wanted in enumerate(hidden) if wanted for j in range(q_lens[i])]
+            hidden_index = host_tensor(rows, torch.long, dev)
         given = None
         if embeds is not None and any(e is not None for e in embeds):
             at = [bases[i] + j for i, e in enumerate(embeds) if e is not None for j in range(e.shape[0])]
             given = (host_tensor(at, torch.long, dev), torch.cat([e for e in embeds if e is not None]))
         return BatchInput(
             embeds=given,
+            hidden_index=hidden_index,
             lora=lora,
             lora_logit_rows=lora_logit_rows,
             input_ids=host_tensor(input_ids, torch.long, dev),
@@ -440,15 +451,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_with_hidden(self, batch: BatchInput) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`, also returning the final-norm hidden states of the logits rows [S, hidden]
-        (return_hidden_states). Always eager: the decode graphs keep only their logits."""
+        """`forward`, also returning the final-norm hidden states of the `hidden_index` rows
+        [N, hidden] (return_hidden_states). Always eager: the decode graphs keep only logits."""
         return self._eager(batch)
 
     def eager_forward(self, batch: BatchInput) -> torch.Tensor:
         return self._eager(batch)[0]
 
     @torch.inference_mode()
-    def _eager(self, batch: BatchInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager(self, batch: BatchInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         c = self.config
         if batch.max_position >= self._rope_cos.shape[0]:
             # Captured graphs read the old tables: they go (only past max_position_embeddings).
@@ -520,11 +531,12 @@ class ModelRunner:
             down = F.linear(act, layer["down"])
             apply_lora(down, act, li, "down", batch.lora)
             h = h + down
+        hidden = None if batch.hidden_index is None else _rms_norm(h[batch.hidden_index], self.final_norm, c.rms_norm_eps)
         h = _rms_norm(h[batch.logits_index], self.final_norm, c.rms_norm_eps)
         logits = F.linear(h, self.lm_head)
         if batch.lora:
             apply_lora_logits(logits, h, batch.lora, batch.lora_logit_rows)
-        return logits.float(), h
+        return logits.float(), hidden
 
     def _gather(self, cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         kvh, _, d = cache.shape
