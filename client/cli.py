@@ -109,21 +109,25 @@ def build_inputs(
     sampling: Optional[dict[str, Any]] = None,
     stream: bool = True,
     tokenizer: Any = None,
+    input_embeds: Optional[np.ndarray] = None,
 ) -> dict[str, Any]:
     """The input tensors (name -> Python value) for one request to `model`.
 
     All sampling parameters travel in the `sampling_parameters` JSON tensor, which both models
     accept and validate with the engine's own rules (unknown names are refused by the server).
+    `input_embeds` ([num_tokens, hidden_size]) goes to either model as it is.
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
-    if (prompt is None) == (input_ids is None):
-        raise ValueError("give exactly one of a prompt or input_ids")
+    if sum(x is not None for x in (prompt, input_ids, input_embeds)) != 1:
+        raise ValueError("give exactly one of a prompt, input_ids or input_embeds")
     values: dict[str, Any] = {}
     messages = None
     if prompt is not None and chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    if model == "ensemble":
+    if input_embeds is not None:
+        values["input_embeds"] = np.asarray(input_embeds, dtype=np.float32)
+    elif model == "ensemble":
         if input_ids is not None:
             values["input_ids"] = list(input_ids)
         elif messages is not None:
@@ -189,6 +193,7 @@ def stream_pieces(
     chat: bool = False,
     system: Optional[str] = None,
     input_ids: Optional[Sequence[int]] = None,
+    input_embeds: Optional[np.ndarray] = None,
     stream: bool = True,
     detokenize: bool = True,
     tokenizer_path: str | Path = DEFAULT_TOKENIZER,
@@ -205,10 +210,10 @@ def stream_pieces(
     """
     sampling = build_sampling(**sampling_options)
     tokenizer = None
-    if model == "llm" and (detokenize or input_ids is None):
+    if model == "llm" and (detokenize or (input_ids is None and input_embeds is None)):
         tokenizer = load_tokenizer_cached(tokenizer_path)
     values = build_inputs(model, prompt, chat=chat, system=system, input_ids=input_ids, sampling=sampling,
-                          stream=stream, tokenizer=tokenizer)
+                          stream=stream, tokenizer=tokenizer, input_embeds=input_embeds)
     client = client or TritonStreamClient(url)
     order = _InOrder() if reorder else None
     start = time.perf_counter()
@@ -336,6 +341,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--input-ids", default=None, metavar="IDS",
                    help="comma-separated prompt token ids instead of text")
+    p.add_argument("--input-embeds", default=None, metavar="FILE.npy",
+                   help="the prompt as embeddings instead of text: a numpy file of shape [num_tokens, hidden_size]")
     p.add_argument("--no-stream", action="store_true", help="ask for one response with the whole result")
     p.add_argument("--ids", action="store_true", help="print token ids as they arrive instead of text")
     p.add_argument("--stats", action="store_true", help="print finish reason, counts, TTFT and tokens/s to stderr")
@@ -347,9 +354,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    input_ids = None
+    input_ids = input_embeds = None
     prompt = args.prompt
-    if args.input_ids is not None:
+    if args.input_embeds is not None:
+        try:
+            input_embeds = np.load(args.input_embeds, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            print(f"error: --input-embeds: {exc}", file=sys.stderr)
+            return 2
+        prompt = None
+    elif args.input_ids is not None:
         try:
             input_ids = [int(t) for t in args.input_ids.replace(" ", "").split(",") if t]
         except ValueError:
@@ -372,6 +386,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             chat=args.chat,
             system=args.system,
             input_ids=input_ids,
+            input_embeds=input_embeds,
             stream=not args.no_stream,
             detokenize=not args.ids,
             tokenizer_path=args.tokenizer_path,

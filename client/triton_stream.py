@@ -28,6 +28,7 @@ INPUT_DTYPES: dict[str, Any] = {
     "continue_final_message": np.bool_,
     "stream": np.bool_,
     "input_ids": np.int32,
+    "input_embeds": np.float32,
     "max_tokens": np.int32,
     "top_k": np.int32,
     "temperature": np.float32,

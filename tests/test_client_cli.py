@@ -82,6 +82,28 @@ def test_cli_streams_text_and_ids(server, demo_model_path):
     assert chat.returncode == 0 and chat.stdout.strip()
 
 
+def test_cli_sends_input_embeds_to_either_model(server, demo_model_path, tmp_path):
+    # The model's own embedding rows of a prompt generate what its ids do (the demo model's
+    # default repetition penalty counts prompt tokens, which embeddings have none of: off).
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    ids = [40, 41, 42, 43, 44]
+    rows = load_file(str(demo_model_path / "model.safetensors"))["model.embed_tokens.weight"][ids]
+    np.save(tmp_path / "prompt.npy", rows)
+    params = {"ignore_eos": True, "repetition_penalty": 1.0}
+    ref = generate_text(input_ids=ids, url=server.grpc_url, temperature=0.0, max_tokens=MAX_NEW, json_params=params)
+    common = ["--url", server.grpc_url, "--max-tokens", str(MAX_NEW), "--temperature", "0", "--json-params",
+              json.dumps(params), "--input-embeds", str(tmp_path / "prompt.npy"), "--ids"]
+    for model in ("ensemble", "llm"):
+        out = run_cli(*common, "--model", model)
+        assert out.returncode == 0, out.stderr
+        assert [int(t) for t in out.stdout.split()] == ref.token_ids
+    np.save(tmp_path / "wrong.npy", rows[:, :64])
+    bad = run_cli("--url", server.grpc_url, "--input-embeds", str(tmp_path / "wrong.npy"))
+    assert bad.returncode == 1 and "hidden size" in bad.stderr
+
+
 def test_cli_reports_server_errors(server):
     bad = run_cli("hi", "--url", server.grpc_url, "--json-params", '{"no_such_parameter": 1}')
     assert bad.returncode == 1
