@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 
 # Token ids travel to Triton as INT32: anything outside [0, 2**31) would wrap into another, valid
@@ -153,6 +153,14 @@ class _SamplingFields(_Strict):
         if v < 1:
             raise ValueError("n must be at least 1")
         return v
+
+    @model_validator(mode="after")
+    def _no_stop_trim_is_include_stop_str_in_output(self) -> "_SamplingFields":
+        # SGLang's and vLLM's names for one flag: whatever reads vLLM's (beam search does)
+        # must see SGLang's too, or no_stop_trim would be silently ignored there.
+        if self.no_stop_trim:
+            self.include_stop_str_in_output = True
+        return self
 
 
 # ---------------------------------------------------------------------------------------------
