@@ -30,12 +30,16 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from backend.demo_model.builder import DemoModelSpec
+
 from tests.test_soak import soak
 
 pytestmark = pytest.mark.timeout(420)
 
 REQUEST_TIMEOUT = 60.0  # seconds a single fuzzed request may take before it counts as a hang
 MAX_MODEL_LEN = 128
+HIDDEN_SIZE = DemoModelSpec().hidden_size  # input_embeds rows the demo model takes
+PROMPTS = ("text_input", "messages", "input_ids", "input_embeds")  # a request needs exactly one
 
 DTYPES = {
     "BOOL": np.bool_, "INT8": np.int8, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64,
@@ -134,6 +138,11 @@ def tensor(draw, name: str, dtype: str, dims: list[int], strict: bool = False):
         use_dtype = draw(st.sampled_from(sorted(DTYPES)))
     if strict and name == "sampling_parameters":
         return name, dtype, np.array([draw(st.builds(json.dumps, _small_params)).encode()], dtype=np.object_)
+    if strict and name == "input_embeds":  # the model's hidden size, values at its embeddings' scale
+        # Thousands of values: from a drawn seed (hypothesis would have to draw each one).
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        rows = draw(st.integers(1, 24))
+        return name, dtype, (rng.standard_normal((rows, HIDDEN_SIZE)) * 0.02).astype(np.float32)
     if strict or draw(st.integers(0, 9)) < 7:
         shape = [draw(st.integers(1 if strict else 0, 24)) if d == -1 else d for d in dims]
     else:
@@ -159,8 +168,8 @@ def triton_request(draw, specs: dict[str, dict[str, tuple[str, list[int]]]]):
     if strict:
         names = [n for n in names if n != "abort_request_id"]
     if strict or draw(st.booleans()):
-        prompt = "input_ids" if model == "llm" else draw(st.sampled_from(["text_input", "messages", "input_ids"]))
-        names = [n for n in names if n not in ("text_input", "messages", "input_ids")] + [prompt]
+        prompt = draw(st.sampled_from([p for p in PROMPTS if p in spec]))
+        names = [n for n in names if n not in PROMPTS] + [prompt]
     tensors = [draw(tensor(n, *spec[n], strict=strict)) for n in names]
     if not strict and draw(st.integers(0, 9)) == 9:  # (hypothesis favours small draws)
         tensors.append(draw(tensor("not_an_input", "INT32", [1])))
