@@ -15,18 +15,11 @@ from backend.sampler import SamplingRow, TokenCounts
 
 # The engine-test helpers, and its autouse check that every test leaves the KV pool free.
 from test_engine_sampling import _pool_free, _prompt, hf_model, make_engine  # noqa: F401
-from test_hidden_states import ATOL
+# The same engine as the hidden-states tests: a 16-token budget prefills a 40-token prompt in three chunks.
+from test_hidden_states import ATOL, engine  # noqa: F401
 
 # HF's generate says it penalizes only new tokens with inputs_embeds: what is compared here.
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty` with `inputs_embeds`:UserWarning")
-
-
-@pytest.fixture(scope="module")
-def engine(demo_model_path):
-    # A 16-token budget: a 40-token prompt is prefilled in three chunks.
-    eng = make_engine(demo_model_path, max_num_batched_tokens=16, enable_prefix_caching=True)
-    yield eng
-    eng.shutdown()
 
 
 def _greedy(max_new: int, **extra) -> dict:
