@@ -356,6 +356,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     input_ids = input_embeds = None
     prompt = args.prompt
+    given = [name for name, v in (("a prompt", prompt), ("--input-ids", args.input_ids),
+                                  ("--input-embeds", args.input_embeds)) if v is not None]
+    if len(given) > 1:
+        print(f"error: give one of a prompt, --input-ids and --input-embeds (got {' and '.join(given)})", file=sys.stderr)
+        return 2
     if args.input_embeds is not None:
         try:
             input_embeds = np.load(args.input_embeds, allow_pickle=False)

@@ -99,6 +99,8 @@ def test_cli_sends_input_embeds_to_either_model(server, demo_model_path, tmp_pat
         out = run_cli(*common, "--model", model)
         assert out.returncode == 0, out.stderr
         assert [int(t) for t in out.stdout.split()] == ref.token_ids
+    both = run_cli("some text", "--input-embeds", str(tmp_path / "prompt.npy"))
+    assert both.returncode == 2 and "a prompt and --input-embeds" in both.stderr
     np.save(tmp_path / "wrong.npy", rows[:, :64])
     bad = run_cli("--url", server.grpc_url, "--input-embeds", str(tmp_path / "wrong.npy"))
     assert bad.returncode == 1 and "hidden size" in bad.stderr
