@@ -160,7 +160,7 @@ def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
     """Every sampling feature at once in a small pool (preemption, chunked prefill, priority
     scheduling, jump-forward on): grammars, stop strings and regexes, stop token ids, logprobs and
     scoring requests, penalties, logit_bias, allowed_token_ids, min_new_tokens, truncation,
-    top-k/p/min-p, n > 1, cancels and aborts. Each finished sample is well-formed (its constraint
+    top-k/p/min-p, n > 1, prompts as input_embeds, cancels and aborts. Each finished sample is well-formed (its constraint
     holds, its stop is trimmed, one logprob per token, its ids decode to its text) and, grammars
     aside, has the tokens the same request gets in a calm engine; afterwards the pool and the
     penalty tables are empty."""
@@ -190,6 +190,12 @@ def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
     # Prompts of whole-text tokens: an output's text then equals the decode of its ids alone (a
     # prompt ending inside a UTF-8 character would lend the output its first bytes).
     ascii_ids = [t for t in range(10, 4000) if (w := engine.tokenizer.decode([t])).isascii() and w.isprintable()]
+
+    def embedded(prompt: list[int]):
+        return engine.model.embed[prompt].clone()
+
+    embeds_rng = random.Random(12)
+    as_embeds: set[int] = set()
 
     def on_output(i):
         def cb(out):
@@ -246,8 +252,13 @@ def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
                 if rng.random() < 0.2:
                     cancel_after[i] = rng.randint(1, 4)
                 expected[i] = n
-            rid = engine.add_request(prompt, engine.parse_params(p), on_output(i),
-                                     is_cancelled=lambda i=i: i in cancelled)
+            # A quarter of the prompts go as the model's own embedding rows (input_embeds), drawn
+            # apart so the requests themselves stay as they were; scoring needs token ids.
+            if kind not in ("score", "logprobs") and embeds_rng.random() < 0.25:
+                as_embeds.add(i)
+            rid = engine.add_request([] if i in as_embeds else prompt, engine.parse_params(p), on_output(i),
+                                     is_cancelled=lambda i=i: i in cancelled,
+                                     input_embeds=embedded(prompt) if i in as_embeds else None)
             if rng.random() < 0.08:
                 engine.abort(rid)
             if rng.random() < 0.3:
@@ -314,7 +325,9 @@ def test_engine_feature_storm_keeps_every_invariant(demo_model_path):
                                       max_model_len=256, scheduling_policy="priority"))
         try:
             again = [i for i in kinds if kinds[i][0] not in ("regex", "json")]
-            outs = calm.generate([prompts[i] for i in again], [calm.parse_params(kinds[i][1]) for i in again])
+            embeds = [embedded(prompts[i]) if i in as_embeds else None for i in again]
+            outs = calm.generate([[] if e is not None else prompts[i] for i, e in zip(again, embeds)],
+                                 [calm.parse_params(kinds[i][1]) for i in again], input_embeds=embeds)
         finally:
             calm.shutdown()
         by_sample = {}
