@@ -195,10 +195,13 @@ class GenerateHandler:
             batch = isinstance(req.text, list)
             prompts: list[Any] = req.text if batch else [req.text]
         else:
-            ids = (req.input_ids if not embedded else req.input_embeds) or []
-            # input_ids [[ids]] and input_embeds [[[floats]]] are batches
-            batch = bool(ids) and isinstance(ids[0], list) and (not embedded or bool(ids[0]) and isinstance(ids[0][0], list))
-            prompts = ids if batch else [ids]
+            given_prompt = (req.input_embeds if embedded else req.input_ids) or []
+            # input_ids [[ids]] and input_embeds [[[floats]]] are batches: one list level deeper.
+            first = given_prompt[0] if given_prompt else None
+            if embedded:
+                first = first[0] if first else None
+            batch = isinstance(first, list)
+            prompts = given_prompt if batch else [given_prompt]
         if not prompts or any(not p for p in prompts if isinstance(p, list)):
             raise bad_request("empty prompt", param=given[0])
         if embedded and any(len({len(row) for row in p}) != 1 or not p[0] for p in prompts):
