@@ -3,7 +3,10 @@
 Every op takes ``logits`` [B, V] float32 (one row per sequence) and per-row parameters as [B]
 tensors, and returns a new tensor (inputs are never modified). ``use_triton`` selects the
 implementation; by default Triton is used for CUDA tensors, and for CPU tensors when
-``TRITON_INTERPRET=1`` (Triton's numpy interpreter, slow: for tests). Semantics: README.md.
+``TRITON_INTERPRET=1`` (Triton's numpy interpreter, slow: for tests). Otherwise CPU tensors
+take the C++ kernels in csrc/ where they exist and are built (paged decode attention;
+penalties, grammar bitmask, the top-k/top-p/min-p filter and the draw), else the torch
+reference. Semantics: README.md.
 
 Triton is imported lazily (on the first Triton call), so importing this package never fixes
 Triton's interpreter/compiler choice; TRITON_INTERPRET must be set before triton is imported.
@@ -39,6 +42,15 @@ def _ops():
     from . import triton_ops
 
     return triton_ops
+
+
+def _cpu_sampling(logits: torch.Tensor):
+    """The C++ sampling ops (cpu_sampling.py) for CPU tensors when built, else None."""
+    if logits.is_cuda:
+        return None
+    from . import cpu_sampling
+
+    return cpu_sampling if cpu_sampling.load() is not None else None
 
 
 def _check_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -116,6 +128,9 @@ def apply_penalties(
     rep = _rows(repetition_penalty, B, torch.float32, dev, "repetition_penalty")
     if _want_triton(logits, use_triton):
         return _launch("apply_penalties", logits, counts, prompt, freq, pres, rep)
+    native = _cpu_sampling(logits)
+    if native is not None:
+        return native.apply_penalties(logits, counts, prompt, freq, pres, rep)
     return reference.apply_penalties(logits, counts, prompt, freq, pres, rep)
 
 
@@ -136,6 +151,9 @@ def apply_token_bitmask(
     row_mask = _rows(row_mask, B, torch.bool, dev, "row_mask")
     if _want_triton(logits, use_triton):
         return _launch("apply_token_bitmask", logits, bitmask, row_mask)
+    native = _cpu_sampling(logits)
+    if native is not None:
+        return native.apply_token_bitmask(logits, bitmask, row_mask)
     return reference.apply_token_bitmask(logits, bitmask, row_mask)
 
 
@@ -158,6 +176,9 @@ def top_k_top_p_min_p(
     min_p = _rows(min_p, B, torch.float32, dev, "min_p")
     if _want_triton(logits, use_triton):
         return _launch("top_k_top_p_min_p", logits, top_k, top_p, min_p)
+    native = _cpu_sampling(logits)
+    if native is not None:
+        return native.top_k_top_p_min_p(logits, top_k, top_p, min_p)
     return reference.top_k_top_p_min_p(logits, top_k, top_p, min_p)
 
 
@@ -187,6 +208,9 @@ def sample(
     greedy_mask = _rows(greedy_mask, B, torch.bool, dev, "greedy_mask")
     if _want_triton(logits, use_triton):
         return _launch("sample", logits, seeds, offsets, greedy_mask)
+    native = _cpu_sampling(logits)
+    if native is not None:
+        return native.sample(logits, seeds, offsets, greedy_mask)
     return reference.sample(logits, seeds, offsets, greedy_mask)
 
 

@@ -27,6 +27,7 @@ if not os.path.exists(dst) or os.path.getsize(dst) != os.path.getsize(src):
     shutil.copy2(src, dst)
     print(f"[setup] installed the Python {ver} backend stub")
 PY
-# Build the CPU decode-attention kernel now (~30 s once, then cached), not during model load.
+# Build the CPU kernels now (~20-30 s each once, then cached), not during model load.
 .venv/bin/python -m kernels.cpu_attention
+.venv/bin/python -m kernels.cpu_sampling
 echo "[setup] environment ready"

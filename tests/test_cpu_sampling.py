@@ -1,0 +1,134 @@
+"""The C++ CPU sampling ops (kernels/csrc/sampling_cpu.cpp) against the torch reference: the same
+penalized logits bit for bit, the same bitmasked tokens, the same tokens surviving the filter,
+and the same token drawn for a seed, on every row of random batches with ties, -inf tokens,
+every filter's edge values, and seeds and offsets over the full 64-bit range."""
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_sampling
+from kernels import reference as ref
+
+NEG_INF = float("-inf")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu_sampling.load() is not None, cpu_sampling.error()
+
+
+def _batch(seed: int, B: int, V: int, ties: bool, masked: bool):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, V, generator=g) * (0.3 + 4 * torch.rand(B, 1, generator=g))
+    if ties:
+        x = (x * 2).round() / 2  # few distinct values: ties at every threshold
+    if masked:
+        x[:, ::3] = NEG_INF  # a grammar or an earlier filter removed these
+        x[0] = NEG_INF  # nothing allowed
+    top_k = torch.randint(-1, V + 2, (B,), generator=g, dtype=torch.int32)
+    top_k[::4] = 0
+    top_k[1::4] = min(20, V)
+    top_p = torch.rand(B, generator=g)
+    top_p[::3] = 1.0
+    top_p[2::7] = 0.0
+    min_p = torch.rand(B, generator=g) * 0.4
+    min_p[::2] = 0.0
+    min_p[5::11] = 1.5
+    seeds = torch.randint(-(2**63), 2**63 - 1, (B,), generator=g)
+    offsets = torch.randint(0, 2**40, (B,), generator=g)
+    greedy = torch.rand(B, generator=g) < 0.2
+    return x, top_k, top_p, min_p, seeds, offsets, greedy
+
+
+CASES = [(seed, B, V, ties, masked) for seed, (B, V) in enumerate([(64, 4096), (33, 1000), (8, 32000), (5, 1), (3, 2)])
+         for ties in (False, True) for masked in (False, True)]
+
+
+@pytest.mark.parametrize("seed,B,V,ties,masked", CASES)
+def test_filter_keeps_what_the_reference_keeps(seed, B, V, ties, masked):
+    x, top_k, top_p, min_p, *_ = _batch(seed, B, V, ties, masked)
+    want = ref.top_k_top_p_min_p(x, top_k, top_p, min_p)
+    got = cpu_sampling.top_k_top_p_min_p(x, top_k, top_p, min_p)
+    assert torch.equal(got, want), f"rows differ: {(got != want).any(1).nonzero().flatten().tolist()}"
+
+
+@pytest.mark.parametrize("seed,B,V,ties,masked", CASES)
+def test_draw_is_the_reference_draw(seed, B, V, ties, masked):
+    x, top_k, top_p, min_p, seeds, offsets, greedy = _batch(seed, B, V, ties, masked)
+    filtered = ref.top_k_top_p_min_p(x, top_k, top_p, min_p)
+    for logits in (x, filtered):  # noise for every token, and only for the survivors
+        want = ref.sample(logits, seeds, offsets, greedy)
+        got = cpu_sampling.sample(logits, seeds, offsets, greedy)
+        assert torch.equal(got, want), f"rows differ: {(got != want).nonzero().flatten().tolist()}"
+
+
+@pytest.mark.parametrize("B,V", [(64, 4096), (7, 1001), (3, 1)])
+@pytest.mark.parametrize("which", ["all", "repetition", "frequency", "presence", "none"])
+def test_penalties_round_as_the_reference(B, V, which):
+    g = torch.Generator().manual_seed(B * V)
+    x = torch.randn(B, V, generator=g) * 5
+    x[:, ::11] = NEG_INF
+    x[:, 1::13] = 0.0
+    counts = torch.randint(0, 4, (B, V), generator=g, dtype=torch.int32) * (torch.rand(B, V, generator=g) < 0.1)
+    prompt = torch.rand(B, V, generator=g) < 0.05
+    freq, pres = torch.randn(B, generator=g), torch.randn(B, generator=g)
+    rep = 1.0 + torch.rand(B, generator=g)
+    freq[::3], pres[1::3], rep[2::3] = 0.0, 0.0, 1.0  # rows where a penalty is off among rows where it is on
+    if which != "all":
+        freq = freq if which == "frequency" else torch.zeros(B)
+        pres = pres if which == "presence" else torch.zeros(B)
+        rep = rep if which == "repetition" else torch.ones(B)
+    want = ref.apply_penalties(x, counts, prompt, freq, pres, rep)
+    got = cpu_sampling.apply_penalties(x, counts, prompt, freq, pres, rep)
+    assert torch.equal(got, want)
+    assert got.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("B,V,words", [(16, 4096, 128), (5, 1000, 32), (4, 100, 2), (3, 70, 4)])
+def test_bitmask_blocks_what_the_reference_blocks(B, V, words):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(B, V, generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (B, words), generator=g, dtype=torch.int32)
+    rows = torch.rand(B, generator=g) < 0.7
+    assert torch.equal(cpu_sampling.apply_token_bitmask(x, bitmask, rows), ref.apply_token_bitmask(x, bitmask, rows))
+
+
+def test_a_rows_draw_does_not_depend_on_its_batch():
+    x, top_k, top_p, min_p, seeds, offsets, greedy = _batch(7, 16, 4096, False, False)
+    filtered = cpu_sampling.top_k_top_p_min_p(x, top_k, top_p, min_p)
+    together = cpu_sampling.sample(filtered, seeds, offsets, greedy)
+    for b in (0, 5, 15):
+        alone = cpu_sampling.sample(filtered[b : b + 1], seeds[b : b + 1], offsets[b : b + 1], greedy[b : b + 1])
+        assert alone.item() == together[b].item()
+        assert torch.equal(cpu_sampling.top_k_top_p_min_p(x[b : b + 1], top_k[b : b + 1], top_p[b : b + 1],
+                                                          min_p[b : b + 1]), filtered[b : b + 1])
+
+
+def test_draws_follow_the_distribution():
+    # 20k draws from one row over 4 tokens: frequencies within 1.5% of softmax.
+    logits = torch.tensor([[0.0, 1.0, 2.0, NEG_INF]]).repeat(20000, 1)
+    seeds = torch.full((20000,), 1234, dtype=torch.int64)
+    tokens = cpu_sampling.sample(logits, seeds, torch.arange(20000), torch.zeros(20000, dtype=torch.bool))
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    torch.testing.assert_close(freq, torch.softmax(logits[0], dim=0), atol=0.015, rtol=0)
+
+
+def test_kernels_dispatch_cpu_tensors_to_it_unless_switched_off(monkeypatch):
+    x, top_k, top_p, min_p, seeds, offsets, greedy = _batch(3, 4, 64, False, False)
+    calls = []
+    monkeypatch.setattr(ref, "sample", lambda *a: calls.append("reference") or torch.zeros(4, dtype=torch.int64))
+    kernels.sample(x, seeds, offsets, greedy, use_triton=False)
+    assert calls == []
+    monkeypatch.setenv("LLM_CPU_SAMPLING", "0")
+    kernels.sample(x, seeds, offsets, greedy, use_triton=False)
+    assert calls == ["reference"]
+
+
+def test_bad_shapes_are_refused():
+    x = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="one top_k"):
+        cpu_sampling.top_k_top_p_min_p(x, torch.zeros(3, dtype=torch.int32), torch.ones(2), torch.zeros(2))
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_sampling.sample(x.double(), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                            torch.zeros(2, dtype=torch.bool))
