@@ -100,33 +100,43 @@ torch::Tensor apply_token_bitmask(const torch::Tensor& logits, const torch::Tens
 }
 
 // ---------------------------------------------------------------- top-k / top-p / min-p
-// One row: writes x or -inf per token (see reference.top_k_top_p_min_p for the contract).
-void filter_row(const float* x, float* out, int64_t V, int64_t k, float top_p, float min_p, std::vector<float>& vals) {
-  float m = kNegInf;
-  for (int64_t i = 0; i < V; ++i) m = std::max(m, x[i]);
-  const float m_safe = m > kNegInf ? m : 0.0f;
-  const bool k_on = k > 0 && k < V, p_on = top_p < 1.0f, min_on = min_p > 0.0f;
+struct Entry {
+  float x;  // logit
+  float e;  // exp(x - max), the reference's value
+};
 
-  // A token survives iff x >= lo (top-k and top-p thresholds; both "ties kept") and passes min-p.
+// One row: writes x or -inf per token (see reference.top_k_top_p_min_p for the contract). `e` is
+// exp(x - max) per token (null when no filter needs masses); m the row's max.
+void filter_row(const float* x, const float* e, float* out, int64_t V, float m, int64_t k, float top_p, float min_p,
+                std::vector<Entry>& vals) {
+  const bool k_on = k > 0 && k < V, p_on = top_p < 1.0f, min_on = min_p > 0.0f;
+  auto greater = [](const Entry& a, const Entry& b) { return a.x > b.x; };
+
+  // A token survives iff x >= lo (top-k and top-p thresholds; both keep ties) and passes min-p.
   float lo = kNegInf;
   if (k_on || p_on) {
-    vals.assign(x, x + V);
+    vals.resize(V);
+    for (int64_t i = 0; i < V; ++i) vals[i] = Entry{x[i], e != nullptr ? e[i] : 0.0f};
     if (k_on) {
-      std::nth_element(vals.begin(), vals.begin() + (k - 1), vals.end(), std::greater<float>());
-      lo = vals[k - 1];
+      std::nth_element(vals.begin(), vals.begin() + (k - 1), vals.end(), greater);
+      lo = vals[k - 1].x;
     }
     if (p_on) {
       double total = 0.0;
-      for (int64_t i = 0; i < V; ++i) total += static_cast<double>(std::exp(x[i] - m_safe));
+      for (int64_t i = 0; i < V; ++i) total += static_cast<double>(e[i]);
       const double thr = static_cast<double>(top_p) * total;
       // vals[0, sorted) holds the largest values in descending order, each >= every value
       // after it. Top-p usually stops within the first few dozen, so the prefix grows on demand.
       int64_t sorted = 0;
+      if (k_on) {  // top-k's selection already put the k largest first: the walk stops at lo
+        std::sort(vals.begin(), vals.begin() + k, greater);
+        sorted = k;
+      }
       auto sorted_through = [&](int64_t i) {
         if (i < sorted) return;
         const int64_t want = std::min<int64_t>(V, std::max<int64_t>({i + 1, 64, 4 * sorted}));
-        if (want < V) std::nth_element(vals.begin() + sorted, vals.begin() + (want - 1), vals.end(), std::greater<float>());
-        std::sort(vals.begin() + sorted, vals.begin() + want, std::greater<float>());
+        if (want < V) std::nth_element(vals.begin() + sorted, vals.begin() + (want - 1), vals.end(), greater);
+        std::sort(vals.begin() + sorted, vals.begin() + want, greater);
         sorted = want;
       };
       // Walk the distinct values downwards: a group is kept while the mass strictly above it is
@@ -136,14 +146,14 @@ void filter_row(const float* x, float* out, int64_t V, int64_t k, float top_p, f
       int64_t i = 0;
       while (i < V) {
         sorted_through(i);
-        const float v = vals[i];
+        const float v = vals[i].x;
         // Below top-k's threshold nothing more can survive; -inf tokens come out -inf either way.
         if (v == kNegInf || v < lo || !(above < thr)) break;
         p_lo = v;
         for (; i < V; ++i) {
           sorted_through(i);
-          if (vals[i] != v) break;
-          above += static_cast<double>(std::exp(v - m_safe));
+          if (vals[i].x != v) break;
+          above += static_cast<double>(vals[i].e);
         }
       }
       lo = std::max(lo, p_lo);
@@ -151,7 +161,7 @@ void filter_row(const float* x, float* out, int64_t V, int64_t k, float top_p, f
   }
   for (int64_t i = 0; i < V; ++i) {
     const float xi = x[i];
-    const bool keep = (xi >= lo && (!min_on || std::exp(xi - m_safe) >= min_p)) || xi == m;
+    const bool keep = (xi >= lo && (!min_on || e[i] >= min_p)) || xi == m;
     out[i] = keep ? xi : kNegInf;
   }
 }
@@ -160,20 +170,31 @@ torch::Tensor top_k_top_p_min_p(const torch::Tensor& logits, const torch::Tensor
                                 const torch::Tensor& min_p) {
   check_logits(logits);
   const int64_t B = logits.size(0), V = logits.size(1);
-  const torch::Tensor x = logits.contiguous();
   const torch::Tensor k = top_k.to(torch::kInt64).contiguous(), p = top_p.to(torch::kFloat32).contiguous(),
                       mp = min_p.to(torch::kFloat32).contiguous();
   TORCH_CHECK(k.numel() == B && p.numel() == B && mp.numel() == B, "one top_k, top_p and min_p per row");
-  torch::Tensor out = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
+  const bool masses = (p < 1.0f).any().item<bool>() || (mp > 0.0f).any().item<bool>();
+  torch::Tensor x, m, e, out;
+  {
+    py::gil_scoped_release no_gil;
+    x = logits.contiguous();
+    // The row max and the masses exp(x - max) come from the same torch ops as the reference's,
+    // so top-p and min-p compare the very same floats (and torch's exp is vectorized).
+    m = std::get<0>(x.max(1, true));
+    if (masses) e = torch::exp(x - torch::where(m > kNegInf, m, torch::zeros_like(m)));
+    out = torch::empty_like(x);
+  }
+  const float *xp = x.data_ptr<float>(), *mptr = m.data_ptr<float>();
+  const float* ep = masses ? e.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t* kp = k.data_ptr<int64_t>();
   const float *pp = p.data_ptr<float>(), *mpp = mp.data_ptr<float>();
   {
     py::gil_scoped_release no_gil;  // raw pointers only
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> vals;  // one scratch row per task
-      for (int64_t b = begin; b < end; ++b) filter_row(xp + b * V, op + b * V, V, kp[b], pp[b], mpp[b], vals);
+      std::vector<Entry> vals;  // one scratch row per task
+      for (int64_t b = begin; b < end; ++b)
+        filter_row(xp + b * V, ep != nullptr ? ep + b * V : nullptr, op + b * V, V, mptr[b], kp[b], pp[b], mpp[b], vals);
     });
   }
   return out;
