@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -622,10 +623,22 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(triton, base_url, path, bo
 
 
 def test_client_disconnect_before_the_response_frees_kv_blocks(triton, base_url):
+    """A non-streaming client hangs up while its request runs: the engine aborts it. The
+    connection is a raw socket closed once the engine holds the request's blocks, so the hang-up
+    lands mid-generation however fast generation is (a client timeout used to race it)."""
     aborted = _aborted(triton)
-    body = {"model": MODEL, "prompt": "wait for it", "max_tokens": 900, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base_url + "/v1/completions", json=body, timeout=1.5)
+    body = json.dumps({"model": MODEL, "prompt": "wait for it", "max_tokens": 1000, "ignore_eos": True}).encode()
+    url = httpx.URL(base_url)
+    with socket.create_connection((url.host, url.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while scrape_metric(_metrics_url(triton), "llm_kv_blocks_used") == 0:
+            assert time.monotonic() < deadline, f"the request never reached the engine: {sock.recv(4096)!r}"
+            time.sleep(0.02)
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(1)  # nothing answered yet: 1000 tokens take a second or more
     wait_kv_blocks_free(_metrics_url(triton), timeout=10)
     _wait_aborted(triton, aborted + 1)
 
