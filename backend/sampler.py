@@ -234,8 +234,9 @@ class Sampler:
         if pen:
             counts, prompt_mask = self.token_counts.rows([rows[i] for i in pen], dev)
             p = [rows[i].params for i in pen]
-            logits[pen] = kernels.apply_penalties(
-                logits[pen],
+            every = len(pen) == B  # the usual case (generation_config's penalty): no gather/scatter
+            penalized = kernels.apply_penalties(
+                logits if every else logits[pen],
                 counts,
                 prompt_mask,
                 host_tensor([x.frequency_penalty for x in p], torch.float32, dev),
@@ -243,6 +244,10 @@ class Sampler:
                 host_tensor([x.repetition_penalty for x in p], torch.float32, dev),
                 use_triton=use_triton,
             )
+            if every:
+                logits = penalized
+            else:
+                logits[pen] = penalized
         for i, r in enumerate(rows):
             if r.suppress_ids:
                 logits[i, [t for t in r.suppress_ids if t < V]] = float("-inf")

@@ -53,6 +53,18 @@ def test_filter_keeps_what_the_reference_keeps(seed, B, V, ties, masked):
     assert torch.equal(got, want), f"rows differ: {(got != want).any(1).nonzero().flatten().tolist()}"
 
 
+@pytest.mark.parametrize("scale", [0.01, 1.0, 30.0])
+def test_top_p_walks_as_far_as_the_mass_needs(scale):
+    # Flat rows need most of a 32k vocabulary before top-p's mass is reached (the candidate set
+    # grows several times), peaked ones a handful; ties at 0.5 steps make huge groups.
+    g = torch.Generator().manual_seed(int(scale * 100))
+    x = torch.randn(6, 32000, generator=g) * scale
+    x[3:] = (x[3:] * 2).round() / 2
+    top_p = torch.tensor([0.999, 0.5, 0.9, 0.999, 0.3, 0.95])
+    k, m = torch.zeros(6, dtype=torch.int32), torch.zeros(6)
+    assert torch.equal(cpu_sampling.top_k_top_p_min_p(x, k, top_p, m), ref.top_k_top_p_min_p(x, k, top_p, m))
+
+
 @pytest.mark.parametrize("seed,B,V,ties,masked", CASES)
 def test_draw_is_the_reference_draw(seed, B, V, ties, masked):
     x, top_k, top_p, min_p, seeds, offsets, greedy = _batch(seed, B, V, ties, masked)

@@ -105,58 +105,74 @@ struct Entry {
   float e;  // exp(x - max), the reference's value
 };
 
+// Every token whose logit is >= the `want`-th largest (ties included), unordered, in one pass:
+// tokens below a running threshold are skipped, and when the buffer fills it is cut back to its
+// `want` largest and the threshold rises to the smallest of those. On a 152k vocabulary that is
+// a few hundred insertions instead of sorting or selecting over the whole row. Returns whether
+// the buffer holds the whole row (no threshold was ever set).
+bool top_candidates(const float* x, const float* e, int64_t V, int64_t want, std::vector<Entry>& buf) {
+  auto greater = [](const Entry& a, const Entry& b) { return a.x > b.x; };
+  size_t cap = static_cast<size_t>(std::max<int64_t>(4 * want, 1024));
+  float thr = kNegInf;
+  bool cut = false;
+  buf.clear();
+  for (int64_t i = 0; i < V; ++i) {
+    if (x[i] < thr) continue;
+    buf.push_back(Entry{x[i], e != nullptr ? e[i] : 0.0f});
+    if (buf.size() >= cap) {
+      std::nth_element(buf.begin(), buf.begin() + (want - 1), buf.end(), greater);
+      thr = buf[want - 1].x;
+      buf.erase(std::remove_if(buf.begin(), buf.end(), [&](const Entry& a) { return a.x < thr; }), buf.end());
+      cut = true;
+      if (buf.size() >= cap / 2) cap *= 2;  // mostly ties at the threshold: make room
+    }
+  }
+  return !cut;
+}
+
 // One row: writes x or -inf per token (see reference.top_k_top_p_min_p for the contract). `e` is
 // exp(x - max) per token (null when no filter needs masses); m the row's max.
 void filter_row(const float* x, const float* e, float* out, int64_t V, float m, int64_t k, float top_p, float min_p,
-                std::vector<Entry>& vals) {
+                std::vector<Entry>& buf) {
   const bool k_on = k > 0 && k < V, p_on = top_p < 1.0f, min_on = min_p > 0.0f;
   auto greater = [](const Entry& a, const Entry& b) { return a.x > b.x; };
 
   // A token survives iff x >= lo (top-k and top-p thresholds; both keep ties) and passes min-p.
   float lo = kNegInf;
-  if (k_on || p_on) {
-    vals.resize(V);
-    for (int64_t i = 0; i < V; ++i) vals[i] = Entry{x[i], e != nullptr ? e[i] : 0.0f};
-    if (k_on) {
-      std::nth_element(vals.begin(), vals.begin() + (k - 1), vals.end(), greater);
-      lo = vals[k - 1].x;
-    }
-    if (p_on) {
-      double total = 0.0;
-      for (int64_t i = 0; i < V; ++i) total += static_cast<double>(e[i]);
-      const double thr = static_cast<double>(top_p) * total;
-      // vals[0, sorted) holds the largest values in descending order, each >= every value
-      // after it. Top-p usually stops within the first few dozen, so the prefix grows on demand.
-      int64_t sorted = 0;
-      if (k_on) {  // top-k's selection already put the k largest first: the walk stops at lo
-        std::sort(vals.begin(), vals.begin() + k, greater);
-        sorted = k;
-      }
-      auto sorted_through = [&](int64_t i) {
-        if (i < sorted) return;
-        const int64_t want = std::min<int64_t>(V, std::max<int64_t>({i + 1, 64, 4 * sorted}));
-        if (want < V) std::nth_element(vals.begin() + sorted, vals.begin() + (want - 1), vals.end(), greater);
-        std::sort(vals.begin() + sorted, vals.begin() + want, greater);
-        sorted = want;
-      };
-      // Walk the distinct values downwards: a group is kept while the mass strictly above it is
-      // below the threshold (so the group that crosses it is kept, ties included).
+  if (k_on) {
+    top_candidates(x, e, V, k, buf);
+    std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), greater);
+    lo = buf[k - 1].x;
+  }
+  if (p_on) {
+    double total = 0.0;
+    for (int64_t i = 0; i < V; ++i) total += static_cast<double>(e[i]);
+    const double thr = static_cast<double>(top_p) * total;
+    // Walk the distinct values downwards, summing their masses in that order (as the
+    // reference's cumulative sum over the sorted row): a group is kept while the mass strictly
+    // above it is below the threshold, so the group that crosses it is kept, ties included.
+    // The candidates hold every token >= their smallest value; if the walk needs more, it
+    // starts again over eight times as many.
+    for (int64_t want = k_on ? k : 64;; want = std::min<int64_t>(V, 8 * want)) {
+      const bool whole_row = top_candidates(x, e, V, want, buf);
+      std::sort(buf.begin(), buf.end(), greater);
       double above = 0.0;
       float p_lo = std::numeric_limits<float>::infinity();  // nothing kept yet
-      int64_t i = 0;
-      while (i < V) {
-        sorted_through(i);
-        const float v = vals[i].x;
+      bool decided = false;
+      for (size_t i = 0; i < buf.size();) {
+        const float v = buf[i].x;
         // Below top-k's threshold nothing more can survive; -inf tokens come out -inf either way.
-        if (v == kNegInf || v < lo || !(above < thr)) break;
-        p_lo = v;
-        for (; i < V; ++i) {
-          sorted_through(i);
-          if (vals[i].x != v) break;
-          above += static_cast<double>(vals[i].e);
+        if (v == kNegInf || v < lo || !(above < thr)) {
+          decided = true;
+          break;
         }
+        p_lo = v;
+        for (; i < buf.size() && buf[i].x == v; ++i) above += static_cast<double>(buf[i].e);
       }
-      lo = std::max(lo, p_lo);
+      if (decided || whole_row || want >= V) {
+        lo = std::max(lo, p_lo);
+        break;
+      }
     }
   }
   for (int64_t i = 0; i < V; ++i) {
