@@ -35,6 +35,7 @@ from backend.sampling_params import SamplingParams, load_model_defaults, parse_s
 from backend.scheduler import Scheduler
 from backend.sequence import FinishReason, Sequence
 from backend.tokenizer import load_tokenizer
+from kernels import cpu_sampling
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,10 @@ class LLMEngine:
             policy=config.scheduling_policy,
         )
         self.sampler = Sampler(self.model.config.vocab_size)
+        if self.model.device.type == "cpu":
+            # Built (or loaded from torch's extension cache) now, during model load, rather than
+            # by the first sampled request: a first build takes ~20 s.
+            cpu_sampling.load()
         self._seed_rng = random.Random(config.seed)
         self._grammar_compiler: Any = None
         self._compiling: list[_Tracked] = []
