@@ -24,11 +24,12 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     # Prefill tokens per step while other sequences decode (chunked prefill keeps their
-    # inter-token latency bounded). None: 128 on CPU, 512 on CUDA.
+    # inter-token latency bounded). None: 96 on CPU, 512 on CUDA.
     max_prefill_tokens_while_decoding: Optional[int] = None
     # While others decode, a prefill token at context c counts 1 + c / this against that cap:
     # a chunk's attention grows with its context, and on CPU a 128-token chunk at 3k context
-    # took 3x the time of one at the start. None: 1024 on CPU, 0 (off) on CUDA.
+    # took 3x the time of one at the start. None: 640 on CPU (a prefill token there cost ~17 us at
+    # context 0 and ~95 us at context 3k on 2 cores, mostly attention), 0 (off) on CUDA.
     prefill_context_unit: Optional[int] = Field(default=None, ge=0)
     # While others decode, the cap above grows to this many prefill tokens per decoding sequence
     # when that is more: a step's decode work sets its duration, so a prefill share proportional
@@ -77,12 +78,12 @@ class EngineConfig(BaseModel):
     def prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:
             return self.max_prefill_tokens_while_decoding
-        return 512 if self.device.startswith("cuda") else 128
+        return 512 if self.device.startswith("cuda") else 96
 
     def prefill_unit(self) -> int:
         if self.prefill_context_unit is not None:
             return self.prefill_context_unit
-        return 0 if self.device.startswith("cuda") else 1024
+        return 0 if self.device.startswith("cuda") else 640
 
     def prefill_per_decode(self) -> int:
         if self.prefill_tokens_per_decode is not None:

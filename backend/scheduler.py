@@ -46,8 +46,9 @@ def _priority_order(seq: Sequence) -> tuple[int, int]:
 
 
 # Smallest prefill chunk while others decode, whatever its context weight: a 30k-token prompt
-# still advances by a block or two per step.
-MIN_PREFILL_CHUNK = 32
+# still advances by a block per step. (At 32, a chunk at a 3k context already cost twice a
+# decode step of 8 streams on 2 CPU cores, past the 3x inter-token bound with noise.)
+MIN_PREFILL_CHUNK = 16
 
 
 class Scheduler:

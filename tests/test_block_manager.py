@@ -93,10 +93,10 @@ def test_prefill_cap_while_decoding_weighs_tokens_by_context():
     costs more), never fewer than MIN_PREFILL_CHUNK; an idle batch prefills at full budget."""
     from backend.scheduler import MIN_PREFILL_CHUNK
 
-    bm = BlockManager(num_blocks=1024, block_size=16)
+    bm = BlockManager(num_blocks=2048, block_size=16)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=128,
                       prefill_context_unit=1024)
-    long = _seq(8000)
+    long = _seq(21000)
     sched.add(long)
     assert [s.num_new_tokens for s in sched.schedule()] == [2048]  # nothing decodes: whole budget
     long.num_computed_tokens = 0
@@ -106,12 +106,12 @@ def test_prefill_cap_while_decoding_weighs_tokens_by_context():
     sched.running.insert(0, decoder)
     bm.allocate(decoder, 5)
     sizes = {}
-    for start in (0, 1024, 3072, 7000):
+    for start in (0, 1024, 3072, 7000, 20000):
         long.num_computed_tokens = start
         step = {item.seq is long: item.num_new_tokens for item in sched.schedule()}
         assert step[False] == 1  # the decode always goes
         sizes[start] = step[True]
-    assert sizes == {0: 128, 1024: 64, 3072: MIN_PREFILL_CHUNK, 7000: MIN_PREFILL_CHUNK}
+    assert sizes == {0: 128, 1024: 64, 3072: 32, 7000: 16, 20000: MIN_PREFILL_CHUNK}
     plain = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=128)
     plain.running = [decoder, long]
     long.num_computed_tokens = 3072
