@@ -37,6 +37,13 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: tor
     return _KERNEL.require().apply_penalties(logits, counts, prompt_mask, frequency, presence, repetition)
 
 
+def penalized_argmax(logits: torch.Tensor, counts_table: torch.Tensor, prompt_table: torch.Tensor, slots: torch.Tensor,
+                     frequency: torch.Tensor, presence: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """argmax of `reference.apply_penalties(logits, counts_table[slots], prompt_table[slots], ...)`
+    per row (lowest index on ties), in one pass without the penalized copy; slot -1: no penalty."""
+    return _KERNEL.require().penalized_argmax(logits, counts_table, prompt_table, slots, frequency, presence, repetition)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, row_mask: torch.Tensor) -> torch.Tensor:
     return _KERNEL.require().apply_token_bitmask(logits, bitmask, row_mask)
 

@@ -97,6 +97,30 @@ def test_penalties_round_as_the_reference(B, V, which):
     assert got.data_ptr() != x.data_ptr()
 
 
+@pytest.mark.parametrize("B,V", [(64, 4096), (7, 1001), (3, 1)])
+def test_penalized_argmax_is_the_argmax_of_the_penalized_row(B, V):
+    g = torch.Generator().manual_seed(B + V)
+    x = torch.randn(B, V, generator=g) * 3
+    x[:, ::9] = NEG_INF
+    x[1] = 0.0  # all tied: the lowest index
+    S = B + 3  # tables have more slots than the batch uses, in another order
+    counts = torch.randint(0, 4, (S, V), generator=g, dtype=torch.int32) * (torch.rand(S, V, generator=g) < 0.2)
+    prompt = torch.rand(S, V, generator=g) < 0.1
+    slots = torch.randperm(S, generator=g)[:B]
+    slots[::4] = -1  # rows without penalties
+    freq, pres = torch.rand(B, generator=g), torch.rand(B, generator=g)
+    rep = 1.0 + torch.rand(B, generator=g) * 2
+    freq[::3], pres[1::3], rep[2::3] = 0.0, 0.0, 1.0
+    taken = slots.clamp(min=0)
+    unpenalized = slots < 0
+    want = ref.apply_penalties(x, counts[taken], prompt[taken], torch.where(unpenalized, 0.0, freq),
+                               torch.where(unpenalized, 0.0, pres), torch.where(unpenalized, 1.0, rep)).argmax(dim=1)
+    got = cpu_sampling.penalized_argmax(x, counts, prompt, slots, freq, pres, rep)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_sampling.penalized_argmax(x, counts, prompt, torch.full((B,), S), freq, pres, rep)
+
+
 @pytest.mark.parametrize("B,V,words", [(16, 4096, 128), (5, 1000, 32), (4, 100, 2), (3, 70, 4)])
 def test_bitmask_blocks_what_the_reference_blocks(B, V, words):
     g = torch.Generator().manual_seed(V)

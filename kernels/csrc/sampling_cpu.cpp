@@ -77,6 +77,58 @@ torch::Tensor apply_penalties(const torch::Tensor& logits, const torch::Tensor& 
   return out;
 }
 
+// The greedy token of each row under its penalties, without writing the penalized row: the
+// same float operations as apply_penalties, then argmax (lowest index on ties). The penalty
+// statistics are read in place from the engine's [slots, V] tables; slot -1: no penalties.
+torch::Tensor penalized_argmax(const torch::Tensor& logits, const torch::Tensor& counts_table,
+                               const torch::Tensor& prompt_table, const torch::Tensor& slots,
+                               const torch::Tensor& frequency, const torch::Tensor& presence,
+                               const torch::Tensor& repetition) {
+  check_logits(logits);
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(counts_table.scalar_type() == torch::kInt32 && prompt_table.scalar_type() == torch::kBool &&
+                  counts_table.is_contiguous() && prompt_table.is_contiguous() && counts_table.dim() == 2 &&
+                  counts_table.size(1) == V && prompt_table.sizes() == counts_table.sizes(),
+              "count tables must be contiguous int32 and bool [slots, V]");
+  const torch::Tensor x = logits.contiguous(), sl = slots.to(torch::kInt64).contiguous();
+  const torch::Tensor f = frequency.to(torch::kFloat32).contiguous(), pr = presence.to(torch::kFloat32).contiguous(),
+                      r = repetition.to(torch::kFloat32).contiguous();
+  TORCH_CHECK(sl.numel() == B && f.numel() == B && pr.numel() == B && r.numel() == B,
+              "one slot and one of each penalty per row");
+  const int64_t S = counts_table.size(0);
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] >= -1 && sp[b] < S, "slot out of range");
+  torch::Tensor out = torch::empty({B}, torch::kInt64);
+  const float* xp = x.data_ptr<float>();
+  const int32_t* cp = counts_table.data_ptr<int32_t>();
+  const bool* pp = prompt_table.data_ptr<bool>();
+  const float *fp = f.data_ptr<float>(), *prp = pr.data_ptr<float>(), *rp = r.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for_rows(B, [&](int64_t b) {
+    const float* xr = xp + b * V;
+    int64_t best_j = 0;
+    float best = kNegInf;
+    if (sp[b] < 0) {
+      for (int64_t i = 0; i < V; ++i)
+        if (xr[i] > best) best = xr[i], best_j = i;
+    } else {
+      const int32_t* cr = cp + sp[b] * V;
+      const bool* pmr = pp + sp[b] * V;
+      const float rep = rp[b], freq = fp[b], pres = prp[b];
+      for (int64_t i = 0; i < V; ++i) {
+        float v = xr[i];
+        const int32_t c = cr[i];
+        if (rep != 1.0f && (c > 0 || pmr[i])) v = v > 0 ? v / rep : v * rep;
+        if (freq != 0.0f) v = v - freq * static_cast<float>(c);
+        if (pres != 0.0f) v = v - pres * (c > 0 ? 1.0f : 0.0f);
+        if (v > best) best = v, best_j = i;
+      }
+    }
+    op[b] = best_j;
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------- grammar bitmask
 // xgrammar's layout: bit j of word i allows token 32 * i + j; tokens past the mask are left alone.
 torch::Tensor apply_token_bitmask(const torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& row_mask) {
@@ -284,6 +336,7 @@ torch::Tensor sample(const torch::Tensor& logits, const torch::Tensor& seeds, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_penalties", &apply_penalties, "repetition, then frequency and presence penalties");
+  m.def("penalized_argmax", &penalized_argmax, "greedy token per row under its penalties (tables read by slot)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "grammar bitmask: a 0 bit sets the token's logit to -inf");
   m.def("top_k_top_p_min_p", &top_k_top_p_min_p, "joint top-k / top-p / min-p filter (removed tokens -inf)");
   m.def("sample", &sample, "Gumbel-max draw with Philox noise keyed by (seed, offset, token)");
