@@ -39,9 +39,26 @@ void check_logits(const torch::Tensor& logits) {
               "logits must be a float32 [B, V] CPU tensor");
 }
 
+// The first index of the row's largest value (torch.argmax; 0 when every value is -inf).
+inline int64_t argmax_row(const float* x, int64_t V) {
+  int64_t best_j = 0;
+  float best = kNegInf;
+  for (int64_t j = 0; j < V; ++j)
+    if (x[j] > best) best = x[j], best_j = j;
+  return best_j;
+}
+
 // ---------------------------------------------------------------- penalties
-// Repetition (tokens in prompt or output), then frequency and presence (output only), each
-// rounded as the reference's separate tensor ops are (the file builds with -ffp-contract=off).
+// One token's logit under repetition (seen in prompt or output), then frequency and presence
+// (output only), each rounded as the reference's separate tensor ops are (the file builds with
+// -ffp-contract=off). `count`: the token's occurrences in the output.
+inline float penalize(float v, int32_t count, bool in_prompt, float rep, float freq, float pres) {
+  if (rep != 1.0f && (count > 0 || in_prompt)) v = v > 0 ? v / rep : v * rep;
+  if (freq != 0.0f) v = v - freq * static_cast<float>(count);
+  if (pres != 0.0f) v = v - pres * (count > 0 ? 1.0f : 0.0f);
+  return v;
+}
+
 torch::Tensor apply_penalties(const torch::Tensor& logits, const torch::Tensor& counts, const torch::Tensor& prompt_mask,
                               const torch::Tensor& frequency, const torch::Tensor& presence,
                               const torch::Tensor& repetition) {
@@ -65,14 +82,7 @@ torch::Tensor apply_penalties(const torch::Tensor& logits, const torch::Tensor& 
     const int32_t* cr = cp + b * V;
     const bool* pmr = pp + b * V;
     float* o = op + b * V;
-    for (int64_t i = 0; i < V; ++i) {
-      float v = xr[i];
-      const int32_t c = cr[i];
-      if (rep != 1.0f && (c > 0 || pmr[i])) v = v > 0 ? v / rep : v * rep;
-      if (freq != 0.0f) v = v - freq * static_cast<float>(c);
-      if (pres != 0.0f) v = v - pres * (c > 0 ? 1.0f : 0.0f);
-      o[i] = v;
-    }
+    for (int64_t i = 0; i < V; ++i) o[i] = penalize(xr[i], cr[i], pmr[i], rep, freq, pres);
   });
   return out;
 }
@@ -106,23 +116,18 @@ torch::Tensor penalized_argmax(const torch::Tensor& logits, const torch::Tensor&
   int64_t* op = out.data_ptr<int64_t>();
   for_rows(B, [&](int64_t b) {
     const float* xr = xp + b * V;
+    if (sp[b] < 0) {
+      op[b] = argmax_row(xr, V);
+      return;
+    }
+    const int32_t* cr = cp + sp[b] * V;
+    const bool* pmr = pp + sp[b] * V;
+    const float rep = rp[b], freq = fp[b], pres = prp[b];
     int64_t best_j = 0;
     float best = kNegInf;
-    if (sp[b] < 0) {
-      for (int64_t i = 0; i < V; ++i)
-        if (xr[i] > best) best = xr[i], best_j = i;
-    } else {
-      const int32_t* cr = cp + sp[b] * V;
-      const bool* pmr = pp + sp[b] * V;
-      const float rep = rp[b], freq = fp[b], pres = prp[b];
-      for (int64_t i = 0; i < V; ++i) {
-        float v = xr[i];
-        const int32_t c = cr[i];
-        if (rep != 1.0f && (c > 0 || pmr[i])) v = v > 0 ? v / rep : v * rep;
-        if (freq != 0.0f) v = v - freq * static_cast<float>(c);
-        if (pres != 0.0f) v = v - pres * (c > 0 ? 1.0f : 0.0f);
-        if (v > best) best = v, best_j = i;
-      }
+    for (int64_t i = 0; i < V; ++i) {
+      const float v = penalize(xr[i], cr[i], pmr[i], rep, freq, pres);
+      if (v > best) best = v, best_j = i;
     }
     op[b] = best_j;
   });
@@ -295,13 +300,9 @@ inline float uniform(uint32_t r) {
 }
 
 int64_t draw_row(const float* x, int64_t V, int64_t seed, int64_t offset, bool greedy) {
+  if (greedy) return argmax_row(x, V);
   int64_t best_j = 0;
   float best = kNegInf;
-  if (greedy) {
-    for (int64_t j = 0; j < V; ++j)
-      if (x[j] > best) best = x[j], best_j = j;
-    return best_j;
-  }
   const uint64_t s = static_cast<uint64_t>(seed);
   const uint32_t k0 = static_cast<uint32_t>(s), k1 = static_cast<uint32_t>(s >> 32);
   const uint32_t c1 = static_cast<uint32_t>(static_cast<uint64_t>(offset));
