@@ -582,7 +582,7 @@ class ModelRunner:
         k_blocks = self.k_cache[li].view(kvh, -1, bs * d)
         v_blocks = self.v_cache[li].view(kvh, -1, bs * d)
         for s in seqs:
-            total = s.num_tokens + (0 if s.bias is None else s.bias.shape[1] - s.num_tokens)
+            total = s.num_tokens if s.bias is None else s.bias.shape[1]  # keys: the context so far
             keys = k_blocks.index_select(1, s.blocks).view(1, kvh, -1, d)[:, :, :total]
             values = v_blocks.index_select(1, s.blocks).view(1, kvh, -1, d)[:, :, :total]
             qs = q[s.base : s.base + s.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
