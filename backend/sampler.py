@@ -214,21 +214,26 @@ class Sampler:
         ties = torch.where(x == best, idx, torch.full_like(idx, logits.shape[1]))
         return ties.min(dim=-1).values.tolist()
 
-    def _penalized_argmax_cpu(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """The same tokens from the C++ kernel: one pass per row over its logits and its rows of
-        the count tables (no candidates, no copies); a third of the torch path's time."""
+    def _penalty_args(self, rows: list[SamplingRow]) -> tuple[torch.Tensor, ...]:
+        """For the C++ kernels that read the count tables in place (CPU): the tables, each row's
+        slot in them brought up to date (-1: not penalized), and its three penalties."""
         pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
         slots = [-1] * len(rows)
         if pen:
-            for i, slot in zip(pen, self.token_counts.update([rows[i] for i in pen], logits.device).tolist()):
+            for i, slot in zip(pen, self.token_counts.update([rows[i] for i in pen], torch.device("cpu")).tolist()):
                 slots[i] = slot
         p = [r.params for r in rows]
-        return cpu_sampling.penalized_argmax(
-            logits, self.token_counts.counts, self.token_counts.prompt_mask, host_tensor(slots, torch.long, "cpu"),
+        return (
+            self.token_counts.counts, self.token_counts.prompt_mask, host_tensor(slots, torch.long, "cpu"),
             host_tensor([q.frequency_penalty for q in p], torch.float32, "cpu"),
             host_tensor([q.presence_penalty for q in p], torch.float32, "cpu"),
             host_tensor([q.repetition_penalty for q in p], torch.float32, "cpu"),
-        ).tolist()
+        )
+
+    def _penalized_argmax_cpu(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """The same tokens from the C++ kernel: one pass per row over its logits and its rows of
+        the count tables (no candidates, no copies); a third of the torch path's time."""
+        return cpu_sampling.penalized_argmax(logits, *self._penalty_args(rows)).tolist()
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -250,7 +255,10 @@ class Sampler:
             if r.logits_processors:
                 _apply_row_processors(logits, i, r, errors)
         pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
-        if pen:
+        if pen and not use_triton and cpu_sampling.load() is not None:
+            # In place, statistics read by slot: no [rows, V] copies (the sampler owns `logits`).
+            cpu_sampling.apply_penalties_by_slot_(logits, *self._penalty_args(rows))
+        elif pen:
             counts, prompt_mask = self.token_counts.rows([rows[i] for i in pen], dev)
             p = [rows[i].params for i in pen]
             every = len(pen) == B  # the usual case (generation_config's penalty): no gather/scatter

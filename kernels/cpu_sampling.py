@@ -37,6 +37,14 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: tor
     return _KERNEL.require().apply_penalties(logits, counts, prompt_mask, frequency, presence, repetition)
 
 
+def apply_penalties_by_slot_(logits: torch.Tensor, counts_table: torch.Tensor, prompt_table: torch.Tensor,
+                             slots: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                             repetition: torch.Tensor) -> None:
+    """`reference.apply_penalties(logits, counts_table[slots], prompt_table[slots], ...)` written
+    into `logits` (contiguous float32) itself; rows at slot -1 are left alone."""
+    _KERNEL.require().apply_penalties_by_slot_(logits, counts_table, prompt_table, slots, frequency, presence, repetition)
+
+
 def penalized_argmax(logits: torch.Tensor, counts_table: torch.Tensor, prompt_table: torch.Tensor, slots: torch.Tensor,
                      frequency: torch.Tensor, presence: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
     """argmax of `reference.apply_penalties(logits, counts_table[slots], prompt_table[slots], ...)`

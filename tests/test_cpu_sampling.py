@@ -98,7 +98,9 @@ def test_penalties_round_as_the_reference(B, V, which):
 
 
 @pytest.mark.parametrize("B,V", [(64, 4096), (7, 1001), (3, 1)])
-def test_penalized_argmax_is_the_argmax_of_the_penalized_row(B, V):
+def test_penalties_read_by_slot_equal_the_reference_on_the_gathered_rows(B, V):
+    """penalized_argmax, and apply_penalties_by_slot_ in place, read each row's statistics from
+    the engine's [slots, V] tables by slot (-1: none)."""
     g = torch.Generator().manual_seed(B + V)
     x = torch.randn(B, V, generator=g) * 3
     x[:, ::9] = NEG_INF
@@ -117,6 +119,10 @@ def test_penalized_argmax_is_the_argmax_of_the_penalized_row(B, V):
                                torch.where(unpenalized, 0.0, pres), torch.where(unpenalized, 1.0, rep)).argmax(dim=1)
     got = cpu_sampling.penalized_argmax(x, counts, prompt, slots, freq, pres, rep)
     assert torch.equal(got, want)
+    in_place = x.clone()
+    cpu_sampling.apply_penalties_by_slot_(in_place, counts, prompt, slots, freq, pres, rep)
+    assert torch.equal(in_place, ref.apply_penalties(x, counts[taken], prompt[taken], torch.where(unpenalized, 0.0, freq),
+                                                     torch.where(unpenalized, 0.0, pres), torch.where(unpenalized, 1.0, rep)))
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_sampling.penalized_argmax(x, counts, prompt, torch.full((B,), S), freq, pres, rep)
 

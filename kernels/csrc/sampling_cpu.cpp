@@ -87,6 +87,54 @@ torch::Tensor apply_penalties(const torch::Tensor& logits, const torch::Tensor& 
   return out;
 }
 
+// The count tables' checks and a row's penalty statistics, read in place by slot (-1: none).
+struct PenaltyTables {
+  const int32_t* counts;
+  const bool* prompt;
+  const int64_t* slots;
+  const float *freq, *pres, *rep;
+};
+
+PenaltyTables penalty_tables(const torch::Tensor& counts_table, const torch::Tensor& prompt_table,
+                             const torch::Tensor& slots, const torch::Tensor& frequency, const torch::Tensor& presence,
+                             const torch::Tensor& repetition, int64_t B, int64_t V) {
+  TORCH_CHECK(counts_table.scalar_type() == torch::kInt32 && prompt_table.scalar_type() == torch::kBool &&
+                  counts_table.is_contiguous() && prompt_table.is_contiguous() && counts_table.dim() == 2 &&
+                  counts_table.size(1) == V && prompt_table.sizes() == counts_table.sizes(),
+              "count tables must be contiguous int32 and bool [slots, V]");
+  for (const torch::Tensor* t : {&slots, &frequency, &presence, &repetition})
+    TORCH_CHECK(t->is_contiguous() && t->numel() == B, "one slot and one of each penalty per row");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && frequency.scalar_type() == torch::kFloat32 &&
+                  presence.scalar_type() == torch::kFloat32 && repetition.scalar_type() == torch::kFloat32,
+              "slots int64, penalties float32");
+  const int64_t S = counts_table.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] >= -1 && sp[b] < S, "slot out of range");
+  return {counts_table.data_ptr<int32_t>(), prompt_table.data_ptr<bool>(), sp, frequency.data_ptr<float>(),
+          presence.data_ptr<float>(), repetition.data_ptr<float>()};
+}
+
+// apply_penalties in place, each row's statistics read from the tables by slot: no [rows, V]
+// gather of the tables and no fresh output (each fresh 64 x 152k buffer costs ~9 ms of page
+// faults). For the sampler's own copy of the logits.
+void apply_penalties_by_slot_(torch::Tensor& logits, const torch::Tensor& counts_table, const torch::Tensor& prompt_table,
+                              const torch::Tensor& slots, const torch::Tensor& frequency, const torch::Tensor& presence,
+                              const torch::Tensor& repetition) {
+  check_logits(logits);
+  TORCH_CHECK(logits.is_contiguous(), "logits must be contiguous (changed in place)");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  const PenaltyTables t = penalty_tables(counts_table, prompt_table, slots, frequency, presence, repetition, B, V);
+  float* xp = logits.data_ptr<float>();
+  for_rows(B, [&](int64_t b) {
+    if (t.slots[b] < 0) return;
+    float* xr = xp + b * V;
+    const int32_t* cr = t.counts + t.slots[b] * V;
+    const bool* pmr = t.prompt + t.slots[b] * V;
+    const float rep = t.rep[b], freq = t.freq[b], pres = t.pres[b];
+    for (int64_t i = 0; i < V; ++i) xr[i] = penalize(xr[i], cr[i], pmr[i], rep, freq, pres);
+  });
+}
+
 // The greedy token of each row under its penalties, without writing the penalized row: the
 // same float operations as apply_penalties, then argmax (lowest index on ties). The penalty
 // statistics are read in place from the engine's [slots, V] tables; slot -1: no penalties.
@@ -96,33 +144,20 @@ torch::Tensor penalized_argmax(const torch::Tensor& logits, const torch::Tensor&
                                const torch::Tensor& repetition) {
   check_logits(logits);
   const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(counts_table.scalar_type() == torch::kInt32 && prompt_table.scalar_type() == torch::kBool &&
-                  counts_table.is_contiguous() && prompt_table.is_contiguous() && counts_table.dim() == 2 &&
-                  counts_table.size(1) == V && prompt_table.sizes() == counts_table.sizes(),
-              "count tables must be contiguous int32 and bool [slots, V]");
-  const torch::Tensor x = logits.contiguous(), sl = slots.to(torch::kInt64).contiguous();
-  const torch::Tensor f = frequency.to(torch::kFloat32).contiguous(), pr = presence.to(torch::kFloat32).contiguous(),
-                      r = repetition.to(torch::kFloat32).contiguous();
-  TORCH_CHECK(sl.numel() == B && f.numel() == B && pr.numel() == B && r.numel() == B,
-              "one slot and one of each penalty per row");
-  const int64_t S = counts_table.size(0);
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] >= -1 && sp[b] < S, "slot out of range");
+  const PenaltyTables t = penalty_tables(counts_table, prompt_table, slots, frequency, presence, repetition, B, V);
+  const torch::Tensor x = logits.contiguous();
   torch::Tensor out = torch::empty({B}, torch::kInt64);
   const float* xp = x.data_ptr<float>();
-  const int32_t* cp = counts_table.data_ptr<int32_t>();
-  const bool* pp = prompt_table.data_ptr<bool>();
-  const float *fp = f.data_ptr<float>(), *prp = pr.data_ptr<float>(), *rp = r.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   for_rows(B, [&](int64_t b) {
     const float* xr = xp + b * V;
-    if (sp[b] < 0) {
+    if (t.slots[b] < 0) {
       op[b] = argmax_row(xr, V);
       return;
     }
-    const int32_t* cr = cp + sp[b] * V;
-    const bool* pmr = pp + sp[b] * V;
-    const float rep = rp[b], freq = fp[b], pres = prp[b];
+    const int32_t* cr = t.counts + t.slots[b] * V;
+    const bool* pmr = t.prompt + t.slots[b] * V;
+    const float rep = t.rep[b], freq = t.freq[b], pres = t.pres[b];
     int64_t best_j = 0;
     float best = kNegInf;
     for (int64_t i = 0; i < V; ++i) {
@@ -350,6 +385,7 @@ torch::Tensor sample(const torch::Tensor& logits, const torch::Tensor& seeds, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_penalties", &apply_penalties, "repetition, then frequency and presence penalties");
+  m.def("apply_penalties_by_slot_", &apply_penalties_by_slot_, "apply_penalties in place, statistics read by slot");
   m.def("penalized_argmax", &penalized_argmax, "greedy token per row under its penalties (tables read by slot)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "grammar bitmask: a 0 bit sets the token's logit to -inf");
   m.def("top_k_top_p_min_p", &top_k_top_p_min_p, "joint top-k / top-p / min-p filter (removed tokens -inf)");
