@@ -167,6 +167,20 @@ def test_kernels_dispatch_cpu_tensors_to_it_unless_switched_off(monkeypatch):
     assert calls == ["reference"]
 
 
+def test_nan_logits_do_not_crash_the_server_process():
+    # NaN logits are outside the contract (a broken model), but the ops run inside tritonserver's
+    # model process: they must return, not read out of bounds in a selection over NaNs.
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(8, 5000, generator=g)
+    x[:, ::3] = float("nan")
+    x[5] = float("nan")
+    k = torch.tensor([0, 20, 0, 5, 100, 20, 0, 1], dtype=torch.int32)
+    p = torch.tensor([0.9, 0.8, 1.0, 0.5, 0.99, 0.8, 0.3, 1.0])
+    out = cpu_sampling.top_k_top_p_min_p(x, k, p, torch.zeros(8))
+    tokens = cpu_sampling.sample(out, torch.arange(8), torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.bool))
+    assert out.shape == x.shape and ((tokens >= 0) & (tokens < 5000)).all()
+
+
 def test_bad_shapes_are_refused():
     x = torch.zeros(2, 8)
     with pytest.raises(RuntimeError, match="one top_k"):

@@ -209,7 +209,7 @@ bool top_candidates(const float* x, const float* e, int64_t V, int64_t want, std
   bool cut = false;
   buf.clear();
   for (int64_t i = 0; i < V; ++i) {
-    if (x[i] < thr) continue;
+    if (!(x[i] >= thr)) continue;  // NaN too: std::nth_element must never compare one (UB)
     buf.push_back(Entry{x[i], e != nullptr ? e[i] : 0.0f});
     if (buf.size() >= cap) {
       std::nth_element(buf.begin(), buf.begin() + (want - 1), buf.end(), greater);
