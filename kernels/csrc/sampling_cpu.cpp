@@ -5,11 +5,11 @@
 // the draw runs Philox4x32-10 as int64 tensor ops for every token of every row, and the
 // penalties and the bitmask make several full-size temporaries. At 64 sampled rows of a 4k
 // vocabulary that was 25 ms a step (a greedy decode step of the demo model is ~5 ms); at a 152k
-// vocabulary (Qwen2) the draw alone took 4 s. Here each row is handled on its own: top-k is a selection, top-p walks the
-// largest values in descending order only as far as the mass it needs, and the draw computes
-// noise only for tokens still finite after filtering (20 of them under top_k = 20). The Philox
-// stream is the same bit for bit as the reference's and Triton's tl.rand, so a seed draws the same
-// token on every path except at a near-tie where log() differs in the last ulp.
+// vocabulary (Qwen2) the draw alone took 4 s. Here each row is handled on its own: top-k is a
+// selection, top-p walks the largest values in descending order only as far as the mass it
+// needs, and the draw computes noise only for tokens still finite after filtering (20 of them
+// under top_k = 20). The Philox stream is the same bit for bit as the reference's and Triton's
+// tl.rand, and the noise's log() is torch's own, so a seed draws the reference's token exactly.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -347,18 +347,32 @@ inline float uniform(uint32_t r) {
   return static_cast<float>(v) * 4.6566127342e-10f;
 }
 
-int64_t draw_row(const float* x, int64_t V, int64_t seed, int64_t offset, bool greedy) {
+// Scratch for one task's rows: the finite tokens of the row and their noise.
+struct DrawScratch {
+  std::vector<int32_t> tokens;
+  std::vector<float> noise;
+};
+
+int64_t draw_row(const float* x, int64_t V, int64_t seed, int64_t offset, bool greedy, DrawScratch& sc) {
   if (greedy) return argmax_row(x, V);
-  int64_t best_j = 0;
-  float best = kNegInf;
+  // -inf + noise stays -inf: filtered tokens need no noise (under top-k 20, 20 of a row do).
+  sc.tokens.clear();
+  for (int64_t j = 0; j < V; ++j)
+    if (x[j] != kNegInf) sc.tokens.push_back(static_cast<int32_t>(j));
+  const int64_t n = static_cast<int64_t>(sc.tokens.size());
   const uint64_t s = static_cast<uint64_t>(seed);
   const uint32_t k0 = static_cast<uint32_t>(s), k1 = static_cast<uint32_t>(s >> 32);
   const uint32_t c1 = static_cast<uint32_t>(static_cast<uint64_t>(offset));
-  for (int64_t j = 0; j < V; ++j) {
-    if (x[j] == kNegInf) continue;  // -inf + noise stays -inf: filtered tokens need no noise
-    const float g = -std::log(-std::log(uniform(philox_first(static_cast<uint32_t>(j), c1, k0, k1))));
-    const float val = x[j] + g;
-    if (val > best) best = val, best_j = j;
+  sc.noise.resize(n);
+  for (int64_t t = 0; t < n; ++t) sc.noise[t] = uniform(philox_first(static_cast<uint32_t>(sc.tokens[t]), c1, k0, k1));
+  // g = -log(-log(u)) with torch's own log, as the reference computes it: the same noise bit
+  // for bit (and vectorized), so a seed draws the reference's token even at a near-tie.
+  if (n > 0) torch::from_blob(sc.noise.data(), {n}, torch::kFloat32).log_().neg_().log_().neg_();
+  int64_t best_j = 0;
+  float best = kNegInf;
+  for (int64_t t = 0; t < n; ++t) {
+    const float val = x[sc.tokens[t]] + sc.noise[t];
+    if (val > best) best = val, best_j = sc.tokens[t];
   }
   return best_j;
 }
@@ -377,7 +391,13 @@ torch::Tensor sample(const torch::Tensor& logits, const torch::Tensor& seeds, co
   const int64_t *sp = sd.data_ptr<int64_t>(), *offp = off.data_ptr<int64_t>();
   const bool* gp = gr.data_ptr<bool>();
   int64_t* op = out.data_ptr<int64_t>();
-  for_rows(B, [&](int64_t b) { op[b] = draw_row(xp + b * V, V, sp[b], offp[b], gp[b]); });
+  {
+    py::gil_scoped_release no_gil;
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      DrawScratch sc;
+      for (int64_t b = begin; b < end; ++b) op[b] = draw_row(xp + b * V, V, sp[b], offp[b], gp[b], sc);
+    });
+  }
   return out;
 }
 
