@@ -4,8 +4,6 @@ model runner keeps gathering blocks for torch attention."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import torch
 
 from .cpu_build import CpuKernel
@@ -22,13 +20,8 @@ _KERNEL = CpuKernel(
 )
 
 
-def load() -> Any:
-    """The compiled module, or None (disabled, or the build failed: see `error()`)."""
-    return _KERNEL.load()
-
-
-def error() -> Optional[str]:
-    return _KERNEL.error()
+load = _KERNEL.load  # the compiled module, or None (disabled, or the build failed: see error())
+error = _KERNEL.error
 
 
 def paged_decode_attention(

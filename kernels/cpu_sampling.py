@@ -6,8 +6,6 @@ one. LLM_CPU_SAMPLING=0, or no compiler: `load()` returns None and kernels/ uses
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import torch
 
 from .cpu_build import CpuKernel
@@ -23,13 +21,8 @@ _KERNEL = CpuKernel(
 )
 
 
-def load() -> Any:
-    """The compiled module, or None (disabled, or the build failed: see `error()`)."""
-    return _KERNEL.load()
-
-
-def error() -> Optional[str]:
-    return _KERNEL.error()
+load = _KERNEL.load  # the compiled module, or None (disabled, or the build failed: see error())
+error = _KERNEL.error
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor, frequency: torch.Tensor,
