@@ -15,9 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <functional>
 #include <limits>
 #include <vector>
 
@@ -25,13 +23,22 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Rows run in parallel on torch's intra-op pool, outside the GIL (raw pointers only).
-template <typename Fn>
-void for_rows(int64_t B, Fn&& fn) {
+// Rows run in parallel on torch's intra-op pool, outside the GIL (raw pointers only). Each task
+// has one default-constructed Scratch for the buffers its rows reuse: fn(row, scratch).
+template <typename Scratch, typename Fn>
+void for_rows_with(int64_t B, Fn&& fn) {
   py::gil_scoped_release no_gil;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) fn(b);
+    Scratch scratch;
+    for (int64_t b = begin; b < end; ++b) fn(b, scratch);
   });
+}
+
+struct NoScratch {};
+
+template <typename Fn>
+void for_rows(int64_t B, Fn&& fn) {
+  for_rows_with<NoScratch>(B, [&](int64_t b, NoScratch&) { fn(b); });
 }
 
 void check_logits(const torch::Tensor& logits) {
@@ -310,14 +317,9 @@ torch::Tensor top_k_top_p_min_p(const torch::Tensor& logits, const torch::Tensor
   const float* ep = masses ? op : nullptr;  // read before the same token's output is written
   const int64_t* kp = k.data_ptr<int64_t>();
   const float *pp = p.data_ptr<float>(), *mpp = mp.data_ptr<float>();
-  {
-    py::gil_scoped_release no_gil;  // raw pointers only
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      std::vector<Entry> vals;  // one scratch row per task
-      for (int64_t b = begin; b < end; ++b)
-        filter_row(xp + b * V, ep != nullptr ? ep + b * V : nullptr, op + b * V, V, mptr[b], kp[b], pp[b], mpp[b], vals);
-    });
-  }
+  for_rows_with<std::vector<Entry>>(B, [&](int64_t b, std::vector<Entry>& vals) {
+    filter_row(xp + b * V, ep != nullptr ? ep + b * V : nullptr, op + b * V, V, mptr[b], kp[b], pp[b], mpp[b], vals);
+  });
   return out;
 }
 
@@ -391,13 +393,7 @@ torch::Tensor sample(const torch::Tensor& logits, const torch::Tensor& seeds, co
   const int64_t *sp = sd.data_ptr<int64_t>(), *offp = off.data_ptr<int64_t>();
   const bool* gp = gr.data_ptr<bool>();
   int64_t* op = out.data_ptr<int64_t>();
-  {
-    py::gil_scoped_release no_gil;
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      DrawScratch sc;
-      for (int64_t b = begin; b < end; ++b) op[b] = draw_row(xp + b * V, V, sp[b], offp[b], gp[b], sc);
-    });
-  }
+  for_rows_with<DrawScratch>(B, [&](int64_t b, DrawScratch& sc) { op[b] = draw_row(xp + b * V, V, sp[b], offp[b], gp[b], sc); });
   return out;
 }
 
