@@ -44,8 +44,8 @@ def _ops():
     return triton_ops
 
 
-def _cpu_sampling(logits: torch.Tensor):
-    """The C++ sampling ops (cpu_sampling.py) for CPU tensors when built, else None."""
+def native_cpu_sampling(logits: torch.Tensor):
+    """The C++ sampling ops (the cpu_sampling module) for CPU tensors when built, else None."""
     if logits.is_cuda:
         return None
     from . import cpu_sampling
@@ -128,7 +128,7 @@ def apply_penalties(
     rep = _rows(repetition_penalty, B, torch.float32, dev, "repetition_penalty")
     if _want_triton(logits, use_triton):
         return _launch("apply_penalties", logits, counts, prompt, freq, pres, rep)
-    native = _cpu_sampling(logits)
+    native = native_cpu_sampling(logits)
     if native is not None:
         return native.apply_penalties(logits, counts, prompt, freq, pres, rep)
     return reference.apply_penalties(logits, counts, prompt, freq, pres, rep)
@@ -151,7 +151,7 @@ def apply_token_bitmask(
     row_mask = _rows(row_mask, B, torch.bool, dev, "row_mask")
     if _want_triton(logits, use_triton):
         return _launch("apply_token_bitmask", logits, bitmask, row_mask)
-    native = _cpu_sampling(logits)
+    native = native_cpu_sampling(logits)
     if native is not None:
         return native.apply_token_bitmask(logits, bitmask, row_mask)
     return reference.apply_token_bitmask(logits, bitmask, row_mask)
@@ -176,7 +176,7 @@ def top_k_top_p_min_p(
     min_p = _rows(min_p, B, torch.float32, dev, "min_p")
     if _want_triton(logits, use_triton):
         return _launch("top_k_top_p_min_p", logits, top_k, top_p, min_p)
-    native = _cpu_sampling(logits)
+    native = native_cpu_sampling(logits)
     if native is not None:
         return native.top_k_top_p_min_p(logits, top_k, top_p, min_p)
     return reference.top_k_top_p_min_p(logits, top_k, top_p, min_p)
@@ -208,7 +208,7 @@ def sample(
     greedy_mask = _rows(greedy_mask, B, torch.bool, dev, "greedy_mask")
     if _want_triton(logits, use_triton):
         return _launch("sample", logits, seeds, offsets, greedy_mask)
-    native = _cpu_sampling(logits)
+    native = native_cpu_sampling(logits)
     if native is not None:
         return native.sample(logits, seeds, offsets, greedy_mask)
     return reference.sample(logits, seeds, offsets, greedy_mask)
