@@ -641,6 +641,10 @@ class Bench:
         self.reference_ids: Optional[list[list[int]]] = None  # engine at the first level
         self.reference_texts: Optional[list[str]] = None  # and the text it released
         self.pids: dict[str, Optional[int]] = {}  # tritonserver / frontend, for CPU accounting
+        from backend.gc_freeze import freeze_startup_heap
+
+        # As every served process does after start-up, so the engine alone runs as it does there.
+        freeze_startup_heap()
 
     def cpu(self) -> CpuMeter:
         return CpuMeter(self.pids)

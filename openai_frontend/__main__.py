@@ -81,7 +81,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     import uvicorn
 
-    from openai_frontend.server import create_app
+    from openai_frontend.server import create_app, freeze_startup_heap
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -123,7 +123,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(settings))
         uvicorn.run("openai_frontend.server:app_from_env", factory=True, workers=args.workers, **options)
     else:
-        uvicorn.run(create_app(settings), **options)
+        app = create_app(settings)
+        freeze_startup_heap()  # this process serves until it exits
+        uvicorn.run(app, **options)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import EngineOverloaded, EngineStats, LLMEngine, RequestError  # noqa: E402
+from backend.gc_freeze import freeze_startup_heap  # noqa: E402
 from backend.outbox import Outbox, StreamResponder  # noqa: E402
 from backend.outputs import RequestOutput  # noqa: E402
 from backend.request_index import TritonRequestIndex  # noqa: E402
@@ -82,6 +83,7 @@ class TritonPythonModel:
         self.engine.on_step = self._on_step
         # Triton request id -> engine request ids, for abort_request_id (backend/request_index.py).
         self._requests = TritonRequestIndex()
+        freeze_startup_heap()
         self.engine.start()
         stats = self.engine.stats()
         self._publish(stats, force=True)

@@ -9,6 +9,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from backend.gc_freeze import freeze_startup_heap  # noqa: E402
 from backend.tokenizer import load_tokenizer  # noqa: E402
 from backend.triton_utils import (  # noqa: E402
     exit_with_server,
@@ -24,6 +25,7 @@ class TritonPythonModel:
         self._watcher = exit_with_server()
         self.model_path = model_path_from_config(args)
         self.tokenizer = load_tokenizer(self.model_path)
+        freeze_startup_heap()
         pb_utils.Logger.log_info(f"postprocessing ready: tokenizer from {self.model_path}")
 
     def execute(self, requests):

@@ -9,6 +9,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from backend.gc_freeze import freeze_startup_heap  # noqa: E402
 from backend.tokenizer import load_tokenizer  # noqa: E402
 from backend.triton_utils import (  # noqa: E402
     exit_with_server,
@@ -30,6 +31,7 @@ class TritonPythonModel:
         if template is not None:
             self.tokenizer.chat_template = template
         self.trust_request_template = trust_request_chat_template(args)
+        freeze_startup_heap()
         pb_utils.Logger.log_info(
             f"preprocessing ready: tokenizer from {self.model_path}"
             + (", chat template from the chat_template setting" if template is not None else "")
