@@ -127,8 +127,8 @@ class LLMEngine:
         self.max_model_len = probe.max_model_len
         graph_batch = config.max_num_seqs if config.use_cuda_graphs() else 0
         self.model = ModelRunner(
-            model_path, probe.num_blocks, config.block_size, device=device, dtype=config.torch_dtype(),
-            graph_batch=graph_batch,
+            model_path, probe.num_blocks, config.block_size, device=device, dtype=config.model_dtype(),
+            kv_dtype=config.kv_torch_dtype(), graph_batch=graph_batch,
         )
         for name, path in config.lora_modules.items():
             self.load_lora(name, path)
@@ -418,6 +418,7 @@ class LLMEngine:
         config.update(
             device=str(self.model.device),
             dtype=str(self.model.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.model.kv_dtype).removeprefix("torch."),
             num_kv_blocks=self.block_manager.num_blocks,
             max_model_len=self.max_model_len,
         )
@@ -844,8 +845,7 @@ class ModelRunnerSizing:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
-        dtype = config.torch_dtype() or (torch.bfloat16 if config.device.startswith("cuda") else torch.float32)
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = torch.empty((), dtype=config.kv_torch_dtype()).element_size()
         bytes_per_block = 2 * cfg["num_hidden_layers"] * config.block_size * kv_heads * head_dim * elem
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks

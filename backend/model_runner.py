@@ -214,12 +214,16 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         dtype: Optional[torch.dtype] = None,
         graph_batch: int = 0,
+        kv_dtype: Optional[torch.dtype] = None,
     ) -> None:
         """`graph_batch` > 0 reserves scratch blocks for decode graphs of up to that many
-        sequences (see enable_decode_graphs)."""
+        sequences (see enable_decode_graphs). `kv_dtype`: what the KV cache stores (None: the
+        model's dtype); a narrower one is rounded to once, when K/V are written, and widened
+        back to the model's dtype (or float32, in the decode kernels) when read."""
         self.config = ModelConfig.from_model_dir(model_path)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.kv_dtype = kv_dtype or self.dtype
         self.block_size = block_size
         self.graph_batch = graph_batch
         self.graphs: Optional[DecodeGraphs] = None
@@ -235,8 +239,8 @@ class ModelRunner:
         # Head-major: gathering a sequence's slots yields [kvh, n, max_k, d], which batched
         # matmuls read without a transposing copy.
         cache_shape = (c.num_layers, c.num_kv_heads, (num_blocks + scratch) * block_size, c.head_dim)
-        self.k_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
+        self.k_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
         self.inv_freq = _rope_inv_freq(c).to(self.device)
         # cos/sin per position, computed once: evaluating them every step cost more than the
         # step's attention on CPU (large arguments take the slow range reduction).
@@ -525,8 +529,8 @@ class ModelRunner:
                 # op is a dispatch the small-model CPU step pays for), the same arithmetic.
                 qk = _rotate(qkv[:, : q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
                 q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-            self.k_cache[li].index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-            self.v_cache[li].index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+            self.k_cache[li].index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(self.kv_dtype))
+            self.v_cache[li].index_copy_(1, batch.slot_mapping, v.transpose(0, 1).to(self.kv_dtype))
             # A decode-only step is one paged group holding every token in order: its queries
             # go to the kernel as they are and its output is the attention, no gather/scatter.
             attn = None if batch.decode_only else q.new_empty((q.shape[0], q_size))
@@ -583,8 +587,8 @@ class ModelRunner:
         v_blocks = self.v_cache[li].view(kvh, -1, bs * d)
         for s in seqs:
             total = s.num_tokens if s.bias is None else s.bias.shape[1]  # keys: the context so far
-            keys = k_blocks.index_select(1, s.blocks).view(1, kvh, -1, d)[:, :, :total]
-            values = v_blocks.index_select(1, s.blocks).view(1, kvh, -1, d)[:, :, :total]
+            keys = k_blocks.index_select(1, s.blocks).view(1, kvh, -1, d)[:, :, :total].to(q.dtype)
+            values = v_blocks.index_select(1, s.blocks).view(1, kvh, -1, d)[:, :, :total].to(q.dtype)
             qs = q[s.base : s.base + s.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=s.bias, is_causal=s.bias is None,
                                                  scale=self.attn_scale, enable_gqa=True)
@@ -593,7 +597,7 @@ class ModelRunner:
     def _gather(self, cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         kvh, _, d = cache.shape
         blocks = cache.view(kvh, -1, self.block_size * d)
-        return torch.index_select(blocks, 1, g.gather_blocks).view(kvh, g.num_seqs, -1, d)
+        return torch.index_select(blocks, 1, g.gather_blocks).view(kvh, g.num_seqs, -1, d).to(self.dtype)
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         """q [B, max_q, H, d], keys/values [kvh, B, max_k, d], the group's masks -> [B, max_q, H, d].

@@ -92,6 +92,22 @@ def test_cpu_kernel_half_caches(dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_float_queries_over_a_narrower_cache(cache_dtype, use_triton):
+    # kv_cache_dtype under a float32 model: both kernels widen each cached row and compute in
+    # float32, so they agree with the reference on the same rounded cache to float32 precision.
+    q, kc, vc, tables, lens = _case(6, 4, 2, 32, 16, num_blocks=64, seed=11)
+    kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
+    if not use_triton:
+        assert cpu_attention.load() is not None, cpu_attention.error()
+        q, kc, vc, tables, lens = (t.cpu() for t in (q, kc, vc, tables, lens))
+    got = kernels.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.17, use_triton=use_triton)
+    want = ref.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.17)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_cpu_kernel_reads_a_layer_slice_of_the_cache():
     # The model runner passes k_cache[layer]: a view with a storage offset.
     q, kc, vc, tables, lens = _cpu_case(4, 4, 2, 32, 16, num_blocks=32, seed=9)

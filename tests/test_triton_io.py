@@ -20,4 +20,7 @@ def test_engine_config_overrides_cast_through_the_same_rule():
     assert engine_config_overrides(params, env) == {"max_num_seqs": 8, "enable_prefix_caching": False, "seed": 3}
     assert engine_config_overrides({"scheduling_policy": "fcfs"}, {"LLM_SCHEDULING_POLICY": "priority"}) == {
         "scheduling_policy": "priority"}
+    assert engine_config_overrides({"kv_cache_dtype": "auto"}, {}) == {}
+    assert engine_config_overrides({"kv_cache_dtype": "auto"}, {"LLM_KV_CACHE_DTYPE": "bfloat16"}) == {
+        "kv_cache_dtype": "bfloat16"}
 
