@@ -91,7 +91,8 @@ run() {
       tests) step tests "$py" -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_paged_attention.py \
                tests/test_kernels.py tests/test_kernel_distribution.py ;;
       engine) step engine env LLM_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider tests/test_engine.py \
-                tests/test_engine_sampling.py tests/test_hidden_states.py tests/test_input_embeds.py ;;
+                tests/test_engine_sampling.py tests/test_hidden_states.py tests/test_input_embeds.py \
+                tests/test_kv_cache_dtype.py ;;
       demo) step demo "$py" -m bench.engine_vs_hf --device cuda --model-path models/demo --num-requests 64 \
               --json "$OUT/engine_vs_hf_demo.json" ;;
       0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "$py" -m bench.make_random_model --out /tmp/model-0.4b
