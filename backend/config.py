@@ -22,11 +22,12 @@ class EngineConfig(BaseModel):
     kv_cache_memory_mb: Optional[int] = None
     gpu_memory_utilization: float = 0.85
     # vLLM's / SGLang's --kv-cache-dtype: what the KV cache stores. "auto" is the model's dtype;
-    # a narrower one (bfloat16 or float16 under a float32 model on the CPU) holds twice the
-    # tokens in the same memory and halves what decode attention reads. Attention still
-    # computes in float32 (kernels widen the cached rows); the new K/V are rounded once, when
-    # written. fp8 is refused: no kernel here reads it.
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # a narrower one holds more tokens in the same memory (bfloat16 or float16 twice as many as
+    # float32, fp8 four times) and decode attention reads less. Attention still computes in
+    # float32 (kernels widen the cached rows); the new K/V are rounded once, when written. fp8
+    # is e4m3 ("fp8" as in vLLM) or e5m2 with a scale of 1.0 (vLLM's default without scales in
+    # the checkpoint): values past the format's range saturate at +-448 / +-57344.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     # Prefill tokens per step while other sequences decode (chunked prefill keeps their
@@ -74,14 +75,6 @@ class EngineConfig(BaseModel):
     # SGLang's --lora-paths); "name=path,name2=path2" is accepted too. Requests pick one by name.
     lora_modules: dict[str, str] = Field(default_factory=dict)
 
-    @field_validator("kv_cache_dtype", mode="before")
-    @classmethod
-    def _refuse_fp8(cls, v: Any) -> Any:
-        if isinstance(v, str) and v.lower().startswith("fp8"):
-            raise ValueError(f"kv_cache_dtype {v!r} is not supported (no fp8 KV cache kernels); "
-                             "use auto, float32, bfloat16 or float16")
-        return v
-
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _parse_lora_modules(cls, v: Any) -> Any:
@@ -115,4 +108,11 @@ class EngineConfig(BaseModel):
         return self.torch_dtype() or (torch.bfloat16 if self.device.startswith("cuda") else torch.float32)
 
     def kv_torch_dtype(self) -> torch.dtype:
-        return self.model_dtype() if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
+        if self.kv_cache_dtype == "auto":
+            return self.model_dtype()
+        if self.kv_cache_dtype in _FP8:
+            return _FP8[self.kv_cache_dtype]
+        return getattr(torch, self.kv_cache_dtype)
+
+
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

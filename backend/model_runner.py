@@ -241,6 +241,12 @@ class ModelRunner:
         cache_shape = (c.num_layers, c.num_kv_heads, (num_blocks + scratch) * block_size, c.head_dim)
         self.k_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
         self.v_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
+        # torch has no index_copy_/index_select for fp8: an fp8 cache is written and gathered
+        # through byte views of the same storage.
+        fp8 = self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        self._kv_bytes = (self.k_cache.view(torch.uint8), self.v_cache.view(torch.uint8)) if fp8 else None
+        # Saturate rather than overflow: e4m3fn's cast already stops at 448, e5m2's goes to inf.
+        self._kv_max = torch.finfo(self.kv_dtype).max if fp8 else None
         self.inv_freq = _rope_inv_freq(c).to(self.device)
         # cos/sin per position, computed once: evaluating them every step cost more than the
         # step's attention on CPU (large arguments take the slow range reduction).
@@ -529,8 +535,7 @@ class ModelRunner:
                 # op is a dispatch the small-model CPU step pays for), the same arithmetic.
                 qk = _rotate(qkv[:, : q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
                 q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-            self.k_cache[li].index_copy_(1, batch.slot_mapping, k.transpose(0, 1).to(self.kv_dtype))
-            self.v_cache[li].index_copy_(1, batch.slot_mapping, v.transpose(0, 1).to(self.kv_dtype))
+            self._store(li, batch.slot_mapping, k, v)
             # A decode-only step is one paged group holding every token in order: its queries
             # go to the kernel as they are and its output is the attention, no gather/scatter.
             attn = None if batch.decode_only else q.new_empty((q.shape[0], q_size))
@@ -583,21 +588,41 @@ class ModelRunner:
         """Prefill attention one sequence at a time (see SeqChunk), into attn's rows."""
         c = self.config
         kvh, d, bs = c.num_kv_heads, c.head_dim, self.block_size
-        k_blocks = self.k_cache[li].view(kvh, -1, bs * d)
-        v_blocks = self.v_cache[li].view(kvh, -1, bs * d)
+        k_cache, v_cache = self._kv_bytes or (self.k_cache, self.v_cache)
+        k_blocks = k_cache[li].view(kvh, -1, bs * d)
+        v_blocks = v_cache[li].view(kvh, -1, bs * d)
         for s in seqs:
             total = s.num_tokens if s.bias is None else s.bias.shape[1]  # keys: the context so far
-            keys = k_blocks.index_select(1, s.blocks).view(1, kvh, -1, d)[:, :, :total].to(q.dtype)
-            values = v_blocks.index_select(1, s.blocks).view(1, kvh, -1, d)[:, :, :total].to(q.dtype)
+            keys = self._widen(k_blocks.index_select(1, s.blocks)).view(1, kvh, -1, d)[:, :, :total]
+            values = self._widen(v_blocks.index_select(1, s.blocks)).view(1, kvh, -1, d)[:, :, :total]
             qs = q[s.base : s.base + s.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=s.bias, is_causal=s.bias is None,
                                                  scale=self.attn_scale, enable_gqa=True)
             attn[s.base : s.base + s.num_tokens] = out[0].transpose(0, 1).reshape(s.num_tokens, -1)
 
+    def _store(self, li: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write a step's new K/V ([n, kvh, d], the model's dtype) into layer li's cache slots,
+        rounded to the cache dtype."""
+        if self._kv_bytes is None:
+            self.k_cache[li].index_copy_(1, slots, k.transpose(0, 1).to(self.kv_dtype))
+            self.v_cache[li].index_copy_(1, slots, v.transpose(0, 1).to(self.kv_dtype))
+            return
+        for cache, x in zip(self._kv_bytes, (k, v)):
+            x8 = x.transpose(0, 1).clamp(-self._kv_max, self._kv_max).to(self.kv_dtype)
+            cache[li].index_copy_(1, slots, x8.view(torch.uint8))
+
+    def _widen(self, rows: torch.Tensor) -> torch.Tensor:
+        """Cached rows (gathered, possibly as fp8 bytes) in the model's dtype."""
+        if self._kv_bytes is not None:
+            rows = rows.view(self.kv_dtype)
+        return rows.to(self.dtype)
+
     def _gather(self, cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        if self._kv_bytes is not None:
+            cache = cache.view(torch.uint8)
         kvh, _, d = cache.shape
         blocks = cache.view(kvh, -1, self.block_size * d)
-        return torch.index_select(blocks, 1, g.gather_blocks).view(kvh, g.num_seqs, -1, d).to(self.dtype)
+        return self._widen(torch.index_select(blocks, 1, g.gather_blocks)).view(kvh, g.num_seqs, -1, d)
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         """q [B, max_q, H, d], keys/values [kvh, B, max_k, d], the group's masks -> [B, max_q, H, d].

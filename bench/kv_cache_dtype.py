@@ -1,16 +1,17 @@
 """What a narrower KV cache buys (kv_cache_dtype), in one run: the engine alone, float32 cache vs
-bfloat16 (and float16), on the serving benchmark's workload, at the same cache memory.
+bfloat16 and fp8 (or any of float16, fp8_e5m2), on the serving benchmark's workload, at the same
+cache memory.
 
     python -m bench.kv_cache_dtype [--model-path models/demo] [--memory-mb 8 1024] [--rounds 3]
-        [--dtypes float32 bfloat16 float16] [--json out.json]
+        [--dtypes float32 bfloat16 fp8 float16 fp8_e5m2] [--attention] [--json out.json]
 
 For each memory budget, every dtype serves the 64 mixed requests (prompts of 16-512 tokens,
 16-256 new tokens, greedy, all at once) in alternating order, ``--rounds`` times. Printed per
 dtype: the pool's size in tokens, tokens/s, preemptions and the prompt tokens computed (more
 than the prompts' total when preempted sequences are computed again); then each dtype's median
 throughput ratio to float32 and the share of requests whose tokens equal float32's (the
-rounded cache may move a greedy choice). A tight budget is where the narrow cache pays: twice
-the tokens fit, so fewer sequences are preempted and recomputed. With room to spare it only
+rounded cache may move a greedy choice). A tight budget is where the narrow cache pays: two or
+four times the tokens fit, so fewer sequences are preempted and recomputed. With room to spare it only
 changes what decode attention reads (``--attention`` times that kernel alone).
 """
 
@@ -96,8 +97,9 @@ def attention_times(dtypes: list[str], threads: int, seed: int = 0) -> dict[str,
     lens_t = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(B, H, D)
     times: dict[str, list[float]] = {d: [] for d in dtypes}
-    caches = {d: [(torch.randn(kvh, blocks * layers * bs, D).to(getattr(torch, d)),
-                   torch.randn(kvh, blocks * layers * bs, D).to(getattr(torch, d))) for _ in range(layers)]
+    torch_dtype = {d: EngineConfig(model_path=REPO_ROOT, kv_cache_dtype=d).kv_torch_dtype() for d in dtypes}
+    caches = {d: [(torch.randn(kvh, blocks * layers * bs, D).to(torch_dtype[d]),
+                   torch.randn(kvh, blocks * layers * bs, D).to(torch_dtype[d])) for _ in range(layers)]
               for d in dtypes}
     for _ in range(3):
         for d in dtypes:
@@ -116,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", type=Path, default=REPO_ROOT / "models" / "demo")
     ap.add_argument("--memory-mb", type=int, nargs="+", default=[8, 1024])
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "fp8"])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1, help="measured runs per engine (after one warm-up)")

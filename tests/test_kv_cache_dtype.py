@@ -1,6 +1,6 @@
 """kv_cache_dtype: a KV cache narrower than the model (vLLM's / SGLang's --kv-cache-dtype).
 
-Under the float32 demo model a bfloat16 or float16 cache holds twice the tokens; every
+Under the float32 demo model a bfloat16 or float16 cache holds twice the tokens, fp8 four times; every
 attention path reads the same rounded rows and computes in float32, so the paths agree with each
 other exactly as they do on a float32 cache, and prefix caching stays exact."""
 
@@ -32,10 +32,10 @@ def _greedy(eng: LLMEngine, n: int = 8):
     return eng.parse_params({"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
 
 
-@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "fp8_e5m2", "FP8"])
-def test_fp8_is_refused_with_the_reason(demo_model_path, name):
-    with pytest.raises(ValidationError, match="not supported"):
-        EngineConfig(model_path=demo_model_path, kv_cache_dtype=name)
+@pytest.mark.parametrize("name,dtype", [("fp8", torch.float8_e4m3fn), ("fp8_e4m3", torch.float8_e4m3fn),
+                                        ("fp8_e5m2", torch.float8_e5m2), ("bfloat16", torch.bfloat16)])
+def test_vllm_names_map_to_torch_dtypes(demo_model_path, name, dtype):
+    assert EngineConfig(model_path=demo_model_path, kv_cache_dtype=name).kv_torch_dtype() == dtype
 
 
 def test_an_unknown_dtype_is_refused(demo_model_path):
@@ -43,12 +43,12 @@ def test_an_unknown_dtype_is_refused(demo_model_path):
         EngineConfig(model_path=demo_model_path, kv_cache_dtype="int4")
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
-def test_the_same_memory_holds_twice_the_blocks(demo_model_path, kv):
+@pytest.mark.parametrize("kv,times", [("bfloat16", 2), ("float16", 2), ("fp8", 4), ("fp8_e5m2", 4)])
+def test_the_same_memory_holds_more_blocks(demo_model_path, kv, times):
     base = dict(model_path=demo_model_path, device="cpu", dtype="float32", kv_cache_memory_mb=16)
     wide = ModelRunnerSizing(demo_model_path, EngineConfig(**base)).num_blocks
     narrow = ModelRunnerSizing(demo_model_path, EngineConfig(**base, kv_cache_dtype=kv)).num_blocks
-    assert narrow == 2 * wide
+    assert narrow == times * wide
     assert ModelRunnerSizing(demo_model_path, EngineConfig(**base, kv_cache_dtype="auto")).num_blocks == wide
 
 
@@ -68,11 +68,13 @@ def test_engine_reports_and_allocates_the_cache_dtype(demo_model_path):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("kv,bound", [(torch.bfloat16, 0.02), (torch.float16, 0.004)])
+@pytest.mark.parametrize("kv,bound", [(torch.bfloat16, 0.02), (torch.float16, 0.004), (torch.float8_e4m3fn, 0.25),
+                                      (torch.float8_e5m2, 0.6)])
 def test_one_step_with_a_narrow_cache_stays_near_hf_logits(demo_model_path, hf_model, kv, bound):  # noqa: F811
     """Prefill chunks (first and continuing) and a decode in one step, as in test_engine's float32
     check: only the cached K/V are rounded, so the logits move by about the cache dtype's
-    precision (bf16 keeps 8 mantissa bits, fp16 11) relative to their scale, and no more."""
+    precision (mantissa bits: fp16 11, bf16 8, e4m3 4, e5m2 3) relative to their scale, and no
+    more. The random demo model spreads its logits thinly, so fp8 moves many of its choices."""
     bs = 16
     runners = {d: ModelRunner(demo_model_path, 64, bs, device=TEST_DEVICE, dtype=torch.float32, kv_dtype=d)
                for d in (torch.float32, kv)}
@@ -90,11 +92,11 @@ def test_one_step_with_a_narrow_cache_stays_near_hf_logits(demo_model_path, hf_m
     torch.testing.assert_close(logits[torch.float32], want, atol=2e-4, rtol=1e-4)
     narrow_err = (logits[kv] - want).abs().max().item()
     # Rounded (so the cache really is narrow), and only by about its precision. Measured on
-    # this step: bf16 0.22 and fp16 0.033 against logits up to 17.7.
+    # this step, against logits up to 17.7: fp16 0.033, bf16 0.22, e4m3 3.0, e5m2 8.3.
     assert 0 < narrow_err < bound * want.abs().max().item()
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kv", ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
 def test_every_attention_path_reads_a_narrow_cache_alike(demo_model_path, kv):
     """The C++ kernel, the Triton kernel (interpreted here) and the gathered torch attention widen
     the same cached rows: the same greedy tokens, and every block back in the pool."""
@@ -119,13 +121,14 @@ def test_every_attention_path_reads_a_narrow_cache_alike(demo_model_path, kv):
     assert all(outputs[p] == first for p in paths[1:]), outputs
 
 
-def test_prefix_caching_over_a_bf16_cache_gives_identical_outputs(demo_model_path):
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
+def test_prefix_caching_over_a_narrow_cache_gives_identical_outputs(demo_model_path, kv):
     rng = random.Random(6)
     shared = [rng.randrange(100, 4000) for _ in range(100)]
     prompts = [shared + [rng.randrange(100, 4000) for _ in range(5 + i)] for i in range(4)]
     results = {}
     for caching in (False, True):
-        eng = _engine(demo_model_path, kv_cache_dtype="bfloat16", enable_prefix_caching=caching)
+        eng = _engine(demo_model_path, kv_cache_dtype=kv, enable_prefix_caching=caching)
         try:
             p = _greedy(eng, 10)
             first = eng.generate(prompts[:1], [p])
@@ -136,3 +139,17 @@ def test_prefix_caching_over_a_bf16_cache_gives_identical_outputs(demo_model_pat
         finally:
             eng.shutdown()
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("kv,limit", [(torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)])
+def test_fp8_writes_saturate_instead_of_overflowing(demo_model_path, kv, limit):
+    runner = ModelRunner(demo_model_path, 8, 16, device=TEST_DEVICE, dtype=torch.float32, kv_dtype=kv)
+    kvh, d = runner.config.num_kv_heads, runner.config.head_dim
+    k = torch.full((2, kvh, d), 1e6, device=TEST_DEVICE)
+    k[1] = -1e6
+    v = torch.full((2, kvh, d), 0.5, device=TEST_DEVICE)
+    runner._store(0, torch.tensor([3, 17], device=TEST_DEVICE), k, v)
+    stored = runner.k_cache[0][:, [3, 17]].float()
+    assert torch.equal(stored[:, 0], torch.full_like(stored[:, 0], limit))
+    assert torch.equal(stored[:, 1], torch.full_like(stored[:, 1], -limit))
+    assert torch.equal(runner.v_cache[0][:, [3, 17]].float(), torch.full((kvh, 2, d), 0.5, device=TEST_DEVICE))

@@ -93,7 +93,7 @@ def test_cpu_kernel_half_caches(dtype):
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_float_queries_over_a_narrower_cache(cache_dtype, use_triton):
     # kv_cache_dtype under a float32 model: both kernels widen each cached row and compute in
     # float32, so they agree with the reference on the same rounded cache to float32 precision.

@@ -16,6 +16,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -41,6 +42,26 @@ inline const float* as_float(const c10::Half* row, float* buf, int64_t D) {
   return buf;
 }
 #endif
+
+// fp8 (e4m3fn, e5m2) has 256 values: widening is a table lookup.
+template <typename fp8_t>
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(fp8_t(static_cast<uint8_t>(i), fp8_t::from_bits()));
+    return t;
+  }();
+  return table;
+}
+template <typename fp8_t>
+inline const float* widen_fp8(const fp8_t* row, float* buf, int64_t D) {
+  const float* table = fp8_table<fp8_t>().data();
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row);
+  for (int64_t d = 0; d < D; ++d) buf[d] = table[bytes[d]];
+  return buf;
+}
+inline const float* as_float(const c10::Float8_e4m3fn* row, float* buf, int64_t D) { return widen_fp8(row, buf, D); }
+inline const float* as_float(const c10::Float8_e5m2* row, float* buf, int64_t D) { return widen_fp8(row, buf, D); }
 
 // Blocks are scattered, so the hardware prefetcher cannot see the next one coming: the loop is
 // bound by memory latency, and asking for block i + 1 while computing block i hides most of it.
@@ -136,6 +157,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(),
               "q must be [B, H, d] and the caches [kvh, slots, d]");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the K and V caches must share a dtype");
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kHalf ||
+                  kv_type == at::kFloat8_e4m3fn || kv_type == at::kFloat8_e5m2,
+              "KV cache dtype must be float32, bfloat16, float16 or fp8 (e4m3fn, e5m2), not ", kv_type);
   TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) && k_cache.strides() == v_cache.strides(),
               "caches need contiguous slots ([kvh, slots, d] with slot stride d)");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), kvh = k_cache.size(0);
@@ -164,7 +189,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   if (B == 0) return out.to(q.scalar_type());
   {
     py::gil_scoped_release no_gil;  // raw pointers only inside this block
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode_attention_cpu", [&] {
+    auto for_cache = [&](auto tag) {
+      using scalar_t = decltype(tag);
       auto run = [&](auto dim) {
         decode<scalar_t, decltype(dim)::value>(qf.data_ptr<float>(), k_cache.data_ptr<scalar_t>(),
                                                v_cache.data_ptr<scalar_t>(), out.data_ptr<float>(), tp, lp, B, H, kvh,
@@ -176,7 +202,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
         case 128: run(std::integral_constant<int, 128>{}); break;
         default: run(std::integral_constant<int, 0>{});
       }
-    });
+    };
+    switch (k_cache.scalar_type()) {
+      case at::kFloat: for_cache(float{}); break;
+      case at::kBFloat16: for_cache(c10::BFloat16{}); break;
+      case at::kHalf: for_cache(c10::Half{}); break;
+      case at::kFloat8_e4m3fn: for_cache(c10::Float8_e4m3fn{}); break;
+      case at::kFloat8_e5m2: for_cache(c10::Float8_e5m2{}); break;
+      default: TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());  // checked above
+    }
   }
   // With the GIL held again: a no-op for float queries, one small cast otherwise.
   return q.scalar_type() == torch::kFloat ? out : out.to(q.scalar_type());
