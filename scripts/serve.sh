@@ -5,7 +5,8 @@
 #                    [--frontend-port 9000] [--no-frontend] [--tool-call-parser qwen25]
 #                    [--api-key KEY] [--chat-template FILE] [--trust-request-chat-template]
 #                    [--logits-processor-pattern REGEX] [--reasoning-parser NAME]
-#                    [--lora-modules name=path,name2=path2]
+#                    [--lora-modules name=path,name2=path2] [--kv-cache-dtype auto|bfloat16|fp8|...]
+# Every other engine setting: env LLM_<NAME> (README, "Engine settings").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_PATH=${LLM_MODEL_PATH:-models/demo}
@@ -26,6 +27,7 @@ while [ $# -gt 0 ]; do
     --logits-processor-pattern) export LLM_LOGITS_PROCESSOR_PATTERN=$2; shift 2 ;;
     --reasoning-parser) REASONING_PARSER=$2; shift 2 ;;
     --lora-modules) export LLM_LORA_MODULES=$2; shift 2 ;;
+    --kv-cache-dtype) export LLM_KV_CACHE_DTYPE=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
