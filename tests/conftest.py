@@ -128,6 +128,9 @@ def fake_pb_utils(monkeypatch):
     mod.InferenceResponse = _FakeResponse
     mod.Logger = types.SimpleNamespace(log_info=lambda msg: None, log_warn=lambda msg: None, log_error=lambda msg: None)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", mod)
+    # model.py's initialize freezes the heap of the process it serves in (backend/gc_freeze.py);
+    # here that process is pytest, which must keep collecting the garbage of every later test.
+    monkeypatch.setenv("LLM_GC_FREEZE", "0")
     return mod
 
 
