@@ -108,6 +108,28 @@ def test_float_queries_over_a_narrower_cache(cache_dtype, use_triton):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("D", [48, 44])  # eight-wide only, and with a leftover of four
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cpu_kernel_widens_every_fp8_value_exactly(cache_dtype, D):
+    # Each sequence's context is one token, so its output is that token's V row as the kernel
+    # widened it: every finite byte pattern (subnormals, both zeros, the extremes) must come out
+    # as torch's own conversion.
+    assert cpu_attention.load() is not None, cpu_attention.error()
+    bytes_ = torch.arange(256, dtype=torch.uint8)
+    finite = bytes_[torch.isfinite(bytes_.view(cache_dtype).float())]
+    rows = -(-finite.numel() // D)
+    v = finite.repeat(2)[: rows * D].view(1, rows, D).view(cache_dtype)
+    k = torch.zeros_like(v)
+    tables = torch.arange(rows, dtype=torch.int32).view(rows, 1)
+    lens = torch.ones(rows, dtype=torch.int32)
+    q = torch.randn(rows, 2, D)
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, 1, 1.0)
+    want = v[0].float()[:, None, :].expand(rows, 2, D)
+    # Up to one float32 ulp from the kernel's final division (fast-math): a wrong widening would
+    # be off in fp8's own 2-3 mantissa bits.
+    torch.testing.assert_close(got, want, atol=0, rtol=2.5e-7)
+
+
 def test_cpu_kernel_reads_a_layer_slice_of_the_cache():
     # The model runner passes k_cache[layer]: a view with a storage offset.
     q, kc, vc, tables, lens = _cpu_case(4, 4, 2, 32, 16, num_blocks=32, seed=9)

@@ -11,7 +11,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -60,8 +60,36 @@ inline const float* widen_fp8(const fp8_t* row, float* buf, int64_t D) {
   for (int64_t d = 0; d < D; ++d) buf[d] = table[bytes[d]];
   return buf;
 }
+#if defined(__F16C__) && defined(__AVX2__)
+// Eight at a time through half precision, bit-exact with the table (tests): an fp8 byte moved
+// into a half's bit positions is a half of the same value (e5m2: exactly; e4m3fn: times 2^-8,
+// its exponent bias being 7 against 15, subnormals included). The table alone made an fp8 cache
+// slower to read than a float32 one.
+inline __m128i load8_u16(const uint8_t* p) { return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline const float* as_float(const c10::Float8_e5m2* row, float* buf, int64_t D) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_slli_epi16(load8_u16(bytes + d), 8)));
+  return d == D ? buf : (widen_fp8(row + d, buf + d, D - d), buf);
+}
+inline const float* as_float(const c10::Float8_e4m3fn* row, float* buf, int64_t D) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row);
+  const __m128i low7 = _mm_set1_epi16(0x7F), sign = _mm_set1_epi16(0x80);
+  const __m256 two8 = _mm256_set1_ps(256.f), nan = _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m128i x = load8_u16(bytes + d), mag = _mm_and_si128(x, low7);
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, sign), 8), _mm_slli_epi16(mag, 7));
+    const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), two8);
+    const __m256 is_nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, low7)));  // S.1111.111
+    _mm256_storeu_ps(buf + d, _mm256_blendv_ps(f, nan, is_nan));
+  }
+  return d == D ? buf : (widen_fp8(row + d, buf + d, D - d), buf);
+}
+#else
 inline const float* as_float(const c10::Float8_e4m3fn* row, float* buf, int64_t D) { return widen_fp8(row, buf, D); }
 inline const float* as_float(const c10::Float8_e5m2* row, float* buf, int64_t D) { return widen_fp8(row, buf, D); }
+#endif
 
 // Blocks are scattered, so the hardware prefetcher cannot see the next one coming: the loop is
 // bound by memory latency, and asking for block i + 1 while computing block i hides most of it.
