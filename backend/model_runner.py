@@ -618,6 +618,8 @@ class ModelRunner:
         """Cached rows (gathered, possibly as fp8 bytes) in the model's dtype."""
         if self._kv_bytes is not None:
             rows = rows.view(self.kv_dtype)
+            if rows.device.type == "cpu" and cpu_attention.load() is not None:
+                rows = cpu_attention.widen_fp8(rows)  # the decode kernel's widening: ~30x torch's for e4m3
         return rows.to(self.dtype)
 
     def _gather(self, cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:

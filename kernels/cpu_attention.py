@@ -37,5 +37,10 @@ def paged_decode_attention(
     return module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, int(block_size), float(scale))
 
 
+def widen_fp8(x: torch.Tensor) -> torch.Tensor:
+    """A CPU fp8 tensor (e4m3fn or e5m2) as float32, widened as the kernel reads the cache."""
+    return _KERNEL.require().widen_fp8(x)
+
+
 if __name__ == "__main__":  # scripts/setup.sh: build ahead of time
     print("CPU paged-attention kernel:", "ready" if load() is not None else f"unavailable ({error()})")

@@ -130,6 +130,15 @@ def test_cpu_kernel_widens_every_fp8_value_exactly(cache_dtype, D):
     torch.testing.assert_close(got, want, atol=0, rtol=2.5e-7)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_widen_fp8_equals_torchs_conversion(cache_dtype):
+    # The prefill path's widening of gathered fp8 rows: every byte (NaN as NaN), any length.
+    bytes_ = torch.arange(256, dtype=torch.uint8).repeat(3)[:700].view(7, 100)
+    x = bytes_.view(cache_dtype)
+    torch.testing.assert_close(cpu_attention.widen_fp8(x), x.float(), atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(cpu_attention.widen_fp8(x.t()), x.t().float(), atol=0, rtol=0, equal_nan=True)
+
+
 def test_cpu_kernel_reads_a_layer_slice_of_the_cache():
     # The model runner passes k_cache[layer]: a view with a storage offset.
     q, kc, vc, tables, lens = _cpu_case(4, 4, 2, 32, 16, num_blocks=32, seed=9)
