@@ -89,7 +89,8 @@ class TritonPythonModel:
         self._publish(stats, force=True)
         pb_utils.Logger.log_info(
             f"llm engine ready: model={self.engine.config.model_path} device={self.engine.model.device} "
-            f"kv_blocks={stats.num_kv_blocks}x{self.engine.config.block_size} max_model_len={self.engine.max_model_len}"
+            f"kv_blocks={stats.num_kv_blocks}x{self.engine.config.block_size} "
+            f"kv_cache_dtype={str(self.engine.model.kv_dtype).removeprefix('torch.')} max_model_len={self.engine.max_model_len}"
         )
 
     def execute(self, requests):
