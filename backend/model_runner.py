@@ -260,8 +260,8 @@ class ModelRunner:
         if os.environ.get("LLM_PAGED_DECODE", "1") == "0":
             self.decode_attention = "gather"
         elif self.device.type == "cuda":
-            # Triton converts fp8 only from compute capability 8.9 (Ada, Hopper) on; older GPUs
-            # widen a gathered fp8 cache with torch instead.
+            # Triton's e4m3 conversion needs compute capability 8.9 (Ada, Hopper); on older GPUs
+            # an fp8 cache is gathered and widened with torch instead.
             old_gpu = torch.cuda.get_device_capability(self.device) < (8, 9)
             self.decode_attention = "gather" if fp8 and old_gpu else "triton"
         else:

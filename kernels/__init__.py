@@ -70,9 +70,9 @@ def _rows(t: torch.Tensor, B: int, dtype: torch.dtype, device: torch.device, nam
     return t.to(dtype).contiguous()
 
 
-def _launch(name: str, logits: torch.Tensor, *args):
+def _launch(name: str, logits: torch.Tensor, *args, **kwargs):
     if logits.shape[0] == 0:  # nothing to launch
-        return getattr(reference, name)(logits, *args)
+        return getattr(reference, name)(logits, *args, **kwargs)
     ops = _ops()
     if logits.is_cuda == ops.interpreted():
         if logits.is_cuda:
@@ -81,20 +81,26 @@ def _launch(name: str, logits: torch.Tensor, *args):
                 "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first "
                 "imported (or pass use_triton=False for the torch reference)"
             )
-    return getattr(ops, name)(logits, *args)
+    return getattr(ops, name)(logits, *args, **kwargs)
 
 
 def apply_temperature(
-    logits: torch.Tensor, temperature: torch.Tensor, *, use_triton: bool | None = None
+    logits: torch.Tensor, temperature: torch.Tensor, *, use_triton: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits / temperature per row. Rows with temperature <= 0 are greedy rows and are returned
-    unscaled (the caller takes their argmax, e.g. via ``sample(..., greedy_mask)``)."""
+    unscaled (the caller takes their argmax, e.g. via ``sample(..., greedy_mask)``). ``out``
+    (``logits`` itself allowed) receives the result instead of a new tensor: at 64 x 152k a fresh
+    buffer costs more in page faults on the CPU than the division."""
     logits = _check_logits(logits)
     B, dev = logits.shape[0], logits.device
     temperature = _rows(temperature, B, torch.float32, dev, "temperature")
+    if out is not None and (out.shape != logits.shape or out.dtype != logits.dtype or out.device != dev
+                            or not out.is_contiguous()):
+        raise ValueError("out must be a contiguous tensor of the logits' shape, dtype and device")
     if _want_triton(logits, use_triton):
-        return _launch("apply_temperature", logits, temperature)
-    return reference.apply_temperature(logits, temperature)
+        return _launch("apply_temperature", logits, temperature, out=out)
+    return reference.apply_temperature(logits, temperature, out=out)
 
 
 def apply_penalties(

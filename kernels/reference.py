@@ -27,10 +27,11 @@ _UNIFORM_SCALE = 4.6566127342e-10
 # ---------------------------------------------------------------------------------------------
 # temperature
 # ---------------------------------------------------------------------------------------------
-def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits / temperature per row; rows with temperature <= 0 (greedy) are returned unscaled."""
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits / temperature per row; rows with temperature <= 0 (greedy) are returned unscaled.
+    Written into ``out`` when given (it may be ``logits``)."""
     t = temperature.to(device=logits.device, dtype=torch.float32)[:, None]
-    return logits / torch.where(t > 0, t, torch.ones_like(t))
+    return torch.div(logits, torch.where(t > 0, t, torch.ones_like(t)), out=out)
 
 
 # ---------------------------------------------------------------------------------------------

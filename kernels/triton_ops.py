@@ -254,9 +254,9 @@ def _as_u8(mask: torch.Tensor) -> torch.Tensor:
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
 
 
-def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     B, V = logits.shape
-    out = torch.empty_like(logits)
+    out = torch.empty_like(logits) if out is None else out  # elementwise: out may be logits
     ROWS, BLOCK = _tile(V, "elementwise", logits.device)
     grid = (triton.cdiv(B, ROWS), triton.cdiv(V, BLOCK))
     _temperature_kernel[grid](logits, out, temperature.contiguous(), B, V, logits.stride(0), out.stride(0),

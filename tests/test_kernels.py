@@ -130,6 +130,11 @@ def test_temperature_matches_reference(V):
     assert torch.equal(out[::5], x[::5])
     assert not torch.equal(x, out)  # new tensor, input untouched
     assert torch.equal(x, _logits(B, V, 1))
+    # out=: the same values written into the given tensor, the logits themselves included
+    # (the sampler divides its own rows in place).
+    same = kernels.apply_temperature(x, t, use_triton=True, out=x)
+    assert same.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(x, out, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,6 +425,11 @@ def test_reference_path_and_validation():
     torch.testing.assert_close(kernels.apply_temperature(x, t, use_triton=False), ref.apply_temperature(x, t))
     with pytest.raises(ValueError, match="temperature"):
         kernels.apply_temperature(x, t[:3], use_triton=False)
+    y = x.clone()
+    assert kernels.apply_temperature(y, t, use_triton=False, out=y).data_ptr() == y.data_ptr()
+    torch.testing.assert_close(y, ref.apply_temperature(x, t), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.apply_temperature(x, t, use_triton=False, out=x[:, :50])
     with pytest.raises(TypeError, match="float32"):
         kernels.log_softmax(x.double(), use_triton=False)
     with pytest.raises(TypeError, match="int32"):
