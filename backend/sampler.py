@@ -109,6 +109,12 @@ class TokenCounts:
         self.prompt_mask: Optional[torch.Tensor] = None  # [slots, V] bool
         self._slot: dict[int, list[int]] = {}  # seq id -> [slot, number of output ids counted]
         self._free: list[int] = []
+        # On the CPU, also each slot's distinct prompt and output ids: the first seen_len[slot]
+        # of seen[slot]. The C++ penalties then visit only those tokens of a row instead of the
+        # whole vocabulary (see cpu_sampling.apply_penalties_by_slot_).
+        self.seen: Optional[torch.Tensor] = None  # [slots, cap] int32
+        self.seen_len: Optional[torch.Tensor] = None  # [slots] int64
+        self._seen_sets: dict[int, set[int]] = {}  # slot -> its distinct ids
 
     def _grow(self, device: torch.device) -> None:
         old = 0 if self.counts is None else self.counts.shape[0]
@@ -119,7 +125,30 @@ class TokenCounts:
             counts[:old] = self.counts
             mask[:old] = self.prompt_mask
         self.counts, self.prompt_mask = counts, mask
+        if device.type == "cpu":
+            cap = 64 if self.seen is None else self.seen.shape[1]
+            seen = torch.zeros((size, cap), dtype=torch.int32)
+            seen_len = torch.zeros(size, dtype=torch.int64)
+            if old:
+                seen[:old], seen_len[:old] = self.seen, self.seen_len
+            self.seen, self.seen_len = seen, seen_len
         self._free.extend(range(size - 1, old - 1, -1))
+
+    def _note_seen(self, slot: int, ids: list[int]) -> None:
+        """Append the ids this slot has not seen yet to its row of `seen`."""
+        known = self._seen_sets.setdefault(slot, set())
+        fresh = [t for t in dict.fromkeys(ids) if t not in known]
+        if not fresh:
+            return
+        known.update(fresh)
+        n = int(self.seen_len[slot])
+        if n + len(fresh) > self.seen.shape[1]:
+            cap = min(max(2 * self.seen.shape[1], n + len(fresh)), self.vocab_size)
+            wider = torch.zeros((self.seen.shape[0], cap), dtype=torch.int32)
+            wider[:, : self.seen.shape[1]] = self.seen
+            self.seen = wider
+        self.seen[slot, n : n + len(fresh)] = torch.tensor(fresh, dtype=torch.int32)
+        self.seen_len[slot] = n + len(fresh)
 
     def rows(self, rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Counts [R, V] and prompt presence [R, V] for these rows, brought up to date."""
@@ -142,15 +171,23 @@ class TokenCounts:
                 slot = self._free.pop()
                 self.counts[slot].zero_()
                 self.prompt_mask[slot].zero_()
+                if self.seen is not None:
+                    self.seen_len[slot] = 0
+                    self._seen_sets.pop(slot, None)
                 if not r.prompt_is_placeholder:
                     prompt = torch.as_tensor(r.token_ids[: r.num_prompt_tokens], dtype=torch.long, device=device)
-                    self.prompt_mask[slot, prompt[(prompt >= 0) & (prompt < V)]] = True
+                    prompt = prompt[(prompt >= 0) & (prompt < V)]
+                    self.prompt_mask[slot, prompt] = True
+                    if self.seen is not None:
+                        self._note_seen(slot, prompt.tolist())
                 entry = self._slot[r.seq_id] = [slot, 0]
             slot, counted = entry
             new = [t for t in r.token_ids[r.num_prompt_tokens + counted :] if 0 <= t < V]
             if new:
                 upd_slots.extend([slot] * len(new))
                 upd_ids.extend(new)
+                if self.seen is not None:
+                    self._note_seen(slot, new)
             entry[1] = len(r.token_ids) - r.num_prompt_tokens
             slots.append(slot)
         if upd_ids:
@@ -162,6 +199,7 @@ class TokenCounts:
         entry = self._slot.pop(seq_id, None)
         if entry is not None:
             self._free.append(entry[0])
+            self._seen_sets.pop(entry[0], None)
 
     @property
     def num_tracked(self) -> int:
@@ -255,7 +293,9 @@ class Sampler:
         native = kernels.native_cpu_sampling(logits)
         if pen and native is not None:
             # In place, statistics read by slot: no [rows, V] copies (the sampler owns `logits`).
-            native.apply_penalties_by_slot_(logits, *self._penalty_args(rows))
+            tc = self.token_counts
+            args = self._penalty_args(rows)  # brings the tables (and `seen`) up to date first
+            native.apply_penalties_by_slot_(logits, *args, seen=None if tc.seen is None else (tc.seen, tc.seen_len))
         elif pen:
             counts, prompt_mask = self.token_counts.rows([rows[i] for i in pen], dev)
             p = [rows[i].params for i in pen]

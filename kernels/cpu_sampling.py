@@ -6,6 +6,8 @@ one. LLM_CPU_SAMPLING=0, or no compiler: `load()` returns None and kernels/ uses
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .cpu_build import CpuKernel
@@ -32,10 +34,14 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: tor
 
 def apply_penalties_by_slot_(logits: torch.Tensor, counts_table: torch.Tensor, prompt_table: torch.Tensor,
                              slots: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-                             repetition: torch.Tensor) -> None:
+                             repetition: torch.Tensor, seen: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """`reference.apply_penalties(logits, counts_table[slots], prompt_table[slots], ...)` written
-    into `logits` (contiguous float32) itself; rows at slot -1 are left alone."""
-    _KERNEL.require().apply_penalties_by_slot_(logits, counts_table, prompt_table, slots, frequency, presence, repetition)
+    into `logits` (contiguous float32) itself; rows at slot -1 are left alone. `seen`: each
+    slot's distinct prompt and output ids ([slots, cap] int32 and their counts [slots] int64);
+    rows that have seen few tokens then visit only those, with the same result."""
+    seen_ids, seen_len = seen if seen is not None else (None, None)
+    _KERNEL.require().apply_penalties_by_slot_(logits, counts_table, prompt_table, slots, frequency, presence, repetition,
+                                               seen_ids, seen_len)
 
 
 def penalized_argmax(logits: torch.Tensor, counts_table: torch.Tensor, prompt_table: torch.Tensor, slots: torch.Tensor,

@@ -127,6 +127,44 @@ def test_penalties_read_by_slot_equal_the_reference_on_the_gathered_rows(B, V):
         cpu_sampling.penalized_argmax(x, counts, prompt, torch.full((B,), S), freq, pres, rep)
 
 
+@pytest.mark.parametrize("B,V", [(64, 4096), (9, 151936), (4, 100)])
+def test_penalties_over_the_seen_tokens_equal_the_dense_pass(B, V):
+    """With each slot's distinct seen ids, rows that have seen few tokens visit only those; the
+    logits come out bit for bit as from the pass over the whole vocabulary (rows that have seen
+    many take that pass)."""
+    g = torch.Generator().manual_seed(B * 7 + V)
+    x = torch.randn(B, V, generator=g) * 3
+    x[:, ::9] = NEG_INF
+    S = B + 2
+    counts = torch.zeros(S, V, dtype=torch.int32)
+    prompt = torch.zeros(S, V, dtype=torch.bool)
+    seen = torch.zeros(S, V, dtype=torch.int32)
+    seen_len = torch.zeros(S, dtype=torch.int64)
+    for slot in range(S):
+        many = slot % 5 == 0  # some slots have seen a large share of the vocabulary: the dense pass
+        n = max(1, V // 3 if many else min(300, V // 10))
+        ids = torch.randperm(V, generator=g)[:n]
+        out_ids, prompt_ids = ids[: n // 2 + 1], ids[n // 3 :]  # overlapping: seen in both
+        counts[slot, out_ids] = torch.randint(1, 5, (out_ids.numel(),), generator=g, dtype=torch.int32)
+        prompt[slot, prompt_ids] = True
+        seen[slot, :n] = ids.to(torch.int32)
+        seen_len[slot] = n
+    slots = torch.randperm(S, generator=g)[:B]
+    slots[::4] = -1
+    freq, pres = torch.rand(B, generator=g), torch.rand(B, generator=g)
+    rep = 1.0 + torch.rand(B, generator=g) * 2
+    freq[::3], pres[1::3], rep[2::3] = 0.0, 0.0, 1.0
+    dense, sparse = x.clone(), x.clone()
+    cpu_sampling.apply_penalties_by_slot_(dense, counts, prompt, slots, freq, pres, rep)
+    cpu_sampling.apply_penalties_by_slot_(sparse, counts, prompt, slots, freq, pres, rep, seen=(seen, seen_len))
+    assert torch.equal(sparse, dense)
+    assert not torch.equal(dense, x)
+    with pytest.raises(RuntimeError, match="seen token id out of range"):
+        bad = seen.clone()
+        bad[slots[1], 0] = V
+        cpu_sampling.apply_penalties_by_slot_(x.clone(), counts, prompt, slots, freq, pres, rep, seen=(bad, seen_len))
+
+
 @pytest.mark.parametrize("B,V,words", [(16, 4096, 128), (5, 1000, 32), (4, 100, 2), (3, 70, 4)])
 def test_bitmask_blocks_what_the_reference_blocks(B, V, words):
     g = torch.Generator().manual_seed(V)

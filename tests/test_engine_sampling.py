@@ -444,10 +444,16 @@ def test_token_counts_stay_equal_to_a_full_recount():
         rows = [SamplingRow(params=params, seed=0, step=0, seq_id=i, token_ids=seqs[i][0] + seqs[i][1],
                             num_prompt_tokens=len(seqs[i][0])) for i in live]
         got_counts, got_prompt = counts.rows(rows, torch.device("cpu"))
+        slots = counts.update(rows, torch.device("cpu")).tolist()  # nothing new: just their slots
         for r, i in enumerate(live):
             want = torch.bincount(torch.tensor(seqs[i][1], dtype=torch.long), minlength=V).to(torch.int32)
             assert torch.equal(got_counts[r], want)
             assert torch.equal(got_prompt[r], torch.bincount(torch.tensor(seqs[i][0]), minlength=V) > 0)
+            # The slot's seen list (for the C++ penalties' sparse pass): every token with a count
+            # or in the prompt, once.
+            seen = counts.seen[slots[r], : counts.seen_len[slots[r]]].tolist()
+            assert len(seen) == len(set(seen))
+            assert sorted(seen) == sorted(set(seqs[i][0]) | set(seqs[i][1]))
         if step == 6:  # finished sequences give their rows back; new ones must start from zero
             for i in list(seqs)[:5]:
                 counts.release(i)
@@ -456,6 +462,12 @@ def test_token_counts_stay_equal_to_a_full_recount():
                 seqs[i] = ([rng.randrange(V)], [])
     assert counts.num_tracked == len(seqs)
     assert counts.counts.shape[0] >= 20
+    # A prompt with more distinct tokens than the seen table's width widens it for every slot.
+    wide = list(range(0, 3000, 7))
+    row = SamplingRow(params=params, seed=0, step=0, seq_id=999, token_ids=wide + [5, 5], num_prompt_tokens=len(wide))
+    big = TokenCounts(4000)
+    (slot,) = big.update([row], torch.device("cpu")).tolist()
+    assert sorted(big.seen[slot, : big.seen_len[slot]].tolist()) == sorted(set(wide) | {5})
 
 
 EXAMPLES = "tests.logits_processor_examples"

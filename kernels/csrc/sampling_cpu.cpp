@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <optional>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -124,13 +125,40 @@ PenaltyTables penalty_tables(const torch::Tensor& counts_table, const torch::Ten
 // apply_penalties in place, each row's statistics read from the tables by slot: no [rows, V]
 // gather of the tables and no fresh output (each fresh 64 x 152k buffer costs ~9 ms of page
 // faults). For the sampler's own copy of the logits.
+//
+// With `seen` ([slots, cap] int32: each slot's distinct prompt and output ids, the first
+// seen_len[slot] of its row), a row visits only those tokens: penalize() leaves every other
+// token as it is, bit for bit, so the result is the same, at a cost of the tokens a sequence has
+// seen instead of the vocabulary (at 152k, a dense pass over 64 rows took 27 ms). A row that has
+// seen a large part of the vocabulary takes the dense pass, which reads memory in order.
 void apply_penalties_by_slot_(torch::Tensor& logits, const torch::Tensor& counts_table, const torch::Tensor& prompt_table,
                               const torch::Tensor& slots, const torch::Tensor& frequency, const torch::Tensor& presence,
-                              const torch::Tensor& repetition) {
+                              const torch::Tensor& repetition, const std::optional<torch::Tensor>& seen,
+                              const std::optional<torch::Tensor>& seen_len) {
   check_logits(logits);
   TORCH_CHECK(logits.is_contiguous(), "logits must be contiguous (changed in place)");
   const int64_t B = logits.size(0), V = logits.size(1);
   const PenaltyTables t = penalty_tables(counts_table, prompt_table, slots, frequency, presence, repetition, B, V);
+  TORCH_CHECK(seen.has_value() == seen_len.has_value(), "seen and seen_len come together");
+  const int32_t* sp = nullptr;
+  const int64_t* lp = nullptr;
+  int64_t cap = 0;
+  if (seen.has_value()) {
+    TORCH_CHECK(seen->scalar_type() == torch::kInt32 && seen->is_contiguous() && seen->dim() == 2 &&
+                    seen->size(0) == counts_table.size(0) && seen_len->scalar_type() == torch::kInt64 &&
+                    seen_len->is_contiguous() && seen_len->numel() == counts_table.size(0),
+                "seen must be contiguous int32 [slots, cap] and seen_len int64 [slots]");
+    sp = seen->data_ptr<int32_t>();
+    lp = seen_len->data_ptr<int64_t>();
+    cap = seen->size(1);
+    for (int64_t b = 0; b < B; ++b) {
+      if (t.slots[b] < 0) continue;
+      const int64_t n = lp[t.slots[b]];
+      TORCH_CHECK(n >= 0 && n <= cap, "seen_len out of range");
+      const int32_t* ids = sp + t.slots[b] * cap;
+      for (int64_t j = 0; j < n; ++j) TORCH_CHECK(ids[j] >= 0 && ids[j] < V, "seen token id out of range");
+    }
+  }
   float* xp = logits.data_ptr<float>();
   for_rows(B, [&](int64_t b) {
     if (t.slots[b] < 0) return;
@@ -138,6 +166,14 @@ void apply_penalties_by_slot_(torch::Tensor& logits, const torch::Tensor& counts
     const int32_t* cr = t.counts + t.slots[b] * V;
     const bool* pmr = t.prompt + t.slots[b] * V;
     const float rep = t.rep[b], freq = t.freq[b], pres = t.pres[b];
+    if (sp != nullptr && lp[t.slots[b]] * 8 < V) {
+      const int32_t* ids = sp + t.slots[b] * cap;
+      for (int64_t j = 0; j < lp[t.slots[b]]; ++j) {
+        const int32_t i = ids[j];
+        xr[i] = penalize(xr[i], cr[i], pmr[i], rep, freq, pres);
+      }
+      return;
+    }
     for (int64_t i = 0; i < V; ++i) xr[i] = penalize(xr[i], cr[i], pmr[i], rep, freq, pres);
   });
 }
@@ -401,7 +437,9 @@ torch::Tensor sample(const torch::Tensor& logits, const torch::Tensor& seeds, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_penalties", &apply_penalties, "repetition, then frequency and presence penalties");
-  m.def("apply_penalties_by_slot_", &apply_penalties_by_slot_, "apply_penalties in place, statistics read by slot");
+  m.def("apply_penalties_by_slot_", &apply_penalties_by_slot_, "apply_penalties in place, statistics read by slot",
+        py::arg("logits"), py::arg("counts_table"), py::arg("prompt_table"), py::arg("slots"), py::arg("frequency"),
+        py::arg("presence"), py::arg("repetition"), py::arg("seen") = py::none(), py::arg("seen_len") = py::none());
   m.def("penalized_argmax", &penalized_argmax, "greedy token per row under its penalties (tables read by slot)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "grammar bitmask: a 0 bit sets the token's logit to -inf");
   m.def("top_k_top_p_min_p", &top_k_top_p_min_p, "joint top-k / top-p / min-p filter (removed tokens -inf)");
