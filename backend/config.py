@@ -100,12 +100,11 @@ class EngineConfig(BaseModel):
     def use_cuda_graphs(self) -> bool:
         return self.device.startswith("cuda") and self.cuda_graphs is not False
 
-    def torch_dtype(self) -> Optional[torch.dtype]:
-        return getattr(torch, self.dtype) if self.dtype else None
-
     def model_dtype(self) -> torch.dtype:
         """The weights' dtype once "auto" is resolved: bf16 on CUDA, float32 on the CPU."""
-        return self.torch_dtype() or (torch.bfloat16 if self.device.startswith("cuda") else torch.float32)
+        if self.dtype:
+            return getattr(torch, self.dtype)
+        return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
 
     def kv_torch_dtype(self) -> torch.dtype:
         if self.kv_cache_dtype == "auto":
