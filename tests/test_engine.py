@@ -114,6 +114,31 @@ def test_decode_attention_paths_equal_hf_generate(demo_model_path, hf_model, dec
         eng.shutdown()
 
 
+def _mixed_step_prompts() -> tuple[list[int], list[int], list[int]]:
+    rng = random.Random(11)
+    a, b, c = ([rng.randrange(100, 4000) for _ in range(n)] for n in (37, 70, 29))
+    return a, b, c
+
+
+def mixed_step(runner):
+    """One forward step holding a prompt's first chunk (a), a later chunk of another prompt (b,
+    45 tokens already cached) and the last token of a third (c, 28 cached): (batch, logits)."""
+    a, b, c = _mixed_step_prompts()
+    tables = [[1, 2, 3], [10, 11, 12, 13, 14], [20, 21]]
+    runner.forward(runner.prepare([(b[:45], 0, tables[1], False), (c[:28], 0, tables[2], False)]))
+    chunks = [(a, 0, tables[0], list(range(37))), (b[45:], 45, tables[1], list(range(25))), (c[28:], 28, tables[2], True)]
+    batch = runner.prepare(chunks)
+    return batch, runner.forward(batch).cpu()
+
+
+def mixed_step_hf_logits(hf_model) -> torch.Tensor:
+    """HF's logits at every position mixed_step computes."""
+    a, b, c = _mixed_step_prompts()
+    with torch.no_grad():
+        return torch.cat([hf_model(torch.tensor([a])).logits[0], hf_model(torch.tensor([b])).logits[0, 45:],
+                          hf_model(torch.tensor([c])).logits[0, 28:]]).float()
+
+
 def test_one_step_of_fresh_continuing_and_decoding_sequences_gives_hf_logits(demo_model_path, hf_model):
     """One forward step holding a prompt's first chunk, a later chunk of another prompt (its
     start in the cache) and a decode gives HF's logits at every position. On the CPU the two
@@ -121,22 +146,11 @@ def test_one_step_of_fresh_continuing_and_decoding_sequences_gives_hf_logits(dem
     bottom-right-aligned bias after cached context); on CUDA the padded SDPA group."""
     from backend.model_runner import ModelRunner
 
-    bs = 16
-    runner = ModelRunner(demo_model_path, 64, bs, device=TEST_DEVICE, dtype=torch.float32)
-    rng = random.Random(11)
-    a, b, c = ([rng.randrange(100, 4000) for _ in range(n)] for n in (37, 70, 29))
-    tables = [[1, 2, 3], [10, 11, 12, 13, 14], [20, 21]]
-    # The cache before the step: b's first 45 tokens, c's first 28.
-    runner.forward(runner.prepare([(b[:45], 0, tables[1], False), (c[:28], 0, tables[2], False)]))
-    chunks = [(a, 0, tables[0], list(range(37))), (b[45:], 45, tables[1], list(range(25))), (c[28:], 28, tables[2], True)]
-    batch = runner.prepare(chunks)
+    runner = ModelRunner(demo_model_path, 64, 16, device=TEST_DEVICE, dtype=torch.float32)
+    batch, logits = mixed_step(runner)
     if TEST_DEVICE == "cpu":
         assert sum(len(g.seqs or []) for g in batch.groups) == 2
-    logits = runner.forward(batch).cpu()
-    with torch.no_grad():
-        want = [hf_model(torch.tensor([a])).logits[0], hf_model(torch.tensor([b])).logits[0, 45:],
-                hf_model(torch.tensor([c])).logits[0, 28:]]
-    torch.testing.assert_close(logits, torch.cat(want).float(), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, mixed_step_hf_logits(hf_model), atol=2e-4, rtol=1e-4)
 
 
 def test_concurrent_threads_with_background_loop(engine, hf_model):

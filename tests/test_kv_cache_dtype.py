@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from backend.config import EngineConfig
 from backend.engine import LLMEngine, ModelRunnerSizing
 from backend.model_runner import ModelRunner
-from tests.test_engine import TEST_DEVICE, hf_model  # noqa: F401  (the fixture)
+from tests.test_engine import TEST_DEVICE, hf_model, mixed_step, mixed_step_hf_logits  # noqa: F401  (the fixture)
 
 
 def _engine(path, **kw) -> LLMEngine:
@@ -75,20 +75,9 @@ def test_one_step_with_a_narrow_cache_stays_near_hf_logits(demo_model_path, hf_m
     check: only the cached K/V are rounded, so the logits move by about the cache dtype's
     precision (mantissa bits: fp16 11, bf16 8, e4m3 4, e5m2 3) relative to their scale, and no
     more. The random demo model spreads its logits thinly, so fp8 moves many of its choices."""
-    bs = 16
-    runners = {d: ModelRunner(demo_model_path, 64, bs, device=TEST_DEVICE, dtype=torch.float32, kv_dtype=d)
-               for d in (torch.float32, kv)}
-    rng = random.Random(11)
-    a, b, c = ([rng.randrange(100, 4000) for _ in range(n)] for n in (37, 70, 29))
-    tables = [[1, 2, 3], [10, 11, 12, 13, 14], [20, 21]]
-    logits = {}
-    for d, runner in runners.items():
-        runner.forward(runner.prepare([(b[:45], 0, tables[1], False), (c[:28], 0, tables[2], False)]))
-        chunks = [(a, 0, tables[0], list(range(37))), (b[45:], 45, tables[1], list(range(25))), (c[28:], 28, tables[2], True)]
-        logits[d] = runner.forward(runner.prepare(chunks)).cpu()
-    with torch.no_grad():
-        want = torch.cat([hf_model(torch.tensor([a])).logits[0], hf_model(torch.tensor([b])).logits[0, 45:],
-                          hf_model(torch.tensor([c])).logits[0, 28:]]).float()
+    logits = {d: mixed_step(ModelRunner(demo_model_path, 64, 16, device=TEST_DEVICE, dtype=torch.float32, kv_dtype=d))[1]
+              for d in (torch.float32, kv)}
+    want = mixed_step_hf_logits(hf_model)
     torch.testing.assert_close(logits[torch.float32], want, atol=2e-4, rtol=1e-4)
     narrow_err = (logits[kv] - want).abs().max().item()
     # Rounded (so the cache really is narrow), and only by about its precision. Measured on
