@@ -8,7 +8,6 @@
 // intra-op thread pool. Same contract as kernels/paged_attention.py (the CUDA kernel).
 #include <torch/extension.h>
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #if defined(__F16C__) || defined(__AVX2__)
@@ -118,7 +117,7 @@ inline void for_each_row(const scalar_t* head, const int32_t* table, int64_t L, 
 
 // DIM > 0 fixes the head size at compile time so the inner loops vectorize; 0 is any size.
 // Queries and output are float (the caller widens and narrows them: [B, H, d] is small); the
-// cache is the KV cache's own dtype, widened row by row as it is read.
+// cache is the KV cache's own dtype, widened a block at a time as it is read.
 template <typename scalar_t, int DIM>
 void decode(const float* q, const scalar_t* k, const scalar_t* v, float* out, const int32_t* tables,
             const int32_t* lens, int64_t B, int64_t H, int64_t kvh, int64_t dim, int64_t max_blocks,
