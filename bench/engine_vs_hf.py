@@ -88,34 +88,43 @@ def main() -> None:
     engine_run(engine, prompts[:2], [4, 4])
     hf_one_by_one(model, prompts[:1], [4], args.device)
 
-    results = {"device": args.device, "num_requests": args.num_requests, "generated_tokens": total}
+    results: dict = {}
+
+    def record(key: str, value) -> None:
+        # Printed and written as each figure lands, so a run cut short by a time limit (a lent
+        # GPU's minutes) still leaves what it measured.
+        results[key] = value
+        print(f"{key:32s} {value:.2f}" if isinstance(value, float) else f"{key:32s} {value}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+
+    record("device", args.device)
+    if args.device.startswith("cuda"):
+        record("gpu", torch.cuda.get_device_name())
+    record("num_requests", args.num_requests)
+    record("generated_tokens", total)
     t_engine, ids = engine_run(engine, prompts, new_tokens)
-    results["engine_tok_s"] = total / t_engine
+    record("engine_tok_s", total / t_engine)
     graphs = engine.model.graphs
     if graphs is not None:
         # The same engine with its CUDA graphs set aside: what they buy, and that they change
         # no token.
-        results["cuda_graph_replays"] = graphs.replays
+        record("cuda_graph_replays", graphs.replays)
         engine.model.graphs = None
         t_eager, eager_ids = engine_run(engine, prompts, new_tokens)
         engine.model.graphs = graphs
-        results["engine_eager_tok_s"] = total / t_eager
-        results["cuda_graphs_vs_eager"] = t_eager / t_engine
-        results["cuda_graphs_outputs_equal"] = eager_ids == ids
+        record("engine_eager_tok_s", total / t_eager)
+        record("cuda_graphs_vs_eager", t_eager / t_engine)
+        record("cuda_graphs_outputs_equal", eager_ids == ids)
+    record("preemptions", engine.stats().num_preemptions)
     t_static = hf_static_batch(model, prompts, new_tokens, args.device)
-    results["hf_static_batch_tok_s"] = total / t_static
+    record("hf_static_batch_tok_s", total / t_static)
+    record("engine_vs_hf_static_batch", results["engine_tok_s"] / results["hf_static_batch_tok_s"])
     if not args.skip_one_by_one:
         t_single = hf_one_by_one(model, prompts, new_tokens, args.device)
-        results["hf_one_by_one_tok_s"] = total / t_single
-    for key in ("hf_static_batch_tok_s", "hf_one_by_one_tok_s"):
-        if key in results:
-            results[f"engine_vs_{key[:-6]}"] = results["engine_tok_s"] / results[key]
-    results["preemptions"] = engine.stats().num_preemptions
+        record("hf_one_by_one_tok_s", total / t_single)
+        record("engine_vs_hf_one_by_one", results["engine_tok_s"] / results["hf_one_by_one_tok_s"])
     engine.shutdown()
-    for k, v in results.items():
-        print(f"{k:32s} {v:.2f}" if isinstance(v, float) else f"{k:32s} {v}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@
 #   demo       engine vs HF generate on the demo model, with cuda_graphs_vs_eager -> engine_vs_hf_demo.json
 #   0.4b       the same on a random 0.4B Qwen2 (bench/make_random_model.py) -> engine_vs_hf_0.4b.json
 #   kernels    the sampling kernels against their torch references, batch 256, vocab 128k -> kernels_vs_torch.json
-# A device call runs 10 minutes at most: split the steps over calls if needed (tests engine | demo | 0.4b kernels).
+#   checks     tests and engine side by side (both only check; the benchmarks run alone)
+# Each step is cut off after its limit (STEP_LIMIT_<step> seconds, defaults below) so that one
+# slow step cannot eat a lent GPU's minutes; the benchmarks print and save each figure as it lands.
+# A device call runs 10 minutes at most: `run OUT checks demo 0.4b kernels` is sized to fit.
 # The serving paths (tritonserver, frontend) need the Docker image; see README "GPU hosts".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,21 +56,29 @@ fetch() {
   echo "carry .whl to the GPU host (the device tool: carry [\".whl\"]), then: scripts/gpu_check.sh run"
 }
 
-step() {  # name, command...: run it into the log, record its exit status, keep going
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50)
+
+step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
   local name=$1
   shift
-  echo "==== $name: $*" >> "$LOG"
-  "$@" >> "$LOG" 2>&1
+  local var="STEP_LIMIT_${name//./_}"
+  local limit=${!var:-${LIMIT[$name]:-300}}
+  local log="$OUT/.step-$name.log"
+  local start=$SECONDS
+  echo "==== $name (limit ${limit}s): $*" > "$log"
+  timeout -k 10 "$limit" "$@" >> "$log" 2>&1
   local rc=$?
-  echo "==== $name: exit $rc" >> "$LOG"
-  echo "$name: exit $rc"
+  [ $rc -eq 124 ] && echo "==== $name: cut off at its ${limit}s limit" >> "$log"
+  echo "==== $name: exit $rc after $((SECONDS - start))s" >> "$log"
+  cat "$log" >> "$LOG" && rm -f "$log"
+  echo "$name: exit $rc after $((SECONDS - start))s"
 }
 
 run() {
   OUT=${1:-bench/results/gpu-$(date +%Y%m%d-%H%M%S)}
   shift || true
   local steps=("$@")
-  [ ${#steps[@]} -gt 0 ] || steps=(tests engine demo 0.4b kernels)
+  [ ${#steps[@]} -gt 0 ] || steps=(checks demo 0.4b kernels)
   mkdir -p "$OUT"
   LOG="$OUT/gpu_check.log"
   local py=${PYTHON:-python3}
@@ -86,16 +97,26 @@ run() {
     "$py" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")'
   } >> "$LOG" 2>&1
   [ -f models/demo/config.json ] || "$py" -m backend.demo_model --out models/demo >> "$LOG" 2>&1
+  local tests_cmd=("$py" -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_paged_attention.py
+                   tests/test_kernels.py tests/test_kernel_distribution.py)
+  local engine_cmd=(env LLM_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider tests/test_engine.py
+                    tests/test_engine_sampling.py tests/test_hidden_states.py tests/test_input_embeds.py
+                    tests/test_kv_cache_dtype.py)
+  local make_cmd=("$py" -m bench.make_random_model --out /tmp/model-0.4b)
   for s in "${steps[@]}"; do
     case "$s" in
-      tests) step tests "$py" -m pytest -q -p no:cacheprovider tests/test_decode_graphs.py tests/test_paged_attention.py \
-               tests/test_kernels.py tests/test_kernel_distribution.py ;;
-      engine) step engine env LLM_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider tests/test_engine.py \
-                tests/test_engine_sampling.py tests/test_hidden_states.py tests/test_input_embeds.py \
-                tests/test_kv_cache_dtype.py ;;
+      checks) step tests "${tests_cmd[@]}" &
+              # The 0.4B model is built on the CPU meanwhile, if a later step wants it.
+              if [[ " ${steps[*]} " == *" 0.4b "* && ! -f /tmp/model-0.4b/config.json ]]; then
+                step make_0.4b "${make_cmd[@]}" &
+              fi
+              step engine "${engine_cmd[@]}"
+              wait ;;
+      tests) step tests "${tests_cmd[@]}" ;;
+      engine) step engine "${engine_cmd[@]}" ;;
       demo) step demo "$py" -m bench.engine_vs_hf --device cuda --model-path models/demo --num-requests 64 \
               --json "$OUT/engine_vs_hf_demo.json" ;;
-      0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "$py" -m bench.make_random_model --out /tmp/model-0.4b
+      0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
             step 0.4b "$py" -m bench.engine_vs_hf --device cuda --model-path /tmp/model-0.4b --num-requests 64 \
               --skip-one-by-one --json "$OUT/engine_vs_hf_0.4b.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
