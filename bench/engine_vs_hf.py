@@ -5,8 +5,9 @@
 Prints generated tokens/s for: HF generate one request at a time, HF generate as one padded
 static batch, and the engine with all requests submitted at once (continuous batching), then
 the ratios. All runs are greedy with EOS ignored, so every system produces the same tokens.
-On CUDA the engine runs once more with its decode graphs set aside (`cuda_graphs_vs_eager`,
-and whether both runs gave the same tokens).
+On CUDA the engine first serves the workload once untimed (Triton kernels compile), then runs
+in alternating rounds with and without its decode graphs (`cuda_graphs_vs_eager`, best run of
+each), with whether each mode repeats its own tokens and how many requests the two share.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -73,6 +75,7 @@ def main() -> None:
     ap.add_argument("--min-new", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--skip-one-by-one", action="store_true", help="skip the slowest baseline")
+    ap.add_argument("--rounds", type=int, default=2, help="on CUDA: alternating graphs/eager engine runs")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()
 
@@ -84,10 +87,6 @@ def main() -> None:
     prompts, new_tokens = make_workload(engine.vocab_size, args.num_requests, 0, args.min_prompt, args.max_prompt,
                                         args.min_new, args.max_new)
     total = sum(new_tokens)
-    # Warm up both (allocator, kernels) on a small slice.
-    engine_run(engine, prompts[:2], [4, 4])
-    hf_one_by_one(model, prompts[:1], [4], args.device)
-
     results: dict = {}
 
     def record(key: str, value) -> None:
@@ -98,25 +97,61 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
 
+    # Warm up both (allocator, kernels). On CUDA the engine serves the whole workload once first:
+    # every Triton kernel specialization (prefill lengths, sampler shapes) compiles there rather
+    # than inside the first timed run.
+    if args.device.startswith("cuda"):
+        engine_run(engine, prompts, new_tokens)
+    else:
+        engine_run(engine, prompts[:2], [4, 4])
+    hf_one_by_one(model, prompts[:1], [4], args.device)
+
     record("device", args.device)
     if args.device.startswith("cuda"):
         record("gpu", torch.cuda.get_device_name())
     record("num_requests", args.num_requests)
     record("generated_tokens", total)
-    t_engine, ids = engine_run(engine, prompts, new_tokens)
-    record("engine_tok_s", total / t_engine)
     graphs = engine.model.graphs
-    if graphs is not None:
-        # The same engine with its CUDA graphs set aside: what they buy, and that they change
-        # no token.
-        record("cuda_graph_replays", graphs.replays)
-        engine.model.graphs = None
-        t_eager, eager_ids = engine_run(engine, prompts, new_tokens)
+    if graphs is None:
+        t_engine, ids = engine_run(engine, prompts, new_tokens)
+        record("engine_tok_s", total / t_engine)
+    else:
+        # The same engine with its CUDA graphs set aside, in alternating rounds: what the graphs
+        # buy, and whether they change tokens. A greedy token can move between the two only
+        # through rounding: a graph replays the padded bucket's matmuls, whose kernels (and so
+        # their summation order) may differ from those for the unpadded batch. Repeats of each
+        # mode show each is deterministic on its own.
+        times: dict[str, list[float]] = {"graphs": [], "eager": []}
+        outs: dict[str, list[list[list[int]]]] = {"graphs": [], "eager": []}
+        replays_before = graphs.replays
+        for _ in range(args.rounds):
+            for mode in ("graphs", "eager"):
+                engine.model.graphs = graphs if mode == "graphs" else None
+                t, got = engine_run(engine, prompts, new_tokens)
+                times[mode].append(t)
+                outs[mode].append(got)
         engine.model.graphs = graphs
-        record("engine_eager_tok_s", total / t_eager)
-        record("cuda_graphs_vs_eager", t_eager / t_engine)
+        t_engine, ids = min(times["graphs"]), outs["graphs"][0]
+        record("engine_tok_s", total / t_engine)
+        record("cuda_graph_replays_per_run", (graphs.replays - replays_before) // args.rounds)
+        record("engine_eager_tok_s", total / min(times["eager"]))
+        record("cuda_graphs_vs_eager", min(times["eager"]) / t_engine)
+        record("graphs_runs_tok_s", [round(total / t, 1) for t in times["graphs"]])
+        record("eager_runs_tok_s", [round(total / t, 1) for t in times["eager"]])
+        record("graphs_repeat_equal", all(o == outs["graphs"][0] for o in outs["graphs"]))
+        record("eager_repeat_equal", all(o == outs["eager"][0] for o in outs["eager"]))
+        eager_ids = outs["eager"][0]
         record("cuda_graphs_outputs_equal", eager_ids == ids)
-    record("preemptions", engine.stats().num_preemptions)
+        same = [a == b for a, b in zip(ids, eager_ids)]
+        record("cuda_graphs_requests_equal_share", sum(same) / len(same))
+        # Where the differing requests part ways, as a share of their length: late partings are
+        # a near-tie flipped by rounding that then carries on, not a wrong step.
+        partings = [next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) / len(a)
+                    for a, b in zip(ids, eager_ids) if a != b]
+        if partings:
+            record("cuda_graphs_parting_median_share", statistics.median(partings))
+            record("cuda_graphs_parting_min_share", min(partings))
+    record("preemptions_all_runs", engine.stats().num_preemptions)
     t_static = hf_static_batch(model, prompts, new_tokens, args.device)
     record("hf_static_batch_tok_s", total / t_static)
     record("engine_vs_hf_static_batch", results["engine_tok_s"] / results["hf_static_batch_tok_s"])

@@ -39,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def serve(args, dtype: str, memory_mb: int, prompts, news) -> list[dict[str, Any]]:
-    engine = LLMEngine(EngineConfig(model_path=args.model_path, device="cpu", enable_prefix_caching=False,
+    engine = LLMEngine(EngineConfig(model_path=args.model_path, device=args.device, enable_prefix_caching=False,
                                     kv_cache_dtype=dtype, kv_cache_memory_mb=memory_mb))
     thread = threading.Thread(target=engine.run, daemon=True)
     thread.start()
@@ -119,6 +119,9 @@ def main() -> None:
     ap.add_argument("--model-path", type=Path, default=REPO_ROOT / "models" / "demo")
     ap.add_argument("--memory-mb", type=int, nargs="+", default=[8, 1024])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "fp8"])
+    ap.add_argument("--baseline", default="float32", help="the dtype the others are compared with (bfloat16 for "
+                    "a bf16 model on a GPU)")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1, help="measured runs per engine (after one warm-up)")
@@ -126,12 +129,15 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true", help="also time the decode-attention kernel alone")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    if args.dtypes[0] != "float32":
-        args.dtypes.insert(0, "float32")
+    base = args.baseline
+    if base in args.dtypes:
+        args.dtypes.remove(base)
+    args.dtypes.insert(0, base)
 
     tokenizer = load_tokenizer(args.model_path)
     prompts, news = mixed_workload(args.requests, usable_vocab(tokenizer), seed=args.seed)
-    result: dict[str, Any] = {"model": str(args.model_path), "requests": args.requests, "rounds": args.rounds,
+    result: dict[str, Any] = {"model": str(args.model_path), "device": args.device, "requests": args.requests,
+                              "rounds": args.rounds, "baseline": base,
                               "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(news), "budgets": {}}
     for mb in args.memory_mb:
         runs: dict[str, list[dict[str, Any]]] = {d: [] for d in args.dtypes}
@@ -141,25 +147,27 @@ def main() -> None:
                 runs[d].extend(serve(args, d, mb, prompts, news))
             print(f"{mb} MB, round {r + 1}: " + ", ".join(f"{d} {runs[d][-1]['tok_per_s']:.0f}" for d in args.dtypes)
                   + " tok/s", flush=True)
-        base_ids = runs["float32"][0]["ids"]
+        base_ids = runs[base][0]["ids"]
         summary = {}
         for d in args.dtypes:
-            ratios = [x["tok_per_s"] / y["tok_per_s"] for x, y in zip(runs[d], runs["float32"])]
+            ratios = [x["tok_per_s"] / y["tok_per_s"] for x, y in zip(runs[d], runs[base])]
             same = sum(a == b for a, b in zip(runs[d][0]["ids"], base_ids)) / len(base_ids)
             summary[d] = {
                 "pool_tokens": runs[d][0]["pool_tokens"],
                 "tok_per_s": [round(x["tok_per_s"], 1) for x in runs[d]],
                 "preemptions": [x["preemptions"] for x in runs[d]],
                 "prompt_tokens_computed": [x["prompt_tokens_computed"] for x in runs[d]],
-                "vs_float32": statistics.median(ratios),
-                "same_tokens_as_float32": same,
+                f"vs_{base}": statistics.median(ratios),
+                f"same_tokens_as_{base}": same,
             }
             print(f"  {d:9s} pool {summary[d]['pool_tokens']:7d} tokens  tok/s {summary[d]['tok_per_s']}  "
                   f"preemptions {summary[d]['preemptions']}  prompt tokens computed {summary[d]['prompt_tokens_computed']}"
-                  f" (prompts: {result['prompt_tokens']})  vs float32 {summary[d]['vs_float32']:.2f}  "
-                  f"requests with float32's tokens {same:.0%}")
+                  f" (prompts: {result['prompt_tokens']})  vs {base} {summary[d][f'vs_{base}']:.2f}  "
+                  f"requests with {base}'s tokens {same:.0%}", flush=True)
         result["budgets"][str(mb)] = summary
-    if args.attention:
+        if args.json:  # after each budget, so a run cut short keeps what it measured
+            args.json.write_text(json.dumps(result, indent=2))
+    if args.attention and args.device == "cpu":
         result["attention_ms"] = {}
         for threads in (1, 2):
             ms = attention_times(args.dtypes, threads)

@@ -15,6 +15,9 @@
 #   demo       engine vs HF generate on the demo model, with cuda_graphs_vs_eager -> engine_vs_hf_demo.json
 #   0.4b       the same on a random 0.4B Qwen2 (bench/make_random_model.py) -> engine_vs_hf_0.4b.json
 #   kernels    the sampling kernels against their torch references, batch 256, vocab 128k -> kernels_vs_torch.json
+#   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
+#              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
+# DEMO_ARGS adds arguments to both engine_vs_hf runs (e.g. --skip-one-by-one --rounds 3).
 #   checks     tests and engine side by side (both only check; the benchmarks run alone)
 # Each step is cut off after its limit (STEP_LIMIT_<step> seconds, defaults below) so that one
 # slow step cannot eat a lent GPU's minutes; the benchmarks print and save each figure as it lands.
@@ -56,7 +59,7 @@ fetch() {
   echo "carry .whl to the GPU host (the device tool: carry [\".whl\"]), then: scripts/gpu_check.sh run"
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50)
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [kvdtype]=170)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
   local name=$1
@@ -115,10 +118,14 @@ run() {
       tests) step tests "${tests_cmd[@]}" ;;
       engine) step engine "${engine_cmd[@]}" ;;
       demo) step demo "$py" -m bench.engine_vs_hf --device cuda --model-path models/demo --num-requests 64 \
-              --json "$OUT/engine_vs_hf_demo.json" ;;
+              --json "$OUT/engine_vs_hf_demo.json" ${DEMO_ARGS:-} ;;
       0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
             step 0.4b "$py" -m bench.engine_vs_hf --device cuda --model-path /tmp/model-0.4b --num-requests 64 \
-              --skip-one-by-one --json "$OUT/engine_vs_hf_0.4b.json" ;;
+              --skip-one-by-one --json "$OUT/engine_vs_hf_0.4b.json" ${DEMO_ARGS:-} ;;
+      kvdtype) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
+               step kvdtype "$py" -m bench.kv_cache_dtype --device cuda --model-path /tmp/model-0.4b \
+                 --memory-mb "${KV_MB:-48}" --rounds 2 --dtypes bfloat16 fp8 fp8_e5m2 --baseline bfloat16 \
+                 --json "$OUT/kv_cache_dtype_0.4b.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
       *) echo "gpu_check: unknown step $s" >&2 ;;
     esac
