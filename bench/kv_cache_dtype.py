@@ -40,7 +40,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def serve(args, dtype: str, memory_mb: int, prompts, news) -> list[dict[str, Any]]:
     engine = LLMEngine(EngineConfig(model_path=args.model_path, device=args.device, enable_prefix_caching=False,
-                                    kv_cache_dtype=dtype, kv_cache_memory_mb=memory_mb))
+                                    kv_cache_dtype=dtype, kv_cache_memory_mb=memory_mb,
+                                    max_model_len=args.max_model_len))
     thread = threading.Thread(target=engine.run, daemon=True)
     thread.start()
 
@@ -122,6 +123,8 @@ def main() -> None:
     ap.add_argument("--baseline", default="float32", help="the dtype the others are compared with (bfloat16 for "
                     "a bf16 model on a GPU)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-model-len", type=int, default=None, help="needed where a tight pool cannot hold the "
+                    "model's whole context (the workload's sequences stay under 800 tokens)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1, help="measured runs per engine (after one warm-up)")

@@ -124,7 +124,7 @@ run() {
               --skip-one-by-one --json "$OUT/engine_vs_hf_0.4b.json" ${DEMO_ARGS:-} ;;
       kvdtype) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
                step kvdtype "$py" -m bench.kv_cache_dtype --device cuda --model-path /tmp/model-0.4b \
-                 --memory-mb "${KV_MB:-48}" --rounds 2 --dtypes bfloat16 fp8 fp8_e5m2 --baseline bfloat16 \
+                 --memory-mb "${KV_MB:-48}" --max-model-len 1024 --rounds 2 --dtypes bfloat16 fp8 fp8_e5m2 --baseline bfloat16 \
                  --json "$OUT/kv_cache_dtype_0.4b.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
       *) echo "gpu_check: unknown step $s" >&2 ;;
