@@ -741,6 +741,9 @@ class LLMEngine:
                         self._end(rid, FinishReason.LENGTH)
                     elif tracked.grammar_future is not None:
                         self._compiling.append(tracked)  # waits off the batch until compiled
+                        # An idle loop sleeps until woken (up to half a second): the compile's
+                        # end wakes it, or every new grammar would add that sleep to its TTFT.
+                        tracked.grammar_future.add_done_callback(lambda _: self._wakeup.set())
                     else:
                         self.scheduler.add(tracked.seq)
             elif kind == "abort":

@@ -287,3 +287,26 @@ def test_preemption_recomputes_forced_tokens(demo_model_path):
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     finally:
         eng.shutdown()
+
+
+def test_a_finished_compile_wakes_the_idle_loop(engine, monkeypatch):
+    # An idle step loop sleeps until woken, up to half a second. A request that waits for its
+    # grammar is not in the batch, so only the compile's end can wake the loop: without that
+    # every new grammar added the sleep to its time to first token.
+    from concurrent.futures import Future
+
+    from backend.grammar import GrammarError
+
+    pending: Future = Future()
+    engine._submit_grammar(engine.parse_params({"regex": "a"})).result()  # the compiler exists
+    monkeypatch.setattr(engine._grammar_compiler, "submit", lambda kind, spec: pending)
+    outs = []
+    engine.add_request(_prompts(engine, 1)[0], engine.parse_params({"max_new_tokens": 4, "regex": FORM}),
+                       outs.append)
+    engine.step()  # takes the request in; it waits for its grammar, off the batch
+    assert not engine.scheduler.has_work()
+    engine._wakeup.clear()
+    pending.set_exception(GrammarError("the compile failed"))
+    assert engine._wakeup.is_set()
+    engine.step()
+    assert outs and outs[-1].finished and "the compile failed" in (outs[-1].error or "")
