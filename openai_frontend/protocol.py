@@ -11,6 +11,7 @@ strings by the handlers; the response models below document their shape and serv
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
@@ -36,6 +37,44 @@ class _Strict(BaseModel):
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_at(value: Any) -> Optional[str]:
+    """The path of the first string (or key) in a parsed JSON body that holds a lone UTF-16
+    surrogate, else None. JSON's escapes allow one ("\\ud800" alone; a proper pair decodes to
+    one character), and such text has no UTF-8 form: the tokenizer, the gRPC message and the
+    logs would each fail on it deep inside, as a 500."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii() and _SURROGATE.search(v):
+                return path or "the body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                key = str(k)
+                if not key.isascii() and _SURROGATE.search(key):
+                    return f"{path}.{key!r}" if path else repr(key)
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None
+
+
+class _Body(_Strict):
+    """A whole request body: refused as a 400 if any of its text is not valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        at = lone_surrogate_at(data)
+        if at is not None:
+            raise ValueError(f"invalid Unicode at {at}: a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                             "escape) has no UTF-8 form")
+        return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,7 +129,7 @@ class ChatMessage(_Open):
 StopType = Optional[Union[str, list[str]]]
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Body):
     """Sampling parameters common to chat and completions (OpenAI + vLLM + SGLang extras)."""
 
     model: Optional[str] = None
@@ -227,7 +266,7 @@ class CompletionRequest(_SamplingFields):
 # ---------------------------------------------------------------------------------------------
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(_Body):
     text: Optional[Union[str, list[str]]] = None
     input_ids: Optional[Union[list[TokenId], list[list[TokenId]]]] = None
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
@@ -256,7 +295,7 @@ class GenerateRequest(_Strict):
 # ---------------------------------------------------------------------------------------------
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     """vLLM's TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest (`messages`)."""
 
     model: Optional[str] = None
@@ -273,7 +312,7 @@ class TokenizeRequest(_Strict):
     mm_processor_kwargs: Optional[dict[str, Any]] = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: Optional[str] = None
     tokens: list[TokenId]
 
@@ -283,31 +322,31 @@ class DetokenizeRequest(_Strict):
 # ---------------------------------------------------------------------------------------------
 
 
-class ParseFunctionCallRequest(_Strict):
+class ParseFunctionCallRequest(_Body):
     text: str
     tool_call_parser: Optional[str] = None
     tools: list[ChatTool] = Field(default_factory=list)
 
 
-class LoadLoraAdapterRequest(_Strict):
+class LoadLoraAdapterRequest(_Body):
     """SGLang's /load_lora_adapter and vLLM's /v1/load_lora_adapter."""
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadLoraAdapterRequest(_Strict):
+class UnloadLoraAdapterRequest(_Body):
     lora_name: str = Field(min_length=1)
 
 
-class AbortRequest(_Strict):
+class AbortRequest(_Body):
     """SGLang's POST /abort_request."""
 
     rid: str = ""
     abort_all: bool = False
 
 
-class SeparateReasoningRequest(_Strict):
+class SeparateReasoningRequest(_Body):
     """SGLang's POST /separate_reasoning."""
 
     text: str

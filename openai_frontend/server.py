@@ -179,6 +179,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if kind == "json_invalid":
         return f"Invalid JSON body: {err.get('msg', '')}", None
     if kind == "missing":
+        if param is None:  # the body itself
+            return "The request body is missing: send a JSON object", None
         return f"Missing required parameter: '{param}'", param
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return (f"Invalid value for '{param}': {msg}" if param else msg), param

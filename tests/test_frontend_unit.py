@@ -542,6 +542,36 @@ def test_error_validation_is_400_not_422(base_url):
         assert "Content-Type: application/json" in r.json()["error"]["message"]
 
 
+def test_lone_surrogates_are_400_on_every_endpoint(base_url, fake):
+    # JSON's "\\ud800" escape alone decodes to text with no UTF-8 form: refused up front, never
+    # a 500 from the tokenizer, the gRPC message or the abort of a request id.
+    lone = "\\ud800"
+    bodies = {
+        "/v1/chat/completions": '{"model": "%s", "messages": [{"role": "user", "content": "a%sb"}]}' % (MODEL, lone),
+        "/v1/completions": '{"model": "%s", "prompt": "x", "stop": ["%s"]}' % (MODEL, lone),
+        "/generate": '{"text": "ab", "rid": "%s"}' % lone,
+        "/tokenize": '{"model": "%s", "prompt": "%s"}' % (MODEL, lone),
+    }
+    for path, body in bodies.items():
+        r = httpx.post(base_url + path, content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and "surrogate" in err["message"], err
+    assert "messages[0].content" in httpx.post(base_url + "/v1/chat/completions", content=bodies[
+        "/v1/chat/completions"].encode(), headers={"content-type": "application/json"}).json()["error"]["message"]
+    # A proper pair is one character and goes through.
+    ok = '{"model": "%s", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}' % MODEL
+    r = httpx.post(base_url + "/v1/chat/completions", content=ok.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 200 and fake.requests[-1].messages[0]["content"] == "\U0001f600"
+    assert len(fake.requests) == 1
+
+
+def test_empty_body_says_so(base_url):
+    r = httpx.post(base_url + "/v1/chat/completions", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert "None" not in r.json()["error"]["message"] and "body" in r.json()["error"]["message"]
+
+
 def test_error_unknown_model_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
