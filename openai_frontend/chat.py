@@ -223,6 +223,9 @@ class ChatHandler:
                 normal, calls = parse_as_streamed(get_parser(plan.parser_name), text, plan.tools)
                 if not plan.parallel:
                     calls = calls[:1]
+                # What the stream sent as content, calls or not: a call to a function that is
+                # not in `tools` is dropped there (as SGLang's parsers drop it), so here too.
+                message["content"] = normal
                 if calls:
                     message["content"] = normal or None
                     message["tool_calls"] = [

@@ -1037,6 +1037,20 @@ def test_call_broken_after_its_name_is_the_same_call_streaming_or_not(qwen, size
         (t.function.name, t.function.arguments) for t in msg.tool_calls]
 
 
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_call_to_an_undefined_function_is_dropped_alike_streaming_or_not(qwen, size):
+    client, qfake, _ = qwen
+    out = 'Hi <tool_call>\n{"name": "sub", "arguments": {"a": 1}}\n</tool_call>'
+    qfake.script = lambda req: text_chunks(_pieces(out, size))
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER])
+    msg = r.choices[0].message
+    assert not msg.tool_calls and r.choices[0].finish_reason == "stop"
+    content, calls, finishes = _reassemble(
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], stream=True))
+    assert (content, calls, finishes) == (msg.content, {}, ["stop"])
+    assert msg.content == "Hi"
+
+
 def test_tool_call_plain_text_and_parallel_false(qwen):
     client, qfake, _ = qwen
     qfake.script = lambda req: text_chunks(_pieces("No tools needed <tool_ here.", 3))
