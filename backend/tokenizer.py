@@ -204,6 +204,16 @@ def render_chat(
             template = ""
         if not _uses(template, "documents"):
             raise ValueError("documents: the chat template does not use documents (they would be dropped)")
+    if any(m.get("role") == "developer" for m in conversation):
+        # OpenAI's `developer` messages are its system instructions. A template that has never
+        # heard of the role (Qwen2.5's, Llama's) skips such a message without a word, so it
+        # renders as the system message it is; a template that names the role gets it as sent.
+        try:
+            template = tokenizer.get_chat_template(chat_template, tool_list)
+        except ValueError:
+            template = ""
+        if "developer" not in template:
+            conversation = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in conversation]
     try:
         text = tokenizer.apply_chat_template(
             conversation,

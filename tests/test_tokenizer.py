@@ -55,6 +55,18 @@ def test_plain_chat_default_system(tok):
     )
 
 
+def test_developer_role_is_the_system_message_where_the_template_lacks_it(tok):
+    # Qwen2.5's template skips a role it does not know: `developer` (OpenAI's system
+    # instructions) would vanish from the prompt.
+    user = {"role": "user", "content": "hi"}
+    as_system = render_chat(tok, [{"role": "system", "content": "dev msg"}, user])
+    assert render_chat(tok, [{"role": "developer", "content": "dev msg"}, user]) == as_system
+    assert "dev msg" in as_system
+    # A template that names the role gets it as sent.
+    own = "{% for m in messages %}[{{ m.role }}{% if m.role == 'developer' %}!{% endif %}]{% endfor %}"
+    assert render_chat(tok, [{"role": "developer", "content": "x"}, user], chat_template=own) == "[developer!][user]"
+
+
 def test_system_and_multi_turn_without_generation_prompt(tok):
     msgs = [
         {"role": "system", "content": "Be brief."},
