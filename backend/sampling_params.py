@@ -360,7 +360,13 @@ def parse_sampling_params(raw: dict[str, Any], defaults: Optional[dict[str, Any]
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err.get("loc", ()))
         msg = err.get("msg", str(exc)).removeprefix("Value error, ")
-        raise SamplingParamsError(f"invalid sampling parameter {loc + ': ' if loc else ''}{msg}") from None
+        if loc:
+            text = f"invalid sampling parameter {loc}: {msg}"
+        elif msg.split(" ", 1)[0] in SamplingParams.model_fields:  # "temperature must be >= 0, ..."
+            text = f"invalid sampling parameter {msg}"
+        else:  # a check across fields ("only one of ..."): no word of it is a parameter's name
+            text = f"invalid sampling parameters: {msg}"
+        raise SamplingParamsError(text) from None
 
 
 def sampling_defaults_mode() -> str:

@@ -41,17 +41,20 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     since chat templates render them with `tojson`.
     """
     out = []
-    for msg in messages:
+    for i, msg in enumerate(messages):
         d = msg.model_dump(exclude_none=True)
         content = d.get("content")
         if content is None:
             d["content"] = ""  # templates expect a string
         elif isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
                 kind = part.get("type")
                 if kind == "text":
-                    texts.append(part.get("text", ""))
+                    if not isinstance(part.get("text"), str):
+                        raise bad_request(f"a text content part needs a string 'text' (messages[{i}].content[{j}])",
+                                          param="messages")
+                    texts.append(part["text"])
                 else:
                     raise unsupported("messages", f"content part type '{kind}' (only text is supported)")
             d["content"] = "\n".join(texts)

@@ -65,7 +65,10 @@ def lone_surrogate_at(value: Any) -> Optional[str]:
 
 
 class _Body(_Strict):
-    """A whole request body: refused as a 400 if any of its text is not valid Unicode."""
+    """A whole request body: refused as a 400 if any of its text is not valid Unicode. Its own
+    float fields refuse NaN and infinities (JSON has neither; Python's parser takes both)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

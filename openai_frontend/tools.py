@@ -61,7 +61,9 @@ def get_parser(name: str) -> Any:
     try:
         return get_tool_parser(name)
     except (KeyError, ValueError) as exc:
-        raise bad_request(f"unknown tool-call parser '{name}': {exc}", param="tool_call_parser") from None
+        # KeyError's str() quotes its message; the message already names the parser.
+        detail = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+        raise bad_request(detail, param="tool_call_parser") from None
 
 
 def parse_complete(parser: Any, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ParsedCall]]:

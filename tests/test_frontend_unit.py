@@ -572,6 +572,19 @@ def test_empty_body_says_so(base_url):
     assert "None" not in r.json()["error"]["message"] and "body" in r.json()["error"]["message"]
 
 
+def test_small_validation_gaps_are_400(base_url):
+    def post(path, body):
+        return httpx.post(base_url + path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+    r = post("/v1/completions", {"model": MODEL, "prompt": "x", "use_beam_search": True, "length_penalty": float("nan")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"
+    r = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]})
+    assert r.status_code == 400 and "content[0]" in r.json()["error"]["message"]
+    r = post("/parse_function_call", {"text": "x", "tool_call_parser": "nope", "tools": []})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "tool_call_parser" and err["message"].count("nope") == 1, err
+
+
 def test_error_unknown_model_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
@@ -906,6 +919,14 @@ def test_error_mapping():
     assert e.status_code == 400 and e.message == "unsupported parameter 'n': n > 1 is not supported yet"
     assert e.param == "n"
     assert map_stream_error("invalid sampling parameter top_p: must be in (0, 1]").param == "top_p"
+    # The engine's own messages: a check across fields names no parameter.
+    from backend.sampling_params import SamplingParamsError, parse_sampling_params
+
+    for raw, param in (({"json_schema": "{}", "regex": "a"}, None), ({"temperature": -1}, "temperature"),
+                       ({"top_k": "x"}, "top_k")):
+        with pytest.raises(SamplingParamsError) as err:
+            parse_sampling_params(raw)
+        assert map_stream_error(str(err.value)).param == param, str(err.value)
     assert map_stream_error("Request for unknown model: 'ensemble' is not found").status_code == 503
     assert map_stream_error("internal error: boom").status_code == 500
 
