@@ -2,14 +2,19 @@
 
     python -m client "Tell me a story" [--model ensemble|llm] [--url localhost:8001]
         [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S]
-        [--stop STR ...] [--chat] [--system TEXT] [--json-params '{"ignore_eos": true}']
+        [--stop STR ...] [--n N] [--chat] [--system TEXT] [--json-params '{"ignore_eos": true}']
         [--no-stream] [--ids] [--stats] [--tokenizer-path models/demo]
 
 Text is printed as it arrives. With `--model ensemble` the server tokenizes and detokenizes.
 With `--model llm` (the engine alone) the prompt is tokenized here with `backend.tokenizer`, and
 each response's detokenization window is decoded here with `backend.detokenizer` exactly as the
 postprocessing model would (`--ids` prints the token ids instead). `--stats` prints the finish
-reason, token counts, time to first token and tokens/s to stderr.
+reason, token counts, time to first token, inter-token latency and tokens/s to stderr.
+
+With n > 1 the samples' responses interleave on the stream; they are told apart by the sample
+index each response carries (meta_info "index"), and printed as one `[sample i]` block per
+sample, in index order (see N_HELP, the end of --help); `--stats` gives a line per sample and a
+total.
 
 Library use:
 
@@ -18,6 +23,8 @@ Library use:
         print(piece, end="", flush=True)
     result = generate_text("Hello", model="llm", max_tokens=16, temperature=0)
     result.text, result.token_ids, result.finish_reason, result.ttft_s
+    # n > 1: one GenerateResult per sample, by index (stream_pieces' pieces carry `.index`)
+    [s.text for s in generate_text("Hello", max_tokens=16, json_params={"n": 2}).samples]
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -51,10 +58,13 @@ class StreamPiece:
     completion_tokens: int
     meta_info: dict[str, Any]
     time_s: float  # seconds since the request was sent
+    index: int = 0  # which of the request's n samples (the response's meta_info "index")
 
 
 @dataclass
 class GenerateResult:
+    """One sample's aggregate. `generate_text` also lists the request's samples in `samples`."""
+
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
@@ -64,6 +74,31 @@ class GenerateResult:
     num_responses: int = 0
     ttft_s: Optional[float] = None
     total_s: float = 0.0
+    index: int = 0  # which of the request's n samples
+    # Mean inter-token latency after the first response that carried tokens: (time of the last
+    # token response - ttft) / tokens after the first response. None with fewer than two.
+    itl_s: Optional[float] = None
+    samples: list["GenerateResult"] = field(default_factory=list)
+    _first_tokens: int = field(default=0, repr=False, compare=False)
+
+    def add(self, piece: StreamPiece) -> None:
+        """Fold in the next response of this sample (its text is appended to `text`)."""
+        self.num_responses += 1
+        self.index = piece.index
+        if piece.token_ids:
+            if self.ttft_s is None:
+                self.ttft_s = piece.time_s
+                self._first_tokens = len(piece.token_ids)
+            else:
+                after_first = len(self.token_ids) + len(piece.token_ids) - self._first_tokens
+                self.itl_s = (piece.time_s - self.ttft_s) / after_first
+        self.text += piece.text
+        self.token_ids.extend(piece.token_ids)
+        self.finish_reason = piece.finish_reason or self.finish_reason
+        self.prompt_tokens = piece.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = piece.completion_tokens or self.completion_tokens
+        self.meta_info = piece.meta_info or self.meta_info
+        self.total_s = piece.time_s
 
 
 def build_sampling(
@@ -75,6 +110,7 @@ def build_sampling(
     min_p: Optional[float] = None,
     seed: Optional[int] = None,
     stop: Optional[Sequence[str]] = None,
+    n: Optional[int] = None,
     json_params: Optional[dict[str, Any] | str] = None,
 ) -> dict[str, Any]:
     """The SGLang sampling parameters of a request: `json_params`, then the named options on top."""
@@ -94,6 +130,7 @@ def build_sampling(
         "min_p": min_p,
         "seed": seed,
         "stop": list(stop) if stop else None,
+        "n": n,
     }
     params.update({k: v for k, v in named.items() if v is not None})
     return params
@@ -206,7 +243,8 @@ def stream_pieces(
     (`reorder`: responses the ensemble delivered out of order are held back until their turn).
 
     `sampling_options` are build_sampling's keywords (max_tokens, temperature, top_p, top_k,
-    min_p, seed, stop, json_params). Closing the iterator early cancels the request.
+    min_p, seed, stop, n, json_params). With n > 1 the samples' responses interleave; each
+    piece's `index` says which sample it belongs to. Closing the iterator early cancels the request.
     """
     sampling = build_sampling(**sampling_options)
     tokenizer = None
@@ -236,14 +274,17 @@ def stream_pieces(
             text = postprocess_arrays(tokenizer, arrays)["text_output"][0].decode("utf-8")
         else:
             text = ""
+        meta = _meta(chunk.get("meta_info"))
+        index = meta.get("index", 0)
         piece = StreamPiece(
             text=text,
             token_ids=ids_list,
             finish_reason=finish,
             prompt_tokens=int(_scalar(chunk.get("prompt_tokens"), 0)),
             completion_tokens=int(_scalar(chunk.get("completion_tokens"), 0)),
-            meta_info=_meta(chunk.get("meta_info")),
+            meta_info=meta,
             time_s=time.perf_counter() - start,
+            index=index if isinstance(index, int) else 0,
         )
         yield from (order.push(piece) if order is not None else [piece])
     if order is not None:
@@ -266,7 +307,7 @@ class _InOrder:
         self.reordered = 0  # responses that arrived before an earlier one
 
     def push(self, piece: StreamPiece) -> list[StreamPiece]:
-        key = piece.meta_info.get("index", 0)
+        key = piece.index
         begin = piece.completion_tokens - len(piece.token_ids)
         done = self.done.get(key, 0)
         if begin > done:
@@ -289,39 +330,189 @@ class _InOrder:
     def flush(self) -> list[StreamPiece]:
         rest = [p for waiting in self.pending.values() for p in waiting]
         self.pending.clear()
-        return sorted(rest, key=lambda p: (p.completion_tokens - len(p.token_ids), p.completion_tokens))
+        return sorted(rest, key=lambda p: (p.index, p.completion_tokens - len(p.token_ids), p.completion_tokens))
 
 
 def stream_text(prompt: Optional[str] = None, **kwargs: Any) -> Iterator[str]:
-    """Stream one generation's text as it arrives (see `stream_pieces` for the keywords)."""
+    """Stream one generation's text as it arrives (see `stream_pieces` for the keywords).
+
+    With n > 1 the samples' text would interleave: use `stream_pieces` (each piece's `index`).
+    """
     for piece in stream_pieces(prompt, **kwargs):
         if piece.text:
             yield piece.text
 
 
 def generate_text(prompt: Optional[str] = None, **kwargs: Any) -> GenerateResult:
-    """Run one generation to the end and aggregate it (see `stream_pieces` for the keywords)."""
-    result = GenerateResult()
-    texts: list[str] = []
+    """Run one generation to the end and aggregate it (see `stream_pieces` for the keywords).
+
+    Responses are grouped by their sample index (meta_info "index"), never by arrival order:
+    `samples` holds one GenerateResult per sample, in index order. The top-level fields are
+    sample 0's (with n == 1, the whole generation), except `num_responses` and `total_s`,
+    which count the whole request.
+    """
+    by_index: dict[int, GenerateResult] = {}
+    num_responses = 0
+    total_s = 0.0
     for piece in stream_pieces(prompt, **kwargs):
-        result.num_responses += 1
-        if result.ttft_s is None and piece.token_ids:
-            result.ttft_s = piece.time_s
-        texts.append(piece.text)
-        result.token_ids.extend(piece.token_ids)
-        result.finish_reason = piece.finish_reason or result.finish_reason
-        result.prompt_tokens = piece.prompt_tokens or result.prompt_tokens
-        result.completion_tokens = piece.completion_tokens or result.completion_tokens
-        result.meta_info = piece.meta_info or result.meta_info
-        result.total_s = piece.time_s
-    result.text = "".join(texts)
+        num_responses += 1
+        total_s = piece.time_s
+        by_index.setdefault(piece.index, GenerateResult(index=piece.index)).add(piece)
+    samples = [by_index[i] for i in sorted(by_index)]
+    first = samples[0] if samples else GenerateResult()
+    result = replace(first, samples=samples, num_responses=num_responses, total_s=total_s,
+                     token_ids=list(first.token_ids), meta_info=dict(first.meta_info))
     return result
+
+
+class SampleWriter:
+    """Prints a request's pieces to `out`, each sample apart from the others.
+
+    n == 1: the text (or, with `ids`, the space-separated token ids) as it arrives, then a
+    newline at the end: plain token-by-token streaming.
+
+    n > 1: one block per sample, in index order, each a `[sample i]` line, the sample's text and
+    a newline. Pieces are grouped by their sample index, never by arrival order. The lowest
+    unfinished sample streams live under its header; the others are held until it finishes,
+    then the next one's held text is printed and it goes on live, so the output reads as
+    --no-stream's while it arrives. A sample index at or above `n` (a server answering with more
+    samples than asked) gets a block of its own in the same way.
+    """
+
+    def __init__(self, out: Any, n: int = 1, ids: bool = False) -> None:
+        self.out = out
+        self.n = max(1, n)
+        self.multi = self.n > 1
+        self.ids = ids
+        self.live = 0  # the sample printed as it arrives
+        self.held: dict[int, list[str]] = {}  # sample index -> text not printed yet
+        self.finished: set[int] = set()
+        self.has_ids: set[int] = set()  # samples whose ids have started (for the separator)
+        self.headed = False  # the live sample's header is out
+
+    def _chunk(self, piece: StreamPiece) -> str:
+        if not self.ids:
+            return piece.text
+        if not piece.token_ids:
+            return ""
+        sep = " " if piece.index in self.has_ids else ""
+        self.has_ids.add(piece.index)
+        return sep + " ".join(map(str, piece.token_ids))
+
+    def _header(self) -> None:
+        if self.multi and not self.headed:
+            self.out.write(f"[sample {self.live}]\n")
+        self.headed = True
+
+    def _end_live(self) -> None:
+        """The live sample is done: close its block, then print held samples until one is unfinished."""
+        while True:
+            self._header()
+            self.out.write("".join(self.held.pop(self.live, [])) + "\n")
+            self.live += 1
+            self.headed = False
+            if self.live not in self.held and self.live >= self.n:
+                return
+            self._header()
+            self.out.write("".join(self.held.pop(self.live, [])))
+            if self.live not in self.finished:
+                return
+
+    def feed(self, piece: StreamPiece) -> None:
+        chunk = self._chunk(piece)
+        if not self.multi and piece.index == 0:
+            self.out.write(chunk)
+        elif piece.index == self.live:
+            self._header()
+            self.out.write(chunk)
+            if piece.finish_reason:
+                self.finished.add(piece.index)
+                self._end_live()
+        else:
+            # Another sample (or, with n == 1, an unexpected one: printed as its own block at the end).
+            self.held.setdefault(piece.index, []).append(chunk)
+            if piece.finish_reason:
+                self.finished.add(piece.index)
+        self.out.flush()
+
+    def close(self) -> None:
+        """The stream ended: print what is still held (unfinished samples included), in index order."""
+        if not self.multi:
+            self.out.write("\n")
+            for index in sorted(self.held):
+                self.out.write(f"[sample {index}]\n" + "".join(self.held.pop(index)) + "\n")
+        else:
+            if self.headed or self.live in self.held:
+                self._header()
+                self.out.write("".join(self.held.pop(self.live, [])) + "\n")
+            for index in sorted(self.held):
+                self.out.write(f"[sample {index}]\n" + "".join(self.held.pop(index)) + "\n")
+        self.out.flush()
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.3f}s"
+
+
+def stats_line(sample: GenerateResult, label: str = "") -> str:
+    """One sample's --stats line: finish reason, counts, TTFT, ITL, total and decode rate."""
+    decode_s = sample.total_s - (sample.ttft_s or 0.0)
+    after_first = sample.completion_tokens - sample._first_tokens if sample.ttft_s is not None else 0
+    rate = after_first / decode_s if after_first > 0 and decode_s > 0 else float("nan")
+    itl = "n/a" if sample.itl_s is None else f"{sample.itl_s * 1000:.2f}ms"
+    return (
+        f"[{label}finish_reason={sample.finish_reason} prompt_tokens={sample.prompt_tokens} "
+        f"completion_tokens={sample.completion_tokens} ttft={_seconds(sample.ttft_s)} itl={itl} "
+        f"total={sample.total_s:.3f}s decode={rate:.1f} tok/s meta={json.dumps(sample.meta_info)}]"
+    )
+
+
+def stats_lines(samples: Sequence[GenerateResult], n: int = 1) -> list[str]:
+    """--stats: n == 1, one line as ever; n > 1, a line per sample then a total line."""
+    samples = sorted(samples, key=lambda r: r.index)
+    if n <= 1 and len(samples) == 1:
+        return [stats_line(samples[0])]
+    lines = [stats_line(s, f"sample {s.index}: ") for s in samples]
+    ttfts = [s.ttft_s for s in samples if s.ttft_s is not None]
+    total_s = max((s.total_s for s in samples), default=0.0)
+    tokens = sum(s.completion_tokens for s in samples)
+    reasons: dict[str, int] = {}
+    for s in samples:
+        reasons[s.finish_reason or "unfinished"] = reasons.get(s.finish_reason or "unfinished", 0) + 1
+    rate = tokens / total_s if total_s > 0 else float("nan")
+    lines.append(
+        f"[total: samples={len(samples)}/{n} prompt_tokens={max((s.prompt_tokens for s in samples), default=0)} "
+        f"completion_tokens={tokens} finish_reasons={','.join(f'{k}:{v}' for k, v in reasons.items())} "
+        f"ttft={_seconds(min(ttfts) if ttfts else None)} total={total_s:.3f}s throughput={rate:.1f} tok/s]"
+    )
+    return lines
+
+
+N_HELP = """\
+n > 1 (--n 2, or "n" in --json-params): the samples' responses arrive interleaved; the client
+groups them by each response's sample index (meta_info "index"), never by arrival order, and
+prints one block per sample, in index order:
+
+  [sample 0]
+  <sample 0's text>
+  [sample 1]
+  <sample 1's text>
+
+Streaming, the lowest unfinished sample is printed live under its header while the others are
+held; when it finishes, the next sample's held text is printed and it goes on live. So the
+output is the same as --no-stream's, shown as it arrives. --ids prints each sample's ids the
+same way. --stats prints one line per sample ("[sample i: finish_reason=... completion_tokens=...
+ttft=... itl=... ...]") and a "[total: ...]" line. With n == 1 the text streams as it arrives,
+with no header, as always.
+"""
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m client",
         description="Stream a generation from tritonserver (ensemble or llm model) over gRPC.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=N_HELP,
     )
     p.add_argument("prompt", nargs="?", help="prompt text (read from stdin when omitted or '-')")
     p.add_argument("--model", choices=MODELS, default="ensemble",
@@ -334,6 +525,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", nargs="+", default=None, metavar="STR", help="stop strings")
+    p.add_argument("-n", "--n", type=int, default=None, metavar="N",
+                   help="samples of the prompt (SGLang's n; also accepted in --json-params); see below for the output")
     p.add_argument("--json-params", default=None, metavar="JSON",
                    help='any SGLang sampling parameters as a JSON object, e.g. \'{"ignore_eos": true}\'; '
                         "the named options above override it")
@@ -343,9 +536,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="comma-separated prompt token ids instead of text")
     p.add_argument("--input-embeds", default=None, metavar="FILE.npy",
                    help="the prompt as embeddings instead of text: a numpy file of shape [num_tokens, hidden_size]")
-    p.add_argument("--no-stream", action="store_true", help="ask for one response with the whole result")
+    p.add_argument("--no-stream", action="store_true",
+                   help="ask for one response with the whole result (one per sample with n > 1)")
     p.add_argument("--ids", action="store_true", help="print token ids as they arrive instead of text")
-    p.add_argument("--stats", action="store_true", help="print finish reason, counts, TTFT and tokens/s to stderr")
+    p.add_argument("--stats", action="store_true",
+                   help="print finish reason, token counts, TTFT, ITL and tokens/s to stderr "
+                        "(with n > 1: a line per sample, then a total line)")
     p.add_argument("--tokenizer-path", default=DEFAULT_TOKENIZER,
                    help="HF model directory for local (de)tokenization with --model llm (default: models/demo)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each response")
@@ -379,10 +575,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prompt = sys.stdin.read()
     from tritonclient.utils import InferenceServerException
 
-    out = sys.stdout
-    last: Optional[StreamPiece] = None
-    ttft = None
-    first_ids = True
+    sampling_options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop, n=args.n,
+                            json_params=args.json_params)
+    try:
+        n = build_sampling(**sampling_options).get("n", 1)
+    except ValueError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    n = n if isinstance(n, int) and not isinstance(n, bool) else 1  # the server refuses a bad one
+    writer = SampleWriter(sys.stdout, n=n, ids=args.ids)
+    samples: dict[int, GenerateResult] = {}
+
+    def report() -> None:
+        if args.stats and samples:
+            for line in stats_lines(list(samples.values()), n):
+                print(line, file=sys.stderr)
+
     try:
         for piece in stream_pieces(
             prompt,
@@ -396,42 +605,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             detokenize=not args.ids,
             tokenizer_path=args.tokenizer_path,
             timeout=args.timeout,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.seed,
-            stop=args.stop,
-            json_params=args.json_params,
+            **sampling_options,
         ):
-            if ttft is None and piece.token_ids:
-                ttft = piece.time_s
-            if args.ids:
-                if piece.token_ids:
-                    out.write(("" if first_ids else " ") + " ".join(map(str, piece.token_ids)))
-                    first_ids = False
-            else:
-                out.write(piece.text)
-            out.flush()
-            last = piece
+            samples.setdefault(piece.index, GenerateResult(index=piece.index)).add(piece)
+            writer.feed(piece)
     except KeyboardInterrupt:
+        if writer.multi:
+            writer.close()  # what the samples generated so far, each in its block
         print("\n[interrupted: request cancelled]", file=sys.stderr)
         return 130
     except (InferenceServerException, ValueError, RuntimeError, OSError) as exc:
+        if writer.multi:
+            writer.close()
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
-    out.write("\n")
-    out.flush()
-    if args.stats and last is not None:
-        decode_s = last.time_s - (ttft or 0.0)
-        rate = (last.completion_tokens - 1) / decode_s if last.completion_tokens > 1 and decode_s > 0 else float("nan")
-        print(
-            f"[finish_reason={last.finish_reason} prompt_tokens={last.prompt_tokens} "
-            f"completion_tokens={last.completion_tokens} ttft={ttft if ttft is not None else float('nan'):.3f}s "
-            f"total={last.time_s:.3f}s decode={rate:.1f} tok/s meta={json.dumps(last.meta_info)}]",
-            file=sys.stderr,
-        )
+    writer.close()
+    report()
     return 0
 
 
