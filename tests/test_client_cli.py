@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from client.cli import StreamPiece, _InOrder, build_inputs, build_sampling, generate_text, stream_pieces
+import client.cli as cli
+from client.cli import (GenerateResult, SampleWriter, StreamPiece, _InOrder, build_inputs, build_sampling,
+                        generate_text, stats_lines, stream_pieces)
 from client.local_server import REPO_ROOT
 
 MAX_NEW = 12
@@ -35,6 +39,169 @@ def test_out_of_order_responses_are_put_back_in_generation_order():
     out = [p for a in arrivals for p in order.push(a)] + order.flush()
     assert [p.token_ids for p in out] == [[1], [2], [3], []] and out[-1].finish_reason == "length"
     assert order.reordered == 2
+
+
+def _piece(index, ids, total, finish="", t=0.0, text=None):
+    return StreamPiece(text="".join(f"<{index}:{i}>" for i in ids) if text is None else text, token_ids=ids,
+                       finish_reason=finish, prompt_tokens=3, completion_tokens=total,
+                       meta_info={"index": index}, time_s=t, index=index)
+
+
+def _write(pieces, n, ids=False):
+    out = io.StringIO()
+    writer = SampleWriter(out, n=n, ids=ids)
+    seen = []
+    for p in pieces:
+        writer.feed(p)
+        seen.append(out.getvalue())
+    writer.close()
+    return out.getvalue(), seen
+
+
+def test_single_sample_streams_plain_text_and_ids():
+    pieces = [_piece(0, [1], 1), _piece(0, [2, 3], 3), _piece(0, [], 3, "stop")]
+    text, seen = _write(pieces, n=1)
+    assert text == "<0:1><0:2><0:3>\n" and seen[0] == "<0:1>"  # as it arrives, no header
+    assert _write(pieces, n=1, ids=True)[0] == "1 2 3\n"
+
+
+# Sample 1 is ahead of sample 0 and finishes first; arrival order interleaves them.
+INTERLEAVED = [_piece(0, [10], 1, t=0.10), _piece(1, [20], 1, t=0.11), _piece(1, [21], 2, t=0.12),
+               _piece(0, [11], 2, t=0.13), _piece(1, [22], 3, "stop", t=0.14), _piece(0, [12], 3, t=0.15),
+               _piece(0, [13], 4, "length", t=0.16)]
+
+
+def test_interleaved_samples_are_grouped_by_index_and_labelled():
+    text, seen = _write(INTERLEAVED, n=2)
+    assert text == "[sample 0]\n<0:10><0:11><0:12><0:13>\n[sample 1]\n<1:20><1:21><1:22>\n"
+    # Sample 0 streams live; sample 1 is held until sample 0 ends.
+    assert seen[0] == "[sample 0]\n<0:10>" and seen[4] == "[sample 0]\n<0:10><0:11>"
+    assert seen[-1] == text  # everything out once the last sample finished
+    ids, _ = _write(INTERLEAVED, n=2, ids=True)
+    assert ids == "[sample 0]\n10 11 12 13\n[sample 1]\n20 21 22\n"
+
+
+def test_next_sample_goes_live_after_the_live_one_finishes():
+    pieces = [_piece(0, [1], 1), _piece(2, [30], 1), _piece(1, [20], 1), _piece(2, [31], 2, "stop"),
+              _piece(0, [2], 2, "stop"), _piece(1, [21], 2), _piece(1, [22], 3, "length")]
+    text, seen = _write(pieces, n=3)
+    # Sample 0 ends: sample 1's held text comes out under its header, then it goes on live.
+    assert seen[4] == "[sample 0]\n<0:1><0:2>\n[sample 1]\n<1:20>"
+    assert seen[5] == seen[4] + "<1:21>"
+    assert text == ("[sample 0]\n<0:1><0:2>\n[sample 1]\n<1:20><1:21><1:22>\n"
+                    "[sample 2]\n<2:30><2:31>\n")
+
+
+def test_no_stream_samples_arrive_whole_in_any_order():
+    pieces = [_piece(1, [20, 21], 2, "length"), _piece(0, [10, 11], 2, "stop")]
+    text, seen = _write(pieces, n=2)
+    assert seen[0] == ""  # sample 1 waits for sample 0
+    assert text == "[sample 0]\n<0:10><0:11>\n[sample 1]\n<1:20><1:21>\n"
+
+
+def test_a_cut_short_stream_still_prints_every_sample_apart():
+    out = io.StringIO()
+    writer = SampleWriter(out, n=3)
+    for p in [_piece(0, [1], 1), _piece(2, [30], 1), _piece(0, [2], 2)]:
+        writer.feed(p)
+    writer.close()  # e.g. the server failed: no finish reasons
+    assert out.getvalue() == "[sample 0]\n<0:1><0:2>\n[sample 2]\n<2:30>\n"
+    out = io.StringIO()
+    SampleWriter(out, n=2).close()  # nothing arrived (an error before the first response): no empty blocks
+    assert out.getvalue() == ""
+    # A sample index the request did not ask for never lands inside sample 0's text.
+    text, _ = _write([_piece(0, [1], 1), _piece(1, [5], 1, "stop"), _piece(0, [2], 2, "stop")], n=1)
+    assert text == "<0:1><0:2>\n[sample 1]\n<1:5>\n"
+
+
+def test_out_of_order_responses_of_interleaved_samples_are_reordered_per_sample():
+    order = _InOrder()
+    arrivals = [_piece(0, [10], 1), _piece(1, [21], 2), _piece(0, [11], 2), _piece(1, [20], 1),
+                _piece(1, [], 2, "stop"), _piece(0, [], 2, "length")]
+    out = [p for a in arrivals for p in order.push(a)] + order.flush()
+    assert [(p.index, p.token_ids) for p in out if p.index == 1] == [(1, [20]), (1, [21]), (1, [])]
+    assert [(p.index, p.token_ids) for p in out if p.index == 0] == [(0, [10]), (0, [11]), (0, [])]
+
+
+def _stats(pieces):
+    samples = {}
+    for p in pieces:
+        samples.setdefault(p.index, GenerateResult(index=p.index)).add(p)
+    return samples
+
+
+def test_stats_per_sample_and_total():
+    samples = _stats(INTERLEAVED)
+    s0, s1 = samples[0], samples[1]
+    assert (s0.completion_tokens, s0.finish_reason, s0.ttft_s, s0.total_s) == (4, "length", 0.10, 0.16)
+    assert s0.itl_s == pytest.approx(0.02) and s1.itl_s == pytest.approx(0.015)
+    lines = stats_lines(list(samples.values()), n=2)
+    assert len(lines) == 3
+    assert lines[0].startswith("[sample 0: finish_reason=length prompt_tokens=3 completion_tokens=4 ttft=0.100s "
+                               "itl=20.00ms total=0.160s")
+    assert lines[1].startswith("[sample 1: finish_reason=stop prompt_tokens=3 completion_tokens=3 ttft=0.110s "
+                               "itl=15.00ms total=0.140s")
+    assert lines[2].startswith("[total: samples=2/2 prompt_tokens=3 completion_tokens=7 "
+                               "finish_reasons=length:1,stop:1 ttft=0.100s total=0.160s")
+    # n == 1: the one line of old; a response carrying all tokens at once has no ITL.
+    one = stats_lines(list(_stats([_piece(0, [1, 2, 3], 3, "stop", t=0.5)]).values()), n=1)
+    assert len(one) == 1 and one[0].startswith("[finish_reason=stop prompt_tokens=3 completion_tokens=3 "
+                                               "ttft=0.500s itl=n/a total=0.500s decode=nan tok/s")
+
+
+class FakeStreamClient:
+    """Stands in for TritonStreamClient: replays ensemble responses (sample index in meta_info)."""
+
+    def __init__(self, url="fake"):
+        self.url = url
+        self.values = None
+
+    def stream_generate(self, model, values, timeout=300.0):
+        self.values = values
+        n = json.loads(values.get("sampling_parameters", "{}")).get("n", 1)
+        tokens = {index: [100 * index + t for t in (1, 2, 3)] for index in range(n)}
+        if values["stream"]:  # a token per response, samples interleaved
+            arrivals = [(i, [t]) for i, t in ((0, 0), (1, 0), (1, 1), (0, 1), (1, 2), (0, 2)) if i < n]
+        else:  # one response per sample, the last sample first
+            arrivals = [(i, tokens[i]) for i in reversed(range(n))]
+        sent = {index: 0 for index in tokens}
+        for index, chunk in arrivals:
+            ids = tokens[index][sent[index]:sent[index] + 1] if values["stream"] else chunk
+            sent[index] += len(ids)
+            yield {"text_output": "".join(f"<{i}>" for i in ids), "output_ids": np.asarray(ids, dtype=np.int32),
+                   "finish_reason": "length" if sent[index] == 3 else "",
+                   "prompt_tokens": np.asarray([2], dtype=np.int32),
+                   "completion_tokens": np.asarray([sent[index]], dtype=np.int32),
+                   "meta_info": json.dumps({"index": index})}
+
+
+def test_generate_text_keeps_samples_apart():
+    fake = FakeStreamClient()
+    result = generate_text("hi", client=fake, json_params={"n": 2})
+    assert [(s.index, s.text, s.token_ids, s.finish_reason) for s in result.samples] == [
+        (0, "<1><2><3>", [1, 2, 3], "length"), (1, "<101><102><103>", [101, 102, 103], "length")]
+    assert result.text == "<1><2><3>" and result.num_responses == 6  # top level: sample 0, whole request
+    single = generate_text("hi", client=fake)
+    assert single.text == "<1><2><3>" and len(single.samples) == 1 and single.samples[0].text == single.text
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_cli_main_prints_labelled_samples_and_per_sample_stats(monkeypatch, capsys, stream):
+    monkeypatch.setattr(cli, "TritonStreamClient", FakeStreamClient)
+    extra = [] if stream else ["--no-stream"]
+    assert cli.main(["hi", "--json-params", '{"n": 2}', "--stats", *extra]) == 0
+    out, err = capsys.readouterr()
+    assert out == "[sample 0]\n<1><2><3>\n[sample 1]\n<101><102><103>\n"
+    lines = err.splitlines()
+    assert [line.split(" ")[0:2] for line in lines[:2]] == [["[sample", "0:"], ["[sample", "1:"]]
+    assert "completion_tokens=3" in lines[0] and "finish_reason=length" in lines[1]
+    assert lines[2].startswith("[total: samples=2/2 prompt_tokens=2 completion_tokens=6 finish_reasons=length:2")
+    # --n is the same request; n == 1 streams plain text and one stats line.
+    assert cli.main(["hi", "--n", "2", *extra]) == 0
+    assert capsys.readouterr().out == out
+    assert cli.main(["hi", "--stats", *extra]) == 0
+    out, err = capsys.readouterr()
+    assert out == "<1><2><3>\n" and err.startswith("[finish_reason=length") and len(err.splitlines()) == 1
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +247,29 @@ def test_cli_streams_text_and_ids(server, demo_model_path):
     assert [int(t) for t in ids.stdout.split()] == ref.token_ids
     chat = run_cli("Say hi", *common, "--chat", "--no-stream", "--stop", "zzzz")
     assert chat.returncode == 0 and chat.stdout.strip()
+
+
+def test_cli_keeps_n_samples_apart(server, demo_model_path):
+    # Two seeded samples, streamed (their responses interleave) and not: each its own block.
+    params = {"n": 2, "seed": 1, "ignore_eos": True}
+    ref = generate_text("Hello", url=server.grpc_url, max_tokens=MAX_NEW, json_params=params)
+    assert [s.index for s in ref.samples] == [0, 1]
+    assert all(s.completion_tokens == MAX_NEW == len(s.token_ids) and s.finish_reason == "length" for s in ref.samples)
+    assert ref.samples[0].token_ids != ref.samples[1].token_ids
+    expected = "".join(f"[sample {s.index}]\n{s.text}\n" for s in ref.samples)
+    common = ["--url", server.grpc_url, "--max-tokens", str(MAX_NEW), "--json-params", json.dumps(params), "--stats"]
+    for extra in ([], ["--no-stream"], ["--model", "llm", "--tokenizer-path", str(demo_model_path)]):
+        out = run_cli("Hello", *common, *extra)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == expected, extra
+        lines = out.stderr.splitlines()
+        assert lines[0].startswith("[sample 0: finish_reason=length") and lines[1].startswith("[sample 1: ")
+        assert all(f"completion_tokens={MAX_NEW}" in line for line in lines[:2])
+        assert lines[2].startswith(f"[total: samples=2/2 prompt_tokens={ref.prompt_tokens} "
+                                   f"completion_tokens={2 * MAX_NEW} finish_reasons=length:2")
+    ids = run_cli("Hello", *common, "--ids", "--model", "llm", "--tokenizer-path", str(demo_model_path))
+    assert ids.returncode == 0, ids.stderr
+    assert ids.stdout == "".join(f"[sample {s.index}]\n{' '.join(map(str, s.token_ids))}\n" for s in ref.samples)
 
 
 def test_cli_sends_input_embeds_to_either_model(server, demo_model_path, tmp_path):
