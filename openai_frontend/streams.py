@@ -60,26 +60,37 @@ async def iterate_choices(client: EngineClient, requests: Sequence[EngineRequest
         base = offsets[k]
         try:
             async for chunk in stream:
-                queue.put_nowait((base + chunk.index, chunk))
-            queue.put_nowait((k, _END))
+                queue.put_nowait((k, base + chunk.index, chunk))
+            queue.put_nowait((k, -1, _END))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the consumer, which raises it
-            queue.put_nowait((k, exc))
+            queue.put_nowait((k, -1, exc))
         finally:
             await stream.aclose()
 
     tasks = [asyncio.create_task(pump(k, r)) for k, r in enumerate(requests)]
     remaining = len(tasks)
+    # Nothing goes out until every prompt has been heard from: a prompt the server refuses (too
+    # long, say) is then the request's 400, as in vLLM, not an error event after another
+    # prompt's 200 and first tokens. The prompts are prefilled together, so this holds the
+    # first chunk back only by their spread in time to first token.
+    unheard = set(range(len(requests)))
+    held: list[Item] = []
     try:
         while remaining:
-            index, item = await queue.get()
+            k, index, item = await queue.get()
+            unheard.discard(k)
             if item is _END:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield index, item
+                held.append((index, item))
+            if not unheard:
+                for got in held:
+                    yield got
+                held.clear()
     finally:
         for task in tasks:
             task.cancel()

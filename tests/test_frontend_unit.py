@@ -322,6 +322,22 @@ def test_completions_batch_tokens_echo_and_stream(client, fake):
     assert usage.completion_tokens == len(PIECES) and usage.prompt_tokens == 7
 
 
+def test_streamed_batch_with_a_refused_prompt_is_a_400_before_any_chunk(client, fake):
+    # The short prompt's chunks come first; the long one's refusal must still be the answer.
+    fake.delay = 0.01  # each stream sleeps before each item: the short prompt's first chunk leads
+    fake.script = lambda req: ([APIError(400, "the prompt is too long: 9999 tokens, the context is 1024")]
+                               if req.text_input == "long" else text_chunks(PIECES))
+    with pytest.raises(openai.BadRequestError) as err:
+        list(client.completions.create(model=MODEL, prompt=["short", "long"], stream=True))
+    assert "too long" in _error(err)["message"]
+    fake.script = lambda req: text_chunks(PIECES)
+    got = {}
+    for chunk in client.completions.create(model=MODEL, prompt=["a", "b", "c"], stream=True):
+        for c in chunk.choices:
+            got[c.index] = got.get(c.index, "") + c.text
+    assert got == {0: "".join(PIECES), 1: "".join(PIECES), 2: "".join(PIECES)}
+
+
 def _scored_samples(fake, means):
     """Each sample the fake generates gets the next mean logprob per token from `means`."""
     it = iter(means)
