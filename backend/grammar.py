@@ -42,16 +42,17 @@ JSON schema settings and why:
 * ``any_whitespace=True`` with at most ``JSON_MAX_WHITESPACE`` consecutive whitespace characters:
   models may format JSON as they were trained to (compact or indented), but a model cannot
   emit whitespace forever between two tokens of the document.
-* ``minLength``/``maxLength`` on a string without a ``pattern`` or ``format`` are rewritten into
-  the equivalent ``pattern`` ``^[\s\S]{min,max}$`` before compiling. xgrammar 0.2.8 compiles
-  length-bounded strings to a bare character class that admits raw control characters
+* ``minLength``/``maxLength`` on a string without a ``pattern`` or a format xgrammar knows are
+  rewritten into the equivalent ``pattern`` ``^[\s\S]{min,max}$`` before compiling. xgrammar 0.2.8
+  compiles length-bounded strings to a bare character class that admits raw control characters
   (U+0000-U+001F), which makes invalid JSON (mlc-ai/xgrammar#800; fixes pending in #822/#880); its ``pattern`` path is
   JSON-string aware and never emits them. Both paths count code points and neither emits escape
-  sequences (``\n``, ``\"``) inside a bounded string. A string with both a ``pattern`` (or
-  ``format``) and a length bound keeps only the ``pattern`` (xgrammar ignores the bound there, with
-  a warning), so such output may break the bound.
+  sequences (``\n``, ``\"``) inside a bounded string.
 * The schema is checked against its JSON Schema meta-schema first (``jsonschema``), so a typo such
   as ``"type": "strin"`` or ``"minLength": -1`` is refused with the meta-schema's message.
+* Then every keyword xgrammar 0.2.8 would compile to nothing (``not``, ``if``, ``uniqueItems``,
+  ``allOf`` of two schemas, a length bound beside a ``pattern``, ...) is refused with its JSON
+  path (``_check_enforceable``): output would break the schema the client gave.
 """
 
 from __future__ import annotations
@@ -59,12 +60,13 @@ from __future__ import annotations
 import atexit
 import collections
 import json
+import math
 import re
 import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Optional
+from typing import Any, Callable, Collection, Iterable, NoReturn, Optional
 
 import torch
 
@@ -217,7 +219,7 @@ def _check_json_schema(schema: Any) -> None:
     try:
         import jsonschema
     except ImportError:  # xgrammar still reports what it cannot convert
-        return
+        return _check_enforceable(schema)
     try:
         cls = jsonschema.validators.validator_for(schema)
         cls.check_schema(schema)
@@ -226,6 +228,229 @@ def _check_json_schema(schema: Any) -> None:
         raise GrammarError(f"invalid json_schema: {exc.message}" + (f" (at {where})" if where else "")) from None
     except Exception as exc:  # unknown $schema dialect and the like
         raise GrammarError(f"invalid json_schema: {exc}") from None
+    _check_enforceable(schema)
+
+
+# xgrammar 0.2.8 compiles some JSON Schema keywords to nothing (at most a warning in the server's
+# log), so its output could break the schema the client gave. Every such keyword is refused here
+# instead, naming it and its JSON path. Each entry was found by experiment: compile a schema with
+# xgrammar and see whether its matcher accepts a document jsonschema rejects
+# (tests/test_grammar_schema_keywords.py keeps every finding, and fails once xgrammar enforces one).
+# Keywords that only annotate (title, description, default, examples, $comment, ...) and unknown
+# keywords are accepted: they constrain nothing.
+_IGNORED = frozenset({"not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+                      "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef"})
+# Keywords that constrain an instance (JSON Schema 2020-12 validation and applicators, and draft 7's).
+_ASSERTING = _IGNORED | frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "maxProperties",
+    "minProperties", "required", "properties", "patternProperties", "additionalProperties", "propertyNames",
+    "items", "prefixItems", "additionalItems", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf",
+    "oneOf", "$ref"})
+# xgrammar compiles the first of these a schema holds and drops every other keyword beside it.
+_FIRST_WINS = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+# Keywords for one JSON type: xgrammar reads them only under a "type" (or one it infers from
+# properties/additionalProperties/unevaluatedProperties, or items/prefixItems/unevaluatedItems).
+_TYPED = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+                    "maxLength", "pattern", "format", "minItems", "maxItems", "required", "minProperties",
+                    "maxProperties", "patternProperties", "propertyNames"})
+# The formats xgrammar 0.2.8 compiles to a pattern. Calendar validity is not checked (2024-02-30
+# passes as a date); other formats are annotations, as JSON Schema 2020-12 has them by default.
+_XGRAMMAR_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
+                               "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+_MISSING = object()
+
+
+def _check_enforceable(schema: Any) -> None:
+    """Raise GrammarError naming the first keyword (and its JSON path) of ``schema`` that xgrammar
+    0.2.8 would not enforce; see the tables above."""
+
+    def refuse(what: str, path: str, why: str = "the grammar cannot enforce it") -> NoReturn:
+        raise GrammarError(f"invalid json_schema: {what} at {path} is not supported ({why})")
+
+    def resolve(ref: str) -> Any:  # as xgrammar does: '#', or '#/' and object keys (no ~ or % escapes)
+        node = schema
+        for part in ref[1:].split("/"):
+            if part:
+                if not isinstance(node, dict) or part not in node:
+                    return _MISSING
+                node = node[part]
+        return node
+
+    validator = None
+
+    def satisfies(value: Any, node: dict) -> bool:
+        nonlocal validator
+        try:
+            import jsonschema
+        except ImportError:
+            return False
+        try:
+            if validator is None:
+                validator = jsonschema.validators.validator_for(schema)(schema)
+            return validator.evolve(schema=node).is_valid(value)
+        except Exception:  # a reference jsonschema cannot resolve: xgrammar's compile names it
+            return True
+
+    def number(node: dict, key: str) -> Optional[float]:
+        v = node.get(key)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+    def visit(node: Any, path: str, default_type: Optional[str] = None) -> None:
+        if not isinstance(node, dict):
+            return
+        for kw, value in node.items():
+            if kw in _IGNORED or (kw == "uniqueItems" and value is True):
+                refuse(f"'{kw}'", path)
+        ref = node.get("$ref")
+        if "$ref" in node and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+            refuse(f"'$ref' {json.dumps(ref)}", path, "only references within the schema, '#' or '#/...', are")
+        first = next((kw for kw in _FIRST_WINS if kw in node), None)
+        if first is not None:
+            dropped = [kw for kw in node if kw in _ASSERTING and kw != first
+                       and not (kw == "uniqueItems" and node[kw] is False)]
+            if first in ("const", "enum"):  # the output is one of the values: each must satisfy the rest
+                values = [node["const"]] if first == "const" else node["enum"] if isinstance(node["enum"], list) else []
+                bad = next((v for v in values if dropped and not satisfies(v, node)), _MISSING)
+                if bad is not _MISSING:
+                    text = json.dumps(bad)
+                    text = text if len(text) <= 60 else text[:57] + "..."
+                    refuse(f"'{first}' value {text} that breaks the keywords beside it", path,
+                           f"the grammar enforces only the '{first}' there")
+            elif dropped:
+                refuse(f"'{dropped[0]}' beside '{first}'", path,
+                       f"the grammar enforces only the '{first}' there; move '{dropped[0]}' into it")
+            if first == "allOf" and isinstance(node["allOf"], list) and len(node["allOf"]) > 1:
+                refuse("'allOf' of more than one schema", path, "the grammar cannot enforce it; merge them into one")
+        else:
+            t = node.get("type", default_type)
+            types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+            if not types and any(k in node for k in ("properties", "additionalProperties", "unevaluatedProperties")):
+                types = {"object"}
+            elif not types and any(k in node for k in ("items", "prefixItems", "unevaluatedItems")):
+                types = {"array"}
+            elif not types:
+                for kw in node:
+                    if kw in _TYPED:
+                        refuse(f"'{kw}' without a 'type'", path, "the grammar applies it only under a 'type'; add one")
+            if "multipleOf" in node and types & {"integer", "number"}:
+                m = number(node, "multipleOf")
+                los = [math.ceil(v) for v in (number(node, "minimum"),) if v is not None]
+                los += [math.floor(v) + 1 for v in (number(node, "exclusiveMinimum"),) if v is not None]
+                his = [math.floor(v) for v in (number(node, "maximum"),) if v is not None]
+                his += [math.ceil(v) - 1 for v in (number(node, "exclusiveMaximum"),) if v is not None]
+                bounded = not (los or his) or bool(los and his and min(his) - max(los) + 1 <= 10000)
+                if "number" in types or m is None or m != int(m) or not 1 <= m <= 1024 or not bounded:
+                    refuse("'multipleOf'", path, "the grammar enforces it only for type 'integer', a whole "
+                           "multipleOf from 1 to 1024, and no bounds or a range of at most 10000 integers")
+            if "string" in types:
+                fmt = node.get("format") if node.get("format") in _XGRAMMAR_FORMATS else None
+                for kw in ("minLength", "maxLength", "pattern"):
+                    keeps = "format" if fmt else "pattern" if kw != "pattern" and "pattern" in node else None
+                    if kw in node and keeps:
+                        refuse(f"'{kw}' beside '{keeps}'", path, f"the grammar enforces only the '{keeps}' there")
+                if isinstance(node.get("pattern"), str) and _has_lookahead(node["pattern"]):
+                    refuse("'pattern' with a lookahead", path, "the grammar ignores lookaheads")
+            if "object" in types and isinstance(node.get("required"), list):
+                declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+                for name in node["required"]:
+                    if name not in declared:
+                        refuse(f"'required' name {json.dumps(name)} not under 'properties'", path,
+                               "the grammar requires only declared properties; declare it")
+        for kw in ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems"):
+            visit(node.get(kw), f"{path}.{kw}")
+        visit(node.get("propertyNames"), f"{path}.propertyNames", "string")
+        for kw in ("properties", "patternProperties", "$defs", "definitions"):
+            if isinstance(node.get(kw), dict):
+                for key, sub in node[kw].items():
+                    name = f".{key}" if re.fullmatch(r"[A-Za-z_$][\w$-]*", key) else f"[{json.dumps(key)}]"
+                    visit(sub, f"{path}.{kw}{name}")
+        for kw in ("prefixItems", "anyOf", "oneOf", "allOf"):
+            if isinstance(node.get(kw), list):
+                for i, sub in enumerate(node[kw]):
+                    visit(sub, f"{path}.{kw}[{i}]")
+        if first == "oneOf" and isinstance(node["oneOf"], list) and not _disjoint(node["oneOf"], resolve):
+            refuse("'oneOf' whose schemas may overlap", path, "the grammar compiles it as 'anyOf'; use 'anyOf', "
+                   "or give each schema a required property with its own 'const'")
+
+    visit(schema, "$")
+
+
+def _has_lookahead(pattern: str) -> bool:
+    """Whether a regex holds ``(?=`` or ``(?!`` outside a character class (xgrammar 0.2.8 drops a
+    lookahead in a JSON schema's ``pattern``, with a warning; lookbehinds it refuses)."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif pattern.startswith(("(?=", "(?!"), i):
+            return True
+        i += 1
+    return False
+
+
+def _disjoint(schemas: list, resolve: Callable[[str], Any]) -> bool:
+    """Whether no instance can match two of ``schemas`` (a sound, partial proof): every pair differs
+    in its types, in its const/enum values, or, both objects, in the const/enum values of a
+    property both require (a discriminator). xgrammar compiles a ``oneOf`` it cannot prove so as an
+    ``anyOf``, which is the same only when its schemas are disjoint."""
+
+    def deref(node: Any) -> Any:
+        for _ in range(32):
+            if not (isinstance(node, dict) and isinstance(node.get("$ref"), str)):
+                return node
+            node = resolve(node["$ref"])
+        return None
+
+    def values(node: dict) -> Optional[list]:
+        if "const" in node:
+            return [node["const"]]
+        return node["enum"] if isinstance(node.get("enum"), list) else None
+
+    def types(node: dict) -> Optional[set]:
+        t = node.get("type")
+        ts = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+        return ts | {"integer"} if ts and "number" in ts else ts  # an integer is a number
+
+    def type_of(v: Any) -> set:
+        if isinstance(v, bool):
+            return {"boolean"}
+        if isinstance(v, (int, float)):
+            return {"integer", "number"} if float(v).is_integer() else {"number"}
+        return {{type(None): "null", str: "string", list: "array", dict: "object"}.get(type(v), "object")}
+
+    def apart(a: Any, b: Any) -> bool:
+        if a is _MISSING or b is _MISSING or a is False or b is False:
+            return True  # matches nothing (xgrammar refuses a false schema and a missing $ref itself)
+        if not (isinstance(a, dict) and isinstance(b, dict)):
+            return False
+        va, vb, ta, tb = values(a), values(b), types(a), types(b)
+        if va is not None and vb is not None:
+            return not any(x == y for x in va for y in vb)
+        if va is not None and tb is not None:
+            return not any(type_of(x) & tb for x in va)
+        if vb is not None and ta is not None:
+            return not any(type_of(y) & ta for y in vb)
+        if ta is not None and tb is not None and not ta & tb:
+            return True
+        if ta == tb == {"object"} and isinstance(a.get("required"), list) and isinstance(b.get("required"), list):
+            pa = a.get("properties") if isinstance(a.get("properties"), dict) else {}
+            pb = b.get("properties") if isinstance(b.get("properties"), dict) else {}
+            for key in set(a["required"]) & set(b["required"]):
+                ka, kb = deref(pa.get(key)), deref(pb.get(key))
+                if isinstance(ka, dict) and isinstance(kb, dict) and values(ka) is not None and values(kb) is not None \
+                        and apart(ka, kb):
+                    return True
+        return False
+
+    resolved = [deref(s) for s in schemas]
+    return all(apart(resolved[i], resolved[j]) for i in range(len(resolved)) for j in range(i + 1, len(resolved)))
 
 
 # Keywords whose values are subschemas (JSON Schema 2020-12 and draft 7), for _bounded_strings.
@@ -236,9 +461,9 @@ _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 
 def _bounded_strings(schema: Any) -> Any:
-    """A copy of ``schema`` where every ``minLength``/``maxLength`` without a ``pattern`` is the
-    equivalent ``pattern`` (see the module docstring: xgrammar#800). Data (enum, const, default,
-    examples) is never touched."""
+    """A copy of ``schema`` where every ``minLength``/``maxLength`` without a ``pattern`` or a format
+    xgrammar knows is the equivalent ``pattern`` (see the module docstring: xgrammar#800). Data
+    (enum, const, default, examples) is never touched."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -252,7 +477,7 @@ def _bounded_strings(schema: Any) -> Any:
         if isinstance(out.get(key), list):
             out[key] = [_bounded_strings(v) for v in out[key]]
     lo, hi = out.get("minLength"), out.get("maxLength")
-    if (lo is not None or hi is not None) and "pattern" not in out and "format" not in out:
+    if (lo is not None or hi is not None) and "pattern" not in out and out.get("format") not in _XGRAMMAR_FORMATS:
         lo = int(lo) if isinstance(lo, (int, float)) else 0
         hi = str(int(hi)) if isinstance(hi, (int, float)) else ""
         out.pop("minLength", None)
@@ -263,7 +488,7 @@ def _bounded_strings(schema: Any) -> Any:
 
 def _json_formats(fmt: Any) -> Any:
     """Every json_schema inside a structural-tag format tree gets what a json_schema constraint
-    gets: _bounded_strings, and at most JSON_MAX_WHITESPACE whitespace characters in a row (unless
+    gets: _check_enforceable, _bounded_strings, and at most JSON_MAX_WHITESPACE whitespace characters in a row (unless
     the format sets its own max_whitespace_cnt)."""
     if isinstance(fmt, list):
         return [_json_formats(v) for v in fmt]
@@ -273,6 +498,7 @@ def _json_formats(fmt: Any) -> Any:
     if "json_schema" in fmt:
         inner = fmt["json_schema"]
         if fmt.get("type") == "json_schema":
+            _check_enforceable(inner)
             out["json_schema"] = _bounded_strings(inner)
             if out.get("max_whitespace_cnt") is None:
                 out["max_whitespace_cnt"] = JSON_MAX_WHITESPACE
