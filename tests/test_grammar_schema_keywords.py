@@ -145,14 +145,16 @@ def test_qa_repros_name_the_keyword():
 @pytest.mark.parametrize(
     "schema, message",
     [
-        ({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}},
+        ({"type": "object",
+          "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}},
          "'uniqueItems' at $.properties.tags is not supported (the grammar cannot enforce it)"),
         ({"type": "array", "items": {"type": "object", "properties": {"a": {"not": INT}}}},
          "'not' at $.items.properties.a is not supported"),
         ({"type": "array", "prefixItems": [INT, {"type": "integer", "multipleOf": 2.5}]},
          "'multipleOf' at $.prefixItems[1] is not supported"),
         ({"anyOf": [{"type": "null"}, {"if": INT}]}, "'if' at $.anyOf[1] is not supported"),
-        ({"oneOf": [{"type": "null"}, {"type": "array", "contains": INT}]}, "'contains' at $.oneOf[1] is not supported"),
+        ({"oneOf": [{"type": "null"}, {"type": "array", "contains": INT}]},
+         "'contains' at $.oneOf[1] is not supported"),
         ({"allOf": [{"type": "string", "format": "email", "minLength": 3}]},
          "'minLength' beside 'format' at $.allOf[0] is not supported"),
         ({"$defs": {"Item": {"type": "object", "properties": {"n": {"minimum": 1}}}}, "$ref": "#/$defs/Item"},
@@ -279,6 +281,22 @@ def test_one_of_with_a_discriminator_is_accepted():
     overlapping = json.loads(json.dumps(UNION))
     overlapping["$defs"]["Dog"]["properties"]["kind"]["enum"].append("cat")
     assert "'oneOf' whose schemas may overlap at $.properties.pet" in refusal(overlapping)
+
+
+@pytest.mark.parametrize(
+    "fmt, good, bad",
+    [("date", "2024-01-31", "2024-1-31"), ("time", "10:00:00Z", "10:00"),
+     ("date-time", "2024-01-31T10:00:00Z", "2024-01-31"), ("duration", "P1D", "1D"), ("email", "a@b.com", "ab"),
+     ("hostname", "a.com", "a b"), ("ipv4", "1.2.3.4", "999.1.1.1"), ("ipv6", "::1", "x"),
+     ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567"), ("uri", "http://a.b/c", "x y"),
+     ("uri-reference", "a/b", "x y"), ("uri-template", "a{b}", "{"), ("json-pointer", "/a", "x"),
+     ("relative-json-pointer", "0/a", "x")],
+)
+def test_known_formats_are_enforced_as_patterns(fmt, good, bad):
+    schema = {"type": "string", "format": fmt}
+    _check_json_schema(schema)
+    assert xgrammar_accepts(schema, json.dumps(good))
+    assert not xgrammar_accepts(schema, json.dumps(bad))
 
 
 def test_format_is_a_pattern_without_calendar_checks():
