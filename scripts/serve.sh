@@ -45,7 +45,17 @@ tritonserver --model-repository="$PWD/model_repository" --backend-directory="$TR
   --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" --metrics-port="$METRICS_PORT" &
 pids+=($!)
 if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
-  until curl -sf "localhost:$HTTP_PORT/v2/health/ready" >/dev/null; do sleep 1; done
+  until curl -sf "localhost:$HTTP_PORT/v2/health/ready" >/dev/null; do
+    # A server that failed to load its models has exited: say so rather than wait for it forever.
+    if ! kill -0 "${pids[0]}" 2>/dev/null; then
+      rc=0
+      wait "${pids[0]}" || rc=$?
+      echo "serve.sh: tritonserver exited (status $rc) before it was ready; its log is above" >&2
+      [ "$rc" -ne 0 ] || rc=1
+      exit "$rc"
+    fi
+    sleep 1
+  done
   OPENAI_FRONTEND_API_KEY="$API_KEY" .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" \
     --port "$FRONTEND_PORT" --tokenizer-path "$LLM_MODEL_PATH" --tool-call-parser "$TOOL_CALL_PARSER" \
     ${REASONING_PARSER:+--reasoning-parser "$REASONING_PARSER"} ${LLM_LORA_MODULES:+--lora-modules "$LLM_LORA_MODULES"} &
