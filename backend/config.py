@@ -15,12 +15,12 @@ class EngineConfig(BaseModel):
     model_path: Path
     device: str = Field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
-    block_size: int = 16
+    block_size: int = Field(default=16, ge=1)
     # Pool size: num_kv_blocks wins; otherwise kv_cache_memory_mb; otherwise (CUDA) a fraction
     # of the free device memory.
-    num_kv_blocks: Optional[int] = None
-    kv_cache_memory_mb: Optional[int] = None
-    gpu_memory_utilization: float = 0.85
+    num_kv_blocks: Optional[int] = Field(default=None, ge=1)
+    kv_cache_memory_mb: Optional[int] = Field(default=None, ge=1)
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     # vLLM's / SGLang's --kv-cache-dtype: what the KV cache stores. "auto" is the model's dtype;
     # a narrower one holds more tokens in the same memory (bfloat16 or float16 twice as many as
     # float32, fp8 four times) and decode attention reads less. Attention still computes in
@@ -28,11 +28,11 @@ class EngineConfig(BaseModel):
     # is e4m3 ("fp8" as in vLLM) or e5m2 with a scale of 1.0 (vLLM's default without scales in
     # the checkpoint): values past the format's range saturate at +-448 / +-57344.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = Field(default=128, ge=1)  # 0 would admit nothing: every request would wait
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
     # Prefill tokens per step while other sequences decode (chunked prefill keeps their
     # inter-token latency bounded). None: 96 on CPU, 512 on CUDA.
-    max_prefill_tokens_while_decoding: Optional[int] = None
+    max_prefill_tokens_while_decoding: Optional[int] = Field(default=None, ge=1)
     # While others decode, a prefill token at context c counts 1 + c / this against that cap:
     # a chunk's attention grows with its context, and on CPU a 128-token chunk at 3k context
     # took 3x the time of one at the start. None: 640 on CPU (a prefill token there cost ~17 us at
@@ -44,7 +44,7 @@ class EngineConfig(BaseModel):
     # fixed cap makes a large batch take hundreds of steps to admit its prompts. None: 6 on CPU,
     # 0 (off) on CUDA.
     prefill_tokens_per_decode: Optional[int] = Field(default=None, ge=0)
-    max_model_len: Optional[int] = None
+    max_model_len: Optional[int] = Field(default=None, ge=1)
     # vLLM's --scheduling-policy: "fcfs" (arrival order), or "priority": a request's `priority`
     # (lower first, arrival breaks ties) orders the waiting queue, the running batch's share of
     # the step budget and which sequence is preempted first (the last in that order).
@@ -52,7 +52,7 @@ class EngineConfig(BaseModel):
     seed: int = 0
     # Requests the next step cannot start (past max_num_seqs) wait; past this many waiting ones they
     # are refused as overloaded (bounded memory under load).
-    max_waiting_requests: int = 1024
+    max_waiting_requests: int = Field(default=1024, ge=0)
     # Content-addressed sharing of full KV blocks between requests with a common prefix.
     enable_prefix_caching: bool = True
     # Loading a serialized CustomLogitProcessor runs code from the request: off unless enabled.

@@ -844,7 +844,12 @@ class ModelRunnerSizing:
     def __init__(self, model_path: Path, config: EngineConfig) -> None:
         cfg = json.loads((model_path / "config.json").read_text())
         ctx = cfg.get("max_position_embeddings", 4096)
-        self.max_model_len = min(config.max_model_len or ctx, ctx)
+        if config.max_model_len is not None and config.max_model_len > ctx:
+            # As vLLM refuses it: positions past what the model was trained on give output that
+            # looks fine and is not, so a longer context is never granted quietly (or at all here).
+            raise ValueError(f"max_model_len {config.max_model_len} is more than the model's context, "
+                             f"max_position_embeddings {ctx} in {model_path / 'config.json'}")
+        self.max_model_len = config.max_model_len or ctx
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads

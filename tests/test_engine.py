@@ -377,3 +377,19 @@ def test_a_burst_between_steps_fills_the_running_slots_before_it_is_refused(demo
     finally:
         eng.shutdown()
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                                   "max_model_len", "kv_cache_memory_mb"])
+def test_sizes_below_one_are_refused_at_start_up(demo_model_path, field):
+    # max_num_seqs 0 started a server that admitted nothing: every request waited forever.
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=field):
+        EngineConfig(model_path=demo_model_path, device="cpu", **{field: 0})
+
+
+def test_a_context_past_the_models_is_refused(demo_model_path):
+    # It was cut to max_position_embeddings without a word (vLLM refuses it too).
+    with pytest.raises(ValueError, match="max_model_len 999999 is more than the model's context"):
+        LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", max_model_len=999999))
