@@ -421,6 +421,11 @@ class LLMEngine:
             kv_cache_dtype=str(self.model.kv_dtype).removeprefix("torch."),
             num_kv_blocks=self.block_manager.num_blocks,
             max_model_len=self.max_model_len,
+            max_prefill_tokens_while_decoding=self.config.prefill_cap(),
+            prefill_context_unit=self.config.prefill_unit(),
+            prefill_tokens_per_decode=self.config.prefill_per_decode(),
+            cuda_graphs=self.model.graphs is not None,
+            torch_threads=self.torch_threads,
         )
         return {"config": config, "vocab_size": self.vocab_size, "lora_adapters": self.lora_adapters(),
                 "stats": dataclasses.asdict(self.stats())}

@@ -173,15 +173,17 @@ def parse_abort_request_id(arr: np.ndarray) -> str:
     return str(_scalar(arr, "abort_request_id"))
 
 
-def control(engine: Any, arrays: dict[str, np.ndarray]) -> Optional[np.ndarray]:
+def control(engine: Any, arrays: dict[str, np.ndarray], serving: Optional[dict[str, Any]] = None) -> Optional[np.ndarray]:
     """The llm model's control inputs (each comes alone in its request): the one response's
-    `meta_info`, or None when the request is a generation. Raises ValueError with the reason."""
+    `meta_info`, or None when the request is a generation. Raises ValueError with the reason.
+    `serving`: the model's own settings, resolved, reported by `engine_info` with the engine's."""
     if "lora_update" in arrays:
         return lora_update(engine, arrays["lora_update"])
     if "reset_prefix_cache" in arrays:
         meta = {"forgotten_blocks": engine.reset_prefix_cache().result(30.0)}
     elif "engine_info" in arrays:
         meta = engine.info()
+        meta["config"].update(serving or {})
     else:
         return None
     return np.array([json.dumps(meta).encode()], dtype=np.object_)

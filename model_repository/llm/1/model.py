@@ -78,6 +78,8 @@ class TritonPythonModel:
         # response in flight; several keep the server's side busy (backend/outbox.py).
         senders = int(llm_setting(params, env, "response_senders") or 4)
         self._outbox = Outbox("llm-responses", responses_per_step=per_step, senders=senders)
+        self._serving = {"stream_interval": self.stream_interval, "max_responses_per_step": per_step,
+                         "response_senders": senders}  # engine_info reports them with the engine's
         self._last_publish = 0.0
         self._published_idle = True
         self.engine.on_step = self._on_step
@@ -102,7 +104,7 @@ class TritonPythonModel:
                     self._abort(arrays["abort_request_id"])
                     sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
                     continue
-                meta = control(self.engine, arrays)
+                meta = control(self.engine, arrays, self._serving)
                 if meta is not None:
                     sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
                                 flags=FINAL)
