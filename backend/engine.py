@@ -238,8 +238,10 @@ class LLMEngine:
             raise RequestError(
                 f"logprob_start_len {params.logprob_start_len} must be less than the prompt length {len(prompt_ids)}"
             )
+        # An id past the vocabulary can never be scored or sampled: a stop id there would never
+        # stop anything, a bias never apply.
         for name, ids in (("token_ids_logprob", params.token_ids_logprob), ("logit_bias", params.logit_bias),
-                          ("allowed_token_ids", params.allowed_token_ids)):
+                          ("allowed_token_ids", params.allowed_token_ids), ("stop_token_ids", params.stop_token_ids)):
             if ids and max(ids) >= self.vocab_size:
                 raise RequestError(f"{name} token ids must be < the vocabulary size {self.vocab_size}")
         adapter = self._adapter(params.lora_path)

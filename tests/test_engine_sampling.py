@@ -151,7 +151,7 @@ def test_logit_bias_and_allowed_token_ids_are_validated(engine):
     ]:
         with pytest.raises(Exception, match=message):
             engine.parse_params(raw)
-    for raw in ({"logit_bias": {"4096": 1}}, {"allowed_token_ids": [1, 4096]}):
+    for raw in ({"logit_bias": {"4096": 1}}, {"allowed_token_ids": [1, 4096]}, {"stop_token_ids": [99999]}):
         with pytest.raises(RequestError, match="vocabulary size"):
             engine.add_request([1, 2, 3], engine.parse_params(raw), lambda out: None)
 
