@@ -88,6 +88,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     settings = settings_from_args(args)
     if args.enable_reasoning and not args.reasoning_parser:
         raise SystemExit("--enable-reasoning needs --reasoning-parser")
+    try:
+        settings.check_lora_modules()
+    except ValueError as exc:
+        raise SystemExit(f"--lora-modules: {exc}") from None
     if settings.reasoning_parser:
         from openai_frontend.reasoning import get_reasoning_format
 

@@ -103,20 +103,22 @@ class Context:
                 return self.files.max_model_len
         return self._engine_max_model_len
 
-    # Adapters loaded at runtime, as the engine last listed them (runtime LoRA updating only).
-    runtime_adapters: frozenset = frozenset()
+    # With runtime LoRA updating: the adapters the engine serves, as it last listed them (None
+    # until it has); its list then replaces --lora-modules, which an unload may have shortened.
+    runtime_adapters: Optional[frozenset] = None
+    _listed_names: Optional[tuple[str, ...]] = None
     _adapters_listed: float = 0.0
 
     def adapter_names(self) -> tuple[str, ...]:
-        static = self.settings.lora_modules
-        return static + tuple(sorted(self.runtime_adapters.difference(static)))
+        """The adapter names a request's `model` may give: --lora-modules' order first."""
+        return self.settings.lora_modules if self._listed_names is None else self._listed_names
 
     async def refresh_adapters(self, model: Optional[str] = None) -> None:
         """With runtime LoRA updating, learn the engine's adapters when `model` is a name not
         known yet (another frontend worker may have loaded it), at most once a second."""
         if not self.settings.allow_runtime_lora_updating:
             return
-        if model is not None and (not model or model in (self.model_name, self.settings.triton_model)
+        if model is not None and (not model or model in self.settings.model_aliases
                                   or model in self.adapter_names()):
             return
         now = time.monotonic()
@@ -128,6 +130,11 @@ class Context:
     def set_runtime_adapters(self, loaded: dict[str, str]) -> None:
         self.runtime_adapters = frozenset(loaded)
         self._adapters_listed = time.monotonic()
+        static = self.settings.lora_modules
+        # A name the base model answers to stays the base model's (the engine may have been
+        # started with such an adapter; the frontend refuses to load one).
+        listed = self.runtime_adapters.difference(self.settings.model_aliases)
+        self._listed_names = tuple(n for n in static if n in listed) + tuple(sorted(listed.difference(static)))
 
     def check_model(self, model: Optional[str]) -> str:
         """The served name for a request's `model` (None/empty means the served model; a LoRA

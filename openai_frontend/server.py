@@ -213,6 +213,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         get_parser(settings.tool_call_parser)  # an unknown name fails here, not on the first request
     if settings.reasoning_parser:
         get_reasoning_format(settings.reasoning_parser)
+    settings.check_lora_modules()  # ValueError: an adapter named as the served model, or twice
     owns_client = client is None
     if client is None:
         from openai_frontend.triton_client import TritonLLMClient
@@ -400,6 +401,11 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         if not settings.allow_runtime_lora_updating:
             raise bad_request("runtime LoRA updating is disabled (start the frontend with "
                               "--allow-runtime-lora-updating)", param="lora_name")
+        if command["op"] == "load":
+            # The base model's names stay the base model's: an adapter named so would hide it.
+            error = settings.lora_name_error(command["name"], ctx.adapter_names())
+            if error:
+                raise bad_request(error, param="lora_name")
         loaded = await ctx.client.lora_update(command)
         ctx.set_runtime_adapters(loaded)
         return loaded

@@ -42,3 +42,28 @@ class Settings:
         if self.tokenizer_path:
             return self.tokenizer_path.rstrip("/").rsplit("/", 1)[-1]
         return self.triton_model
+
+    @property
+    def model_aliases(self) -> frozenset[str]:
+        """The names a request's `model` may give the base model (Context.check_model)."""
+        return frozenset({self.served_model_name, self.triton_model})
+
+    def lora_name_error(self, name: str, adapters: tuple[str, ...] = ()) -> Optional[str]:
+        """Why `name` cannot name a new LoRA adapter (None when it can): a request's `model` has
+        to tell the base model and every adapter apart."""
+        if name in self.model_aliases:
+            return f"'{name}' is the served model's name; a LoRA adapter needs a name of its own"
+        if name in adapters:
+            return f"LoRA adapter '{name}' is already loaded"
+        return None
+
+    def check_lora_modules(self) -> None:
+        """Raise ValueError when a --lora-modules name is the served model's or repeats."""
+        for i, name in enumerate(self.lora_modules):
+            if not name:
+                raise ValueError("a LoRA adapter needs a name (NAME=PATH)")
+            if name in self.lora_modules[:i]:
+                raise ValueError(f"LoRA adapter '{name}' is named twice")
+            error = self.lora_name_error(name)
+            if error:
+                raise ValueError(error)
