@@ -202,7 +202,8 @@ class GenerateHandler:
                 first = first[0] if first else None
             batch = isinstance(first, list)
             prompts = given_prompt if batch else [given_prompt]
-        if not prompts or any(not p for p in prompts if isinstance(p, list)):
+        # An empty text too: preprocessing would take it for a missing prompt.
+        if not prompts or any(not p for p in prompts if isinstance(p, (list, str))):
             raise bad_request("empty prompt", param=given[0])
         if embedded and any(len({len(row) for row in p}) != 1 or not p[0] for p in prompts):
             raise bad_request("input_embeds: every row needs the same number (the model's hidden size) of values",

@@ -3,11 +3,14 @@
 Tokens come from the server's own `preprocessing` model and text from its `postprocessing`
 model, so /tokenize counts exactly what a generation request with the same prompt would send to
 the engine (chat template, tools and a server-level --chat-template included), and /detokenize
-decodes as the server's streams do. Only token strings (`return_token_strs`) need the
+decodes as the server's streams do. An empty prompt counts as vLLM's does (no tokens, or the
+special tokens the tokenizer adds, like a Llama BOS). Only token strings (`return_token_strs`) need the
 frontend's local tokenizer (`--tokenizer-path`).
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 from openai_frontend.chat import normalize_messages
 from openai_frontend.common import Context
@@ -30,6 +33,8 @@ async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
         chat_only = [n for n in ("tools", "chat_template_kwargs", "chat_template") if getattr(req, n) is not None]
         if chat_only or req.continue_final_message:
             raise bad_request(f"{(chat_only or ['continue_final_message'])[0]} needs messages", param="prompt")
+        if req.prompt == "":
+            return await _result(ctx, await _empty_prompt(ctx, req.add_special_tokens), tok)
         request = EngineRequest(sampling_params={}, text_input=req.prompt, add_special_tokens=req.add_special_tokens)
     else:
         if not req.messages:
@@ -46,9 +51,33 @@ async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
             chat_template=req.chat_template,
             add_special_tokens=req.add_special_tokens,
         )
-    tokens = await ctx.client.tokenize(request)
+    return await _result(ctx, await ctx.client.tokenize(request), tok)
+
+
+async def _result(ctx: Context, tokens: list[int], tok: Any) -> dict:
     return {"count": len(tokens), "max_model_len": await ctx.max_model_len(), "tokens": tokens,
             "token_strs": None if tok is None else [tok.id_to_token(t) for t in tokens]}
+
+
+# Any short text will do: the special tokens are what encoding it with them adds around its
+# encoding without them.
+_PROBE = "a"
+
+
+async def _empty_prompt(ctx: Context, add_special_tokens: Optional[bool]) -> list[int]:
+    """The tokens of the prompt "": none, or the special tokens the tokenizer adds (a Llama
+    BOS), as vLLM counts. Preprocessing takes an empty prompt for a missing one, so the special
+    tokens are what a probe gets with them and not without."""
+    if add_special_tokens is False:
+        return []
+    with_special = await ctx.client.tokenize(
+        EngineRequest(sampling_params={}, text_input=_PROBE, add_special_tokens=add_special_tokens))
+    plain = await ctx.client.tokenize(EngineRequest(sampling_params={}, text_input=_PROBE, add_special_tokens=False))
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start:start + len(plain)] == plain:
+            return with_special[:start] + with_special[start + len(plain):]
+    raise bad_request("prompt is empty, and the special tokens this tokenizer would add to it are not known; "
+                      "send add_special_tokens: false to count none", param="prompt")
 
 
 async def detokenize(ctx: Context, req: DetokenizeRequest) -> dict:

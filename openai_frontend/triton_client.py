@@ -222,13 +222,19 @@ def _is_final(response: Any) -> bool:
 
 
 
+# preprocessing's words for an empty prompt (it takes one for a missing input), in the ensemble's
+# tensor names; the frontend's clients sent a prompt, messages or text.
+_NO_PROMPT = "exactly one of text_input, messages, input_ids is required"
+_EMPTY_PROMPT = "the prompt is empty"
+
+
 def _clean(message: str) -> str:
     # "in ensemble 'ensemble', <the step's message>" -> "<the step's message>"
     if message.startswith(_ENSEMBLE_PREFIX):
         _, sep, rest = message.partition(", ")
         if sep:
-            return rest
-    return message
+            message = rest
+    return _EMPTY_PROMPT if message == _NO_PROMPT else message
 
 
 # "unsupported parameter 'x'", "invalid sampling parameter x: ...", "x must be ...",

@@ -945,6 +945,15 @@ def test_error_mapping():
         assert map_stream_error(str(err.value)).param == param, str(err.value)
     assert map_stream_error("Request for unknown model: 'ensemble' is not found").status_code == 503
     assert map_stream_error("internal error: boom").status_code == 500
+    # preprocessing's message for an empty prompt names the ensemble's tensors: not passed on
+    from tritonclient.utils import InferenceServerException
+
+    from openai_frontend.triton_client import map_infer_error
+
+    for err in (map_stream_error("in ensemble 'ensemble', exactly one of text_input, messages, input_ids is required"),
+                map_infer_error(InferenceServerException(
+                    "exactly one of text_input, messages, input_ids is required", status="StatusCode.INVALID_ARGUMENT"))):
+        assert (err.status_code, err.message) == (400, "the prompt is empty")
 
 
 class _RpcError(grpc.RpcError):
@@ -1427,6 +1436,43 @@ def test_tokenize_sends_the_prompt_as_a_generation_would(base_url, fake):
         resp = httpx.post(base_url + "/tokenize", json=body)
         assert resp.status_code == 400 and resp.json()["error"]["message"], (body, resp.text)
     assert httpx.post(base_url + "/detokenize", json={"tokens": [2**31]}).status_code == 400
+
+
+def test_tokenize_an_empty_prompt_counts_what_the_tokenizer_adds(base_url, fake, monkeypatch):
+    """vLLM's count for "": none, or the special tokens (a Llama BOS). Preprocessing takes ""
+    for a missing prompt, so "" is never sent to it."""
+    sent = len(fake.requests)
+    r = httpx.post(base_url + "/tokenize", json={"model": MODEL, "prompt": "", "add_special_tokens": False})
+    assert r.status_code == 200 and r.json() == {"count": 0, "max_model_len": None, "tokens": [], "token_strs": None}
+    assert len(fake.requests) == sent  # nothing to ask Triton
+    r = httpx.post(base_url + "/tokenize", json={"prompt": ""})  # the fake adds no special tokens
+    assert r.status_code == 200 and r.json()["count"] == 0 and r.json()["tokens"] == []
+
+    async def with_bos(request):  # a Llama-style tokenizer: BOS (1) unless told not to
+        fake.requests.append(request)
+        assert request.text_input, "preprocessing refuses an empty text_input"
+        return ([1] if request.add_special_tokens is not False else []) + list(request.text_input.encode())
+
+    monkeypatch.setattr(fake, "tokenize", with_bos)
+    for body, tokens in (({"prompt": ""}, [1]), ({"prompt": "", "add_special_tokens": True}, [1]),
+                         ({"prompt": "", "add_special_tokens": False}, []), ({"prompt": "hi"}, [1, 104, 105])):
+        r = httpx.post(base_url + "/tokenize", json=body)
+        assert r.status_code == 200 and (r.json()["count"], r.json()["tokens"]) == (len(tokens), tokens), (body, r.text)
+
+
+def test_an_empty_prompt_is_a_400_naming_the_requests_field(base_url, fake):
+    """Never preprocessing's words for it, which name the ensemble's tensors."""
+    for body in ({"text": ""}, {"text": ["a", ""]}, {"input_ids": []}):
+        r = httpx.post(base_url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == next(iter(body)) and "text_input" not in r.text
+    # what preprocessing or the engine say anyway reaches the client in the OpenAI request's terms
+    fake.script = lambda req: APIError(400, "the prompt is empty")
+    for path, body, param in (("/v1/completions", {"prompt": " "}, "prompt"),
+                              ("/v1/chat/completions", {"messages": MESSAGES}, "messages")):
+        r = httpx.post(base_url + path, json={"model": MODEL, **body})
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": "the prompt is empty", "type": "invalid_request_error", "param": param, "code": None}
 
 
 def test_sampling_edge_values_are_sent_or_refused(base_url, fake):
