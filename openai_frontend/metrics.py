@@ -21,9 +21,12 @@ import bisect
 from typing import Iterable, Optional
 
 # Paths reported under their own name; anything else is "other" (bounded label cardinality).
+# Every route of server.py (tests/test_frontend_unit.py checks).
 ENDPOINTS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/generate", "/parse_function_call", "/v1/models",
-    "/health", "/health_generate", "/get_model_info", "/metrics", "/openapi.json", "/tokenize", "/detokenize",
+    "/v1/chat/completions", "/v1/completions", "/generate", "/parse_function_call", "/separate_reasoning",
+    "/v1/models", "/health", "/health_generate", "/get_model_info", "/get_server_info", "/metrics",
+    "/openapi.json", "/tokenize", "/detokenize", "/abort_request", "/flush_cache", "/reset_prefix_cache",
+    "/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
 })
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

@@ -1278,6 +1278,35 @@ def test_metrics_count_requests_by_endpoint_and_status_and_streams(base_url, fak
     assert 'endpoint="other",status="404"' in httpx.get(base_url + "/metrics").text  # bounded labels
 
 
+def test_every_route_has_its_own_metrics_label_and_other_paths_share_one(base_url):
+    from starlette.routing import Route
+
+    from openai_frontend.metrics import endpoint_label
+
+    app = create_app(Settings(model_name=MODEL, allow_runtime_lora_updating=True), client=FakeLLMClient())
+    paths = {r.path for r in app.routes if isinstance(r, Route)}
+    assert {"/abort_request", "/flush_cache", "/separate_reasoning", "/v1/load_lora_adapter"} <= paths
+    for path in paths:
+        want = "/v1/models/{model}" if path == "/v1/models/{model_id:path}" else path
+        assert endpoint_label(path) == want
+    assert endpoint_label("/v1/models/org/name") == "/v1/models/{model}"
+    for path in ("/nope", "/v1/chat/completions/x", "/abort_request/1", "/docs"):
+        assert endpoint_label(path) == "other"
+
+    def count(text: str, path: str, status: int) -> float:
+        return _metric(text, f'frontend_requests_total{{endpoint="{path}",status="{status}"}}')
+
+    before = httpx.get(base_url + "/metrics").text
+    httpx.post(base_url + "/abort_request", json={"rid": "r1"})
+    httpx.post(base_url + "/flush_cache")
+    httpx.post(base_url + "/separate_reasoning", json={"text": "a", "reasoning_parser": "qwen3"})
+    httpx.get(base_url + "/no/such/route")
+    after = httpx.get(base_url + "/metrics").text
+    for path, status in (("/abort_request", 200), ("/flush_cache", 200), ("/separate_reasoning", 200),
+                         ("other", 404)):
+        assert count(after, path, status) == count(before, path, status) + 1, path
+
+
 def test_overload_and_unavailable_are_503_with_retry_after(client, base_url, fake):
     from openai_frontend.triton_client import map_stream_error
 
