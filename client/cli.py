@@ -454,16 +454,21 @@ def _seconds(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value:.3f}s"
 
 
+def _rate(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.1f} tok/s"
+
+
 def stats_line(sample: GenerateResult, label: str = "") -> str:
     """One sample's --stats line: finish reason, counts, TTFT, ITL, total and decode rate."""
     decode_s = sample.total_s - (sample.ttft_s or 0.0)
     after_first = sample.completion_tokens - sample._first_tokens if sample.ttft_s is not None else 0
-    rate = after_first / decode_s if after_first > 0 and decode_s > 0 else float("nan")
+    # One response with every token (--no-stream) leaves no decode time to measure: n/a.
+    rate = _rate(after_first / decode_s if after_first > 0 and decode_s > 0 else None)
     itl = "n/a" if sample.itl_s is None else f"{sample.itl_s * 1000:.2f}ms"
     return (
         f"[{label}finish_reason={sample.finish_reason} prompt_tokens={sample.prompt_tokens} "
         f"completion_tokens={sample.completion_tokens} ttft={_seconds(sample.ttft_s)} itl={itl} "
-        f"total={sample.total_s:.3f}s decode={rate:.1f} tok/s meta={json.dumps(sample.meta_info)}]"
+        f"total={sample.total_s:.3f}s decode={rate} meta={json.dumps(sample.meta_info)}]"
     )
 
 
@@ -479,11 +484,11 @@ def stats_lines(samples: Sequence[GenerateResult], n: int = 1) -> list[str]:
     reasons: dict[str, int] = {}
     for s in samples:
         reasons[s.finish_reason or "unfinished"] = reasons.get(s.finish_reason or "unfinished", 0) + 1
-    rate = tokens / total_s if total_s > 0 else float("nan")
+    rate = _rate(tokens / total_s if total_s > 0 else None)
     lines.append(
         f"[total: samples={len(samples)}/{n} prompt_tokens={max((s.prompt_tokens for s in samples), default=0)} "
         f"completion_tokens={tokens} finish_reasons={','.join(f'{k}:{v}' for k, v in reasons.items())} "
-        f"ttft={_seconds(min(ttfts) if ttfts else None)} total={total_s:.3f}s throughput={rate:.1f} tok/s]"
+        f"ttft={_seconds(min(ttfts) if ttfts else None)} total={total_s:.3f}s throughput={rate}]"
     )
     return lines
 

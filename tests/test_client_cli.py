@@ -146,7 +146,7 @@ def test_stats_per_sample_and_total():
     # n == 1: the one line of old; a response carrying all tokens at once has no ITL.
     one = stats_lines(list(_stats([_piece(0, [1, 2, 3], 3, "stop", t=0.5)]).values()), n=1)
     assert len(one) == 1 and one[0].startswith("[finish_reason=stop prompt_tokens=3 completion_tokens=3 "
-                                               "ttft=0.500s itl=n/a total=0.500s decode=nan tok/s")
+                                               "ttft=0.500s itl=n/a total=0.500s decode=n/a meta=")
 
 
 class FakeStreamClient:
@@ -196,6 +196,9 @@ def test_cli_main_prints_labelled_samples_and_per_sample_stats(monkeypatch, caps
     assert [line.split(" ")[0:2] for line in lines[:2]] == [["[sample", "0:"], ["[sample", "1:"]]
     assert "completion_tokens=3" in lines[0] and "finish_reason=length" in lines[1]
     assert lines[2].startswith("[total: samples=2/2 prompt_tokens=2 completion_tokens=6 finish_reasons=length:2")
+    assert "nan" not in err  # --no-stream: one response per sample, no decode rate to give: "n/a"
+    if not stream:
+        assert all("decode=n/a" in line for line in lines[:2])
     # --n is the same request; n == 1 streams plain text and one stats line.
     assert cli.main(["hi", "--n", "2", *extra]) == 0
     assert capsys.readouterr().out == out
