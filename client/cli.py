@@ -10,6 +10,7 @@ With `--model llm` (the engine alone) the prompt is tokenized here with `backend
 each response's detokenization window is decoded here with `backend.detokenizer` exactly as the
 postprocessing model would (`--ids` prints the token ids instead). `--stats` prints the finish
 reason, token counts, time to first token, inter-token latency and tokens/s to stderr.
+`--system` needs `--chat` (it is the chat's system message).
 
 With n > 1 the samples' responses interleave on the stream; they are told apart by the sample
 index each response carries (meta_info "index"), and printed as one `[sample i]` block per
@@ -158,6 +159,8 @@ def build_inputs(
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
     if sum(x is not None for x in (prompt, input_ids, input_embeds)) != 1:
         raise ValueError("give exactly one of a prompt, input_ids or input_embeds")
+    if system is not None and not chat:
+        raise ValueError("a system message needs chat (--system needs --chat)")
     values: dict[str, Any] = {}
     messages = None
     if prompt is not None and chat:
@@ -536,7 +539,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help='any SGLang sampling parameters as a JSON object, e.g. \'{"ignore_eos": true}\'; '
                         "the named options above override it")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
-    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--system", default=None, help="system message (needs --chat)")
     p.add_argument("--input-ids", default=None, metavar="IDS",
                    help="comma-separated prompt token ids instead of text")
     p.add_argument("--input-embeds", default=None, metavar="FILE.npy",
@@ -550,7 +553,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokenizer-path", default=DEFAULT_TOKENIZER,
                    help="HF model directory for local (de)tokenization with --model llm (default: models/demo)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each response")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.system is not None and not args.chat:
+        p.error("--system needs --chat (the system message goes through the chat template)")
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

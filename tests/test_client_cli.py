@@ -303,3 +303,11 @@ def test_cli_reports_server_errors(server):
     bad = run_cli("hi", "--url", server.grpc_url, "--json-params", '{"no_such_parameter": 1}')
     assert bad.returncode == 1
     assert "no_such_parameter" in bad.stderr
+
+
+def test_system_needs_chat(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["hi", "--system", "be brief"])
+    assert exit_.value.code == 2 and "--system needs --chat" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs chat"):
+        build_inputs("ensemble", "hi", system="be brief")
