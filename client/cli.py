@@ -3,7 +3,7 @@
     python -m client "Tell me a story" [--model ensemble|llm] [--url localhost:8001]
         [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--min-p P] [--seed S]
         [--stop STR ...] [--n N] [--chat] [--system TEXT] [--json-params '{"ignore_eos": true}']
-        [--no-stream] [--ids] [--stats] [--tokenizer-path models/demo]
+        [--no-stream] [--ids] [--stats] [--tokenizer-path models/demo] [--timeout S] [--abort-model llm]
 
 Text is printed as it arrives. With `--model ensemble` the server tokenizes and detokenizes.
 With `--model llm` (the engine alone) the prompt is tokenized here with `backend.tokenizer`, and
@@ -11,6 +11,10 @@ each response's detokenization window is decoded here with `backend.detokenizer`
 postprocessing model would (`--ids` prints the token ids instead). `--stats` prints the finish
 reason, token counts, time to first token, inter-token latency and tokens/s to stderr.
 `--system` needs `--chat` (it is the chat's system message).
+
+Ctrl-C, an error or no response within `--timeout` seconds cancels the request and also aborts
+it on the engine model (`--abort-model`, default llm): Triton 2.51 does not pass an ensemble's
+cancellation on to the running llm step (see client/triton_stream.py).
 
 With n > 1 the samples' responses interleave on the stream; they are told apart by the sample
 index each response carries (meta_info "index"), and printed as one `[sample i]` block per
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -240,6 +245,8 @@ def stream_pieces(
     timeout: float = 600.0,
     client: Optional[TritonStreamClient] = None,
     reorder: bool = True,
+    abort_model: Optional[str] = "llm",
+    request_id: Optional[str] = None,
     **sampling_options: Any,
 ) -> Iterator[StreamPiece]:
     """Stream one generation; yields a `StreamPiece` per server response, in generation order
@@ -247,7 +254,10 @@ def stream_pieces(
 
     `sampling_options` are build_sampling's keywords (max_tokens, temperature, top_p, top_k,
     min_p, seed, stop, n, json_params). With n > 1 the samples' responses interleave; each
-    piece's `index` says which sample it belongs to. Closing the iterator early cancels the request.
+    piece's `index` says which sample it belongs to. Closing the iterator early (or an error, or
+    no response within `timeout` seconds: TimeoutError) cancels the request and aborts it on
+    `abort_model` (the engine model; None: cancel only), which an ensemble's cancellation alone
+    does not reach. `request_id`: the Triton request id (default: a fresh one).
     """
     sampling = build_sampling(**sampling_options)
     tokenizer = None
@@ -255,10 +265,22 @@ def stream_pieces(
         tokenizer = load_tokenizer_cached(tokenizer_path)
     values = build_inputs(model, prompt, chat=chat, system=system, input_ids=input_ids, sampling=sampling,
                           stream=stream, tokenizer=tokenizer, input_embeds=input_embeds)
-    client = client or TritonStreamClient(url)
+    client = client or TritonStreamClient(url, abort_model=abort_model)
     order = _InOrder() if reorder else None
     start = time.perf_counter()
-    for chunk in client.stream_generate(model, values, timeout=timeout):
+    extra = {"request_id": request_id} if request_id else {}  # (a caller's own client may not take one)
+    chunks = client.stream_generate(model, values, timeout=timeout, **extra)
+    try:
+        yield from _pieces(chunks, model, detokenize, tokenizer, order, start)
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()  # now, not when collected: leaving early cancels and aborts the request
+
+
+def _pieces(chunks: Iterator[dict[str, Any]], model: str, detokenize: bool, tokenizer: Any,
+            order: Optional["_InOrder"], start: float) -> Iterator[StreamPiece]:
+    for chunk in chunks:
         ids = chunk.get("output_ids")
         ids_list = [] if ids is None else [int(i) for i in np.asarray(ids).reshape(-1)]
         finish = _scalar(chunk.get("finish_reason"), "") or ""
@@ -552,15 +574,35 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "(with n > 1: a line per sample, then a total line)")
     p.add_argument("--tokenizer-path", default=DEFAULT_TOKENIZER,
                    help="HF model directory for local (de)tokenization with --model llm (default: models/demo)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each response")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for each response; past it the request is cancelled (exit 1)")
+    p.add_argument("--abort-model", default="llm", metavar="MODEL",
+                   help="the engine model that a request left early (Ctrl-C, error, timeout) is also aborted on, "
+                        "since an ensemble's cancellation does not reach it (default: llm; '' for none)")
     args = p.parse_args(argv)
     if args.system is not None and not args.chat:
         p.error("--system needs --chat (the system message goes through the chat template)")
     return args
 
 
+class _StderrHandler(logging.Handler):
+    """Log records as "warning: ..." lines on whatever sys.stderr is at the time."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"warning: {record.getMessage()}", file=sys.stderr)
+
+
+def _log_warnings_to_stderr() -> None:
+    """The library's warnings (a failed abort) as one line each on stderr."""
+    logger = logging.getLogger("client")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler(logging.WARNING))
+        logger.setLevel(logging.WARNING)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    _log_warnings_to_stderr()
     input_ids = input_embeds = None
     prompt = args.prompt
     given = [name for name, v in (("a prompt", prompt), ("--input-ids", args.input_ids),
@@ -603,23 +645,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for line in stats_lines(list(samples.values()), n):
                 print(line, file=sys.stderr)
 
+    pieces = stream_pieces(
+        prompt,
+        model=args.model,
+        url=args.url,
+        chat=args.chat,
+        system=args.system,
+        input_ids=input_ids,
+        input_embeds=input_embeds,
+        stream=not args.no_stream,
+        detokenize=not args.ids,
+        tokenizer_path=args.tokenizer_path,
+        timeout=args.timeout,
+        abort_model=args.abort_model or None,
+        **sampling_options,
+    )
     try:
-        for piece in stream_pieces(
-            prompt,
-            model=args.model,
-            url=args.url,
-            chat=args.chat,
-            system=args.system,
-            input_ids=input_ids,
-            input_embeds=input_embeds,
-            stream=not args.no_stream,
-            detokenize=not args.ids,
-            tokenizer_path=args.tokenizer_path,
-            timeout=args.timeout,
-            **sampling_options,
-        ):
-            samples.setdefault(piece.index, GenerateResult(index=piece.index)).add(piece)
-            writer.feed(piece)
+        try:
+            for piece in pieces:
+                samples.setdefault(piece.index, GenerateResult(index=piece.index)).add(piece)
+                writer.feed(piece)
+        finally:
+            pieces.close()  # a Ctrl-C here, not in the stream, cancels and aborts the request too
     except KeyboardInterrupt:
         if writer.multi:
             writer.close()  # what the samples generated so far, each in its block

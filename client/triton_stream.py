@@ -1,12 +1,21 @@
 """Streaming calls to the llm / ensemble models over tritonclient gRPC.
 
 `stream_generate` yields one dict of output arrays per response until the final one; the
-iterator's close() (or leaving a `with`/for loop early) cancels the request on the server,
-which frees its KV blocks.
+iterator's close() (or leaving a `with`/for loop early, an exception, Ctrl-C, or no response
+within `timeout`) cancels the request on the server, which frees its KV blocks.
+
+Cancelling the gRPC stream is not enough for the `ensemble`: Triton 2.51 does not pass an
+ensemble's cancellation on to its running decoupled `llm` step, which would generate on to its
+end. So a request left early is also aborted explicitly, as the OpenAI frontend does: a second
+request to the engine model (`abort_model`, default "llm") carrying only `abort_request_id`, the
+Triton request id of the stream's request (the ensemble gives its steps its own request id).
+The abort is best effort: its failure is logged and never replaces the error that ended the
+stream. It is harmless for `--model llm`, whose cancellation reaches the engine anyway.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import uuid
 from typing import Any, Iterator, Optional
@@ -14,6 +23,8 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+log = logging.getLogger(__name__)
 
 # The tensor types of the inputs our models accept (config.pbtxt), so callers may pass
 # plain Python values.
@@ -23,6 +34,7 @@ INPUT_DTYPES: dict[str, Any] = {
     "tools": np.object_,
     "chat_template_kwargs": np.object_,
     "sampling_parameters": np.object_,
+    "abort_request_id": np.object_,
     "stop_words": np.object_,
     "add_generation_prompt": np.bool_,
     "continue_final_message": np.bool_,
@@ -67,31 +79,82 @@ def _decode(arr: Optional[np.ndarray]) -> Any:
     return arr
 
 
-class TritonStreamClient:
-    """One gRPC connection; each `stream_generate` call opens its own bidirectional stream."""
+class StreamTimeout(TimeoutError, queue.Empty):
+    """No response within the stream's timeout. A TimeoutError; also a queue.Empty, which is
+    what callers caught before it had a message."""
 
-    def __init__(self, url: str = "localhost:8001") -> None:
+
+def _stream_error(error: Any, url: str) -> Exception:
+    """The exception for an error the stream's callback reported, naming the server when it
+    cannot be reached (gRPC UNAVAILABLE: nothing listens there, or it went away)."""
+    if not isinstance(error, InferenceServerException):
+        return RuntimeError(str(error))
+    if error.status() == "StatusCode.UNAVAILABLE":
+        return InferenceServerException(msg=f"cannot reach Triton at {url}: {error.message()}",
+                                        status=error.status(), debug_details=error.debug_details())
+    return error
+
+
+def _send(client: grpcclient.InferenceServerClient, answers: "queue.Queue[tuple[Any, Any]]", url: str,
+          **request: Any) -> None:
+    """async_stream_infer, raising the reason when the stream already failed."""
+    try:
+        client.async_stream_infer(**request)
+    except InferenceServerException as exc:
+        # "The stream is no longer in valid state": the stream already failed (nothing
+        # listening at the URL, say) and its callback holds the reason.
+        try:
+            _, error = answers.get(timeout=5.0)
+        except queue.Empty:
+            raise exc from None
+        raise _stream_error(error, url) from None
+
+
+class TritonStreamClient:
+    """Each `stream_generate` call opens its own connection and bidirectional stream.
+
+    `abort_model`: the engine model that a request left early is aborted on (see the module
+    docstring); None or "" sends no abort. `abort_timeout`: seconds to wait for its answer.
+    """
+
+    def __init__(self, url: str = "localhost:8001", abort_model: Optional[str] = "llm",
+                 abort_timeout: float = 5.0) -> None:
         self.url = url
+        self.abort_model = abort_model
+        self.abort_timeout = abort_timeout
 
     def stream_generate(
-        self, model: str, values: dict[str, Any], timeout: float = 300.0, outputs: Optional[list[str]] = None
+        self, model: str, values: dict[str, Any], timeout: float = 300.0, outputs: Optional[list[str]] = None,
+        request_id: Optional[str] = None,
     ) -> Iterator[dict[str, Any]]:
+        """Yield each response's outputs (name -> decoded value) until the final response.
+
+        `timeout`: seconds to wait for each response; past it the request is cancelled and
+        aborted, and StreamTimeout("no response within ... s"), a TimeoutError, is raised.
+        `request_id`: the Triton request id (a fresh one by default), which the abort names.
+        """
+        request_id = request_id or uuid.uuid4().hex
         client = grpcclient.InferenceServerClient(self.url)
         responses: "queue.Queue[tuple[Any, Any]]" = queue.Queue()
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        finished = False
+        sent = finished = answered = False
         try:
-            client.async_stream_infer(
-                model_name=model,
-                inputs=make_inputs(values),
-                request_id=uuid.uuid4().hex,
-                enable_empty_final_response=True,
-            )
+            _send(client, responses, self.url, model_name=model, inputs=make_inputs(values), request_id=request_id,
+                  enable_empty_final_response=True)
+            sent = True
             while True:
-                result, error = responses.get(timeout=timeout)
+                try:
+                    result, error = responses.get(timeout=timeout)
+                except queue.Empty:
+                    raise StreamTimeout(f"no response within {timeout:g} s") from None
                 if error is not None:
-                    finished = True
-                    raise error if isinstance(error, InferenceServerException) else RuntimeError(str(error))
+                    # The server's own error answers (and ends) the request. A transport error
+                    # (a gRPC status) after responses came may leave it running: abort that one;
+                    # before any (nothing listening there, say) there is nothing to abort.
+                    transport = isinstance(error, InferenceServerException) and error.status() is not None
+                    finished = not (transport and answered)
+                    raise _stream_error(error, self.url)
+                answered = True
                 response = result.get_response()
                 final = response.parameters.get("triton_final_response")
                 is_final = bool(final and final.bool_param)
@@ -103,9 +166,52 @@ class TritonStreamClient:
                     finished = True
                     return
         finally:
-            # Leaving early (break, exception, close()) cancels the request server-side.
-            client.stop_stream(cancel_requests=not finished)
+            # Leaving early (break, exception, close(), timeout) cancels the request server-side
+            # and, the ensemble's cancellation not reaching the engine, aborts it there.
+            try:
+                client.stop_stream(cancel_requests=not finished)
+                if sent and not finished:
+                    self._abort(client, request_id)
+            finally:
+                client.close()
+
+    def abort(self, request_id: str) -> None:
+        """Have the engine model (`abort_model`) abort the request(s) with this Triton request
+        id; raises on failure. A request that has not reached it yet is aborted on arrival."""
+        client = grpcclient.InferenceServerClient(self.url)
+        try:
+            self._send_abort(client, request_id)
+        finally:
             client.close()
+
+    def _abort(self, client: grpcclient.InferenceServerClient, request_id: str) -> None:
+        """Best effort: a failure is logged, never raised (it must not hide why the stream ended)."""
+        if not self.abort_model:
+            return
+        try:
+            self._send_abort(client, request_id)
+        except Exception as exc:  # noqa: BLE001 - best effort by design
+            log.warning("abort of request %s on model %s failed: %s", request_id, self.abort_model, exc)
+
+    def _send_abort(self, client: grpcclient.InferenceServerClient, request_id: str) -> None:
+        if not self.abort_model:
+            raise ValueError("no abort_model to send the abort to")
+        answers: "queue.Queue[tuple[Any, Any]]" = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        done = False
+        try:
+            _send(client, answers, self.url, model_name=self.abort_model,
+                  inputs=make_inputs({"abort_request_id": request_id}), request_id=f"abort.{request_id}",
+                  enable_empty_final_response=True)
+            try:
+                _, error = answers.get(timeout=self.abort_timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no answer to the abort within {self.abort_timeout:g} s") from None
+            if error is not None:
+                raise _stream_error(error, self.url)
+            done = True
+        finally:
+            client.stop_stream(cancel_requests=not done)
 
     def generate(self, model: str, values: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
         """Stream and aggregate: concatenated text and ids, the last finish reason and counts."""

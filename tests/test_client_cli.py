@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import os
+import queue
+import re
+import select
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
+import uuid
 
 import numpy as np
 import pytest
@@ -13,7 +22,8 @@ import pytest
 import client.cli as cli
 from client.cli import (GenerateResult, SampleWriter, StreamPiece, _InOrder, build_inputs, build_sampling,
                         generate_text, stats_lines, stream_pieces)
-from client.local_server import REPO_ROOT
+from client.local_server import REPO_ROOT, free_port
+from client.triton_stream import TritonStreamClient
 
 MAX_NEW = 12
 GREEDY = {"temperature": 0.0, "json_params": {"ignore_eos": True}, "max_tokens": MAX_NEW}
@@ -152,7 +162,7 @@ def test_stats_per_sample_and_total():
 class FakeStreamClient:
     """Stands in for TritonStreamClient: replays ensemble responses (sample index in meta_info)."""
 
-    def __init__(self, url="fake"):
+    def __init__(self, url="fake", abort_model="llm"):
         self.url = url
         self.values = None
 
@@ -311,3 +321,148 @@ def test_system_needs_chat(capsys):
     assert exit_.value.code == 2 and "--system needs --chat" in capsys.readouterr().err
     with pytest.raises(ValueError, match="needs chat"):
         build_inputs("ensemble", "hi", system="be brief")
+
+
+def test_cli_prints_the_library_warnings_as_one_line_each(capsys):
+    cli._log_warnings_to_stderr()
+    cli._log_warnings_to_stderr()  # once, however often main runs
+    logging.getLogger("client.triton_stream").warning("abort of request %s failed", "r1")
+    assert capsys.readouterr().err == "warning: abort of request r1 failed\n"
+
+
+def test_cli_names_an_unreachable_server_in_one_line():
+    url = f"localhost:{free_port()}"  # nothing listens there
+    out = run_cli("hi", "--url", url)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr and "no longer in valid state" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and f"cannot reach Triton at {url}" in lines[0], lines
+
+
+# ----------------------------------------------------------------- leaving a stream early aborts it
+LONG = 1000  # tokens a request would run to (fits max_model_len 1024): far longer than any check below
+
+
+def _metrics(server) -> str:
+    return urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(m.group(2))
+    return 0.0
+
+
+def _finished(server) -> dict[str, float]:
+    text = _metrics(server)
+    return {r: _metric(text, "llm_request_finished_total", finish_reason=r) for r in ("abort", "length")}
+
+
+def _assert_engine_aborted(server, before: dict[str, float], timeout: float = 5.0,
+                           may_not_have_started: bool = False) -> None:
+    """The engine ended the request as aborted (not at its length) and holds nothing, within `timeout`.
+    (The llm model publishes its metrics every 0.2 s while busy.)
+
+    `may_not_have_started`: the request may have been cancelled before the ensemble ran its llm
+    step (Triton does pass a cancellation on to steps not yet scheduled), so the engine never
+    saw it: then it must be idle at `timeout`, and never have run the request to its length
+    (LONG tokens end well within `timeout`, so a request that did run on unaborted is caught)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = _metrics(server)
+        aborted = _metric(text, "llm_request_finished_total", finish_reason="abort") - before["abort"]
+        idle = _metric(text, "llm_kv_blocks_used") == 0 and _metric(text, "llm_num_requests_running") == 0
+        if aborted >= 1 and idle:
+            break
+        if time.monotonic() >= deadline:
+            assert may_not_have_started and idle, (f"the engine did not stop within {timeout}s: aborted={aborted} "
+                                                   f"idle={idle}")
+            break
+        time.sleep(0.1)
+    assert _metric(text, "llm_request_finished_total", finish_reason="length") == before["length"]
+
+
+def test_leaving_an_ensemble_stream_early_aborts_it_in_the_engine(server):
+    # Triton 2.51 does not pass the ensemble's cancellation on to the running llm step: without
+    # the client's explicit abort the engine would generate on to `length`.
+    before = _finished(server)
+    stream = TritonStreamClient(server.grpc_url).stream_generate(
+        "ensemble", {"text_input": "x", "max_tokens": LONG, "stream": True,
+                     "sampling_parameters": json.dumps({"ignore_eos": True})})
+    for seen, _ in enumerate(stream, 1):
+        if seen == 3:
+            break
+    stream.close()
+    _assert_engine_aborted(server, before)
+    # The library's own iterator: closing it early does the same.
+    before = _finished(server)
+    pieces = stream_pieces("x", url=server.grpc_url, max_tokens=LONG, json_params={"ignore_eos": True})
+    next(pieces), next(pieces)
+    pieces.close()
+    _assert_engine_aborted(server, before)
+
+
+def test_cli_interrupt_aborts_the_ensemble_request(server):
+    before = _finished(server)
+    proc = subprocess.Popen([sys.executable, "-m", "client", "x", "--url", server.grpc_url, "--max-tokens", str(LONG),
+                             "--json-params", '{"ignore_eos": true}'], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)  # text is streaming: the request runs
+        assert ready and os.read(proc.stdout.fileno(), 1), proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and "[interrupted: request cancelled]" in err.decode(), err.decode()
+    assert "Traceback" not in err.decode()
+    _assert_engine_aborted(server, before)
+
+
+def test_cli_timeout_is_a_clear_error_and_aborts_the_request(server):
+    before = _finished(server)
+    out = run_cli("x", "--url", server.grpc_url, "--timeout", "0.001", "--max-tokens", str(LONG),
+                  "--json-params", '{"ignore_eos": true}')
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == "error: no response within 0.001 s"
+    # After 1 ms the request is still in preprocessing: Triton's cancellation may end it there,
+    # or the abort reaches the llm model first, and the engine ends the request as it arrives.
+    _assert_engine_aborted(server, before, timeout=3.0, may_not_have_started=True)
+    # The library raises a TimeoutError with that message, still a queue.Empty as it was before.
+    before = _finished(server)
+    with pytest.raises(TimeoutError, match=r"^no response within 0\.001 s$") as raised:
+        list(TritonStreamClient(server.grpc_url).stream_generate(
+            "ensemble", {"text_input": "x", "max_tokens": LONG, "stream": True,
+                         "sampling_parameters": json.dumps({"ignore_eos": True})}, timeout=0.001))
+    assert isinstance(raised.value, queue.Empty)
+    _assert_engine_aborted(server, before, timeout=3.0, may_not_have_started=True)
+
+
+def test_a_failed_abort_does_not_hide_why_the_stream_ended(server, caplog):
+    rid = uuid.uuid4().hex
+    before = _finished(server)
+    bad = TritonStreamClient(server.grpc_url, abort_model="no_such_model")
+    stream = bad.stream_generate("ensemble", {"text_input": "x", "max_tokens": LONG, "stream": True,
+                                              "sampling_parameters": json.dumps({"ignore_eos": True})}, request_id=rid)
+    next(stream), next(stream)
+    with caplog.at_level(logging.WARNING, logger="client.triton_stream"):
+        with pytest.raises(RuntimeError, match="^what ended the stream$"):
+            stream.throw(RuntimeError("what ended the stream"))  # as if raised in the stream: it cancels, aborts
+    assert any(rid in r.getMessage() and "no_such_model" in r.getMessage() for r in caplog.records), caplog.text
+    TritonStreamClient(server.grpc_url).abort(rid)  # the public call: what the failed one left running
+    _assert_engine_aborted(server, before)
+
+@pytest.mark.parametrize("abort_model", ["llm", None])
+def test_leaving_an_llm_stream_early_stops_the_engine_with_or_without_the_abort(server, demo_model_path,
+                                                                                abort_model):
+    # The engine alone sees its stream's cancellation; the extra abort changes nothing there.
+    before = _finished(server)
+    pieces = stream_pieces("x", model="llm", url=server.grpc_url, tokenizer_path=demo_model_path, max_tokens=LONG,
+                           json_params={"ignore_eos": True}, abort_model=abort_model)
+    next(pieces), next(pieces)
+    pieces.close()
+    _assert_engine_aborted(server, before)
