@@ -18,7 +18,6 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from backend.grammar import (
     JSON_MAX_WHITESPACE,
-    GrammarCompiler,
     GrammarError,
     _bounded_strings,
     _check_json_schema,
@@ -310,18 +309,7 @@ def test_format_is_a_pattern_without_calendar_checks():
 
 
 # ------------------------------------------------------------------ through GrammarCompiler
-@pytest.fixture(scope="module")
-def tokenizer(demo_model_path):
-    from backend.tokenizer import load_tokenizer
-
-    return load_tokenizer(demo_model_path)
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    gc = GrammarCompiler(tokenizer, VOCAB)
-    yield gc
-    gc.shutdown()
+from tests.test_grammar import compiler, tokenizer  # noqa: E402,F401  (the demo model's compiler)
 
 
 NESTED = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
