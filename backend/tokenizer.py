@@ -197,23 +197,20 @@ def render_chat(
         raise ValueError("continue_final_message needs a final assistant message")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template; send a prompt instead of messages")
-    if docs is not None:
+    developer = any(m.get("role") == "developer" for m in conversation)
+    template = ""
+    if docs is not None or developer:
         try:
             template = tokenizer.get_chat_template(chat_template, tool_list)
         except ValueError:
-            template = ""
-        if not _uses(template, "documents"):
-            raise ValueError("documents: the chat template does not use documents (they would be dropped)")
-    if any(m.get("role") == "developer" for m in conversation):
+            pass
+    if docs is not None and not _uses(template, "documents"):
+        raise ValueError("documents: the chat template does not use documents (they would be dropped)")
+    if developer and "developer" not in template:
         # OpenAI's `developer` messages are its system instructions. A template that has never
         # heard of the role (Qwen2.5's, Llama's) skips such a message without a word, so it
         # renders as the system message it is; a template that names the role gets it as sent.
-        try:
-            template = tokenizer.get_chat_template(chat_template, tool_list)
-        except ValueError:
-            template = ""
-        if "developer" not in template:
-            conversation = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in conversation]
+        conversation = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in conversation]
     try:
         text = tokenizer.apply_chat_template(
             conversation,

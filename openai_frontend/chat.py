@@ -228,9 +228,8 @@ class ChatHandler:
                     calls = calls[:1]
                 # What the stream sent as content, calls or not: a call to a function that is
                 # not in `tools` is dropped there (as SGLang's parsers drop it), so here too.
-                message["content"] = normal
+                message["content"] = (normal or None) if calls else normal
                 if calls:
-                    message["content"] = normal or None
                     message["tool_calls"] = [
                         {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
                         for call in calls
