@@ -357,6 +357,8 @@ def _check_enforceable(schema: Any) -> None:
                     if name not in declared:
                         refuse(f"'required' name {json.dumps(name)} not under 'properties'", path,
                                "the grammar requires only declared properties; declare it")
+        # The subschemas xgrammar compiles: narrower than _SUBSCHEMA* (which _bounded_strings
+        # copies through), whose others (not, if, contains, ...) are refused above or annotate.
         for kw in ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems"):
             visit(node.get(kw), f"{path}.{kw}")
         visit(node.get("propertyNames"), f"{path}.propertyNames", "string")
