@@ -166,6 +166,9 @@ def build_inputs(
         raise ValueError("give exactly one of a prompt, input_ids or input_embeds")
     if system is not None and not chat:
         raise ValueError("a system message needs chat (--system needs --chat)")
+    if chat and prompt is None:
+        # The chat template renders text; token ids or embeddings are already past it.
+        raise ValueError("chat needs a text prompt, not input_ids or input_embeds")
     values: dict[str, Any] = {}
     messages = None
     if prompt is not None and chat:
@@ -582,6 +585,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.system is not None and not args.chat:
         p.error("--system needs --chat (the system message goes through the chat template)")
+    if args.chat and (args.input_ids is not None or args.input_embeds is not None):
+        p.error("--chat needs a text prompt: --input-ids and --input-embeds are already past the chat template")
     return args
 
 

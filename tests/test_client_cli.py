@@ -323,6 +323,15 @@ def test_system_needs_chat(capsys):
         build_inputs("ensemble", "hi", system="be brief")
 
 
+def test_chat_needs_a_text_prompt(capsys):
+    # Token ids are past the chat template: --chat with them would be dropped without a word.
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--chat", "--input-ids", "1,2,3"])
+    assert exit_.value.code == 2 and "--chat needs a text prompt" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="chat needs a text prompt"):
+        build_inputs("ensemble", None, chat=True, input_ids=[1, 2, 3])
+
+
 def test_cli_prints_the_library_warnings_as_one_line_each(capsys):
     cli._log_warnings_to_stderr()
     cli._log_warnings_to_stderr()  # once, however often main runs
