@@ -238,7 +238,8 @@ def _clean(message: str) -> str:
 
 
 # "unsupported parameter 'x'", "invalid sampling parameter x: ...", "x must be ...",
-# "x: ...", "priority 3 needs ...", "logits processor 'm.f' ..." -> x
+# "x: ...", "priority 3 needs ...", "logits processor 'm.f' ..." -> x,
+# "LoRA adapter 'a' is not loaded" -> lora_path (the engine's name for it)
 _PARAM_RE = re.compile(
     r"parameter '([A-Za-z_][A-Za-z0-9_]*)'"
     r"|invalid sampling parameter ([A-Za-z_][A-Za-z0-9_]*)"
@@ -247,8 +248,9 @@ _PARAM_RE = re.compile(
     r"|^([a-z_][a-z0-9_]*): "
     r"|^(priority) -?\d"
     r"|^logits (processor) '"
+    r"|^LoRA (adapter) '"
 )
-_PARAM_ALIASES = {"processor": "logits_processors"}
+_PARAM_ALIASES = {"processor": "logits_processors", "adapter": "lora_path"}
 
 
 def _param(msg: str) -> Optional[str]:

@@ -935,6 +935,7 @@ def test_error_mapping():
     assert e.status_code == 400 and e.message == "unsupported parameter 'n': n > 1 is not supported yet"
     assert e.param == "n"
     assert map_stream_error("invalid sampling parameter top_p: must be in (0, 1]").param == "top_p"
+    assert map_stream_error("LoRA adapter 'x' is not loaded; loaded adapters: none").param == "lora_path"
     # The engine's own messages: a check across fields names no parameter.
     from backend.sampling_params import SamplingParamsError, parse_sampling_params
 
