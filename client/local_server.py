@@ -29,6 +29,10 @@ def free_port() -> int:
 
 
 def triton_home() -> Path:
+    """The tritonserver tree: $TRITON_HOME if set (scripts/env.sh sets it; a GPU host without the
+    wheel gets an unpacked copy, scripts/gpu_check.sh), else the nvidia-pytriton wheel's."""
+    if os.environ.get("TRITON_HOME"):
+        return Path(os.environ["TRITON_HOME"])
     import pytriton
 
     return Path(pytriton.__file__).parent / "tritonserver"
@@ -38,10 +42,11 @@ def server_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     site = sysconfig.get_paths()["purelib"]
     env = dict(os.environ)
     libdir = sysconfig.get_config_var("LIBDIR")
-    env["LD_LIBRARY_PATH"] = ":".join(
-        p for p in (libdir, str(Path(site) / "nvidia_pytriton.libs"), env.get("LD_LIBRARY_PATH")) if p
-    )
-    env["PYTHONPATH"] = ":".join(p for p in (str(REPO_ROOT), site, env.get("PYTHONPATH")) if p)
+    libs = triton_home().parents[1] / "nvidia_pytriton.libs"  # the wheel's layout: <site>/pytriton/tritonserver
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, str(libs), env.get("LD_LIBRARY_PATH")) if p)
+    # A PYTHONPATH given to us comes before this interpreter's site-packages: on a GPU host it
+    # holds carried packages that must shadow the host's (numpy < 2 for the stub).
+    env["PYTHONPATH"] = ":".join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH"), site) if p)
     # The stub's embedded interpreter finds its prefix from the first python on PATH; without the
     # venv's bin first it settles on the base install and the models cannot import torch.
     env["PATH"] = ":".join(p for p in (str(Path(sys.executable).parent), env.get("PATH")) if p)

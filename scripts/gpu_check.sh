@@ -17,13 +17,20 @@
 #   kernels    the sampling kernels against their torch references, batch 256, vocab 128k -> kernels_vs_torch.json
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
+#   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
+#              frontend streaming / non-streaming at concurrency 1, 8, 64 -> serving_bench.json + .png
+#              (SERVING_ARGS adds arguments). tritonserver comes from .whl/serving/ (see fetch)
 # DEMO_ARGS adds arguments to both engine_vs_hf runs (e.g. --skip-one-by-one --rounds 3).
 #   checks     tests and engine side by side (both only check; the benchmarks run alone)
 # Each step is cut off after its limit (STEP_LIMIT_<step> seconds, defaults below) so that one
 # slow step cannot eat a lent GPU's minutes; the benchmarks print and save each figure as it lands.
 # A device call runs 10 minutes at most: `run OUT checks demo 0.4b kernels` is sized to fit.
-# The serving paths (tritonserver, frontend) need the Docker image; see README "GPU hosts".
+# `fetch` also builds .whl/serving/: tritonserver cut from the nvidia-pytriton wheel (the binary, the
+# Python backend, the stub for GPU_PY_VERSION and the bundled libraries; ~27 MB as .tar.xz, the whole
+# wheel is past what a device call carries) and the frontend's and tritonclient's packages with
+# numpy < 2 for the stub, installed apart (/tmp/serving-site) so the other steps keep the host's.
 set -uo pipefail
+SCRIPT="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 
 # The engine's imports that a CUDA image with torch/transformers/triton lacks, at this
@@ -31,6 +38,13 @@ cd "$(dirname "$0")/.."
 WHEELS=(pydantic pydantic_core annotated-types typing-inspection xgrammar apache-tvm-ffi dill jsonschema
         jsonschema-specifications referencing rpds-py)
 PY_VERSION=${GPU_PY_VERSION:-3.12}
+# The serving step's packages: resolved with their dependencies against constraints.txt, less
+# grpcio (the host has one) and what WHEELS already carries.
+SERVING=(fastapi uvicorn sse-starlette openai "tritonclient[grpc]")
+SERVING_SKIP=(grpcio)
+PLATFORMS=(--platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+           --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+           --platform manylinux1_x86_64)
 
 pinned() {  # name -> name==version from constraints.txt (names compared the way pip does)
   local want
@@ -52,14 +66,59 @@ fetch() {
   for name in "${WHEELS[@]}"; do
     spec=$(pinned "$name") || exit 1
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$spec" || exit 1
+      "${PLATFORMS[@]}" -d .whl "$spec" || exit 1
   done
+  fetch_serving "$py" || exit 1
   du -sh .whl
   echo "carry .whl to the GPU host (the device tool: carry [\".whl\"]), then: scripts/gpu_check.sh run"
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [kvdtype]=170)
+normal() { echo "$1" | tr '_.' '--' | tr '[:upper:]' '[:lower:]'; }
+
+fetch_serving() {  # python -> .whl/serving/: tritonserver.tar.xz and the serving step's wheels
+  local py=$1 tmp
+  tmp=$(mktemp -d)
+  rm -rf .whl/serving && mkdir -p .whl/serving
+  "$py" -m pip download -q --only-binary=:all: --python-version "$PY_VERSION" --implementation cp "${PLATFORMS[@]}" \
+    -c constraints.txt -d "$tmp/wheels" "${SERVING[@]}" || return 1
+  local have=" " w name
+  for w in .whl/*.whl; do have+="$(normal "$(basename "$w" | cut -d- -f1)") "; done
+  for name in "${SERVING_SKIP[@]}"; do have+="$(normal "$name") "; done
+  for w in "$tmp"/wheels/*.whl; do
+    name=$(normal "$(basename "$w" | cut -d- -f1)")
+    [[ "$have" == *" $name "* ]] || mv "$w" .whl/serving/
+  done
+  # tritonclient's wheel is mostly the perf_analyzer binaries (2 x 20 MB), which the step does not run.
+  "$py" - .whl/serving/tritonclient-*.whl <<'PY' || return 1
+import sys, zipfile
+path = sys.argv[1]
+with zipfile.ZipFile(path) as src:
+    items = [(i, src.read(i)) for i in src.infolist() if "/data/bin/" not in i.filename]
+with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as dst:
+    for info, data in items:
+        if info.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(l for l in data.splitlines(True) if b"/data/bin/" not in l)
+        dst.writestr(info, data)
+PY
+  local spec
+  spec=$(pinned nvidia-pytriton) || return 1
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
+    "${PLATFORMS[@]}" -d "$tmp/pytriton" "$spec" || return 1
+  mkdir -p "$tmp/tree"
+  (cd "$tmp/tree" && unzip -q "$tmp"/pytriton/*.whl 'pytriton/tritonserver/*' 'nvidia_pytriton.libs/*') || return 1
+  # Only this Python's stub; pytriton's own libpython (not what tritonserver links) stays behind.
+  find "$tmp/tree/pytriton/tritonserver/python_backend_stubs" -mindepth 1 -maxdepth 1 ! -name "$PY_VERSION" \
+    -exec rm -rf {} +
+  rm -f "$tmp"/tree/nvidia_pytriton.libs/libpython*
+  [ -f "$tmp/tree/pytriton/tritonserver/python_backend_stubs/$PY_VERSION/triton_python_backend_stub" ] \
+    || { echo "gpu_check: no Python backend stub for Python $PY_VERSION in $spec" >&2; return 1; }
+  tar -C "$tmp/tree" -cJf .whl/serving/tritonserver.tar.xz pytriton nvidia_pytriton.libs || return 1
+  rm -rf "$tmp"
+  du -sh .whl/serving
+}
+
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [kvdtype]=170
+                  [serving]=300)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
   local name=$1
@@ -127,14 +186,48 @@ run() {
                  --memory-mb "${KV_MB:-48}" --max-model-len 1024 --rounds 2 --dtypes bfloat16 fp8 fp8_e5m2 --baseline bfloat16 \
                  --json "$OUT/kv_cache_dtype_0.4b.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
+      serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" ;;
       *) echo "gpu_check: unknown step $s" >&2 ;;
     esac
   done
   echo "log: $LOG"
 }
 
+serving() {  # python, out dir: the serving paths on this host's GPU, tritonserver from .whl/serving/
+  local py=$1 out=$2 pyv home=/tmp/triton/pytriton/tritonserver
+  pyv=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || return 1
+  if [ ! -x "$home/bin/tritonserver" ]; then
+    [ -f .whl/serving/tritonserver.tar.xz ] || { echo "no .whl/serving/tritonserver.tar.xz: run fetch first"; return 1; }
+    mkdir -p /tmp/triton && tar -C /tmp/triton -xJf .whl/serving/tritonserver.tar.xz || return 1
+  fi
+  local stub="$home/python_backend_stubs/$pyv/triton_python_backend_stub"
+  [ -f "$stub" ] || { echo "the bundle has no stub for Python $pyv (fetch with GPU_PY_VERSION=$pyv)"; return 1; }
+  cp "$stub" "$home/backends/python/" || return 1
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serving-site \
+    .whl/serving/*.whl || return 1
+  # The stub links this Python's libpython; say so at once if the host has none to give it.
+  local libdir
+  libdir=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
+  LD_LIBRARY_PATH="$libdir" ldd "$home/backends/python/triton_python_backend_stub" | grep "not found" \
+    && echo "the Python backend stub lacks the libraries above (LIBDIR $libdir)"
+  local results=/tmp/serving-results
+  TRITON_HOME=$home PYTHONPATH="/tmp/serving-site:${PYTHONPATH:-}" "$py" -m bench.serving_bench --device "${SERVING_DEVICE:-cuda}" \
+    --only engine,triton,triton_llm,frontend,frontend_nonstream --concurrency 1 8 64 --out "$results" ${SERVING_ARGS:-}
+  local rc=$? last
+  last=$(ls -t "$results"/*.json 2>/dev/null | head -1)
+  if [ -n "$last" ]; then
+    cp "$last" "$out/serving_bench.json"
+    [ -f "${last%.json}.png" ] && cp "${last%.json}.png" "$out/serving_bench.png"
+    for log in "${last%.json}"/*.log; do
+      [ -f "$log" ] && { echo "---- tail of $(basename "$log")"; tail -n 30 "$log"; }
+    done
+  fi
+  return $rc
+}
+
 case "${1:-}" in
   fetch) fetch ;;
   run) shift; run "$@" ;;
+  _serving) shift; serving "$@" ;;
   *) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 2 ;;
 esac

@@ -44,3 +44,29 @@ def test_a_step_past_its_limit_is_cut_off_and_the_rest_still_run(tmp_path):
     assert "kernels: exit 124" in proc.stdout and "tests: exit 0" in proc.stdout
     log = (out / "gpu_check.log").read_text()
     assert "==== kernels: cut off at its 1s limit" in log and "==== tests: exit 0" in log
+
+
+def test_server_env_takes_an_unpacked_tritonserver_and_lets_carried_packages_shadow_the_interpreters(monkeypatch,
+                                                                                                     tmp_path):
+    # gpu_check's serving step: tritonserver unpacked apart from any wheel (TRITON_HOME), and
+    # carried packages (numpy < 2 for the stub) ahead of the host's own site-packages.
+    import sysconfig
+
+    from client.local_server import REPO_ROOT, server_env, triton_home
+
+    home = tmp_path / "pytriton" / "tritonserver"
+    monkeypatch.setenv("TRITON_HOME", str(home))
+    monkeypatch.setenv("PYTHONPATH", "/tmp/serving-site")
+    assert triton_home() == home
+    env = server_env()
+    assert str(tmp_path / "nvidia_pytriton.libs") in env["LD_LIBRARY_PATH"].split(":")
+    path = env["PYTHONPATH"].split(":")
+    assert path[0] == str(REPO_ROOT)
+    assert path.index("/tmp/serving-site") < path.index(sysconfig.get_paths()["purelib"])
+
+
+def test_the_serving_step_is_a_step():
+    text = SCRIPT.read_text()
+    assert "serving) step serving" in text and "[serving]=" in text
+    # Its packages resolve against the pins; grpcio is the host's own.
+    assert re.search(r"-c constraints\.txt", text) and "SERVING_SKIP=(grpcio)" in text
