@@ -182,7 +182,9 @@ def json_array_schema(tools: Sequence[ChatTool], single: bool) -> dict[str, Any]
         for t in tools
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1}
-    schema["items"] = items[0] if len(items) == 1 else {"type": "object", "anyOf": items}
+    # Every branch is an object already; xgrammar enforces no keyword beside anyOf (grammar.py
+    # refuses one there), so the branches stand alone.
+    schema["items"] = items[0] if len(items) == 1 else {"anyOf": items}
     if single:
         schema["maxItems"] = 1
     defs = _hoist_defs([_parameters(t) for t in tools])

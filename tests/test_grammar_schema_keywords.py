@@ -355,3 +355,30 @@ def test_supported_constraints_still_compile_and_constrain(compiler, tokenizer):
     assert not feeds('{"n": 16')  # multipleOf
     assert not feeds('{"n": 15, "code": "abc"')  # pattern
     assert not feeds('{"n": 15, "code": "ABC", "pet": {"kind": "cat", "name"')  # the Cat schema
+
+
+def test_every_tool_choice_constraint_the_frontend_builds_compiles(compiler):
+    # The frontend's own schemas for tool_choice required / named must pass the keyword check:
+    # a client cannot fix a schema it did not write (QA: 'type' beside 'anyOf' with two tools).
+    from openai_frontend.protocol import ChatTool, NamedToolChoice
+    from openai_frontend.tool_parsers import TOOL_PARSERS
+    from openai_frontend.tools import plan_tools
+
+    def tool(name: str, parameters: dict | None) -> ChatTool:
+        function = {"name": name, **({"parameters": parameters} if parameters is not None else {})}
+        return ChatTool.model_validate({"type": "function", "function": function})
+
+    tools = [tool("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+             tool("get_time", {"type": "object", "properties": {"tz": {"type": "string"}}}),
+             tool("ping", None),
+             tool("pet", {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
+                          "$defs": {"P": {"type": "object", "properties": {"k": {"type": "string"}}}}})]
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_time"}})
+    for parser in (None, *TOOL_PARSERS):
+        for count in (1, 2, len(tools)):
+            for choice in ("required", named):
+                for parallel in (None, False):
+                    plan = plan_tools(tools[:max(count, 2)] if choice is named else tools[:count], choice,
+                                      parallel, parser)
+                    kind, spec = plan.constraint
+                    compiler.submit(kind, spec).result(timeout=60)  # raises GrammarError if refused
