@@ -189,7 +189,8 @@ def openai_param(exc: APIError, req: AnyRequest) -> APIError:
         exc.param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     elif exc.param in _OPENAI_NAMES:
         exc.param = _OPENAI_NAMES[exc.param]
-    elif exc.param is None and exc.message == "the prompt is empty":  # the engine's or preprocessing's
+    elif (exc.param is None and exc.message == "the prompt is empty") or exc.param == "input_ids":
+        # the engine's or preprocessing's words for the prompt the request gave
         exc.param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     return exc
 

@@ -166,11 +166,37 @@ class FrontDoorMiddleware:
             metrics.request_finished(endpoint, status, time.perf_counter() - t0)
 
 
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _is_branch(part: Any) -> bool:
+    """A union branch's tag in an error location ('str', 'list[constrained-int]'), not a field."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_NAMES or part.startswith("constrained-"))
+
+
+def _first_error(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error to report. For a value no branch of a union accepts, pydantic reports every
+    branch: the error of a branch whose type fits but whose bound is broken (a negative token id)
+    says what is wrong; when none fits, a message naming the accepted forms does."""
+    err = errors[0]
+    loc = list(err.get("loc", ()))
+    cut = next((i for i, part in enumerate(loc) if _is_branch(part)), None)
+    if cut is None:
+        return err
+    head = loc[:cut]
+    branches = [e for e in errors if list(e.get("loc", ()))[:cut] == head and len(e.get("loc", ())) > cut]
+    bounded = [e for e in branches if not str(e.get("type", "")).endswith(("_type", "_parsing"))]
+    if bounded:
+        return {**bounded[0], "loc": tuple(p for p in bounded[0]["loc"] if not _is_branch(p))}
+    forms = dict.fromkeys(str(e["loc"][cut]).replace("constrained-", "") for e in branches)
+    return {"loc": tuple(head), "type": "union", "msg": f"expected one of: {', '.join(forms)}"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
     errors = exc.errors()
     if not errors:
         return "Invalid request", None
-    err = errors[0]
+    err = _first_error(errors)
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     kind = err.get("type", "")

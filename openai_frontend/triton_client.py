@@ -239,7 +239,8 @@ def _clean(message: str) -> str:
 
 # "unsupported parameter 'x'", "invalid sampling parameter x: ...", "x must be ...",
 # "x: ...", "priority 3 needs ...", "logits processor 'm.f' ..." -> x,
-# "LoRA adapter 'a' is not loaded" -> lora_path (the engine's name for it)
+# "LoRA adapter 'a' is not loaded" -> lora_path (the engine's name for it), "stop_token_ids token ids
+# must ..." -> stop_token_ids, "invalid regex: ..." -> regex, a prompt token out of range -> input_ids
 _PARAM_RE = re.compile(
     r"parameter '([A-Za-z_][A-Za-z0-9_]*)'"
     r"|invalid sampling parameter ([A-Za-z_][A-Za-z0-9_]*)"
@@ -249,8 +250,12 @@ _PARAM_RE = re.compile(
     r"|^(priority) -?\d"
     r"|^logits (processor) '"
     r"|^LoRA (adapter) '"
+    r"|^([a-z_][a-z0-9_]*) token ids must "
+    r"|^invalid (json_schema|regex|ebnf|structural_tag)\b"
+    r"|^(input_ids) out of range"
+    r"|^prompt token (id) \d+ is out of range"
 )
-_PARAM_ALIASES = {"processor": "logits_processors", "adapter": "lora_path"}
+_PARAM_ALIASES = {"processor": "logits_processors", "adapter": "lora_path", "id": "input_ids"}
 
 
 def _param(msg: str) -> Optional[str]:

@@ -504,6 +504,21 @@ def test_error_unknown_parameter_is_400(client):
     assert body["param"] == "frobnicate" and "frobnicate" in body["message"]
 
 
+def test_error_for_a_value_no_union_branch_takes(client):
+    # pydantic reports every branch of prompt's union; the message must be about the real fault.
+    for prompt, message, param in (
+        ([5, -1], "Invalid value for 'prompt.1': Input should be greater than or equal to 0", "prompt.1"),
+        ([[1, -2]], "Invalid value for 'prompt.0.1': Input should be greater than or equal to 0", "prompt.0.1"),
+        (5, "Invalid value for 'prompt': expected one of: str, list[str], list[int], list[list[int]]", "prompt"),
+        (["a", [1, 2]], "Invalid value for 'prompt': expected one of: str, list[str], list[int], list[list[int]]",
+         "prompt"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        body = _error(err)
+        assert (body["message"], body["param"]) == (message, param), prompt
+
+
 def test_error_unsupported_parameter_named(client, fake):
     for kwargs, name in [
         ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
@@ -936,6 +951,13 @@ def test_error_mapping():
     assert e.param == "n"
     assert map_stream_error("invalid sampling parameter top_p: must be in (0, 1]").param == "top_p"
     assert map_stream_error("LoRA adapter 'x' is not loaded; loaded adapters: none").param == "lora_path"
+    for message, param in (("stop_token_ids token ids must be < the vocabulary size 4096", "stop_token_ids"),
+                           ("logit_bias token ids must be < the vocabulary size 4096", "logit_bias"),
+                           ("invalid json_schema: 'type' must be a string", "json_schema"),
+                           ("invalid regex: unbalanced parenthesis", "regex"),
+                           ("input_ids out of range [0, 4096): [99999]", "input_ids"),
+                           ("prompt token id 99999 is out of range [0, 4096)", "input_ids")):
+        assert map_stream_error(message).param == param, message
     # The engine's own messages: a check across fields names no parameter.
     from backend.sampling_params import SamplingParamsError, parse_sampling_params
 
