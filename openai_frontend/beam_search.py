@@ -175,29 +175,34 @@ def _score(beam: _Beam, prompt_len: int, length_penalty: float) -> float:
     return beam.cum_logprob / (max(length, 1) ** length_penalty)
 
 
-def _logprobs_meta(path: list[_Beam], top: int) -> str:
-    """The beam's logprobs in the engine's meta_info form, which the handlers already read."""
+def _meta(path: list[_Beam], top: Optional[int], cached_tokens: Optional[int]) -> str:
+    """The beam's meta_info in the engine's form, which the handlers already read: the prompt's
+    prefix-cache hits (of the search's first step, the prompt alone) and, if asked, logprobs."""
     def entry(lp: TokenLogprob) -> list:
         return [lp.logprob, lp.token_id, lp.text]
 
-    return json.dumps({
-        "output_token_logprobs": [entry(b.logprob) for b in path],
-        "output_top_logprobs": [[entry(t) for t in b.logprob.top[:top]] for b in path],
-    }, ensure_ascii=False)
+    meta: dict[str, Any] = {} if cached_tokens is None else {"cached_tokens": cached_tokens}
+    if top is not None:
+        meta["output_token_logprobs"] = [entry(b.logprob) for b in path]
+        meta["output_top_logprobs"] = [[entry(t) for t in b.logprob.top[:top]] for b in path]
+    return json.dumps(meta, ensure_ascii=False) if meta else ""
 
 
-async def _alternatives(client: EngineClient, ids: list[int], spec: BeamSpec) -> list[TokenLogprob]:
-    """The most likely next tokens after `ids` (2 x width, or the client's top_logprobs if more)."""
+async def _alternatives(client: EngineClient, ids: list[int], spec: BeamSpec) -> tuple[list[TokenLogprob], Optional[int]]:
+    """The most likely next tokens after `ids` (2 x width, or the client's top_logprobs if more),
+    and how many of `ids` the prefix cache served."""
     stream = client.generate(EngineRequest(sampling_params=spec.step_params, input_ids=ids, stream=False))
     top: list[TokenLogprob] = []
+    cached: Optional[int] = None
     try:
         async for chunk in stream:
             lps = chunk.logprobs(spec.step_params["top_logprobs_num"])
             if lps:
                 top = lps[0].top
+            cached = chunk.cached_tokens if chunk.cached_tokens is not None else cached
     finally:
         await stream.aclose()
-    return top
+    return top, cached
 
 
 async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -> list[EngineChunk]:
@@ -213,8 +218,12 @@ async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -
         raise bad_request("use_beam_search needs max_tokens when the model's context length is unknown",
                           param="max_tokens")
     live, finished = [_Beam()], []
-    for _ in range(steps):
-        tops = await _all([_alternatives(client, ids + beam.tokens(), spec) for beam in live])
+    cached: Optional[int] = None
+    for step in range(steps):
+        found = await _all([_alternatives(client, ids + beam.tokens(), spec) for beam in live])
+        tops = [top for top, _ in found]
+        if step == 0:
+            cached = found[0][1]
         grown = []
         for beam, top in zip(live, tops):
             for alt in top[: 2 * spec.width]:
@@ -242,7 +251,7 @@ async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -
     ])
     return [
         EngineChunk(text, [b.token for b in path], beam.finish, len(ids), beam.length,
-                    _logprobs_meta(path, spec.top_logprobs) if spec.top_logprobs is not None else "")
+                    _meta(path, spec.top_logprobs, cached))
         for beam, path, text in zip(best, paths, texts)
     ]
 

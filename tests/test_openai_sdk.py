@@ -227,6 +227,8 @@ def test_beam_search_equals_a_reference_beam_search_on_the_model(triton, demo_mo
     expected = _reference_beam_search(model, prompt, 3, 5, eos)
     assert [c.text for c in r.choices] == [tok.decode([t for t in b if t not in eos]) for b, _ in expected]
     assert r.usage.completion_tokens == sum(len(b) for b, _ in expected)
+    # usage has the shape of every other response: the prompt's cache hits, from the first step
+    assert r.usage.prompt_tokens_details is not None and 0 <= r.usage.prompt_tokens_details.cached_tokens <= len(prompt)
     for choice, (_, cum) in zip(r.choices, expected):  # each beam's logprobs are its own tokens'
         assert sum(choice.logprobs.token_logprobs) == pytest.approx(cum, abs=1e-3)
 
