@@ -224,8 +224,21 @@ case("llama3", llama(w(), ("get_time", ARGS["tricky_strings"]), ("search", ARGS[
 case("llama3", "Sure thing.\n" + llama(w(), ("get_time", ARGS["nested"])), "Sure thing.",
      [("get_weather", canon(ARGS["simple"])), ("get_time", canon(ARGS["nested"]))])
 case("llama3", "  \n" + llama(w(), tag=False), "", [("get_weather", canon(ARGS["simple"]))])
-case("llama3", llama(w(), ("get_time", ARGS["multiline"]), tag=False) + " ;", ";",
+# A separator with nothing after it: the output ended before the next call (a cut, not text).
+case("llama3", llama(w(), ("get_time", ARGS["multiline"]), tag=False) + " ;", "",
      [("get_weather", canon(ARGS["simple"])), ("get_time", canon(ARGS["multiline"]))])
+# The output cut inside the markup after a complete call (max_tokens): the fragment is neither
+# the call's nor text, so it is dropped; a cut *call* stays text (see _BAD_CONTINUATION).
+for _cut in ("\n</tool_", "\n</", "\n<", "\n", "</tool_call"):
+    case("qwen25", qwen(*w())[: -len("\n</tool_call>")] + _cut, "", [("get_weather", canon(ARGS["simple"]))])
+case("qwen25", qwen(*w()) + "\n<tool_call>\n", "<tool_call>\n", [("get_weather", canon(ARGS["simple"]))])
+case("qwen25", qwen(*w()) + ' <tool_call>\n{"name": "get_ti', '<tool_call>\n{"name": "get_ti',
+     [("get_weather", canon(ARGS["simple"]))])
+for _cut in (", ", ",", " "):
+    case("mistral", mistral(w())[:-1] + _cut, "", [("get_weather", canon(ARGS["simple"]))])
+for _cut in ("\n```", "\n``", CALL_END[:3], "\n" + CALL_BEGIN[:2], CALLS_END[:4]):
+    case("deepseekv3", deepseek(w())[: -len("\n```" + CALL_END + CALLS_END)] + _cut, "",
+         [("get_weather", canon(ARGS["simple"]))])
 case("llama3", '{"name": "get_time", "arguments": {"a": 1}} Done.', "Done.", [("get_time", '{"a": 1}')])
 case("llama3", 'Text first {"name": "get_time", "parameters": {}}', 'Text first {"name": "get_time", "parameters": {}}', [])
 case("llama3", '{"result": 42, "ok": true}', '{"result": 42, "ok": true}', [])

@@ -207,6 +207,20 @@ class JsonToolCallParser(BaseToolParser):
         cls._next_alts = ([("call", cls.separator + cls.call_prefix + obj)] if cls.separator is not None else []) + (
             [("close", cls.close)] if cls.close else []
         )
+        # What may follow a call: its suffix (optional), then another call or the region's close;
+        # once the suffix is read, only the latter.
+        after = [cls.separator + cls.call_prefix + obj] if cls.separator is not None else []
+        after += [cls.close] if cls.close else []
+        cls._after_suffix = after
+        cls._after_object = [c for c in ([cls.call_suffix + a for a in after + [()]] if cls.call_suffix else [])
+                             + after if c]
+
+    @staticmethod
+    def _cut_markup(rest: str, continuations: list[Pattern]) -> bool:
+        """Whether ``rest``, the end of the output after a region's last call, is the markup that
+        may follow there cut short (``</tool_``, a separator, the close): the calls are complete,
+        so the fragment is neither text nor a call. Both parsing modes drop it, so they stay equal."""
+        return any(match_prefix(c, rest, final=False)[0] == NEED_MORE for c in continuations)
 
     def has_tool_call(self, text: str) -> bool:
         return super().has_tool_call(text) or (self.bare_object_start and text.lstrip().startswith("{"))
@@ -259,8 +273,10 @@ class JsonToolCallParser(BaseToolParser):
         else:
             return None
         while True:
+            continuations = self._after_object
             if self._re_suffix is not None and (m := self._re_suffix.match(text, p)):
                 p = m.end()
+                continuations = self._after_suffix
             if self._re_next is not None and (m := self._re_next.match(text, p)):
                 obj = self._complete_object(text, m.end(), m.groups(), names)
                 if obj is not None:
@@ -269,7 +285,9 @@ class JsonToolCallParser(BaseToolParser):
                     continue
                 break  # the region ends after the last good call
             if self._re_close is not None and (m := self._re_close.match(text, p)):
-                p = m.end()
+                return m.end(), found
+            if p < len(text) and self._cut_markup(text[p:], continuations):
+                p = len(text)
             break
         return p, found
 
@@ -507,7 +525,18 @@ class JsonToolCallParser(BaseToolParser):
         self._state = _SKIP
         return True
 
+    def _drop_cut_markup(self, final: bool, continuations: list[Pattern]) -> bool:
+        """At the end of the output, a region's markup cut short after its last call (see
+        _cut_markup): dropped, and the region ends."""
+        if final and self._buf and self._cut_markup(self._buf, continuations):
+            self._buf = ""
+            self._end_region()
+            return True
+        return False
+
     def _step_suffix(self, final: bool) -> bool:
+        if self._drop_cut_markup(final, self._after_object):
+            return False
         if self.call_suffix:
             status, end, _ = match_prefix(self.call_suffix, self._buf, final)
             if status == NEED_MORE:
@@ -518,6 +547,8 @@ class JsonToolCallParser(BaseToolParser):
         return True
 
     def _step_next(self, final: bool) -> bool:
+        if self._drop_cut_markup(final, self._after_suffix):
+            return False
         alt = self._alternatives(self._next_alts, final)
         if alt is None:
             return False
