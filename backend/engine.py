@@ -244,6 +244,13 @@ class LLMEngine:
                           ("allowed_token_ids", params.allowed_token_ids), ("stop_token_ids", params.stop_token_ids)):
             if ids and max(ids) >= self.vocab_size:
                 raise RequestError(f"{name} token ids must be < the vocabulary size {self.vocab_size}")
+        if params.min_new_tokens > 0 and params.allowed_token_ids:
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+            if set(params.allowed_token_ids) <= ends:
+                raise RequestError(
+                    "allowed_token_ids holds only stop/EOS tokens, which min_new_tokens "
+                    f"{params.min_new_tokens} forbids for the first tokens: nothing could be drawn"
+                )
         adapter = self._adapter(params.lora_path)
         processor = self._custom_processor(params)
         compiled = self._submit_grammar(params)

@@ -313,11 +313,16 @@ class Sampler:
                 logits = penalized
             else:
                 logits[pen] = penalized
-        for i, r in enumerate(rows):
-            if r.suppress_ids:
-                logits[i, [t for t in r.suppress_ids if t < V]] = float("-inf")
+        suppressed = [i for i, r in enumerate(rows) if r.suppress_ids]
+        # min_new_tokens yields where it would leave no token at all (a grammar or
+        # allowed_token_ids that only an end token can satisfy now): the rows before it are kept.
+        unsuppressed = logits[suppressed].clone() if suppressed and any(
+            rows[i].grammar is not None or rows[i].params.restricts_tokens for i in suppressed) else None
+        for i in suppressed:
+            logits[i, [t for t in rows[i].suppress_ids if t < V]] = float("-inf")
 
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        bitmask = row_mask = None
         if constrained:
             words = (V + 31) // 32
             bitmask = torch.full((B, words), -1, dtype=torch.int32)
@@ -325,11 +330,29 @@ class Sampler:
             for i in constrained:
                 rows[i].grammar.fill_bitmask(bitmask, i)
                 row_mask[i] = True
-            logits = kernels.apply_token_bitmask(logits, bitmask.to(dev), row_mask.to(dev), use_triton=use_triton)
+            bitmask, row_mask = bitmask.to(dev), row_mask.to(dev)
+            logits = kernels.apply_token_bitmask(logits, bitmask, row_mask, use_triton=use_triton)
+        if unsuppressed is not None:
+            dead = (logits[suppressed].amax(dim=-1) == float("-inf")).tolist()
+            for j in (j for j, d in enumerate(dead) if d):
+                i = suppressed[j]
+                row = unsuppressed[j : j + 1]
+                if rows[i].grammar is not None:
+                    row = kernels.apply_token_bitmask(row, bitmask[i : i + 1], row_mask[i : i + 1], use_triton=use_triton)
+                logits[i] = row[0]
 
         custom = [i for i, r in enumerate(rows) if r.custom_processor is not None]
         if custom:
             logits = _apply_custom(logits, rows, custom, errors)
+        # A row with nothing left to draw would yield token 0 with a NaN logprob: its request ends
+        # with the reason instead (a grammar against allowed_token_ids, a processor that bans all).
+        masked = [i for i, r in enumerate(rows) if i not in errors and (
+            r.grammar is not None or r.params.restricts_tokens or r.custom_processor is not None or r.logits_processors)]
+        if masked:
+            for i, empty in zip(masked, (logits[masked].amax(dim=-1) == float("-inf")).tolist()):
+                if empty:
+                    errors[i] = ("no token can be drawn: the constraints on this request (grammar, allowed_token_ids, "
+                                 "logit_bias, logits processors) leave none allowed at this point")
 
         if any(r.params.temperature > 0 for r in rows):  # rows at temperature 0 come back unscaled anyway
             # In place: this is the sampler's own copy of the rows, and a fresh [rows, V] buffer

@@ -235,6 +235,33 @@ def test_impossible_tokens_report_a_finite_logprob_floor(engine):
     json.dumps(lps, allow_nan=False)
 
 
+def test_min_new_tokens_never_leaves_a_row_with_nothing_to_draw(engine):
+    # A row where every token is masked would draw token 0 with a NaN logprob (invalid JSON).
+    import json
+
+    eos = sorted(engine.eos_ids)
+    # allowed_token_ids that only an end token satisfies, under min_new_tokens: refused up front
+    with pytest.raises(RequestError, match="allowed_token_ids holds only stop/EOS tokens"):
+        engine.add_request([1, 2, 3], engine.parse_params({"min_new_tokens": 2, "allowed_token_ids": eos[:1]}),
+                           lambda out: None)
+    with pytest.raises(RequestError, match="only stop/EOS"):
+        engine.add_request([1, 2, 3], engine.parse_params({"min_new_tokens": 2, "allowed_token_ids": [7],
+                                                           "stop_token_ids": [7]}), lambda out: None)
+    # A grammar that is done before min_new_tokens: its end (EOS) wins, as the constraint is hard.
+    for temperature in (0.0, 0.8):
+        p = engine.parse_params({"max_new_tokens": 20, "min_new_tokens": 5, "regex": "a", "temperature": temperature,
+                                 "seed": 3, "return_logprob": True, "top_logprobs_num": 2})
+        (out,) = engine.generate([_prompt(8, 2)], [p])
+        assert out.error is None and out.finish_reason is not None
+        assert engine.tokenizer.decode(out.new_token_ids, skip_special_tokens=True) == "a"
+        assert out.new_token_ids[-1] in engine.eos_ids
+        json.dumps(out.logprobs, allow_nan=False)
+    # Two hard constraints that exclude each other: the request ends with the reason.
+    p = engine.parse_params({"max_new_tokens": 5, "regex": "yes", "allowed_token_ids": [7], "temperature": 0})
+    (out,) = engine.generate([_prompt(8, 2)], [p])
+    assert out.new_token_ids == [] and "no token can be drawn" in out.error
+
+
 def test_prompt_logprobs_survive_preemption_mid_prompt(demo_model_path, engine):
     # A scored prompt prefilled in chunks next to decoding sequences that outgrow a small pool:
     # it is preempted part-way, computed again, and reports each position once, as alone.
