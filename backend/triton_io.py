@@ -76,8 +76,13 @@ def parse_llm_inputs(arrays: dict[str, np.ndarray]) -> tuple[list[int], dict[str
         words = [w for w in (_text(x, "stop_words") for x in arrays["stop_words"].reshape(-1)) if w]
         if words:
             raw["stop"] = words
-    stream = bool(_scalar(arrays["stream"], "stream")) if "stream" in arrays else bool(raw.pop("stream", False))
-    raw.pop("stream", None)
+    if "stream" in arrays:
+        stream = bool(_scalar(arrays["stream"], "stream"))
+        raw.pop("stream", None)
+    else:
+        stream = raw.pop("stream", False)
+        if not isinstance(stream, bool):  # bool("false") is True
+            raise SamplingParamsError(f"stream must be true or false, got {stream!r}")
     return ids, raw, stream
 
 
@@ -173,19 +178,41 @@ def parse_abort_request_id(arr: np.ndarray) -> str:
     return str(_scalar(arr, "abort_request_id"))
 
 
-def control(engine: Any, arrays: dict[str, np.ndarray], serving: Optional[dict[str, Any]] = None) -> Optional[np.ndarray]:
-    """The llm model's control inputs (each comes alone in its request): the one response's
-    `meta_info`, or None when the request is a generation. Raises ValueError with the reason.
-    `serving`: the model's own settings, resolved, reported by `engine_info` with the engine's."""
-    if "lora_update" in arrays:
+CONTROL_INPUTS = ("abort_request_id", "lora_update", "reset_prefix_cache", "engine_info")
+_SWITCHES = ("reset_prefix_cache", "engine_info")  # BOOL: false is the same as not sent
+
+
+def control_input(arrays: dict[str, np.ndarray]) -> Optional[str]:
+    """Which control input the request carries, or None for a generation. A control comes alone
+    in its request: one sent with a prompt or another control is refused, not acted on while the
+    rest is dropped. A switch set to false is taken out of `arrays` (a client that fills every
+    optional input with its default sends one with each generation)."""
+    for name in _SWITCHES:
+        if name in arrays and not bool(_scalar(arrays[name], name)):
+            del arrays[name]
+    present = [name for name in CONTROL_INPUTS if name in arrays]
+    if not present:
+        return None
+    others = sorted(set(arrays) - {present[0]})
+    if others:
+        raise SamplingParamsError(f"{present[0]} comes alone in its request; it was sent with {', '.join(others)}")
+    return present[0]
+
+
+def control(engine: Any, kind: str, arrays: dict[str, np.ndarray],
+            serving: Optional[dict[str, Any]] = None) -> np.ndarray:
+    """The one response's `meta_info` for a control request (`kind` from control_input, not
+    abort_request_id). Raises ValueError with the reason. `serving`: the model's own settings,
+    resolved, reported by `engine_info` with the engine's."""
+    if kind == "lora_update":
         return lora_update(engine, arrays["lora_update"])
-    if "reset_prefix_cache" in arrays:
+    if kind == "reset_prefix_cache":
         meta = {"forgotten_blocks": engine.reset_prefix_cache().result(30.0)}
-    elif "engine_info" in arrays:
+    elif kind == "engine_info":
         meta = engine.info()
         meta["config"].update(serving or {})
     else:
-        return None
+        raise ValueError(f"not a control input with a response: {kind}")
     return np.array([json.dumps(meta).encode()], dtype=np.object_)
 
 

@@ -24,3 +24,30 @@ def test_engine_config_overrides_cast_through_the_same_rule():
     assert engine_config_overrides({"kv_cache_dtype": "auto"}, {"LLM_KV_CACHE_DTYPE": "bfloat16"}) == {
         "kv_cache_dtype": "bfloat16"}
 
+
+
+def test_a_control_input_comes_alone_and_a_false_switch_is_no_control():
+    import numpy as np
+    import pytest
+
+    from backend.sampling_params import SamplingParamsError
+    from backend.triton_io import control_input, parse_llm_inputs
+
+    ids = np.array([1, 2], dtype=np.int32)
+    off, on = np.array([False]), np.array([True])
+    # A client that fills every optional input with its default: a plain generation.
+    arrays = {"input_ids": ids, "reset_prefix_cache": off, "engine_info": off}
+    assert control_input(arrays) is None and set(arrays) == {"input_ids"}
+    assert control_input({"engine_info": on}) == "engine_info"
+    assert control_input({"abort_request_id": np.array([b"r1"], dtype=object)}) == "abort_request_id"
+    for arrays, message in (({"input_ids": ids, "engine_info": on}, "engine_info comes alone in its request; "
+                             "it was sent with input_ids"),
+                            ({"input_ids": ids, "abort_request_id": np.array([b"r"], dtype=object)}, "abort_request_id"),
+                            ({"reset_prefix_cache": on, "engine_info": on}, "reset_prefix_cache comes alone")):
+        with pytest.raises(SamplingParamsError, match=message):
+            control_input(arrays)
+    # "stream" inside sampling_parameters is a JSON boolean ("false" is not false)
+    raw = np.array([b'{"stream": "false", "max_new_tokens": 3}'], dtype=object)
+    with pytest.raises(SamplingParamsError, match="stream must be true or false"):
+        parse_llm_inputs({"input_ids": ids, "sampling_parameters": raw})
+    assert parse_llm_inputs({"input_ids": ids, "sampling_parameters": np.array([b'{"stream": true}'], dtype=object)})[2]

@@ -23,6 +23,7 @@ from backend.sampling_params import SamplingParams, SamplingParamsError  # noqa:
 from backend.triton_io import (  # noqa: E402
     LLM_INPUTS,
     control,
+    control_input,
     engine_config_overrides,
     llm_output_arrays,
     llm_setting,
@@ -100,12 +101,13 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 arrays = input_arrays(request, LLM_INPUTS)
-                if "abort_request_id" in arrays:
+                kind = control_input(arrays)
+                if kind == "abort_request_id":
                     self._abort(arrays["abort_request_id"])
                     sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
                     continue
-                meta = control(self.engine, arrays, self._serving)
-                if meta is not None:
+                if kind is not None:
+                    meta = control(self.engine, kind, arrays, self._serving)
                     sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
                                 flags=FINAL)
                     continue
