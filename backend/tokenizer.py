@@ -250,7 +250,7 @@ def encode_prompt(
     input_ids: Optional[Sequence[int]] = None,
     tools: Any = None,
     chat_template_kwargs: Any = None,
-    add_generation_prompt: bool = True,
+    add_generation_prompt: Optional[bool] = None,
     chat_template: Optional[str] = None,
     continue_final_message: bool = False,
     documents: Any = None,
@@ -261,8 +261,10 @@ def encode_prompt(
     Empty values count as absent. Raw text gets the tokenizer's own special tokens (a BOS for
     Llama-style models, nothing for Qwen); a rendered chat template already contains them.
     `add_special_tokens` overrides either default (vLLM's parameter of the same name).
-    `tools`, `chat_template_kwargs`, `add_generation_prompt`, `documents` and `chat_template`
-    only apply to `messages`.
+    `tools`, `chat_template_kwargs`, `add_generation_prompt` (default true), `continue_final_message`,
+    `documents` and `chat_template` only apply to `messages`: given away from their defaults with
+    text or ids they are refused, not dropped. Ids are taken as given, whatever
+    `add_special_tokens` says (vLLM ignores it for token prompts too).
     """
     given = [name for name, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids)) if _present(v)]
     if len(given) != 1:
@@ -270,6 +272,14 @@ def encode_prompt(
             "exactly one of text_input, messages, input_ids is required"
             + (f" (got {', '.join(given)})" if given else "")
         )
+    if not _present(messages):
+        chat_only = [name for name, unused in (
+            ("tools", tools is None), ("chat_template_kwargs", chat_template_kwargs is None),
+            ("documents", documents is None), ("chat_template", chat_template is None),
+            ("add_generation_prompt", add_generation_prompt is None or add_generation_prompt),
+            ("continue_final_message", not continue_final_message)) if not unused]
+        if chat_only:
+            raise ValueError(f"{', '.join(chat_only)} only apply to messages, not to {given[0]}")
     if _present(input_ids):
         ids = [int(i) for i in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
         limit = len(tokenizer)
@@ -282,7 +292,7 @@ def encode_prompt(
             tokenizer,
             messages,
             tools=tools,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt is not False,
             chat_template_kwargs=chat_template_kwargs,
             chat_template=chat_template,
             continue_final_message=continue_final_message,

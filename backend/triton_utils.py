@@ -205,7 +205,7 @@ def preprocess_arrays(
         input_ids=_ids(arrays, "input_ids"),
         tools=_scalar(arrays, "tools") or None,
         chat_template_kwargs=_scalar(arrays, "chat_template_kwargs") or None,
-        add_generation_prompt=True if agp is None else bool(agp),
+        add_generation_prompt=None if agp is None else bool(agp),
         continue_final_message=bool(_scalar(arrays, "continue_final_message")),
         documents=_scalar(arrays, "documents") or None,
         chat_template=template,

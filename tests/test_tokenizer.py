@@ -190,6 +190,16 @@ def test_encode_prompt_sources(tok):
         encode_prompt(tok, text="a", input_ids=[1])
     with pytest.raises(ValueError, match="out of range"):
         encode_prompt(tok, input_ids=[1, len(tok)])
+    # The chat-only inputs with text or ids: refused, not dropped; their defaults pass.
+    for kwargs, names in (({"tools": [{"type": "function"}]}, "tools"), ({"documents": [{"text": "d"}]}, "documents"),
+                          ({"chat_template_kwargs": {"x": 1}, "continue_final_message": True},
+                           "chat_template_kwargs, continue_final_message"),
+                          ({"add_generation_prompt": False}, "add_generation_prompt"),
+                          ({"chat_template": "{{ x }}"}, "chat_template")):
+        for source in ({"text": "Hi"}, {"input_ids": [1, 2]}):
+            with pytest.raises(ValueError, match=f"^{names} only apply to messages, not to "):
+                encode_prompt(tok, **source, **kwargs)
+    assert encode_prompt(tok, input_ids=[1, 2], add_generation_prompt=True, continue_final_message=False) == [1, 2]
 
 
 def test_preprocess_arrays(tok):
