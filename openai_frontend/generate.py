@@ -211,6 +211,11 @@ class GenerateHandler:
         b = len(prompts)
         if isinstance(req.sampling_params, list) and len(req.sampling_params) != b:
             raise bad_request(f"sampling_params has {len(req.sampling_params)} entries for {b} prompts", param="sampling_params")
+        if isinstance(req.rid, list) and len(set(req.rid)) != len(req.rid):
+            # Each prompt's rid names it in the response and to /abort_request: two alike could
+            # not be told apart (SGLang refuses them too).
+            dup = next(r for i, r in enumerate(req.rid) if r in req.rid[:i])
+            raise bad_request(f"rid must name each prompt once; '{dup}' is given twice", param="rid")
         requests: list[EngineRequest] = []
         rids: list[str] = []
         lp_keys: list[tuple[str, ...]] = []

@@ -1586,6 +1586,8 @@ def test_generate_ids_and_logprob_keys_as_sglang(base_url, fake):
     assert [o["meta_info"]["id"] for o in r.json()] == ["X_0_0", "X_0_1", "X_1_0", "X_1_1"]
     r = httpx.post(base_url + "/generate", json={"text": "x", "rid": "Y", "sampling_params": {"n": 2}})
     assert [o["meta_info"]["id"] for o in r.json()] == ["Y_0", "Y_1"]
+    r = httpx.post(base_url + "/generate", json={"text": ["x", "y", "z"], "rid": ["a", "b", "a"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid" and "'a' is given twice" in r.text
     # return_logprob: the token lists always (input ones too), the top ones only with top_logprobs_num.
     meta = httpx.post(base_url + "/generate", json={"text": "x", "return_logprob": True}).json()["meta_info"]
     assert meta["output_token_logprobs"] == [] and meta["input_token_logprobs"] == []
