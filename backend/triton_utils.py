@@ -38,15 +38,26 @@ POSTPROCESSING_INPUTS = (
 )
 
 
-# Polls once a second; ends when either side is gone; kills the stub only if the server is.
+# $0 the server, $1 the stub, $2 the model. Polls once a second while both live. The server
+# gone: kill the stub. The stub a zombie for 3 polls (it died and the server never reaped it,
+# which is what 2.51 does with a stub killed under it): stop the server, SIGKILL after 5 s.
+# A stub that exits as the server unloads it is reaped at once, and the watcher just ends.
 _WATCHER = (
-    'while kill -0 "$0" 2>/dev/null && kill -0 "$1" 2>/dev/null; do sleep 1; done; '
+    'z=0; '
+    'while kill -0 "$0" 2>/dev/null && kill -0 "$1" 2>/dev/null; do '
+    '  case "$(sed "s/.*) //" /proc/"$1"/stat 2>/dev/null)" in Z*) z=$((z+1));; *) z=0;; esac; '
+    '  if [ "$z" -ge 3 ]; then '
+    '    echo "the $2 stub (pid $1) died and tritonserver 2.51 cannot restart it: stopping the server" >&2; '
+    '    kill -TERM "$0" 2>/dev/null; sleep 5; kill -9 "$0" 2>/dev/null; exit 0; '
+    '  fi; '
+    '  sleep 1; '
+    'done; '
     'kill -0 "$0" 2>/dev/null || kill -9 "$1" 2>/dev/null'
 )
 
 
-def exit_with_server() -> Optional[subprocess.Popen]:
-    """Makes this Python-backend stub die with tritonserver.
+def exit_with_server(model: str = "model") -> Optional[subprocess.Popen]:
+    """Makes this Python-backend stub and tritonserver die together.
 
     When tritonserver is killed (a crash, SIGKILL, the OOM killer), the 2.51 stub's health
     thread notices and destroys the stub, but its destructor waits for the GIL, which the main
@@ -54,11 +65,16 @@ def exit_with_server() -> Optional[subprocess.Popen]:
     and KV cache, outlives the server indefinitely (seen here after SIGKILL under load). No
     thread of this process can help, since it would need that GIL; a one-line shell watcher
     outside the process can, at no cost while the server lives.
+
+    The other way round, a killed stub is never restarted by 2.51 (server#5381): its streams
+    hang, later requests fail or hang, and the server still reports ready. The watcher then
+    stops the server, so that whatever supervises it (scripts/serve.sh exits with it) restarts
+    a working one, as vLLM's server exits when its engine dies.
     """
     try:
         return subprocess.Popen(
-            ["/bin/sh", "-c", _WATCHER, str(os.getppid()), str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ["/bin/sh", "-c", _WATCHER, str(os.getppid()), str(os.getpid()), model],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         )
     except OSError:  # no /bin/sh: the stub keeps Triton's own behaviour
         return None

@@ -140,8 +140,8 @@ def _exe_name(pid: int) -> str:
         return ""
 
 
-def _llm_stub_pids(server_pid: int) -> list[int]:
-    """The llm model's Python-backend stub processes (children of this tritonserver only)."""
+def _llm_stub_pids(server_pid: int, model: str = "llm") -> list[int]:
+    """A model's Python-backend stub processes (children of this tritonserver only)."""
     pids = []
     for pid in _children(server_pid):
         try:
@@ -149,7 +149,7 @@ def _llm_stub_pids(server_pid: int) -> list[int]:
         except OSError:
             continue
         if any(a.endswith(b"triton_python_backend_stub") for a in args) and any(
-            a.endswith(b"/llm/1/model.py") for a in args
+            a.endswith(f"/{model}/1/model.py".encode()) for a in args
         ):
             pids.append(pid)
     return pids
@@ -429,3 +429,22 @@ def test_sigterm_stops_everything(entry):
     while any(Path(f"/proc/{pid}").exists() and _exe_name(pid) for pid in children):
         assert time.monotonic() < deadline, "processes left after SIGTERM"
         time.sleep(0.2)
+
+
+def test_killed_postprocessing_stub_stops_the_server_and_service_resumes(entry):
+    # Triton 2.51 does not restart a killed stub: requests through the ensemble hung for ever
+    # and the server still reported ready (QA). The stub's watcher (backend/triton_utils.py)
+    # stops tritonserver instead, and the supervisor starts a working one.
+    server_pid = entry.tritonserver_pid()
+    stubs = _llm_stub_pids(server_pid, "postprocessing")
+    assert len(stubs) == 1, stubs
+    os.kill(stubs[0], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{server_pid}").exists() and _exe_name(server_pid) == "tritonserver":
+        assert time.monotonic() < deadline, "tritonserver still running with a dead postprocessing stub"
+        time.sleep(0.5)
+    entry.wait_serving(240)
+    assert entry.tritonserver_pid() != server_pid
+    assert "the postprocessing stub" in entry.log() and "died" in entry.log(), entry.supervisor_lines()
+    drained, m = soak.wait_drained(entry.metrics_url, timeout=20)
+    assert drained, m

@@ -56,7 +56,7 @@ def _send_error(sender: GuardedSender):
 
 class TritonPythonModel:
     def initialize(self, args):
-        self._watcher = exit_with_server()
+        self._watcher = exit_with_server("llm")
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         env = dict(os.environ)

@@ -22,7 +22,7 @@ from backend.triton_utils import (  # noqa: E402
 
 class TritonPythonModel:
     def initialize(self, args):
-        self._watcher = exit_with_server()
+        self._watcher = exit_with_server("postprocessing")
         self.model_path = model_path_from_config(args)
         self.tokenizer = load_tokenizer(self.model_path)
         freeze_startup_heap()

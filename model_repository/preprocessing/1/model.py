@@ -24,7 +24,7 @@ from backend.triton_utils import (  # noqa: E402
 
 class TritonPythonModel:
     def initialize(self, args):
-        self._watcher = exit_with_server()
+        self._watcher = exit_with_server("preprocessing")
         self.model_path = model_path_from_config(args)
         self.tokenizer = load_tokenizer(self.model_path)
         template = chat_template_from_config(args)
