@@ -161,6 +161,10 @@ class LLMEngine:
         self._embeds_placeholder = _placeholder_id(self.tokenizer, self.eos_ids)
 
         self._inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
+        # Sequences (a request's n samples each) added and not yet taken from the inbox: waiting
+        # is counted in sequences in the inbox and the scheduler alike.
+        self._inbox_seqs = 0
+        self._inbox_lock = threading.Lock()
         self._wakeup = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
         self._stop = threading.Event()
@@ -226,11 +230,11 @@ class LLMEngine:
         # Queued requests that the next step can start (free running slots) are not waiting:
         # otherwise a burst arriving between two steps is refused before max_num_seqs fill up,
         # and how many get in depends on how the arrivals fall between steps.
-        queued = len(self.scheduler.waiting) + self._inbox.qsize()
+        queued = len(self.scheduler.waiting) + self._inbox_seqs
         waiting = max(0, queued - max(0, self.scheduler.max_num_seqs - len(self.scheduler.running)))
         if waiting >= self.config.max_waiting_requests:
             raise EngineOverloaded(
-                f"the server is overloaded: {waiting} requests are already waiting (max_waiting_requests="
+                f"the server is overloaded: {waiting} sequences are already waiting (max_waiting_requests="
                 f"{self.config.max_waiting_requests}); retry later"
             )
         request_id = request_id or uuid.uuid4().hex
@@ -298,6 +302,8 @@ class LLMEngine:
             state = OutputState(detok=detok, stops=list(params.stop), eos_ids=self.eos_ids, stop_regexes=stop_regexes)
             children.append(_Tracked(seq, on_output, state, compiled, None, processor, request_id,
                                      self._logits_processors(params)))
+        with self._inbox_lock:
+            self._inbox_seqs += len(children)
         self._inbox.put(("add", children))
         self._wakeup.set()
         return request_id
@@ -735,6 +741,8 @@ class LLMEngine:
                 return
             if kind == "add":
                 children: list[_Tracked] = payload
+                with self._inbox_lock:
+                    self._inbox_seqs -= len(children)
                 group = children[0].group
                 if group in self._groups or any(c.seq.request_id in self._tracked for c in children):
                     for c in children:

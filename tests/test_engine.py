@@ -365,15 +365,25 @@ def test_a_burst_between_steps_fills_the_running_slots_before_it_is_refused(demo
         done: dict[int, RequestOutput] = {}
         for i, p in enumerate(prompts[:4]):  # the loop is not running: all four sit in the inbox
             eng.add_request(p, greedy(eng), lambda out, i=i: _collect(done, i, out))
-        with pytest.raises(EngineOverloaded, match="2 requests are already waiting"):
+        with pytest.raises(EngineOverloaded, match="2 sequences are already waiting"):
             eng.add_request(prompts[4], greedy(eng), lambda out: None)
         eng.step()  # two start, two wait: still full
         assert len(eng.scheduler.running) == 2 and len(eng.scheduler.waiting) == 2
-        with pytest.raises(EngineOverloaded):
+        with pytest.raises(EngineOverloaded, match="2 sequences are already waiting"):  # the same count
             eng.add_request(prompts[4], greedy(eng), lambda out: None)
         while eng.step():
             pass
         assert sorted(i for i, r in done.items() if r.finished) == [0, 1, 2, 3]
+        # A request's n samples count as n sequences whether still in the inbox or scheduled
+        # (QA: one n=8 request counted 1 before its first step and 6 after it).
+        eng.add_request(prompts[0], eng.parse_params({"max_new_tokens": 4, "n": 5, "temperature": 0}), lambda out: None)
+        with pytest.raises(EngineOverloaded, match="3 sequences are already waiting"):
+            eng.add_request(prompts[4], greedy(eng), lambda out: None)
+        eng.step()
+        with pytest.raises(EngineOverloaded, match="3 sequences are already waiting"):
+            eng.add_request(prompts[4], greedy(eng), lambda out: None)
+        while eng.step():
+            pass
     finally:
         eng.shutdown()
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
