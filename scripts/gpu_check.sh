@@ -24,7 +24,8 @@
 #   checks     tests and engine side by side (both only check; the benchmarks run alone)
 # Each step is cut off after its limit (STEP_LIMIT_<step> seconds, defaults below) so that one
 # slow step cannot eat a lent GPU's minutes; the benchmarks print and save each figure as it lands.
-# A device call runs 10 minutes at most: `run OUT checks demo 0.4b kernels` is sized to fit.
+# A device call runs 10 minutes at most: `run OUT checks demo 0.4b kernels` is sized to fit, and
+# `run OUT serving` goes in a call of its own.
 # `fetch` also builds .whl/serving/: tritonserver cut from the nvidia-pytriton wheel (the binary, the
 # Python backend, the stub for GPU_PY_VERSION and the bundled libraries; ~27 MB as .tar.xz, the whole
 # wheel is past what a device call carries) and the frontend's and tritonclient's packages with
