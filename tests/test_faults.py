@@ -418,19 +418,6 @@ def test_killed_llm_stub_fails_in_flight_requests_and_service_resumes(entry):
     assert drained, m
 
 
-def test_sigterm_stops_everything(entry):
-    children = _children(entry.process.pid)
-    assert children
-    t0 = time.monotonic()
-    assert entry.stop(60) == 0, entry.log()[-3000:]
-    assert time.monotonic() - t0 < 50
-    assert "shutting down" in entry.log()
-    deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}").exists() and _exe_name(pid) for pid in children):
-        assert time.monotonic() < deadline, "processes left after SIGTERM"
-        time.sleep(0.2)
-
-
 def test_killed_postprocessing_stub_stops_the_server_and_service_resumes(entry):
     # Triton 2.51 does not restart a killed stub: requests through the ensemble hung for ever
     # and the server still reported ready (QA). The stub's watcher (backend/triton_utils.py)
@@ -448,3 +435,16 @@ def test_killed_postprocessing_stub_stops_the_server_and_service_resumes(entry):
     assert "the postprocessing stub" in entry.log() and "died" in entry.log(), entry.supervisor_lines()
     drained, m = soak.wait_drained(entry.metrics_url, timeout=20)
     assert drained, m
+
+
+def test_sigterm_stops_everything(entry):
+    children = _children(entry.process.pid)
+    assert children
+    t0 = time.monotonic()
+    assert entry.stop(60) == 0, entry.log()[-3000:]
+    assert time.monotonic() - t0 < 50
+    assert "shutting down" in entry.log()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() and _exe_name(pid) for pid in children):
+        assert time.monotonic() < deadline, "processes left after SIGTERM"
+        time.sleep(0.2)
