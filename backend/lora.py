@@ -21,6 +21,7 @@ for the base model only).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -69,11 +70,18 @@ class LoraAdapter:
     embed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     # lm_head: (A [r, hidden], B scaled [vocab, r]).
     lm_head: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # Which load this is: an adapter unloaded, rewritten and loaded again under the same name and
+    # path has other weights, so its prefix-cache entries must not be the old ones (vLLM gives
+    # every load a new id too).
+    load_id: int = field(default_factory=lambda: next(_LOADS))
 
     @property
     def cache_salt(self) -> int:
         """The start of this adapter's prefix-cache hash chain."""
-        return hash(("lora", self.name, self.path))
+        return hash(("lora", self.name, self.path, self.load_id))
+
+
+_LOADS = itertools.count()
 
 
 def parse_lora_modules(spec: Any) -> dict[str, str]:
@@ -105,6 +113,10 @@ def load_adapter(name: str, path: str | Path, config: Any, device: torch.device,
     alpha = float(meta.get("lora_alpha", rank))
     if rank <= 0:
         raise LoraError(f"LoRA adapter '{name}': r must be positive")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if meta.get(key):  # per-module r / alpha: every module here has the adapter's own
+            raise LoraError(f"LoRA adapter '{name}': adapter_config.json's {key} (a per-module "
+                            f"{key.split('_')[0]}) is not supported")
     scaling = alpha / math.sqrt(rank) if meta.get("use_rslora") else alpha / rank
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
@@ -116,6 +128,9 @@ def load_adapter(name: str, path: str | Path, config: Any, device: torch.device,
     edges: dict[str, dict[str, torch.Tensor]] = {}  # embed_tokens / lm_head -> {"A", "B"}
     for f in files:
         for key, tensor in load_file(str(f)).items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                # NaN weights make NaN logits: every token garbage, or a crashed sampler.
+                raise LoraError(f"LoRA adapter '{name}': tensor {key!r} holds NaN or infinite values")
             edge = _edge_key(key)
             if edge is not None:
                 edges.setdefault(edge[0], {})[edge[1]] = tensor.to(device=device, dtype=dtype)

@@ -217,6 +217,15 @@ def test_nan_logits_do_not_crash_the_server_process():
     out = cpu_sampling.top_k_top_p_min_p(x, k, p, torch.zeros(8))
     tokens = cpu_sampling.sample(out, torch.arange(8), torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.bool))
     assert out.shape == x.shape and ((tokens >= 0) & (tokens < 5000)).all()
+    # Fewer comparable tokens than top_k (QA: an adapter with NaN weights): top-k keeps every
+    # finite one. Its selection read past the candidates it had and crashed tritonserver's stub.
+    x = torch.full((2, 5000), float("nan"))
+    x[:, [7, 70, 700]] = torch.tensor([1.0, 2.0, 3.0])
+    out = cpu_sampling.top_k_top_p_min_p(x, torch.tensor([20, 20], dtype=torch.int32), torch.tensor([1.0, 0.9]),
+                                         torch.zeros(2))
+    assert out[0].isfinite().nonzero().flatten().tolist() == [7, 70, 700]
+    tokens = cpu_sampling.sample(out, torch.arange(2), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.bool))
+    assert ((tokens >= 0) & (tokens < 5000)).all()
 
 
 def test_bad_shapes_are_refused():

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine, RequestError
@@ -176,6 +177,44 @@ def test_adapter_errors_are_clear(engine, demo_model_path, tmp_path):
     (bad_embed / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8}))
     with pytest.raises(LoraError, match="embed_tokens has A \\(4, 4096\\) .*this model needs \\(8, 4096\\)"):
         engine.model.load_lora("bad_embed", bad_embed)
+    # NaN weights made NaN logits, and the C++ top-k read past its candidates (a crashed server).
+    nan = tmp_path / "nan"
+    make_adapter(demo_model_path, nan, seed=3)
+    tensors = load_file(str(nan / "adapter_model.safetensors"))
+    first = sorted(tensors)[0]
+    tensors[first][0, 0] = float("nan")
+    save_file(tensors, str(nan / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match=f"tensor '{re.escape(first)}' holds NaN or infinite values"):
+        engine.model.load_lora("nan", nan)
+    # Per-module rank / alpha: refused by name, not loaded with the adapter's own for every module.
+    for key, value in (("alpha_pattern", {"q_proj": 16}), ("rank_pattern", {"q_proj": 8})):
+        pattern = tmp_path / key
+        make_adapter(demo_model_path, pattern, seed=3)
+        cfg = json.loads((pattern / "adapter_config.json").read_text())
+        (pattern / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(LoraError, match=f"{key} .* is not supported"):
+            engine.model.load_lora(key, pattern)
+
+
+def test_an_adapter_reloaded_with_new_weights_does_not_reuse_its_old_prefix_cache(engine, demo_model_path, tmp_path):
+    # The cache salt was the adapter's name and path: rewritten files loaded again under them
+    # hit the old weights' K/V (QA). Every load now salts its own chain.
+    path = tmp_path / "swap"
+    prompt = list(range(700, 780))  # five full blocks
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "repetition_penalty": 1.0}
+    make_adapter(demo_model_path, path, seed=11)
+    engine.load_lora("swap", str(path))
+    engine.generate([prompt], engine.parse_params({**greedy, "lora_path": "swap"}))
+    engine.unload_lora("swap")
+    deltas = make_adapter(demo_model_path, path, seed=12)
+    engine.load_lora("swap", str(path))
+    try:
+        hits = engine.block_manager.num_hit_tokens
+        out = engine.generate([prompt], engine.parse_params({**greedy, "lora_path": "swap"}))[0]
+        assert engine.block_manager.num_hit_tokens == hits
+        assert out.new_token_ids == hf_greedy(merged_model(demo_model_path, deltas), prompt, 6)
+    finally:
+        engine.unload_lora("swap")
 
 
 def test_runtime_load_and_unload(engine, adapters, demo_model_path, tmp_path):

@@ -278,8 +278,12 @@ void filter_row(const float* x, const float* e, float* out, int64_t V, float m, 
   float lo = kNegInf;
   if (k_on) {
     top_candidates(x, e, V, k, buf);
-    std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), greater);
-    lo = buf[k - 1].x;
+    // Fewer than k comparable tokens (NaN logits are skipped): top-k keeps them all. Reading
+    // buf[k - 1] past the end crashed the server on a NaN-weighted adapter (QA).
+    if (static_cast<int64_t>(buf.size()) >= k) {
+      std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), greater);
+      lo = buf[k - 1].x;
+    }
   }
   if (p_on) {
     // Eight running sums: one would wait on the previous add every token. (The reference's
