@@ -5,13 +5,14 @@
 #                    [--frontend-port 9000] [--no-frontend] [--tool-call-parser qwen25]
 #                    [--api-key KEY] [--chat-template FILE] [--trust-request-chat-template]
 #                    [--logits-processor-pattern REGEX] [--reasoning-parser NAME]
-#                    [--lora-modules name=path,name2=path2] [--kv-cache-dtype auto|bfloat16|fp8|...]
+#                    [--lora-modules name=path,name2=path2] [--allow-runtime-lora-updating]
+#                    [--kv-cache-dtype auto|bfloat16|fp8|...]
 # Every other engine setting: env LLM_<NAME> (README, "Engine settings").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_PATH=${LLM_MODEL_PATH:-models/demo}
 HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002 FRONTEND_PORT=9000 FRONTEND=1
-TOOL_CALL_PARSER=${TOOL_CALL_PARSER:-qwen25} API_KEY=${OPENAI_FRONTEND_API_KEY:-} REASONING_PARSER=
+TOOL_CALL_PARSER=${TOOL_CALL_PARSER:-qwen25} API_KEY=${OPENAI_FRONTEND_API_KEY:-} REASONING_PARSER= RUNTIME_LORA=
 while [ $# -gt 0 ]; do
   case "$1" in
     --model-path) MODEL_PATH=$2; shift 2 ;;
@@ -27,6 +28,7 @@ while [ $# -gt 0 ]; do
     --logits-processor-pattern) export LLM_LOGITS_PROCESSOR_PATTERN=$2; shift 2 ;;
     --reasoning-parser) REASONING_PARSER=$2; shift 2 ;;
     --lora-modules) export LLM_LORA_MODULES=$2; shift 2 ;;
+    --allow-runtime-lora-updating) RUNTIME_LORA=1; shift ;;
     --kv-cache-dtype) export LLM_KV_CACHE_DTYPE=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -58,7 +60,8 @@ if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
   done
   OPENAI_FRONTEND_API_KEY="$API_KEY" .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" \
     --port "$FRONTEND_PORT" --tokenizer-path "$LLM_MODEL_PATH" --tool-call-parser "$TOOL_CALL_PARSER" \
-    ${REASONING_PARSER:+--reasoning-parser "$REASONING_PARSER"} ${LLM_LORA_MODULES:+--lora-modules "$LLM_LORA_MODULES"} &
+    ${REASONING_PARSER:+--reasoning-parser "$REASONING_PARSER"} ${LLM_LORA_MODULES:+--lora-modules "$LLM_LORA_MODULES"} \
+    ${RUNTIME_LORA:+--allow-runtime-lora-updating} &
   pids+=($!)
 fi
 wait -n "${pids[@]}"
