@@ -200,10 +200,10 @@ def control_input(arrays: dict[str, np.ndarray]) -> Optional[str]:
 
 
 def control(engine: Any, kind: str, arrays: dict[str, np.ndarray],
-            serving: Optional[dict[str, Any]] = None) -> np.ndarray:
+            serving: Optional[dict[str, Any]] = None, serving_stats: Optional[dict[str, Any]] = None) -> np.ndarray:
     """The one response's `meta_info` for a control request (`kind` from control_input, not
-    abort_request_id). Raises ValueError with the reason. `serving`: the model's own settings,
-    resolved, reported by `engine_info` with the engine's."""
+    abort_request_id). Raises ValueError with the reason. `serving` / `serving_stats`: the
+    model's own settings, resolved, and counters, reported by `engine_info` with the engine's."""
     if kind == "lora_update":
         return lora_update(engine, arrays["lora_update"])
     if kind == "reset_prefix_cache":
@@ -211,6 +211,7 @@ def control(engine: Any, kind: str, arrays: dict[str, np.ndarray],
     elif kind == "engine_info":
         meta = engine.info()
         meta["config"].update(serving or {})
+        meta["stats"].update(serving_stats or {})
     else:
         raise ValueError(f"not a control input with a response: {kind}")
     return np.array([json.dumps(meta).encode()], dtype=np.object_)

@@ -80,6 +80,25 @@ def exit_with_server(model: str = "model") -> Optional[subprocess.Popen]:
         return None
 
 
+class OpenRequests:
+    """How many requests a decoupled model has taken whose final response has not been sent.
+    Triton holds a model until every one of its requests got its final flag: engine_info
+    reports this count, so an idle model showing more than 0 points at a response that never
+    went out (and not at the server) when a model will not unload."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def add(self, delta: int) -> None:
+        with self._lock:
+            self._count += delta
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+
 class GuardedSender:
     """A decoupled request's response sender whose cancellation may be polled from any thread.
 
@@ -90,23 +109,30 @@ class GuardedSender:
     response is on its way every poll answers False without asking the server.
     """
 
-    __slots__ = ("_sender", "_final_flag", "_lock", "_closed")
+    __slots__ = ("_sender", "_final_flag", "_lock", "_closed", "_open")
 
-    def __init__(self, sender: Any, final_flag: int) -> None:
+    def __init__(self, sender: Any, final_flag: int, open_requests: Optional[OpenRequests] = None) -> None:
         self._sender = sender
         self._final_flag = final_flag
         self._lock = threading.Lock()
         self._closed = False
+        self._open = open_requests
+        if open_requests is not None:
+            open_requests.add(1)
 
     def is_cancelled(self) -> bool:
         with self._lock:
             return False if self._closed else bool(self._sender.is_cancelled())
 
     def send(self, response: Any, final: bool) -> None:
-        if final:
-            with self._lock:  # waits for a poll in flight; none starts after this
-                self._closed = True
-        self._sender.send(response, flags=self._final_flag if final else 0)
+        if not final:
+            self._sender.send(response, flags=0)
+            return
+        with self._lock:  # waits for a poll in flight; none starts after this
+            was_closed, self._closed = self._closed, True
+        self._sender.send(response, flags=self._final_flag)
+        if self._open is not None and not was_closed:  # counted once it went out
+            self._open.add(-1)
 
 
 def repo_root() -> Path:

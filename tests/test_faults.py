@@ -175,6 +175,17 @@ def _wait_finished(metrics_url: str, done, timeout: float) -> dict[str, float]:
         time.sleep(0.25)
 
 
+def _wait_no_open_requests(base_url: str, timeout: float = 15.0) -> int:
+    """Poll engine_info's open_requests (requests of the llm model whose final response has not
+    gone out) until 0: Triton holds a model until each of its requests got one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        n = httpx.get(base_url + "/get_server_info", timeout=10).json()["engine"]["stats"]["open_requests"]
+        if n == 0 or time.monotonic() > deadline:
+            return n
+        time.sleep(0.25)
+
+
 def _completion(base_url: str, max_tokens: int = 4, timeout: float = 30.0) -> httpx.Response:
     return httpx.post(f"{base_url}/v1/completions", timeout=timeout,
                       json={"model": "demo", "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0})
@@ -220,6 +231,7 @@ def test_cancel_storm_through_the_frontend_frees_all_blocks(entry):
     assert drained, f"KV blocks / sequences still held after the storm: {m}"
     assert after["abort"] - before["abort"] == n, (before, after)
     assert after["length"] - before["length"] == 0
+    assert _wait_no_open_requests(entry.url) == 0
     assert time.monotonic() - t0 < 60
     assert _completion(entry.url).status_code == 200
 
@@ -259,6 +271,7 @@ def test_cancel_storm_on_llm_over_grpc_frees_all_blocks(entry):
     print(f"{aborted:.0f}/{n} cancels reached the engine")
     assert aborted + after["length"] - before["length"] == n, (before, after)
     assert aborted >= 1, (before, after)
+    assert _wait_no_open_requests(entry.url) == 0
 
 
 # ------------------------------------------------------------------------------ restart

@@ -741,6 +741,8 @@ def test_get_server_info_reports_the_effective_engine_config(triton, base_url):
     assert cfg["num_kv_blocks"] > 0 and cfg["max_model_len"] > 0 and cfg["block_size"] == 16  # "auto" resolved
     assert cfg["model_path"] == str(triton["model"]) and engine["vocab_size"] == 4096
     assert engine["stats"]["num_kv_blocks"] == cfg["num_kv_blocks"] and engine["stats"]["num_steps"] >= 0
+    # Requests the llm model took and has not sent the final response of (this one excluded).
+    assert engine["stats"]["open_requests"] >= 0
     # Every "auto" setting as resolved on this CPU host, the llm model's own included.
     assert (cfg["max_prefill_tokens_while_decoding"], cfg["prefill_context_unit"], cfg["prefill_tokens_per_decode"],
             cfg["cuda_graphs"], cfg["max_responses_per_step"], cfg["stream_interval"]) == (96, 640, 6, False, 16, 1)

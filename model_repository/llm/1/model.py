@@ -32,7 +32,13 @@ from backend.triton_io import (  # noqa: E402
     server_torch_threads,
 )  # noqa: E402
 from backend.triton_metrics import LLMMetrics  # noqa: E402
-from backend.triton_utils import GuardedSender, exit_with_server, input_arrays, model_path_from_config  # noqa: E402
+from backend.triton_utils import (  # noqa: E402
+    GuardedSender,
+    OpenRequests,
+    exit_with_server,
+    input_arrays,
+    model_path_from_config,
+)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 METRICS_INTERVAL_S = 1.0
@@ -86,6 +92,7 @@ class TritonPythonModel:
         self.engine.on_step = self._on_step
         # Triton request id -> engine request ids, for abort_request_id (backend/request_index.py).
         self._requests = TritonRequestIndex()
+        self._open = OpenRequests()  # engine_info's open_requests
         freeze_startup_heap()
         self.engine.start()
         stats = self.engine.stats()
@@ -98,23 +105,22 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
+            guarded = GuardedSender(request.get_response_sender(), FINAL, self._open)
             try:
                 arrays = input_arrays(request, LLM_INPUTS)
                 kind = control_input(arrays)
                 if kind == "abort_request_id":
                     self._abort(arrays["abort_request_id"])
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+                    guarded.send(pb_utils.InferenceResponse(output_tensors=[]), final=True)
                     continue
                 if kind is not None:
-                    meta = control(self.engine, kind, arrays, self._serving)
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
-                                flags=FINAL)
+                    meta = control(self.engine, kind, arrays, self._serving, {"open_requests": self._open.count - 1})
+                    guarded.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
+                                 final=True)
                     continue
                 prompt_ids, raw, stream = parse_llm_inputs(arrays)
                 params = self.engine.parse_params(raw)
                 triton_id = request.request_id() or ""
-                guarded = GuardedSender(sender, FINAL)
                 responder = StreamResponder(
                     self._outbox,
                     params.n,
@@ -140,14 +146,14 @@ class TritonPythonModel:
             except (RequestError, SamplingParamsError) as exc:
                 self._metrics.rejected("invalid_argument")
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                guarded.send(pb_utils.InferenceResponse(error=error), final=True)
             except EngineOverloaded as exc:
                 self._metrics.rejected("overloaded")
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE)
-                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                guarded.send(pb_utils.InferenceResponse(error=error), final=True)
             except Exception as exc:  # never let one request take the model down
                 self._metrics.rejected("internal")
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {exc}")), flags=FINAL)
+                guarded.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {exc}")), final=True)
         return None
 
     def _abort(self, arr) -> None:
