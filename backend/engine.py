@@ -28,7 +28,7 @@ from backend.block_manager import BlockManager
 from backend.cancel_watch import CancelWatch
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
-from backend.model_runner import ModelRunner
+from backend.model_runner import ModelConfig, ModelRunner
 from backend.outputs import OutputState, RequestOutput, StopRegexTimeout
 from backend.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_at
 from backend.sampling_params import SamplingParams, load_model_defaults, parse_sampling_params
@@ -865,12 +865,19 @@ class ModelRunnerSizing:
 
     def __init__(self, model_path: Path, config: EngineConfig) -> None:
         cfg = json.loads((model_path / "config.json").read_text())
-        ctx = cfg.get("max_position_embeddings", 4096)
+        model = ModelConfig.from_model_dir(model_path)
+        ctx = model.context_limit
         if config.max_model_len is not None and config.max_model_len > ctx:
             # As vLLM refuses it: positions past what the model was trained on give output that
             # looks fine and is not, so a longer context is never granted quietly (or at all here).
+            where = (f"its sliding window {model.sliding_window} (sliding-window attention is not "
+                     "implemented: the context stops at the window, where full attention is the same)"
+                     if ctx < model.max_position_embeddings else f"max_position_embeddings {ctx}")
             raise ValueError(f"max_model_len {config.max_model_len} is more than the model's context, "
-                             f"max_position_embeddings {ctx} in {model_path / 'config.json'}")
+                             f"{where} in {model_path / 'config.json'}")
+        if ctx < model.max_position_embeddings:
+            log.warning("sliding window %d: the context is capped at it (max_position_embeddings %d); "
+                        "sliding-window attention is not implemented", ctx, model.max_position_embeddings)
         self.max_model_len = config.max_model_len or ctx
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -896,11 +903,15 @@ class ModelRunnerSizing:
 
 
 def _eos_token_ids(model_path: Path, tokenizer: Any) -> list[int]:
+    """generation_config.json's EOS ids, else config.json's (as transformers falls back), and the
+    tokenizer's own."""
     ids: list[int] = []
-    gen = model_path / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    for name in ("generation_config.json", "config.json"):
+        file = model_path / name
+        eos = json.loads(file.read_text()).get("eos_token_id") if file.exists() else None
+        if eos is not None:
+            ids.extend(eos if isinstance(eos, list) else [eos])
+            break
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.append(tokenizer.eos_token_id)
     return sorted(set(ids))

@@ -45,6 +45,14 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    hidden_act: str = "silu"
+    # Llama's attention_bias also biases o_proj (Qwen2's biases only q, k, v); mlp_bias biases
+    # gate, up and down.
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # Sliding-window attention is not implemented: a model that has one is served up to its
+    # window, where full causal attention is the same thing (see context_limit).
+    sliding_window: Optional[int] = None
 
     @classmethod
     def from_model_dir(cls, model_path: str | Path) -> "ModelConfig":
@@ -55,6 +63,15 @@ class ModelConfig:
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         num_heads = cfg["num_attention_heads"]
+        act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act '{act}'; supported: {', '.join(ACTIVATIONS)}")
+        window = cfg.get("sliding_window")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None  # Qwen2 configs carry a window they do not use unless told to
+        attention_bias = cfg.get("attention_bias", model_type == "qwen2")
+        if model_type == "qwen3" and attention_bias:
+            raise ValueError("attention_bias is not supported for qwen3 models")
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -70,9 +87,32 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama-style configs say so explicitly.
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            attention_bias=attention_bias,
             qk_norm=model_type == "qwen3",
+            hidden_act=act,
+            o_bias=attention_bias and model_type in ("llama", "mistral"),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=int(window) if window else None,
         )
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context this runner computes exactly: the model's, or its sliding window
+        (below it, windowed and full causal attention agree; past it they do not)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# hidden_act -> the MLP's activation, as transformers' ACT2FN computes it.
+ACTIVATIONS: dict[str, Any] = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": _gelu_tanh, "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh, "relu": F.relu,
+}
 
 
 def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -221,6 +261,7 @@ class ModelRunner:
         model's dtype); a narrower one is rounded to once, when K/V are written, and widened
         back to the model's dtype (or float32, in the decode kernels) when read."""
         self.config = ModelConfig.from_model_dir(model_path)
+        self._act = ACTIVATIONS[self.config.hidden_act]
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.kv_dtype = kv_dtype or self.dtype
@@ -293,7 +334,13 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- weights
     def _load_weights(self, path: Path) -> None:
-        files = sorted(path.glob("*.safetensors"))
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            # Only the shards the index names: Mistral's repos carry consolidated.safetensors (the
+            # same weights, its own names) beside them.
+            files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        else:
+            files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
         raw: dict[str, torch.Tensor] = {}
@@ -324,6 +371,11 @@ class ModelRunner:
             }
             if c.attention_bias:
                 layer["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            if c.o_bias:
+                layer["o_bias"] = take(p + "self_attn.o_proj.bias")
+            if c.mlp_bias:
+                layer["gate_up_bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+                layer["down_bias"] = take(p + "mlp.down_proj.bias")
             if c.qk_norm:
                 layer["q_norm"] = take(p + "self_attn.q_norm.weight")
                 layer["k_norm"] = take(p + "self_attn.k_norm.weight")
@@ -564,20 +616,20 @@ class ModelRunner:
                 out = self._attention(qp.view(g.num_seqs, g.max_q, c.num_heads, c.head_dim), keys, values, g)
                 attn[g.token_index] = out.reshape(g.num_seqs * g.max_q, q_size)[g.query_slots]
             if not batch.lora:
-                h = h + F.linear(attn, layer["o"])
+                h = h + F.linear(attn, layer["o"], layer.get("o_bias"))
                 x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-                gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-                h = h + F.linear(F.silu(gate) * up, layer["down"])
+                gate, up = F.linear(x, layer["gate_up"], layer.get("gate_up_bias")).chunk(2, dim=-1)
+                h = h + F.linear(self._act(gate) * up, layer["down"], layer.get("down_bias"))
                 continue
-            o = F.linear(attn, layer["o"])
+            o = F.linear(attn, layer["o"], layer.get("o_bias"))
             apply_lora(o, attn, li, "o", batch.lora)
             h = h + o
             x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
-            gate_up = F.linear(x, layer["gate_up"])
+            gate_up = F.linear(x, layer["gate_up"], layer.get("gate_up_bias"))
             apply_lora(gate_up, x, li, "gate_up", batch.lora)
             gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            down = F.linear(act, layer["down"])
+            act = self._act(gate) * up
+            down = F.linear(act, layer["down"], layer.get("down_bias"))
             apply_lora(down, act, li, "down", batch.lora)
             h = h + down
         hidden = None if batch.hidden_index is None else _rms_norm(h[batch.hidden_index], self.final_norm, c.rms_norm_eps)

@@ -35,6 +35,10 @@ def _build(kind: str, demo_model_path, out_dir):
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         model = LlamaForCausalLM(cfg)
+    elif kind == "llama_biased_gelu":
+        # attention_bias biases o_proj too in Llama; mlp_bias gate/up/down; another activation.
+        cfg = LlamaConfig(**common, attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh")
+        model = LlamaForCausalLM(cfg)
     else:
         cfg = Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
         model = Qwen3ForCausalLM(cfg)
@@ -52,7 +56,7 @@ def _build(kind: str, demo_model_path, out_dir):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_biased_gelu"])
 def test_engine_matches_hf_greedy(kind, demo_model_path, tmp_path):
     from pathlib import Path
 
@@ -72,3 +76,39 @@ def test_engine_matches_hf_greedy(kind, demo_model_path, tmp_path):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
         engine.shutdown()
+
+
+def test_model_directories_as_published_load_as_transformers_loads_them(demo_model_path, tmp_path):
+    # QA on real repos' layouts: a sliding window (not implemented) caps the context instead of
+    # silently attending past it; EOS ids from config.json count without generation_config.json;
+    # only the shards the index names load (Mistral repos add consolidated.safetensors).
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from backend.engine import ModelRunnerSizing
+
+    _build("llama", Path(demo_model_path), tmp_path)
+    cfg_path = tmp_path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**cfg, "model_type": "mistral", "sliding_window": 128, "eos_token_id": [4093, 7],
+                                    "rope_scaling": None}))
+    (tmp_path / "generation_config.json").unlink(missing_ok=True)
+    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00001.safetensors")
+    weights = json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}})
+    (tmp_path / "model.safetensors.index.json").write_text(weights)
+    save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, str(tmp_path / "consolidated.safetensors"))
+    assert ModelRunnerSizing(tmp_path, EngineConfig(model_path=str(tmp_path), num_kv_blocks=64)).max_model_len == 128
+    with pytest.raises(ValueError, match="sliding window 128"):
+        ModelRunnerSizing(tmp_path, EngineConfig(model_path=str(tmp_path), num_kv_blocks=64, max_model_len=256))
+    engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64))
+    try:
+        assert {4093, 7} <= set(engine.eos_ids) and engine.max_model_len == 128
+        with pytest.raises(Exception, match="context is 128 tokens"):
+            engine.add_request(list(range(10, 140)), engine.parse_params({}), lambda out: None)
+    finally:
+        engine.shutdown()
+    cfg_path.write_text(json.dumps({**cfg, "hidden_act": "sigmoid"}))
+    with pytest.raises(ValueError, match="unsupported hidden_act 'sigmoid'"):
+        LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", num_kv_blocks=64))
