@@ -67,8 +67,8 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act '{act}'; supported: {', '.join(ACTIVATIONS)}")
         window = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-            window = None  # Qwen2 configs carry a window they do not use unless told to
+        if model_type == "llama" or (model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False)):
+            window = None  # Qwen configs carry a window they use only when told to; Llama has none
         attention_bias = cfg.get("attention_bias", model_type == "qwen2")
         if model_type == "qwen3" and attention_bias:
             raise ValueError("attention_bias is not supported for qwen3 models")

@@ -109,6 +109,14 @@ def test_model_directories_as_published_load_as_transformers_loads_them(demo_mod
             engine.add_request(list(range(10, 140)), engine.parse_params({}), lambda out: None)
     finally:
         engine.shutdown()
+    from backend.model_runner import ModelConfig
+
+    for extra, limit in (({"model_type": "qwen2", "sliding_window": 64}, 512),  # unused unless use_sliding_window
+                         ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, 64),
+                         ({"model_type": "qwen3", "sliding_window": 64}, 512),
+                         ({"model_type": "llama", "sliding_window": 64}, 512)):
+        cfg_path.write_text(json.dumps({**cfg, **extra}))
+        assert ModelConfig.from_model_dir(tmp_path).context_limit == limit, extra
     cfg_path.write_text(json.dumps({**cfg, "hidden_act": "sigmoid"}))
     with pytest.raises(ValueError, match="unsupported hidden_act 'sigmoid'"):
         LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", num_kv_blocks=64))
