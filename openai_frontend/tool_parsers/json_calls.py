@@ -209,11 +209,9 @@ class JsonToolCallParser(BaseToolParser):
         )
         # What may follow a call: its suffix (optional), then another call or the region's close;
         # once the suffix is read, only the latter.
-        after = [cls.separator + cls.call_prefix + obj] if cls.separator is not None else []
-        after += [cls.close] if cls.close else []
-        cls._after_suffix = after
-        cls._after_object = [c for c in ([cls.call_suffix + a for a in after + [()]] if cls.call_suffix else [])
-                             + after if c]
+        cls._after_suffix = [pattern for _, pattern in cls._next_alts]
+        with_suffix = [cls.call_suffix + a for a in cls._after_suffix + [()]] if cls.call_suffix else []
+        cls._after_object = [c for c in with_suffix + cls._after_suffix if c]
 
     @staticmethod
     def _cut_markup(rest: str, continuations: list[Pattern]) -> bool:
