@@ -269,7 +269,7 @@ def encode_prompt(
     given = [name for name, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids)) if _present(v)]
     if len(given) != 1:
         raise ValueError(
-            "exactly one of text_input, messages, input_ids is required"
+            "exactly one of text_input, messages, input_ids, input_embeds is required"
             + (f" (got {', '.join(given)})" if given else "")
         )
     if not _present(messages):

@@ -260,7 +260,8 @@ class GenerateHandler:
             if processor:
                 sp["custom_logit_processor"] = processor
             # SGLang's: one string rid for a batch names its prompts <rid>_<i>.
-            rid = _pick(req.rid, p, b, "rid") if isinstance(req.rid, list) else (req.rid or request_id)
+            # request_id: the X-Request-Id header, else a string rid, else a generated one.
+            rid = _pick(req.rid, p, b, "rid") if isinstance(req.rid, list) else request_id
             if b > 1 and not isinstance(req.rid, list):
                 rid = f"{rid}_{p}"
             common = dict(sampling_params=sp, request_id=rid, n=n, stream=req.stream)

@@ -400,7 +400,10 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.post("/generate")
     async def generate_route(body: GenerateRequest, request: Request) -> Response:
-        return await cancel_on_disconnect(request, generate(body, _request_id(request)))
+        # One string rid names the request as the body's request_id does on the OpenAI routes (a
+        # batch's list of rids names its prompts one by one).
+        rid = body.rid if isinstance(body.rid, str) else None
+        return await cancel_on_disconnect(request, generate(body, _request_id(request, rid)))
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> Response:

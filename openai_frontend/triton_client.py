@@ -224,7 +224,7 @@ def _is_final(response: Any) -> bool:
 
 # preprocessing's words for an empty prompt (it takes one for a missing input), in the ensemble's
 # tensor names; the frontend's clients sent a prompt, messages or text.
-_NO_PROMPT = "exactly one of text_input, messages, input_ids is required"
+_NO_PROMPT = "exactly one of text_input, messages, input_ids, input_embeds is required"
 _EMPTY_PROMPT = "the prompt is empty"
 
 

@@ -973,9 +973,9 @@ def test_error_mapping():
 
     from openai_frontend.triton_client import map_infer_error
 
-    for err in (map_stream_error("in ensemble 'ensemble', exactly one of text_input, messages, input_ids is required"),
+    for err in (map_stream_error("in ensemble 'ensemble', exactly one of text_input, messages, input_ids, input_embeds is required"),
                 map_infer_error(InferenceServerException(
-                    "exactly one of text_input, messages, input_ids is required", status="StatusCode.INVALID_ARGUMENT"))):
+                    "exactly one of text_input, messages, input_ids, input_embeds is required", status="StatusCode.INVALID_ARGUMENT"))):
         assert (err.status_code, err.message) == (400, "the prompt is empty")
 
 
@@ -1586,6 +1586,12 @@ def test_generate_ids_and_logprob_keys_as_sglang(base_url, fake):
     assert [o["meta_info"]["id"] for o in r.json()] == ["X_0_0", "X_0_1", "X_1_0", "X_1_1"]
     r = httpx.post(base_url + "/generate", json={"text": "x", "rid": "Y", "sampling_params": {"n": 2}})
     assert [o["meta_info"]["id"] for o in r.json()] == ["Y_0", "Y_1"]
+    # One rid follows the request-id rule of every route: the X-Request-Id header, else the rid,
+    # and the one used is echoed.
+    r = httpx.post(base_url + "/generate", json={"text": "x", "rid": "g77"})
+    assert r.json()["meta_info"]["id"] == "g77" and r.headers["x-request-id"] == "g77"
+    r = httpx.post(base_url + "/generate", json={"text": "x", "rid": "g78"}, headers={"X-Request-Id": "hdr1"})
+    assert r.json()["meta_info"]["id"] == "hdr1" and r.headers["x-request-id"] == "hdr1"
     r = httpx.post(base_url + "/generate", json={"text": ["x", "y", "z"], "rid": ["a", "b", "a"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "rid" and "'a' is given twice" in r.text
     # return_logprob: the token lists always (input ones too), the top ones only with top_logprobs_num.

@@ -184,7 +184,7 @@ def test_encode_prompt_sources(tok):
     assert encode_prompt(tok, input_ids=np.array([5, 6, 7], dtype=np.int32)) == [5, 6, 7]
     # Empty values count as absent.
     assert encode_prompt(tok, text="", messages=None, input_ids=[9]) == [9]
-    with pytest.raises(ValueError, match="exactly one of text_input, messages, input_ids is required$"):
+    with pytest.raises(ValueError, match="exactly one of text_input, messages, input_ids, input_embeds is required$"):
         encode_prompt(tok)
     with pytest.raises(ValueError, match=r"\(got text_input, input_ids\)"):
         encode_prompt(tok, text="a", input_ids=[1])
