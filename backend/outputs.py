@@ -173,6 +173,12 @@ class OutputState:
                 seq.finish_reason = FinishReason.STOP
             elif seq.num_output_tokens >= seq.max_new_tokens:
                 seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason is not None:
+            # Ending: text held back for half a character comes out now (as U+FFFD), and the stop
+            # strings must see it too (it could complete one).
+            flushed = self.detok.finish()
+            if flushed:
+                self.pending[-1] = replace(self.pending[-1], text=self.pending[-1].text + flushed)
 
         trim = 0
         partial_at: Optional[int] = None

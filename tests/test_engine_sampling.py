@@ -235,6 +235,16 @@ def test_impossible_tokens_report_a_finite_logprob_floor(engine):
     json.dumps(lps, allow_nan=False)
 
 
+def test_a_stop_string_in_the_text_flushed_at_the_end_still_stops(engine):
+    # The last token ends inside a character: its text (U+FFFD) is held back until the
+    # sequence ends, and the stop strings must see it (QA: "ab \ufffd" came out, stop " " unseen).
+    ids = engine.tokenizer.encode("Hi", add_special_tokens=False)
+    params = engine.parse_params({"max_new_tokens": 2, "temperature": 0, "regex": "ab 😀", "stop": [" "]})
+    (out,) = engine.generate([ids], [params])
+    assert engine.tokenizer.decode(out.new_token_ids) == "ab \ufffd"  # the cut is inside the emoji
+    assert (out.text, out.finish_reason, out.stop_reason) == ("ab", "stop", " ")
+
+
 def test_min_new_tokens_never_leaves_a_row_with_nothing_to_draw(engine):
     # A row where every token is masked would draw token 0 with a NaN logprob (invalid JSON).
     import json
