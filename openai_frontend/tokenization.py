@@ -15,7 +15,7 @@ from typing import Any, Optional
 from openai_frontend.chat import normalize_messages
 from openai_frontend.common import Context
 from openai_frontend.engine_types import EngineRequest
-from openai_frontend.errors import bad_request, unsupported
+from openai_frontend.errors import APIError, bad_request, unsupported
 from openai_frontend.protocol import DetokenizeRequest, TokenizeRequest
 from openai_frontend.tools import tools_as_dicts
 
@@ -82,4 +82,10 @@ async def _empty_prompt(ctx: Context, add_special_tokens: Optional[bool]) -> lis
 
 async def detokenize(ctx: Context, req: DetokenizeRequest) -> dict:
     ctx.check_model(req.model)
-    return {"prompt": await ctx.client.detokenize(list(req.tokens)) if req.tokens else ""}
+    try:
+        return {"prompt": await ctx.client.detokenize(list(req.tokens)) if req.tokens else ""}
+    except APIError as exc:
+        if exc.param == "input_ids":  # the model's input name; this request calls them tokens
+            exc.param = "tokens"
+            exc.message = exc.message.replace("input_ids", "tokens", 1)
+        raise

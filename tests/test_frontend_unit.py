@@ -1653,3 +1653,21 @@ def test_generate_return_hidden_states_as_sglang(base_url, fake):
     assert odd.status_code == 400 and odd.json()["error"]["param"] == "return_hidden_states"
     bad = httpx.post(base_url + "/generate", json={"text": ["x", "y"], "return_hidden_states": [True]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_hidden_states"
+
+
+def test_detokenize_names_its_own_field_in_an_error():
+    # The preprocessing model calls them input_ids; this request calls them tokens (QA).
+    import asyncio
+    from types import SimpleNamespace
+
+    from openai_frontend.errors import APIError
+    from openai_frontend.protocol import DetokenizeRequest
+    from openai_frontend.tokenization import detokenize
+
+    async def refuse(tokens):
+        raise APIError(400, "input_ids out of range [0, 4096): [99999]", param="input_ids")
+
+    ctx = SimpleNamespace(check_model=lambda model: None, client=SimpleNamespace(detokenize=refuse))
+    with pytest.raises(APIError) as err:
+        asyncio.run(detokenize(ctx, DetokenizeRequest(tokens=[99999])))
+    assert (err.value.param, err.value.message) == ("tokens", "tokens out of range [0, 4096): [99999]")
