@@ -26,6 +26,12 @@ class TokenNamer:
             return self.files.token_text(lp.token_id)
         return f"token_id:{lp.token_id}"
 
+    def bytes(self, lp: TokenLogprob, token: str) -> list[int]:
+        """OpenAI's `bytes` of a token: its own bytes where the tokenizer says them (a piece of a
+        character is U+FFFD as text, and its bytes are what joins it back), else its text's."""
+        raw = self.files.token_bytes(lp.token_id) if self.files is not None else None
+        return list(raw if raw is not None else token.encode("utf-8"))
+
 
 def chat_logprobs(items: list[TokenLogprob], name: TokenNamer) -> dict[str, Any]:
     content = []
@@ -34,9 +40,9 @@ def chat_logprobs(items: list[TokenLogprob], name: TokenNamer) -> dict[str, Any]
         content.append({
             "token": token,
             "logprob": lp.logprob,
-            "bytes": list(token.encode("utf-8")),
+            "bytes": name.bytes(lp, token),
             "top_logprobs": [
-                {"token": (t := name(top)), "logprob": top.logprob, "bytes": list(t.encode("utf-8"))} for top in lp.top
+                {"token": (t := name(top)), "logprob": top.logprob, "bytes": name.bytes(top, t)} for top in lp.top
             ],
         })
     return {"content": content}

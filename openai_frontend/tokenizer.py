@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
@@ -64,6 +65,25 @@ class ModelFiles:
     def token_text(self, token_id: int) -> str:
         return _token_text(self, token_id)
 
+    def token_bytes(self, token_id: int) -> Optional[bytes]:
+        """The token's own bytes, where the tokenizer says them: a byte-level BPE piece (GPT-2's
+        byte-to-character table, Qwen and Llama 3) or a byte-fallback piece (`<0xE8>`, Llama 2
+        and Mistral). A piece that is part of a character decodes to U+FFFD as text; its bytes
+        are what lets a client join the pieces into the character (OpenAI's `bytes`). None when
+        the tokenizer does not say."""
+        return _token_bytes(self, token_id)
+
+    def byte_level(self) -> bool:
+        """Whether the tokenizer's decoder is GPT-2-style byte-level."""
+        if self.path is None:
+            return False
+        try:
+            decoder = json.loads((self.path / "tokenizer.json").read_text()).get("decoder") or {}
+        except (OSError, ValueError):
+            return False
+        kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or []]
+        return "ByteLevel" in kinds
+
     def decode(self, ids: list[int]) -> Optional[str]:
         tok = self.tokenizer()
         return None if tok is None else tok.decode(ids, skip_special_tokens=False)
@@ -75,3 +95,49 @@ def _token_text(files: ModelFiles, token_id: int) -> str:
     if tok is None:
         return f"token_id:{token_id}"
     return tok.decode([token_id], skip_special_tokens=False)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the character a byte-level BPE piece uses -> its byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+_BYTE_DECODER = _byte_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=65536)
+def _token_bytes(files: ModelFiles, token_id: int) -> Optional[bytes]:
+    tok = files.tokenizer()
+    piece = tok.id_to_token(token_id) if tok is not None else None
+    if piece is None:
+        return None
+    if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+        return bytes([int(m.group(1), 16)])
+    if _is_added(tok, token_id):
+        return piece.encode("utf-8")  # special and added tokens are their own text
+    if _byte_level(files):
+        try:
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        except KeyError:
+            return None
+    return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece's word marker
+
+
+@lru_cache(maxsize=8)
+def _byte_level(files: ModelFiles) -> bool:
+    return files.byte_level()
+
+
+def _is_added(tok: Any, token_id: int) -> bool:
+    try:
+        return token_id in tok.get_added_tokens_decoder()
+    except AttributeError:
+        return False

@@ -233,6 +233,21 @@ def test_beam_search_equals_a_reference_beam_search_on_the_model(triton, demo_mo
         assert sum(choice.logprobs.token_logprobs) == pytest.approx(cum, abs=1e-3)
 
 
+def test_logprob_bytes_join_the_pieces_of_a_character(triton, demo_model_path):
+    # A token that is part of a character reads U+FFFD as text; its bytes (OpenAI's field for
+    # exactly this) are its own, so the client can join them into the text (vLLM sends U+FFFD's).
+    settings = Settings(triton_url=triton.grpc_url, model_name=MODEL, tokenizer_path=str(demo_model_path))
+    with serve_in_thread(create_app(settings)) as url:
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, logprobs=True, top_logprobs=2,
+                                        **GREEDY, extra_body={"guided_regex": "語😀 ok"})
+    content = r.choices[0].logprobs.content
+    assert "\ufffd" in "".join(item.token for item in content)  # some tokens are pieces of a character
+    assert r.choices[0].message.content == "語😀 ok"  # the EOS that ends it has a logprob, not text
+    assert bytes(b for item in content for b in item.bytes).decode("utf-8") == "語😀 ok<|im_end|>"
+    assert content[0].top_logprobs[0].bytes == content[0].bytes
+
+
 def test_logprobs_chat_and_completions(client):
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=3, **GREEDY,
                   extra_body={"ignore_eos": True})
