@@ -28,7 +28,7 @@ from backend.block_manager import BlockManager
 from backend.cancel_watch import CancelWatch
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
-from backend.model_runner import ModelConfig, ModelRunner
+from backend.model_runner import ModelConfig, ModelRunner, weight_files
 from backend.outputs import OutputState, RequestOutput, StopRegexTimeout
 from backend.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_at
 from backend.sampling_params import SamplingParams, load_model_defaults, parse_sampling_params
@@ -864,7 +864,6 @@ class ModelRunnerSizing:
     """Pool size and context length, decided before the model is built."""
 
     def __init__(self, model_path: Path, config: EngineConfig) -> None:
-        cfg = json.loads((model_path / "config.json").read_text())
         model = ModelConfig.from_model_dir(model_path)
         ctx = model.context_limit
         if config.max_model_len is not None and config.max_model_len > ctx:
@@ -879,18 +878,15 @@ class ModelRunnerSizing:
             log.warning("sliding window %d: the context is capped at it (max_position_embeddings %d); "
                         "sliding-window attention is not implemented", ctx, model.max_position_embeddings)
         self.max_model_len = config.max_model_len or ctx
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        kv_heads = cfg.get("num_key_value_heads") or heads
         elem = torch.empty((), dtype=config.kv_torch_dtype()).element_size()
-        bytes_per_block = 2 * cfg["num_hidden_layers"] * config.block_size * kv_heads * head_dim * elem
+        bytes_per_block = 2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim * elem
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif config.kv_cache_memory_mb is not None:
             num_blocks = config.kv_cache_memory_mb * 2**20 // bytes_per_block
         elif config.device.startswith("cuda"):
             free, _ = torch.cuda.mem_get_info()
-            weights = sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
+            weights = sum(f.stat().st_size for f in weight_files(model_path))
             num_blocks = int(max(free - weights * 1.2, 0) * config.gpu_memory_utilization) // bytes_per_block
         else:
             num_blocks = 2**30 // bytes_per_block  # 1 GiB on CPU

@@ -104,6 +104,16 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The model's safetensors files: the shards its index names, else model*.safetensors, else
+    any. Mistral's repos carry consolidated.safetensors (the same weights under its own names)
+    beside the shards."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+
+
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
@@ -334,13 +344,7 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- weights
     def _load_weights(self, path: Path) -> None:
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            # Only the shards the index names: Mistral's repos carry consolidated.safetensors (the
-            # same weights, its own names) beside them.
-            files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        else:
-            files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+        files = weight_files(path)
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
         raw: dict[str, torch.Tensor] = {}
