@@ -46,6 +46,7 @@ import json
 import os
 import platform
 import random
+import signal
 import statistics
 import struct
 import subprocess
@@ -88,6 +89,15 @@ def log(msg: str) -> None:
 
 
 # ====================================================================== records and metrics
+class CutOff(BaseException):
+    """SIGTERM (a time limit's `timeout`): stop the section in hand, clean up, keep what landed."""
+
+
+def _cut_off(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not break the cleanup
+    raise CutOff()
+
+
 @dataclass
 class Rec:
     """One request as its client saw it (perf_counter seconds)."""
@@ -1413,9 +1423,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
              ("prefix", bench.run_prefix),
              ("chunked", bench.run_chunked), ("servers", lambda: bench.run_servers(run_dir)),
              ("engine_after", bench.run_engine_after))
+    signal.signal(signal.SIGTERM, _cut_off)
     for name, step in steps:
         try:
             step()
+        except CutOff:
+            results["cut_off_in"] = name
+            log(f"SIGTERM in section {name}: writing what has landed")
+            break
         except Exception as exc:  # one broken path must not lose the others' figures
             import traceback
 

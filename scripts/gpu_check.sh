@@ -20,6 +20,8 @@
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
 #              frontend streaming / non-streaming at concurrency 1, 8, 64 -> serving_bench.json + .png
 #              (SERVING_ARGS adds arguments). tritonserver comes from .whl/serving/ (see fetch)
+#   serving_0.4b  the same on the random 0.4B Qwen2 -> serving_bench_0.4b.json + .png (SERVING_0_4B_ARGS
+#              replaces its default "--c1-requests 8 --alternating-rounds 0"; SERVING_ARGS still adds)
 # DEMO_ARGS adds arguments to both engine_vs_hf runs (e.g. --skip-one-by-one --rounds 3).
 #   checks     tests and engine side by side (both only check; the benchmarks run alone)
 # Each step is cut off after its limit (STEP_LIMIT_<step> seconds, defaults below) so that one
@@ -119,7 +121,7 @@ PY
 }
 
 declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [kvdtype]=170
-                  [serving]=300)
+                  [serving]=300 [serving_0.4b]=200)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
   local name=$1
@@ -129,7 +131,7 @@ step() {  # name, command...: run it (within its limit) into its log, record its
   local log="$OUT/.step-$name.log"
   local start=$SECONDS
   echo "==== $name (limit ${limit}s): $*" > "$log"
-  timeout -k 10 "$limit" "$@" >> "$log" 2>&1
+  timeout -k 30 "$limit" "$@" >> "$log" 2>&1
   local rc=$?
   [ $rc -eq 124 ] && echo "==== $name: cut off at its ${limit}s limit" >> "$log"
   echo "==== $name: exit $rc after $((SECONDS - start))s" >> "$log"
@@ -187,15 +189,18 @@ run() {
                  --memory-mb "${KV_MB:-48}" --max-model-len 1024 --rounds 2 --dtypes bfloat16 fp8 fp8_e5m2 --baseline bfloat16 \
                  --json "$OUT/kv_cache_dtype_0.4b.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
-      serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" ;;
+      serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" serving_bench ;;
+      serving_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
+                    SERVING_ARGS="--model-path /tmp/model-0.4b ${SERVING_0_4B_ARGS:---c1-requests 8 --alternating-rounds 0} ${SERVING_ARGS:-}" \
+                      step serving_0.4b bash "$SCRIPT" _serving "$py" "$OUT" serving_bench_0.4b ;;
       *) echo "gpu_check: unknown step $s" >&2 ;;
     esac
   done
   echo "log: $LOG"
 }
 
-serving() {  # python, out dir: the serving paths on this host's GPU, tritonserver from .whl/serving/
-  local py=$1 out=$2 pyv home=/tmp/triton/pytriton/tritonserver
+serving() {  # python, out dir, name: the serving paths on this host's GPU, tritonserver from .whl/serving/
+  local py=$1 out=$2 name=${3:-serving_bench} pyv home=/tmp/triton/pytriton/tritonserver
   pyv=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || return 1
   if [ ! -x "$home/bin/tritonserver" ]; then
     [ -f .whl/serving/tritonserver.tar.xz ] || { echo "no .whl/serving/tritonserver.tar.xz: run fetch first"; return 1; }
@@ -211,14 +216,18 @@ serving() {  # python, out dir: the serving paths on this host's GPU, tritonserv
   libdir=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
   LD_LIBRARY_PATH="$libdir" ldd "$home/backends/python/triton_python_backend_stub" | grep "not found" \
     && echo "the Python backend stub lacks the libraries above (LIBDIR $libdir)"
-  local results=/tmp/serving-results
+  local results=/tmp/serving-results/$name
+  # A step's time limit sends SIGTERM to this whole process group: the bench stops its servers
+  # and writes what has landed (bench/serving_bench.py's CutOff); this shell must outlive it to
+  # copy the result out. A no-op trap (not an ignored signal) leaves the children's default.
+  trap 'true' TERM
   TRITON_HOME=$home PYTHONPATH="/tmp/serving-site:${PYTHONPATH:-}" "$py" -m bench.serving_bench --device "${SERVING_DEVICE:-cuda}" \
     --only engine,triton,triton_llm,frontend,frontend_nonstream --concurrency 1 8 64 --out "$results" ${SERVING_ARGS:-}
   local rc=$? last
   last=$(ls -t "$results"/*.json 2>/dev/null | head -1)
   if [ -n "$last" ]; then
-    cp "$last" "$out/serving_bench.json"
-    [ -f "${last%.json}.png" ] && cp "${last%.json}.png" "$out/serving_bench.png"
+    cp "$last" "$out/$name.json"
+    [ -f "${last%.json}.png" ] && cp "${last%.json}.png" "$out/$name.png"
     for log in "${last%.json}"/*.log; do
       [ -f "$log" ] && { echo "---- tail of $(basename "$log")"; tail -n 30 "$log"; }
     done
