@@ -211,6 +211,11 @@ serving() {  # python, out dir, name: the serving paths on this host's GPU, trit
   cp "$stub" "$home/backends/python/" || return 1
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serving-site \
     .whl/serving/*.whl || return 1
+  # numpy < 2 (for the stub) shadows the host's numpy 2 here, but the host's scipy is built for
+  # numpy 2 (np.long at import) and transformers imports sklearn -> scipy at import time whenever
+  # sklearn is installed. Nothing here needs sklearn: hide it (find_spec -> None, import -> error).
+  printf '%s\n' '# gpu_check.sh: hide the host'"'"'s sklearn (built for numpy 2) from transformers under numpy < 2' \
+    'import sys' 'sys.modules.setdefault("sklearn", None)' > /tmp/serving-site/sitecustomize.py
   # The stub links this Python's libpython; say so at once if the host has none to give it.
   local libdir
   libdir=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
