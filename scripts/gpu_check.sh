@@ -212,10 +212,12 @@ serving() {  # python, out dir, name: the serving paths on this host's GPU, trit
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serving-site \
     .whl/serving/*.whl || return 1
   # numpy < 2 (for the stub) shadows the host's numpy 2 here, but the host's scipy is built for
-  # numpy 2 (np.long at import) and transformers imports sklearn -> scipy at import time whenever
-  # sklearn is installed. Nothing here needs sklearn: hide it (find_spec -> None, import -> error).
-  printf '%s\n' '# gpu_check.sh: hide the host'"'"'s sklearn (built for numpy 2) from transformers under numpy < 2' \
-    'import sys' 'sys.modules.setdefault("sklearn", None)' > /tmp/serving-site/sitecustomize.py
+  # numpy 2 (np.long at import) and transformers imports scipy and sklearn at import time whenever
+  # they are installed (modeling_utils -> object-detection losses; generation). Nothing here needs
+  # either: hide them (find_spec -> None, so transformers skips them; an import -> ImportError).
+  printf '%s\n' '# gpu_check.sh: hide the host'"'"'s scipy/sklearn (built for numpy 2) under numpy < 2' \
+    'import sys' 'for _name in ("scipy", "sklearn"):' '    sys.modules.setdefault(_name, None)' \
+    > /tmp/serving-site/sitecustomize.py
   # The stub links this Python's libpython; say so at once if the host has none to give it.
   local libdir
   libdir=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
@@ -234,7 +236,11 @@ serving() {  # python, out dir, name: the serving paths on this host's GPU, trit
     cp "$last" "$out/$name.json"
     [ -f "${last%.json}.png" ] && cp "${last%.json}.png" "$out/$name.png"
     for log in "${last%.json}"/*.log; do
-      [ -f "$log" ] && { echo "---- tail of $(basename "$log")"; tail -n 30 "$log"; }
+      [ -f "$log" ] || continue
+      echo "---- errors in $(basename "$log")"
+      grep -E "^E[0-9]{4} |Error|error:" "$log" | cut -c1-600 | head -n 20
+      echo "---- tail of $(basename "$log")"
+      tail -n 30 "$log"
     done
   fi
   return $rc
