@@ -218,6 +218,13 @@ serving() {  # python, out dir, name: the serving paths on this host's GPU, trit
   printf '%s\n' '# gpu_check.sh: hide the host'"'"'s scipy/sklearn (built for numpy 2) under numpy < 2' \
     'import sys' 'for _name in ("scipy", "sklearn"):' '    sys.modules.setdefault(_name, None)' \
     > /tmp/serving-site/sitecustomize.py
+  # The Python backend stub starts its interpreter isolated (PyConfig_InitIsolatedConfig): it
+  # ignores PYTHONPATH and finds the venv from the first python on PATH. A .pth file in that
+  # venv's site-packages is still read; its import line puts the carried packages first.
+  local purelib
+  purelib=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
+  echo 'import sys; sys.path[0:0] = [p for p in ("/tmp/serving-site", "/tmp/site") if p not in sys.path]' \
+    > "$purelib/000-gpu-check-serving.pth" || return 1
   # The stub links this Python's libpython; say so at once if the host has none to give it.
   local libdir
   libdir=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')
