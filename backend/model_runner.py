@@ -253,6 +253,17 @@ def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True, p
     return groups
 
 
+def avoid_cudnn_attention() -> None:
+    """Keep SDPA off its cuDNN backend (process-wide; SDPA then picks flash, memory-efficient or
+    math). cuDNN builds an execution graph for every new query/key shape and caches it per
+    shape. Prefill chunks and padded attention groups take a new shape nearly every step. On an
+    H200 (torch 2.11), a prompt of a length not seen before took 45-60 ms to prefill on the demo
+    model, 40 ms of it inside SDPA, against 3-5 ms for a length seen before
+    (bench/prefill_probe.py). That cost hid the prefix cache's TTFT gain, and it stretched the
+    decode gaps of streams running beside a chunked prefill."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class ModelRunner:
     """Owns the weights and the KV cache tensors; runs one forward step."""
 
@@ -273,6 +284,8 @@ class ModelRunner:
         self.config = ModelConfig.from_model_dir(model_path)
         self._act = ACTIVATIONS[self.config.hidden_act]
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            avoid_cudnn_attention()
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.kv_dtype = kv_dtype or self.dtype
         self.block_size = block_size

@@ -15,6 +15,8 @@
 #   demo       engine vs HF generate on the demo model, with cuda_graphs_vs_eager -> engine_vs_hf_demo.json
 #   0.4b       the same on a random 0.4B Qwen2 (bench/make_random_model.py) -> engine_vs_hf_0.4b.json
 #   kernels    the sampling kernels against their torch references, batch 256, vocab 128k -> kernels_vs_torch.json
+#   prefill    one prefill at prompt lengths unseen and seen, SDPA's cuDNN backend off (the engine's
+#              CUDA setting) and on, profiled -> prefill_probe.json (bench/prefill_probe.py)
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
@@ -26,8 +28,10 @@
 #   checks     tests and engine side by side (both only check; the benchmarks run alone)
 # Each step is cut off after its limit (STEP_LIMIT_<step> seconds, defaults below) so that one
 # slow step cannot eat a lent GPU's minutes; the benchmarks print and save each figure as it lands.
-# A device call runs 10 minutes at most: `run OUT checks demo 0.4b kernels` is sized to fit, and
-# `run OUT serving` goes in a call of its own.
+# A device call runs 10 minutes at most: `run OUT checks demo 0.4b kernels prefill` (the default,
+# ~5 min on an H200) is sized to fit, and `run OUT serving` (~2.5 min with the default sections;
+# ~4 min adding hf/prefix/chunked through SERVING_ARGS' --only) goes in a call of its own. A
+# session's device time is 15 minutes, each machine start ~1 min of it: plan two calls.
 # `fetch` also builds .whl/serving/: tritonserver cut from the nvidia-pytriton wheel (the binary, the
 # Python backend, the stub for GPU_PY_VERSION and the bundled libraries; ~27 MB as .tar.xz, the whole
 # wheel is past what a device call carries) and the frontend's and tritonclient's packages with
@@ -120,7 +124,7 @@ PY
   du -sh .whl/serving
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [kvdtype]=170
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [kvdtype]=170
                   [serving]=300 [serving_0.4b]=200)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
@@ -143,7 +147,7 @@ run() {
   OUT=${1:-bench/results/gpu-$(date +%Y%m%d-%H%M%S)}
   shift || true
   local steps=("$@")
-  [ ${#steps[@]} -gt 0 ] || steps=(checks demo 0.4b kernels)
+  [ ${#steps[@]} -gt 0 ] || steps=(checks demo 0.4b kernels prefill)
   mkdir -p "$OUT"
   LOG="$OUT/gpu_check.log"
   local py=${PYTHON:-python3}
@@ -188,6 +192,7 @@ run() {
                step kvdtype "$py" -m bench.kv_cache_dtype --device cuda --model-path /tmp/model-0.4b \
                  --memory-mb "${KV_MB:-48}" --max-model-len 1024 --rounds 2 --dtypes bfloat16 fp8 fp8_e5m2 --baseline bfloat16 \
                  --json "$OUT/kv_cache_dtype_0.4b.json" ;;
+      prefill) step prefill "$py" -m bench.prefill_probe --device cuda --profile --json "$OUT/prefill_probe.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
       serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" serving_bench ;;
       serving_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"

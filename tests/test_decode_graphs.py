@@ -151,3 +151,22 @@ def test_cuda_graphs_equal_eager_on_gpu(demo_model_path):
     got = graphed.generate(prompts, params)
     assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
     assert graphed.model.graphs.replays > 10
+
+
+def test_cuda_runner_keeps_sdpa_off_cudnn(demo_model_path):
+    """cuDNN's SDPA builds a graph per new shape (tens of ms; backend/model_runner.py): a CUDA
+    runner turns that backend off, a CPU runner leaves the process's setting alone."""
+    from backend.model_runner import avoid_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        if torch.cuda.is_available():
+            ModelRunner(demo_model_path, BLOCKS, BS, device="cuda")
+        else:
+            avoid_cudnn_attention()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
