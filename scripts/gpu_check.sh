@@ -15,6 +15,8 @@
 #   demo       engine vs HF generate on the demo model, with cuda_graphs_vs_eager -> engine_vs_hf_demo.json
 #   0.4b       the same on a random 0.4B Qwen2 (bench/make_random_model.py) -> engine_vs_hf_0.4b.json
 #   kernels    the sampling kernels against their torch references, batch 256, vocab 128k -> kernels_vs_torch.json
+#   serving_caps  the engine and the ensemble at c=8 and 64 with the llm model's max_responses_per_step
+#              at each of SERVING_CAPS (default "0 16 4"; 0 = no cap, GPU's auto) -> serving_cap<N>.json
 #   prefill    one prefill at prompt lengths unseen and seen, SDPA's cuDNN backend off (the engine's
 #              CUDA setting) and on, profiled -> prefill_probe.json (bench/prefill_probe.py)
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
@@ -192,6 +194,13 @@ run() {
                step kvdtype "$py" -m bench.kv_cache_dtype --device cuda --model-path /tmp/model-0.4b \
                  --memory-mb "${KV_MB:-48}" --max-model-len 1024 --rounds 2 --dtypes bfloat16 fp8 fp8_e5m2 --baseline bfloat16 \
                  --json "$OUT/kv_cache_dtype_0.4b.json" ;;
+      serving_caps)
+        # The llm model's per-step response cap on this GPU, one server per setting: where the
+        # streamed-response path's GIL time (the stub's) meets the engine's step.
+        for cap in ${SERVING_CAPS:-0 16 4}; do
+          SERVING_ARGS="--only engine,triton --concurrency 8 64 --alternating-rounds 0 --c1-requests 8 --server-env LLM_MAX_RESPONSES_PER_STEP=$cap ${SERVING_ARGS:-}" \
+            STEP_LIMIT_serving_cap=${STEP_LIMIT_serving_cap:-100} step serving_cap bash "$SCRIPT" _serving "$py" "$OUT" "serving_cap$cap"
+        done ;;
       prefill) step prefill "$py" -m bench.prefill_probe --device cuda --profile --json "$OUT/prefill_probe.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
       serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" serving_bench ;;
