@@ -17,13 +17,22 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Callable, Optional
+import time
+from typing import Callable, NamedTuple, Optional
 
 from backend.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
 SendOutput = Callable[[RequestOutput, bool], None]  # (output, is_last_response)
+
+
+class OutboxStats(NamedTuple):
+    responses: int
+    send_cpu_s: float
+    send_wall_s: float
+
+
 SendError = Callable[[RequestOutput], None]
 
 
@@ -93,11 +102,11 @@ class StreamResponder:
                     return
         self._outgoing.append(out)
 
-    def flush(self) -> None:
-        """Send what is ready (sender thread)."""
+    def flush(self) -> int:
+        """Send what is ready (sender thread); returns how many responses went out."""
         with self._lock:
             if self._done:
-                return
+                return 0
             error = self._error
             batch: list[tuple[RequestOutput, bool]] = []
             if error is not None:
@@ -116,9 +125,10 @@ class StreamResponder:
                 self.on_final()
         if error is not None:
             self._send_error(error)
-            return
+            return 1
         for out, last in batch:
             self._send_output(out, last)
+        return len(batch)
 
 
 class _Lane:
@@ -131,6 +141,10 @@ class _Lane:
         self._credits = budget or 0
         self._idle_release_s = idle_release_s
         self._stopped = False
+        # What sending costs this process (see Outbox.stats); written by this lane's thread only.
+        self.responses = 0
+        self.cpu_s = 0.0
+        self.wall_s = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -178,11 +192,14 @@ class _Lane:
 
     def _run(self) -> None:
         while (batch := self._take()) is not None:
+            wall0, cpu0 = time.perf_counter(), time.thread_time()
             for responder in batch:
                 try:
-                    responder.flush()
+                    self.responses += responder.flush()
                 except Exception:  # one request's failed send must not stop the others'
                     log.exception("sending a response failed")
+            self.cpu_s += time.thread_time() - cpu0
+            self.wall_s += time.perf_counter() - wall0
 
     def close(self, timeout: float) -> None:
         with self._cond:
@@ -239,6 +256,13 @@ class Outbox:
 
     def put(self, responder: StreamResponder) -> None:
         self._lanes[responder.lane].put(responder)
+
+    def stats(self) -> OutboxStats:
+        """Responses sent so far, and the sender threads' CPU and wall time spent sending them.
+        CPU per response is what the stream path costs the process the engine runs in: in a
+        Triton Python stub, mostly time holding the GIL, which the engine's step loop needs too."""
+        return OutboxStats(sum(lane.responses for lane in self._lanes), sum(lane.cpu_s for lane in self._lanes),
+                           sum(lane.wall_s for lane in self._lanes))
 
     def tick(self) -> None:
         """An engine step ended: another `responses_per_step` may go out."""

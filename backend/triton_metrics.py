@@ -11,9 +11,10 @@ import bisect
 import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 from backend.engine import EngineStats
+from backend.outbox import OutboxStats
 from backend.outputs import RequestOutput
 
 __all__ = ["LLMMetrics", "RequestTiming", "FINISH_REASONS", "REJECT_REASONS"]
@@ -167,6 +168,10 @@ class LLMMetrics:
                 "engine_step_thread_cpu_seconds_total": "CPU time of the engine loop's thread within its steps "
                 "(torch's intra-op worker threads not included); well below the wall time means the loop "
                 "waited for a core or the GIL",
+                "responses_sent_total": "Responses sent by the llm model (streamed outputs, finals, errors)",
+                "response_send_thread_cpu_seconds_total": "CPU time of the response sender threads, in the "
+                "engine's process: per response, what streaming costs the engine's GIL",
+                "response_send_seconds_total": "Wall time the response sender threads spent sending",
             }.items()
         }
         self._sent_gauges: dict[str, float] = {}
@@ -197,7 +202,7 @@ class LLMMetrics:
         with self._lock:
             self._rejected[reason] += 1
 
-    def update(self, s: EngineStats) -> None:
+    def update(self, s: EngineStats, outbox: Optional[OutboxStats] = None) -> None:
         queries = getattr(s, "prefix_cache_queries", 0)
         hits = getattr(s, "prefix_cache_hits", 0)
         gauges = {
@@ -220,6 +225,10 @@ class LLMMetrics:
             "engine_step_seconds_total": getattr(s, "step_seconds_total", 0.0),
             "engine_step_thread_cpu_seconds_total": getattr(s, "step_thread_cpu_seconds_total", 0.0),
         }
+        if outbox is not None:
+            counters.update({"responses_sent_total": outbox.responses,
+                             "response_send_thread_cpu_seconds_total": outbox.send_cpu_s,
+                             "response_send_seconds_total": outbox.send_wall_s})
         with self._flush_lock:
             with self._lock:
                 histograms = [(h, h.snapshot()) for h in (self.ttft, self.itl, self.e2e)]

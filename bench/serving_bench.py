@@ -570,7 +570,8 @@ def medians(per_round: dict[str, list[Optional[float]]]) -> dict[str, Optional[f
 
 
 # ====================================================================== engine step time
-StepCounters = Callable[[], Optional[tuple[float, float, float]]]  # (steps, step seconds, thread CPU seconds)
+# (steps, step seconds, thread CPU seconds[, llm responses sent, their senders' CPU seconds])
+StepCounters = Callable[[], Optional[tuple[float, ...]]]
 
 
 def local_steps(engine) -> tuple[float, float, float]:
@@ -578,7 +579,7 @@ def local_steps(engine) -> tuple[float, float, float]:
     return s.num_steps, s.step_seconds_total, s.step_thread_cpu_seconds_total
 
 
-def scraped_steps(metrics_url: str) -> Optional[tuple[float, float, float]]:
+def scraped_steps(metrics_url: str) -> Optional[tuple[float, ...]]:
     """The llm model's step counters from tritonserver's metrics, once the engine is drained: it
     publishes at most once a second while busy, and at once (gauges last) when it goes idle."""
     from scripts.soak import wait_drained
@@ -588,15 +589,25 @@ def scraped_steps(metrics_url: str) -> Optional[tuple[float, float, float]]:
     except (urllib.error.URLError, OSError):
         return None
     names = ("llm_engine_steps_total", "llm_engine_step_seconds_total", "llm_engine_step_thread_cpu_seconds_total")
-    return None if any(n not in m for n in names) else (m[names[0]], m[names[1]], m[names[2]])
+    sends = ("llm_responses_sent_total", "llm_response_send_thread_cpu_seconds_total")
+    if any(n not in m for n in names):
+        return None
+    return tuple(m[n] for n in names) + tuple(m.get(n, 0.0) for n in sends)
 
 
-def step_metrics(before: tuple[float, float, float], after: tuple[float, float, float]) -> dict[str, Any]:
+def step_metrics(before: tuple[float, ...], after: tuple[float, ...]) -> dict[str, Any]:
     """Engine steps in a measurement, their mean wall time, and the share of it the loop thread
-    was on a CPU (one torch thread in tritonserver: the rest it waited for a core or the GIL)."""
-    steps, wall, cpu = (a - b for a, b in zip(after, before))
-    return {"engine_steps": int(steps), "engine_step_ms_mean": 1e3 * wall / steps if steps else None,
-            "engine_thread_on_cpu": cpu / wall if wall > 0 else None}
+    was on a CPU (one torch thread in tritonserver: the rest it waited for a core or the GIL).
+    From tritonserver also the responses the llm model sent and their senders' CPU time each:
+    in the engine's process, most of it holding the GIL that the step loop needs."""
+    delta = [a - b for a, b in zip(after, before)]
+    steps, wall, cpu = delta[:3]
+    out = {"engine_steps": int(steps), "engine_step_ms_mean": 1e3 * wall / steps if steps else None,
+           "engine_thread_on_cpu": cpu / wall if wall > 0 else None}
+    if len(delta) >= 5 and delta[3] > 0:
+        out["llm_responses_per_step"] = delta[3] / steps if steps else None
+        out["llm_response_send_cpu_us"] = 1e6 * delta[4] / delta[3]
+    return out
 
 
 # ====================================================================== the run
@@ -692,7 +703,9 @@ class Bench:
             + (f"  out-of-order responses={m['out_of_order_responses']}" if m.get("out_of_order_responses") else "")
             + ("  cores " + " ".join(f"{k}={v:.2f}" for k, v in m["cpu_cores"].items()) if m.get("cpu_cores") else "")
             + (f"  engine step {m['engine_step_ms_mean']:.1f} ms, its thread on a CPU {m['engine_thread_on_cpu']:.2f}"
-               if m.get("engine_step_ms_mean") and m.get("engine_thread_on_cpu") is not None else ""))
+               if m.get("engine_step_ms_mean") and m.get("engine_thread_on_cpu") is not None else "")
+            + (f", {m['llm_responses_per_step']:.1f} responses a step at {m['llm_response_send_cpu_us']:.0f} us "
+               "of sender CPU each" if m.get("llm_response_send_cpu_us") and m.get("llm_responses_per_step") else ""))
 
     def check_outputs(self, m: dict[str, Any], recs: list[Rec], by_text: bool = False) -> None:
         """Fraction of requests whose output equals the engine's: greedy, or sampled with the

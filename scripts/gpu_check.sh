@@ -15,8 +15,10 @@
 #   demo       engine vs HF generate on the demo model, with cuda_graphs_vs_eager -> engine_vs_hf_demo.json
 #   0.4b       the same on a random 0.4B Qwen2 (bench/make_random_model.py) -> engine_vs_hf_0.4b.json
 #   kernels    the sampling kernels against their torch references, batch 256, vocab 128k -> kernels_vs_torch.json
-#   serving_caps  the engine and the ensemble at c=8 and 64 with the llm model's max_responses_per_step
-#              at each of SERVING_CAPS (default "0 16 4"; 0 = no cap, GPU's auto) -> serving_cap<N>.json
+#   serving_variants  the engine and the ensemble at c=8 and 64, one tritonserver per llm setting in
+#              SERVING_VARIANTS (default "max_responses_per_step=0 max_responses_per_step=16
+#              max_responses_per_step=4 response_senders=1"; 0 = no cap, the GPU's auto)
+#              -> variant_<key>_<value>.json
 #   prefill    one prefill at prompt lengths unseen and seen, SDPA's cuDNN backend off (the engine's
 #              CUDA setting) and on, profiled -> prefill_probe.json (bench/prefill_probe.py)
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
@@ -194,12 +196,14 @@ run() {
                step kvdtype "$py" -m bench.kv_cache_dtype --device cuda --model-path /tmp/model-0.4b \
                  --memory-mb "${KV_MB:-48}" --max-model-len 1024 --rounds 2 --dtypes bfloat16 fp8 fp8_e5m2 --baseline bfloat16 \
                  --json "$OUT/kv_cache_dtype_0.4b.json" ;;
-      serving_caps)
-        # The llm model's per-step response cap on this GPU, one server per setting: where the
-        # streamed-response path's GIL time (the stub's) meets the engine's step.
-        for cap in ${SERVING_CAPS:-0 16 4}; do
-          SERVING_ARGS="--only engine,triton --concurrency 8 64 --alternating-rounds 0 --c1-requests 8 --server-env LLM_MAX_RESPONSES_PER_STEP=$cap ${SERVING_ARGS:-}" \
-            STEP_LIMIT_serving_cap=${STEP_LIMIT_serving_cap:-100} step serving_cap bash "$SCRIPT" _serving "$py" "$OUT" "serving_cap$cap"
+      serving_variants)
+        # llm model settings on this GPU, one server each (engine and ensemble, c=8 and 64): where
+        # the streamed-response path (the stub's GIL) meets the engine's step loop.
+        for variant in ${SERVING_VARIANTS:-max_responses_per_step=0 max_responses_per_step=16 max_responses_per_step=4 response_senders=1}; do
+          key=${variant%%=*} val=${variant#*=}
+          SERVING_ARGS="--only engine,triton --concurrency 8 64 --alternating-rounds 0 --c1-requests 8 --server-env LLM_${key^^}=$val ${SERVING_ARGS:-}" \
+            STEP_LIMIT_serving_variant=${STEP_LIMIT_serving_variant:-100} \
+            step serving_variant bash "$SCRIPT" _serving "$py" "$OUT" "variant_${key}_$val" nopng
         done ;;
       prefill) step prefill "$py" -m bench.prefill_probe --device cuda --profile --json "$OUT/prefill_probe.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
@@ -213,8 +217,8 @@ run() {
   echo "log: $LOG"
 }
 
-serving() {  # python, out dir, name: the serving paths on this host's GPU, tritonserver from .whl/serving/
-  local py=$1 out=$2 name=${3:-serving_bench} pyv home=/tmp/triton/pytriton/tritonserver
+serving() {  # python, out dir, name[, nopng]: the serving paths on this host's GPU, tritonserver from .whl/serving/
+  local py=$1 out=$2 name=${3:-serving_bench} png=${4:-png} pyv home=/tmp/triton/pytriton/tritonserver
   pyv=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || return 1
   if [ ! -x "$home/bin/tritonserver" ]; then
     [ -f .whl/serving/tritonserver.tar.xz ] || { echo "no .whl/serving/tritonserver.tar.xz: run fetch first"; return 1; }
@@ -255,7 +259,7 @@ serving() {  # python, out dir, name: the serving paths on this host's GPU, trit
   last=$(ls -t "$results"/*.json 2>/dev/null | head -1)
   if [ -n "$last" ]; then
     cp "$last" "$out/$name.json"
-    [ -f "${last%.json}.png" ] && cp "${last%.json}.png" "$out/$name.png"
+    [ "$png" = png ] && [ -f "${last%.json}.png" ] && cp "${last%.json}.png" "$out/$name.png"
     for log in "${last%.json}"/*.log; do
       [ -f "$log" ] || continue
       echo "---- errors in $(basename "$log")"

@@ -199,6 +199,12 @@ def test_engine_stats_published_as_deltas(new_metrics):
     assert fake_value("llm_engine_steps_total") == 12
     assert fake_value("llm_engine_step_seconds_total") == pytest.approx(0.5)
     assert fake_value("llm_engine_step_thread_cpu_seconds_total") == pytest.approx(0.25)
+    from backend.outbox import OutboxStats
+
+    metrics.update(_stats(), OutboxStats(responses=7, send_cpu_s=0.002, send_wall_s=0.003))
+    assert fake_value("llm_responses_sent_total") == 7
+    assert fake_value("llm_response_send_thread_cpu_seconds_total") == pytest.approx(0.002)
+    assert fake_value("llm_response_send_seconds_total") == pytest.approx(0.003)
     # Stats without the prefix-cache fields (an older engine) still publish.
     metrics.update(types.SimpleNamespace(**{k: v for k, v in vars(_stats()).items()}))
 
@@ -266,6 +272,12 @@ def test_known_traffic_counts(server, client):
     assert steps >= 6  # at least one step per token of the longest request
     step_s = delta(after, before, "llm_engine_step_seconds_total")
     assert 0 < delta(after, before, "llm_engine_step_thread_cpu_seconds_total") <= step_s + 1e-3 * steps
+    # 25 responses (one per streamed token, one for the non-streamed request); the senders run
+    # beside the engine, so the last few may land after the idle publish.
+    sent = delta(after, before, "llm_responses_sent_total")
+    assert 0 < sent <= 25
+    assert 0 < delta(after, before, "llm_response_send_thread_cpu_seconds_total") <= delta(
+        after, before, "llm_response_send_seconds_total") + 1e-3 * sent
 
     for name, count in (
         ("llm_time_to_first_token_seconds", 6),

@@ -77,6 +77,22 @@ def test_every_output_is_its_own_response_when_the_cap_holds_nothing_back(cap):
     box.close()
 
 
+def test_stats_count_responses_and_the_senders_time():
+    box, rec = Outbox(senders=2), _Recorder()
+    assert box.stats() == (0, 0.0, 0.0)
+    for rid in range(3):
+        r = StreamResponder(box, 1, True, rec.output, rec.error)
+        for i in range(4):
+            r(_out([i], i, finish="stop" if i == 3 else None))
+    err = StreamResponder(box, 1, True, rec.output, rec.error)
+    err(_out([], 0, error="boom"))
+    _wait(lambda: box.stats().responses == 13)
+    stats = box.stats()
+    assert len(rec.sent) == 12 and len(rec.errors) == 1
+    assert 0 < stats.send_cpu_s and 0 < stats.send_wall_s
+    box.close()
+
+
 def test_stream_interval_non_streaming_and_n_samples():
     box, rec = Outbox(), _Recorder()
     r = StreamResponder(box, 1, True, rec.output, rec.error, stream_interval=3)

@@ -178,7 +178,7 @@ class TritonPythonModel:
         if force or idle or self._published_idle or now - self._last_publish > METRICS_INTERVAL_S:
             self._last_publish = now
             self._published_idle = idle
-            self._metrics.update(stats)
+            self._metrics.update(stats, self._outbox.stats())
 
     def finalize(self):
         self.engine.shutdown()
