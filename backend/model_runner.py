@@ -255,7 +255,8 @@ def _split_groups(q_lens: list[int], num_blocks: list[int], fine: bool = True, p
 
 def avoid_cudnn_attention() -> None:
     """Keep SDPA off its cuDNN backend (process-wide; SDPA then picks flash, memory-efficient or
-    math). cuDNN builds an execution graph for every new query/key shape and caches it per
+    math). torch prefers cuDNN's SDPA on sm90/sm100 once its bundled cuDNN is past 9.15 (2.11's
+    is). cuDNN builds an execution graph for every new query/key shape and caches it per
     shape. Prefill chunks and padded attention groups take a new shape nearly every step. On an
     H200 (torch 2.11), a prompt of a length not seen before took 45-60 ms to prefill on the demo
     model, 40 ms of it inside SDPA, against 3-5 ms for a length seen before
