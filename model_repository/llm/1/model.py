@@ -15,6 +15,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import EngineOverloaded, EngineStats, LLMEngine, RequestError  # noqa: E402
+from backend.engine_process import EngineProxy  # noqa: E402
 from backend.gc_freeze import freeze_startup_heap  # noqa: E402
 from backend.outbox import Outbox, StreamResponder  # noqa: E402
 from backend.outputs import RequestOutput  # noqa: E402
@@ -72,7 +73,13 @@ class TritonPythonModel:
         config = EngineConfig(model_path=model_path_from_config(args), **overrides)
         if config.torch_threads is None and config.device == "cpu":
             config = config.model_copy(update={"torch_threads": server_torch_threads()})
-        self.engine = LLMEngine(config)
+        # in_stub (default): the engine's step loop runs on a thread of this stub. separate: in a
+        # child process with its own GIL, away from the response threads (backend/engine_process.py).
+        engine_process = llm_setting(params, env, "engine_process") or "in_stub"
+        if engine_process not in ("in_stub", "separate"):
+            raise ValueError(f'engine_process must be "in_stub" or "separate", not {engine_process!r}')
+        self._separate = engine_process == "separate"
+        self.engine = EngineProxy(config) if self._separate else LLMEngine(config)
         self.stream_interval = max(1, int(llm_setting(params, env, "stream_interval") or 1))
         self._metrics = LLMMetrics(pb_utils.MetricFamily)
         # Responses go out on their own thread, merged when they pile up, at most
@@ -86,7 +93,7 @@ class TritonPythonModel:
         senders = int(llm_setting(params, env, "response_senders") or 4)
         self._outbox = Outbox("llm-responses", responses_per_step=per_step, senders=senders)
         self._serving = {"stream_interval": self.stream_interval, "max_responses_per_step": per_step,
-                         "response_senders": senders}  # engine_info reports them with the engine's
+                         "response_senders": senders, "engine_process": engine_process}  # engine_info reports them
         self._last_publish = 0.0
         self._published_idle = True
         self.engine.on_step = self._on_step
@@ -94,13 +101,18 @@ class TritonPythonModel:
         self._requests = TritonRequestIndex()
         self._open = OpenRequests()  # engine_info's open_requests
         freeze_startup_heap()
-        self.engine.start()
+        if self._separate:
+            device, kv_dtype = self.engine.device, self.engine.kv_dtype
+        else:
+            self.engine.start()
+            device, kv_dtype = self.engine.model.device, str(self.engine.model.kv_dtype).removeprefix("torch.")
         stats = self.engine.stats()
         self._publish(stats, force=True)
         pb_utils.Logger.log_info(
-            f"llm engine ready: model={self.engine.config.model_path} device={self.engine.model.device} "
+            f"llm engine ready: model={self.engine.config.model_path} device={device} "
             f"kv_blocks={stats.num_kv_blocks}x{self.engine.config.block_size} "
-            f"kv_cache_dtype={str(self.engine.model.kv_dtype).removeprefix('torch.')} max_model_len={self.engine.max_model_len}"
+            f"kv_cache_dtype={kv_dtype} max_model_len={self.engine.max_model_len} engine_process={engine_process}"
+            + (f" (pid {self.engine.pid})" if self._separate else "")
         )
 
     def execute(self, requests):
@@ -114,7 +126,9 @@ class TritonPythonModel:
                     guarded.send(pb_utils.InferenceResponse(output_tensors=[]), final=True)
                     continue
                 if kind is not None:
-                    meta = control(self.engine, kind, arrays, self._serving, {"open_requests": self._open.count - 1})
+                    extra = {"open_requests": self._open.count - 1}
+                    meta = (self.engine.control(kind, arrays, self._serving, extra) if self._separate
+                            else control(self.engine, kind, arrays, self._serving, extra))
                     guarded.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
                                  final=True)
                     continue
