@@ -321,15 +321,13 @@ def _serve(chan: _Channel) -> None:
 
     def on_step(stats: EngineStats) -> None:
         # One message per step: its outputs (the step loop's callbacks collected them) and the
-        # stats after it. An idle loop sends only when something ended outside a step (aborts).
+        # stats after it. The idle loop calls this too (every 0.5 s at most): the stub publishes
+        # its metrics on these calls, as on the in-stub engine's.
         nonlocal pending
         with pending_lock:
             batch, pending = pending, []
-        if batch or stats.num_running or stats.num_waiting or on_step.last_busy:
-            chan.send(("step", batch, stats))
-        on_step.last_busy = bool(stats.num_running or stats.num_waiting)
+        chan.send(("step", batch, stats))
 
-    on_step.last_busy = False  # type: ignore[attr-defined]
     engine.on_step = on_step
 
     def collector(request_id: str) -> Callable[[RequestOutput], None]:
