@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -152,15 +153,27 @@ class EngineProxy:
         return box[0]
 
     # ------------------------------------------------------------------ calls
-    def _call(self, op: str, *args: Any, timeout: Optional[float] = None) -> Any:
+    def _call(self, op: str, *args: Any, timeout: float = 60.0) -> Any:
         fut: Future = Future()
         with self._lock:
             if self._gone is not None:
                 raise EngineProcessError(self._gone)
             cid = next(self._call_ids)
             self._calls[cid] = fut
-        self._chan.send(("call", cid, op, args))
-        return fut.result(timeout)
+        try:
+            try:
+                self._chan.send(("call", cid, op, args))
+            except OSError:  # the child went before the reader noticed
+                raise EngineProcessError(self._gone or "the engine process has stopped") from None
+            try:
+                return fut.result(timeout)
+            except FuturesTimeout:
+                if fut.done():  # the call's own TimeoutError, from the child
+                    raise
+                raise EngineProcessError(f"the engine process did not answer {op} within {timeout:.0f} s") from None
+        finally:
+            with self._lock:
+                self._calls.pop(cid, None)
 
     def parse_params(self, raw: dict[str, Any]) -> SamplingParams:
         return self._call("parse_params", raw)
@@ -381,7 +394,9 @@ def _serve(chan: _Channel) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.INFO, format="[engine-process] %(levelname)s %(message)s")
+    # Warnings and errors reach the server's log (this process's stderr is the stub's), as the
+    # in-stub engine's do through Python's default handler.
+    logging.basicConfig(level=logging.WARNING, format="[engine-process] %(levelname)s %(name)s: %(message)s")
     # The parent's SIGINT (a terminal's ^C to the server) is the parent's to handle.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     chan = _Channel(socket.socket(fileno=int(args[0])))
