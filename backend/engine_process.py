@@ -63,7 +63,9 @@ class _Channel:
     def send(self, msg: Any) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
-            self._sock.sendall(_HEADER.pack(len(data)) + data)
+            # MSG_NOSIGNAL: a peer that has gone is an EPIPE error here, never a SIGPIPE, which
+            # would end a Triton stub (its embedded interpreter installs no signal handlers).
+            self._sock.sendall(_HEADER.pack(len(data)) + data, socket.MSG_NOSIGNAL)
 
     def recv(self) -> Any:
         """The next message; EOFError when the other side has closed."""
@@ -125,7 +127,10 @@ class EngineProxy:
         self._gone: Optional[str] = None
         self._cancel_watch = CancelWatch(CANCEL_POLL_S, CANCEL_CHECKS_PER_S)
         try:
-            self._chan.send(("start", config))
+            try:
+                self._chan.send(("start", config))
+            except OSError:
+                pass  # it has exited already: _recv_start says so
             kind, payload = self._recv_start(start_timeout_s)
         except BaseException:
             self._kill()
@@ -143,13 +148,25 @@ class EngineProxy:
         self._cancel_watch.start(self.abort)
 
     def _recv_start(self, timeout_s: float) -> tuple[str, Any]:
+        """The child's first message; ("failed", why) if it exits first (an import error, say)."""
         box: list = []
-        t = threading.Thread(target=lambda: box.append(self._chan.recv()), daemon=True)
+
+        def read() -> None:
+            try:
+                box.append(self._chan.recv())
+            except (EOFError, OSError) as exc:
+                try:
+                    status = self._proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    status = None
+                box.append(("failed", f"it exited (status {status}) before it was ready: {type(exc).__name__}; "
+                                      "its error is in the server's log"))
+
+        t = threading.Thread(target=read, daemon=True)
         t.start()
         t.join(timeout_s)
         if not box:
-            raise EngineProcessError(f"the engine process did not start within {timeout_s:.0f} s "
-                                     f"(exit status {self._proc.poll()})")
+            raise EngineProcessError(f"the engine process did not start within {timeout_s:.0f} s")
         return box[0]
 
     # ------------------------------------------------------------------ calls

@@ -127,3 +127,13 @@ def test_a_dead_engine_process_ends_open_requests_with_an_error(config):
 def test_a_bad_config_fails_the_start(demo_model_path, tmp_path):
     with pytest.raises(EngineProcessError, match="failed to start"):
         EngineProxy(EngineConfig(model_path=tmp_path, device="cpu"))
+
+
+def test_a_child_that_dies_before_ready_fails_the_start_at_once(config, monkeypatch):
+    import backend.engine_process as ep
+
+    monkeypatch.setattr(ep, "_python", lambda: "/bin/false")  # exits at once, says nothing
+    t0 = time.monotonic()
+    with pytest.raises(EngineProcessError, match="exited"):
+        EngineProxy(config, start_timeout_s=60)
+    assert time.monotonic() - t0 < 15
