@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Union
 
-from openai_frontend.errors import APIError, bad_request, unsupported
+from openai_frontend.errors import APIError, bad_request, model_not_found, unsupported
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.settings import Settings
 
@@ -185,6 +185,10 @@ _OPENAI_NAMES = {
 
 def openai_param(exc: APIError, req: AnyRequest) -> APIError:
     """`exc` with its `param` under the name the OpenAI request used."""
+    if exc.param == "lora_path" and exc.status_code == 400 and req.model and not req.lora_path:
+        # The adapter came from `model`, and the engine no longer has it (another frontend
+        # worker unloaded it): to this client the model does not exist, as vLLM answers.
+        return model_not_found(req.model)
     if exc.param == "max_new_tokens":
         exc.param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     elif exc.param in _OPENAI_NAMES:

@@ -124,3 +124,33 @@ def test_without_runtime_updating_the_startup_list_is_served_as_given():
     fake = _fake({})  # never asked: the frontend's list is --lora-modules
     with serve_in_thread(create_app(Settings(model_name="demo", lora_modules=("b", "a")), client=fake)) as url:
         assert _models(url) == [("demo", None), ("b", "demo"), ("a", "demo")]
+
+
+def test_an_adapter_unloaded_through_another_worker_is_not_found_there_too():
+    """Worker B still lists `sql` when worker A unloads it: the engine refuses B's request
+    (400 on lora_path, as the real client maps it), which B answers as vLLM does, 404."""
+    from openai_frontend.triton_client import map_stream_error
+
+    fake = FakeLLMClient()
+    fake.adapters = {"sql": "/sql"}
+
+    def script(req):
+        lora = req.sampling_params.get("lora_path")
+        if lora and lora not in fake.adapters:
+            return map_stream_error(f"LoRA adapter '{lora}' is not loaded; loaded adapters: none")
+        return text_chunks(["a"])
+
+    fake.script = script
+    settings = Settings(model_name="demo", lora_modules=("sql",), allow_runtime_lora_updating=True)
+    with serve_in_thread(create_app(settings, client=fake)) as a, serve_in_thread(create_app(settings, client=fake)) as b:
+        assert _complete(b, "sql").status_code == 200
+        assert httpx.post(a + "/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
+        for path, body in (("/v1/completions", {"prompt": "p"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            for stream in (False, True):
+                r = httpx.post(b + path, json={"model": "sql", "max_tokens": 1, "stream": stream, **body})
+                assert r.status_code == 404, (path, stream, r.text)
+                assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
+        # an explicit lora_path (SGLang's extra) naming it stays the parameter's error
+        r = httpx.post(b + "/v1/completions", json={"model": "demo", "lora_path": "sql", "prompt": "p", "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
