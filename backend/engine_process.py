@@ -27,6 +27,7 @@ import struct
 import subprocess
 import sys
 import threading
+import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
@@ -37,6 +38,7 @@ from backend.config import EngineConfig
 from backend.engine import CANCEL_CHECKS_PER_S, CANCEL_POLL_S, EngineOverloaded, EngineStats, RequestError
 from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams, SamplingParamsError
+from backend.sequence import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +201,6 @@ class EngineProxy:
                     request_id: Optional[str] = None, is_cancelled: Optional[Callable[[], bool]] = None,
                     input_embeds: Any = None) -> str:
         if request_id is None:
-            import uuid
-
             request_id = uuid.uuid4().hex
         # Registered before the child can answer, so no output finds its request unknown.
         with self._lock:
@@ -295,7 +295,7 @@ class EngineProxy:
                 try:
                     callback(RequestOutput(request_id=request_id, new_token_ids=[], window_ids=[], window_start=0,
                                            prefix_len=0, text="", prompt_tokens=0, completion_tokens=0,
-                                           finish_reason="abort", error=reason, index=index))
+                                           finish_reason=FinishReason.ABORT.value, error=reason, index=index))
                 except Exception:
                     log.exception("output callback failed for %s", request_id)
         if self.on_step is not None and not self._closed:
