@@ -25,15 +25,15 @@ from backend.outputs import RequestOutput
 log = logging.getLogger(__name__)
 
 SendOutput = Callable[[RequestOutput, bool], None]  # (output, is_last_response)
+SendError = Callable[[RequestOutput], None]
 
 
 class OutboxStats(NamedTuple):
+    """Responses sent, and the sender threads' CPU and wall seconds spent sending (Outbox.stats)."""
+
     responses: int
     send_cpu_s: float
     send_wall_s: float
-
-
-SendError = Callable[[RequestOutput], None]
 
 
 class StreamResponder:
