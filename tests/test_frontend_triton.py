@@ -98,8 +98,11 @@ def test_client_sends_chat_inputs_and_streams_to_the_final_flag(triton, tok):
     req = EngineRequest(sampling_params={**GREEDY, "max_new_tokens": 6}, messages=MESSAGES, tools=[WEATHER],
                         chat_template_kwargs=kwargs, request_id="inputs-1")
     chunks = _run(_collect(url, req))
-    assert len(chunks) == 6 and [c.finish_reason for c in chunks] == [None] * 5 + ["length"]
-    assert [c.completion_tokens for c in chunks] == [1, 2, 3, 4, 5, 6]
+    # one response per token unless the llm model's senders fell behind (then merged, in order)
+    assert 1 < len(chunks) <= 6 and [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    counts = [c.completion_tokens for c in chunks]
+    assert counts == sorted(set(counts)) and counts[-1] == 6
+    assert [len(c.token_ids) for c in chunks] == [b - a for a, b in zip([0] + counts, counts)]
     # messages, tools and chat_template_kwargs reached the chat template in preprocessing
     prompt = tok.apply_chat_template(MESSAGES, tools=[WEATHER], add_generation_prompt=True, tokenize=False, **kwargs)
     assert chunks[0].prompt_tokens == len(tok(prompt).input_ids)
@@ -310,7 +313,8 @@ def test_generate_return_hidden_states_match_hf(base_url, demo_model_path):
     events = [json.loads(line[5:]) for line in requests.post(base_url + "/generate", json={**body, "stream": True})
               .iter_lines(decode_unicode=True) if line.startswith("data: {")]
     assert events[-1]["meta_info"]["hidden_states"] == hidden
-    assert [len(e["meta_info"]["hidden_states"]) for e in events] == list(range(1, 6))
+    lengths = [len(e["meta_info"]["hidden_states"]) for e in events]  # a token each, or more when merged
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 5 and len(lengths) > 1
     plain = requests.post(base_url + "/generate", json={**body, "return_hidden_states": False}).json()
     assert "hidden_states" not in plain["meta_info"] and plain["output_ids"] == out["output_ids"]
 

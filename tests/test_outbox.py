@@ -63,17 +63,42 @@ def test_streams_each_output_from_the_sender_thread_when_it_keeps_up():
 
 
 @pytest.mark.parametrize("cap", [None, 64])
-def test_every_output_is_its_own_response_when_the_cap_holds_nothing_back(cap):
-    # even when the sender lags (blocked in send) and outputs pile up on the request
+def test_outputs_that_pile_up_behind_a_busy_sender_go_out_as_one_response(cap):
+    # The sender is blocked in its first send; of the nine outputs after it, the first waits as
+    # it is and the rest merge into one response (the cap holds nothing back here: the backlog
+    # alone merges them).
     gate = threading.Event()
     box, rec = Outbox(responses_per_step=cap), _Recorder(block=gate)
     r = StreamResponder(box, 1, True, rec.output, rec.error)
-    for i in range(10):
+    r(_out([0], 0))
+    _wait(lambda: r._outgoing == [])  # taken by the sender, which now waits at the gate
+    for i in range(1, 10):
         r(_out([i], i, finish="stop" if i == 9 else None))
     gate.set()
-    _wait(lambda: len(rec.sent) == 10)
-    assert [o.new_token_ids for o, _ in rec.sent] == [[i] for i in range(10)]
-    assert [last for _, last in rec.sent] == [False] * 9 + [True]
+    _wait(lambda: len(rec.sent) == 3)
+    assert [o.new_token_ids for o, _ in rec.sent] == [[0], [1], list(range(2, 10))]
+    assert [o.text for o, _ in rec.sent] == ["<0>", "<1>", "".join(f"<{i}>" for i in range(2, 10))]
+    assert [last for _, last in rec.sent] == [False, False, True]
+    assert rec.sent[2][0].finish_reason == "stop" and rec.sent[2][0].completion_tokens == 10
+    box.close()
+
+
+def test_samples_merge_apart():
+    gate = threading.Event()
+    box, rec = Outbox(), _Recorder(block=gate)
+    r = StreamResponder(box, 2, True, rec.output, rec.error)
+    r(_out([0], 0, index=0))
+    _wait(lambda: r._outgoing == [])
+    for i in range(1, 4):
+        r(_out([i], i, index=0, finish="stop" if i == 3 else None))
+        r(_out([10 + i], i, index=1, finish="stop" if i == 3 else None))
+    gate.set()
+    _wait(lambda: len(rec.sent) == 5)
+    by_sample = {}
+    for o, _ in rec.sent:
+        by_sample.setdefault(o.index, []).append(o.new_token_ids)
+    assert by_sample == {0: [[0], [1], [2, 3]], 1: [[11], [12, 13]]}
+    assert [last for _, last in rec.sent] == [False] * 4 + [True]
     box.close()
 
 
@@ -86,9 +111,11 @@ def test_stats_count_responses_and_the_senders_time():
             r(_out([i], i, finish="stop" if i == 3 else None))
     err = StreamResponder(box, 1, True, rec.output, rec.error)
     err(_out([], 0, error="boom"))
-    _wait(lambda: box.stats().responses == 13)
+    # outputs queued faster than they are sent merge: 3 to 12 responses, and the error
+    _wait(lambda: sum(last for _, last in rec.sent) == 3 and len(rec.errors) == 1)
+    _wait(lambda: box.stats().responses == len(rec.sent) + 1)
     stats = box.stats()
-    assert len(rec.sent) == 12 and len(rec.errors) == 1
+    assert sum(len(o.new_token_ids) for o, _ in rec.sent) == 12
     assert 0 < stats.send_cpu_s and 0 < stats.send_wall_s
     box.close()
 
@@ -189,7 +216,7 @@ def test_a_slow_send_holds_up_only_its_own_lane():
     r_slow(_out([0], 0))
     for i in range(5):
         r_fast(_out([i], i, finish="length" if i == 4 else None))
-    _wait(lambda: len(fast.sent) == 5)
+        _wait(lambda: len(fast.sent) == i + 1)
     assert slow.sent == []  # still blocked in its send
     for i in range(1, 4):
         r_slow(_out([i], i, finish="stop" if i == 3 else None))

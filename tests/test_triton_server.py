@@ -77,7 +77,8 @@ def test_llm_streams_token_ids_equal_to_hf(client, hf):
         "input_ids": ids, "max_tokens": MAX_NEW, "stream": True, "sampling_parameters": GREEDY,
     }))
     got = np.concatenate([np.asarray(c["output_ids"]).reshape(-1) for c in chunks]).tolist()
-    assert len(chunks) == MAX_NEW  # one response per token
+    # one response per token while the senders keep up; merged when they fall behind (backend/outbox.py)
+    assert 1 < len(chunks) <= MAX_NEW and all(np.asarray(c["output_ids"]).size for c in chunks)
     assert got == hf_greedy(hf, ids)
     assert chunks[-1]["finish_reason"] == "length"
     assert all(c["finish_reason"] == "" for c in chunks[:-1])
@@ -90,7 +91,7 @@ def test_ensemble_streams_text_equal_to_reference_decode(client, hf):
     chunks = list(client.stream_generate("ensemble", {
         "text_input": prompt, "max_tokens": MAX_NEW, "stream": True, "sampling_parameters": GREEDY,
     }))
-    assert len(chunks) == MAX_NEW
+    assert 1 < len(chunks) <= MAX_NEW
     text = "".join(c["text_output"] for c in chunks)
     assert text == tok.decode(ref_ids, skip_special_tokens=True)
     assert np.concatenate([np.asarray(c["output_ids"]).reshape(-1) for c in chunks]).tolist() == ref_ids
@@ -150,7 +151,7 @@ def test_ensemble_n_samples_with_logprobs_and_penalties(client, hf):
 
 def test_stop_conditions_end_to_end(client, hf):
     """stop strings (trimmed or kept), stop_token_ids, stop_regex and min_new_tokens through the
-    ensemble, streamed one response per token, against an unconstrained greedy run."""
+    ensemble, streamed, against an unconstrained greedy run."""
     tok, _ = hf
     prompt = "Stop conditions through the ensemble"
     base_params = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
