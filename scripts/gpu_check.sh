@@ -22,6 +22,9 @@
 #              -> variant_<key>_<value>.json
 #   prefill    one prefill at prompt lengths unseen and seen, SDPA's cuDNN backend off (the engine's
 #              CUDA setting) and on, profiled -> prefill_probe.json (bench/prefill_probe.py)
+#   chunked    where a chunked-prefill step's time goes: decode steps of 8 streams against the steps
+#              that also carry a chunk of a 3072-token prompt, at chunk caps 128/256/512, profiled
+#              -> chunked_probe.json (bench/chunked_probe.py)
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
@@ -129,7 +132,7 @@ PY
   du -sh .whl/serving
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [kvdtype]=170
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [chunked]=90 [kvdtype]=170
                   [serving]=300 [serving_0.4b]=200)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
@@ -207,6 +210,7 @@ run() {
             step serving_variant bash "$SCRIPT" _serving "$py" "$OUT" "variant_${key}_$val" nopng
         done ;;
       prefill) step prefill "$py" -m bench.prefill_probe --device cuda --profile --json "$OUT/prefill_probe.json" ;;
+      chunked) step chunked "$py" -m bench.chunked_probe --device cuda --profile --json "$OUT/chunked_probe.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
       serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" serving_bench ;;
       serving_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"

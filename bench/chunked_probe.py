@@ -1,0 +1,131 @@
+"""Where a chunked-prefill step's time goes: running decodes with a long prompt arriving.
+
+    python -m bench.chunked_probe [--device cuda] [--model-path models/demo] [--caps 128 256 512] [--json out.json]
+
+The engine is stepped by hand (no loop thread): `--streams` sequences decode, then a
+`--long-prompt-len` prompt arrives and is prefilled in chunks of at most each cap
+(max_prefill_tokens_while_decoding) while they keep decoding. Per cap: the decode-only step
+before it arrives, every step that carried a chunk (wall time, with the device synchronized,
+and the model's forward pass alone), and their ratio, which is what the decoding streams'
+inter-token latency grows by (serving_bench's `chunked` section measures that ratio through the
+engine's loop). With --profile, the chunk-carrying steps at the largest cap are profiled
+(cProfile, top functions by own time): on a GPU the demo model's steps are host time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.sampling_params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model-path", type=Path, default=Path("models/demo"))
+    ap.add_argument("--caps", type=int, nargs="+", default=[128, 256, 512])
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--long-prompt-len", type=int, default=3072)
+    ap.add_argument("--decode-steps", type=int, default=30, help="decode-only steps timed before the prompt")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    engine = LLMEngine(EngineConfig(model_path=a.model_path, device=a.device, enable_prefix_caching=False,
+                                    kv_cache_memory_mb=2048))
+    rng = random.Random(0)
+    vocab = engine.vocab_size
+    cuda = a.device.startswith("cuda")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    forward_ms: list[float] = []
+    model_forward = engine.model.forward
+
+    def timed_forward(batch: Any) -> torch.Tensor:
+        sync()
+        t = time.perf_counter()
+        out = model_forward(batch)
+        sync()
+        forward_ms.append(1e3 * (time.perf_counter() - t))
+        return out
+
+    engine.model.forward = timed_forward  # type: ignore[method-assign]
+
+    def step() -> float:
+        sync()
+        t = time.perf_counter()
+        engine.step()
+        sync()
+        return 1e3 * (time.perf_counter() - t)
+
+    decode = SamplingParams(max_new_tokens=2048, temperature=0.0, ignore_eos=True)
+    results: dict[str, Any] = {"device": a.device, "model": str(a.model_path), "streams": a.streams,
+                               "long_prompt_len": a.long_prompt_len,
+                               "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
+                               "caps": {}}
+    profile_text = None
+    for round_, cap in enumerate([a.caps[0]] + a.caps):  # the first round warms up and is dropped
+        engine.scheduler.max_prefill_tokens_while_decoding = cap
+        ids = [engine.add_request([rng.randrange(10, vocab - 10) for _ in range(32)], decode, lambda out: None)
+               for _ in range(a.streams)]
+        for _ in range(10):
+            step()
+        decode_ms = [step() for _ in range(a.decode_steps)]
+        done: list[bool] = []
+        engine.add_request([rng.randrange(10, vocab - 10) for _ in range(a.long_prompt_len)],
+                           SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+                           lambda out: done.append(True) if out.finished else None)
+        prof = cProfile.Profile() if a.profile and cap == max(a.caps) and round_ > 0 else None
+        mixed_ms, mixed_forward = [], []
+        while not done:
+            forward_ms.clear()
+            if prof is not None:
+                prof.enable()
+            mixed_ms.append(step())
+            if prof is not None:
+                prof.disable()
+            mixed_forward.extend(forward_ms)
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+        if round_ == 0:
+            continue
+        row = {"decode_step_ms_p50": statistics.median(decode_ms), "mixed_steps": len(mixed_ms),
+               "mixed_step_ms": mixed_ms, "mixed_forward_ms": mixed_forward,
+               "mixed_step_ms_p50": statistics.median(mixed_ms), "mixed_step_ms_max": max(mixed_ms)}
+        row["mixed_over_decode_p50"] = row["mixed_step_ms_p50"] / row["decode_step_ms_p50"]
+        row["mixed_over_decode_max"] = row["mixed_step_ms_max"] / row["decode_step_ms_p50"]
+        results["caps"][str(cap)] = row
+        print(f"cap {cap:5d}: decode step p50 {row['decode_step_ms_p50']:6.2f} ms; {len(mixed_ms)} chunk steps "
+              f"p50 {row['mixed_step_ms_p50']:6.2f} max {row['mixed_step_ms_max']:6.2f} ms (forward p50 "
+              f"{statistics.median(mixed_forward):6.2f} ms); over decode p50 {row['mixed_over_decode_p50']:.2f} "
+              f"max {row['mixed_over_decode_max']:.2f}", flush=True)
+        if prof is not None:
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+            profile_text = s.getvalue()
+    if profile_text is not None:
+        results["profile_largest_cap"] = profile_text
+        print(profile_text[:4000], flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
