@@ -27,7 +27,7 @@ Tokenization-space cleanup is never applied: it rewrites text across token bound
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens of context for the first window.
 INITIAL_PREFIX_TOKENS = 5
@@ -101,8 +101,7 @@ def decode_delta(
     return _delta(decode, _as_int_list(ids), int(prefix_len), final)
 
 
-@dataclass(frozen=True)
-class DetokDelta:
+class DetokDelta(NamedTuple):
     """What one push released, and the window that reproduces it with `decode_delta`.
 
     window_ids = all_ids[window_start:] (to the end, as of the push) and

@@ -426,6 +426,9 @@ class ModelRunner:
         ``hidden``: per chunk, whether the hidden states of all its tokens are wanted
         (forward_with_hidden returns them in chunk order).
         """
+        if (self.decode_attention != "gather" and chunks and not (adapters and any(adapters)) and embeds is None
+                and not (hidden and any(hidden)) and all(len(c[0]) == 1 and c[3] is True for c in chunks)):
+            return self._prepare_decode(chunks)
         bs = self.block_size
         dev = self.device
         input_ids: list[int] = []
@@ -543,6 +546,33 @@ class ModelRunner:
             logits_index=host_tensor(logits_index, torch.long, dev),
             max_position=max(positions, default=0),
             decode_only=decode_only,
+        )
+
+    def _prepare_decode(self, chunks: list[tuple[list[int], int, list[int], Any]]) -> BatchInput:
+        """`prepare` for a step where every sequence decodes one token and samples it (most
+        steps under load): the same BatchInput, laid out in one pass over the sequences. On a
+        GPU the step's host time is mostly such per-sequence Python."""
+        bs = self.block_size
+        dev = self.device
+        n = len(chunks)
+        input_ids = [c[0][0] for c in chunks]
+        positions = [c[1] for c in chunks]
+        tables = [c[2] for c in chunks]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        max_blocks = max(len(t) for t in tables)
+        table_rows = [t if len(t) == max_blocks else list(t) + [0] * (max_blocks - len(t)) for t in tables]
+        index = host_tensor(range(n), torch.long, dev)
+        group = AttentionGroup(index, index, None, None, n, 1,
+                               block_tables=host_tensor(table_rows, torch.int32, dev),
+                               context_lens=host_tensor([p + 1 for p in positions], torch.int32, dev))
+        return BatchInput(
+            input_ids=host_tensor(input_ids, torch.long, dev),
+            positions=host_tensor(positions, torch.long, dev),
+            slot_mapping=host_tensor(slots, torch.long, dev),
+            groups=[group],
+            logits_index=index,
+            max_position=max(positions),
+            decode_only=True,
         )
 
     def _seq_chunk(self, base: int, chunk: tuple[list[int], int, list[int], Any]) -> SeqChunk:

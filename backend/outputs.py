@@ -158,13 +158,7 @@ class OutputState:
         # As SGLang: a matched stop token ends the text before it (unless no_stop_trim); it
         # stays in the output ids and counts as a completion token.
         self.hidden_tokens = 1 if stop_token and not params.no_stop_trim else 0
-        delta = self.detok.push(new_ids[: len(new_ids) - self.hidden_tokens])
-        total = seq.num_tokens - self.hidden_tokens
-        self.pending.append(
-            _Step(delta.text, list(delta.window_ids), total - len(delta.window_ids), delta.prefix_len, delta.read_offset)
-        )
-        self.pending_new_ids.extend(new_ids)
-
+        delta = self.detok.push(new_ids[: len(new_ids) - self.hidden_tokens] if self.hidden_tokens else new_ids)
         if seq.finish_reason is None:
             if stop_token:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, last
@@ -173,6 +167,29 @@ class OutputState:
                 seq.finish_reason = FinishReason.STOP
             elif seq.num_output_tokens >= seq.max_new_tokens:
                 seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason is None and not self.pending and not self.stops and not self.stop_regexes:
+            # Most tokens of most requests: nothing held back, nothing to match, not the end.
+            # What _release(seq, 1) would return for this one step, without the bookkeeping.
+            logprobs, self.pending_logprobs = (self.pending_logprobs or None), {}
+            return RequestOutput(
+                request_id=seq.request_id,
+                new_token_ids=list(new_ids),
+                window_ids=seq.token_ids[delta.window_start : delta.read_offset],
+                window_start=delta.window_start,
+                prefix_len=delta.prefix_len,
+                text=delta.text,
+                prompt_tokens=seq.num_prompt_tokens,
+                completion_tokens=seq.num_output_tokens,
+                num_preemptions=seq.num_preemptions,
+                index=seq.index,
+                cached_tokens=seq.num_cached_tokens,
+                logprobs=logprobs,
+            )
+        total = seq.num_tokens - self.hidden_tokens
+        self.pending.append(
+            _Step(delta.text, list(delta.window_ids), total - len(delta.window_ids), delta.prefix_len, delta.read_offset)
+        )
+        self.pending_new_ids.extend(new_ids)
         if seq.finish_reason is not None:
             # Ending: text held back for half a character comes out now (as U+FFFD), and the stop
             # strings must see it too (it could complete one).

@@ -107,11 +107,19 @@ class Scheduler:
             return min(remaining, budget, max(fit, min(MIN_PREFILL_CHUNK, prefill_left)))
 
         preempted = False
+        block_size = bm.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
             start = seq.num_computed_tokens
+            remaining = len(seq.token_ids) - start
+            if remaining == 1 and start < len(seq.block_table) * block_size:
+                # A decode whose block has room (all but one step in block_size): nothing to
+                # allocate. The common case, per sequence per step, kept to a few operations.
+                scheduled.append(ScheduledSeq(seq, 1))
+                budget -= 1
+                i += 1
+                continue
             n = min(remaining, budget) if remaining == 1 else chunk(start, remaining)
             if n <= 0:
                 i += 1
