@@ -232,7 +232,8 @@ def test_ensemble_and_llm_paths_agree(server, demo_model_path):
     prompt = "Streaming text: spaces, 中文 and emoji 🙂."
     ens = generate_text(prompt, model="ensemble", url=server.grpc_url, **GREEDY)
     llm = generate_text(prompt, model="llm", url=server.grpc_url, tokenizer_path=demo_model_path, **GREEDY)
-    assert ens.num_responses == MAX_NEW and ens.finish_reason == "length" and ens.completion_tokens == MAX_NEW
+    # one response per token unless the llm model's senders fell behind (then merged, backend/outbox.py)
+    assert 1 < ens.num_responses <= MAX_NEW and ens.finish_reason == "length" and ens.completion_tokens == MAX_NEW
     assert llm.token_ids == ens.token_ids and len(ens.token_ids) == MAX_NEW
     assert llm.text == ens.text  # local incremental detokenization == the postprocessing model's
     from backend.tokenizer import load_tokenizer
