@@ -427,13 +427,22 @@ class LLMEngine:
             jump_forward_respelled_total=self._jump_forward_respelled_total,
         )
 
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
+
+    @property
+    def kv_dtype(self) -> str:
+        """What the KV cache stores ("bfloat16", "float8_e4m3fn", ...)."""
+        return str(self.model.kv_dtype).removeprefix("torch.")
+
     def info(self) -> dict[str, Any]:
         """The effective configuration ("auto" resolved) and counters, for SGLang's /get_server_info."""
         config = self.config.model_dump(mode="json")
         config.update(
-            device=str(self.model.device),
+            device=self.device,
             dtype=str(self.model.dtype).removeprefix("torch."),
-            kv_cache_dtype=str(self.model.kv_dtype).removeprefix("torch."),
+            kv_cache_dtype=self.kv_dtype,
             num_kv_blocks=self.block_manager.num_blocks,
             max_model_len=self.max_model_len,
             max_prefill_tokens_while_decoding=self.config.prefill_cap(),

@@ -215,6 +215,9 @@ class EngineProxy:
             self._cancel_watch.watch(request_id, is_cancelled)
         return rid
 
+    def start(self) -> None:
+        """LLMEngine's: here the step loop started with the child (a no-op)."""
+
     def abort(self, request_id: str) -> None:
         if self._gone is None:
             try:

@@ -1,5 +1,6 @@
 """Triton adapter for the engine: tensors in, engine requests; engine outputs, responses out."""
 
+import functools
 import json
 import os
 import sys
@@ -82,8 +83,12 @@ class TritonPythonModel:
             "separate" if config.device.startswith("cuda") else "in_stub")
         if engine_process not in ("in_stub", "separate"):
             raise ValueError(f'engine_process must be "in_stub" or "separate", not {engine_process!r}')
-        self._separate = engine_process == "separate"
-        self.engine = EngineProxy(config) if self._separate else LLMEngine(config)
+        if engine_process == "separate":
+            self.engine = EngineProxy(config)
+            self._control = self.engine.control
+        else:
+            self.engine = LLMEngine(config)
+            self._control = functools.partial(control, self.engine)
         self.stream_interval = max(1, int(llm_setting(params, env, "stream_interval") or 1))
         self._metrics = LLMMetrics(pb_utils.MetricFamily)
         # Responses go out on their own thread, merged when they pile up, at most
@@ -105,18 +110,14 @@ class TritonPythonModel:
         self._requests = TritonRequestIndex()
         self._open = OpenRequests()  # engine_info's open_requests
         freeze_startup_heap()
-        if self._separate:
-            device, kv_dtype = self.engine.device, self.engine.kv_dtype
-        else:
-            self.engine.start()
-            device, kv_dtype = self.engine.model.device, str(self.engine.model.kv_dtype).removeprefix("torch.")
+        self.engine.start()
         stats = self.engine.stats()
         self._publish(stats, force=True)
         pb_utils.Logger.log_info(
-            f"llm engine ready: model={self.engine.config.model_path} device={device} "
+            f"llm engine ready: model={self.engine.config.model_path} device={self.engine.device} "
             f"kv_blocks={stats.num_kv_blocks}x{self.engine.config.block_size} "
-            f"kv_cache_dtype={kv_dtype} max_model_len={self.engine.max_model_len} engine_process={engine_process}"
-            + (f" (pid {self.engine.pid})" if self._separate else "")
+            f"kv_cache_dtype={self.engine.kv_dtype} max_model_len={self.engine.max_model_len} "
+            f"engine_process={engine_process}" + (f" (pid {self.engine.pid})" if engine_process == "separate" else "")
         )
 
     def execute(self, requests):
@@ -131,8 +132,7 @@ class TritonPythonModel:
                     continue
                 if kind is not None:
                     extra = {"open_requests": self._open.count - 1}
-                    meta = (self.engine.control(kind, arrays, self._serving, extra) if self._separate
-                            else control(self.engine, kind, arrays, self._serving, extra))
+                    meta = self._control(kind, arrays, self._serving, extra)
                     guarded.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
                                  final=True)
                     continue
