@@ -37,7 +37,7 @@ from backend.cancel_watch import CancelWatch
 from backend.config import EngineConfig
 from backend.engine import CANCEL_CHECKS_PER_S, CANCEL_POLL_S, EngineOverloaded, EngineStats, RequestError
 from backend.outputs import RequestOutput
-from backend.sampling_params import SamplingParams, SamplingParamsError
+from backend.sampling_params import SamplingParams, SamplingParamsError, parse_sampling_params
 from backend.sequence import FinishReason
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,7 @@ class EngineProxy:
         self.device: str = payload["device"]
         self.kv_dtype: str = payload["kv_dtype"]
         self._stats: EngineStats = payload["stats"]
+        self._defaults: dict[str, Any] = payload["defaults"]
         self._reader = threading.Thread(target=self._read, name="llm-engine-proxy", daemon=True)
         self._reader.start()
         self._cancel_watch.start(self.abort)
@@ -195,7 +196,9 @@ class EngineProxy:
                 self._calls.pop(cid, None)
 
     def parse_params(self, raw: dict[str, Any]) -> SamplingParams:
-        return self._call("parse_params", raw)
+        # Here, not in the child: the engine's sampling defaults came with "ready", and a round
+        # trip per request would wait on the child's step loop for its GIL.
+        return parse_sampling_params(raw, self._defaults)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, on_output: Callable[[RequestOutput], None],
                     request_id: Optional[str] = None, is_cancelled: Optional[Callable[[], bool]] = None,
@@ -371,8 +374,6 @@ def _serve(chan: _Channel) -> None:
         return collect
 
     def call(op: str, args: tuple) -> Any:
-        if op == "parse_params":
-            return engine.parse_params(*args)
         if op == "add_request":
             prompt_ids, params, request_id, input_embeds = args
             return engine.add_request(prompt_ids, params, collector(request_id), request_id=request_id,
@@ -385,7 +386,7 @@ def _serve(chan: _Channel) -> None:
     info = engine.info()["config"]
     # "ready" goes first: the loop's first (idle) step may send before the proxy reads on.
     chan.send(("ready", {"config": engine.config, "max_model_len": engine.max_model_len, "device": info["device"],
-                         "kv_dtype": info["kv_cache_dtype"], "stats": engine.stats()}))
+                         "kv_dtype": info["kv_cache_dtype"], "stats": engine.stats(), "defaults": engine.defaults}))
     engine.start()
     try:
         while True:

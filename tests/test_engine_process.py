@@ -69,7 +69,7 @@ def test_outputs_equal_the_in_process_engine(proxy, config):
         assert "".join(o.text for o in c.outs) == r.text
         assert c.outs[-1].finish_reason == "length"
     assert proxy.steps_seen and proxy.stats().num_kv_blocks == 64
-    # parse_params runs in the child, with the model's generation defaults
+    # parse_params runs in the stub, with the generation defaults the child read from the model
     assert proxy.parse_params({"max_new_tokens": 12, **GREEDY}) == engine.parse_params({"max_new_tokens": 12, **GREEDY})
 
 
