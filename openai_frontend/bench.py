@@ -285,6 +285,10 @@ class _PacedEngine:
     async def is_ready(self) -> bool:
         return True
 
+    async def engine_info(self) -> dict:
+        # The frontend asks the engine's context length once (prompt and max_tokens checks).
+        return {"config": {"max_model_len": 1 << 20}, "stats": {}}
+
     async def close(self) -> None:
         pass
 
