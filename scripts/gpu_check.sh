@@ -16,10 +16,10 @@
 #   0.4b       the same on a random 0.4B Qwen2 (bench/make_random_model.py) -> engine_vs_hf_0.4b.json
 #   kernels    the sampling kernels against their torch references, batch 256, vocab 128k -> kernels_vs_torch.json
 #   serving_variants  the engine and the ensemble at c=8 and 64, one tritonserver per llm setting in
-#              SERVING_VARIANTS (default "engine_process=separate max_responses_per_step=0
-#              max_responses_per_step=16 max_responses_per_step=4 response_senders=1"; 0 = no cap,
-#              the GPU's auto; 5 JSON files + the log, under the 8 a call brings back)
-#              -> variant_<key>_<value>.json
+#              SERVING_VARIANTS (default "engine_process=in_stub max_responses_per_step=16
+#              response_senders=8 stream_interval=2": each against the CUDA defaults, which are
+#              separate, no cap, 4 senders, every token; 4 JSON files + the log, under the 8 a call
+#              brings back) -> variant_<key>_<value>.json
 #   prefill    one prefill at prompt lengths unseen and seen, SDPA's cuDNN backend off (the engine's
 #              CUDA setting) and on, profiled -> prefill_probe.json (bench/prefill_probe.py)
 #   chunked    where a chunked-prefill step's time goes: decode steps of 8 streams against the steps
@@ -206,7 +206,7 @@ run() {
       serving_variants)
         # llm model settings on this GPU, one server each (engine and ensemble, c=8 and 64): where
         # the streamed-response path (the stub's GIL) meets the engine's step loop.
-        for variant in ${SERVING_VARIANTS:-engine_process=separate max_responses_per_step=0 max_responses_per_step=16 max_responses_per_step=4 response_senders=1}; do
+        for variant in ${SERVING_VARIANTS:-engine_process=in_stub max_responses_per_step=16 response_senders=8 stream_interval=2}; do
           key=${variant%%=*} val=${variant#*=}
           SERVING_ARGS="--only engine,triton --concurrency 8 64 --alternating-rounds 0 --c1-requests 8 --server-env LLM_${key^^}=$val ${SERVING_ARGS:-}" \
             STEP_LIMIT_serving_variant=${STEP_LIMIT_serving_variant:-100} \
