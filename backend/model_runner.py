@@ -429,6 +429,12 @@ class ModelRunner:
         if (self.decode_attention != "gather" and chunks and not (adapters and any(adapters)) and embeds is None
                 and not (hidden and any(hidden)) and all(len(c[0]) == 1 and c[3] is True for c in chunks)):
             return self._prepare_decode(chunks)
+        return self._prepare_general(chunks, adapters, embeds, hidden)
+
+    def _prepare_general(self, chunks: list[tuple[list[int], int, list[int], Any]],
+                         adapters: Optional[list[Optional[LoraAdapter]]] = None,
+                         embeds: Optional[list[Optional[torch.Tensor]]] = None,
+                         hidden: Optional[list[bool]] = None) -> BatchInput:
         bs = self.block_size
         dev = self.device
         input_ids: list[int] = []

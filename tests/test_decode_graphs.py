@@ -170,3 +170,35 @@ def test_cuda_runner_keeps_sdpa_off_cudnn(demo_model_path):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_decode_only_layout_equals_the_general_one(demo_model_path):
+    # prepare()'s one-pass layout for steps where every sequence decodes and samples
+    # (_prepare_decode) against the general layout of the same step: the same tensors, and the
+    # same logits from the forward pass.
+    runner = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32)
+    rng = random.Random(7)
+    free = list(range(BLOCKS))
+    rng.shuffle(free)
+    chunks = []
+    for _ in range(9):
+        pos = rng.randint(0, 5 * BS)  # the token's position: its table covers it, some tables longer
+        table = [free.pop() for _ in range(pos // BS + 1 + rng.randint(0, 2))]
+        chunks.append(([rng.randrange(runner.config.vocab_size)], pos, table, True))
+    fast = runner.prepare(chunks)
+    general = runner._prepare_general(chunks)
+    assert fast.decode_only and general.decode_only
+    for name in ("input_ids", "positions", "slot_mapping", "logits_index"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    assert fast.max_position == general.max_position
+    (f,), (g,) = fast.groups, general.groups
+    for name in ("token_index", "query_slots", "block_tables", "context_lens"):
+        assert torch.equal(getattr(f, name), getattr(g, name)), name
+    assert (f.num_seqs, f.max_q) == (g.num_seqs, g.max_q)
+    # The cache holds random rows below every position: attention reads real context.
+    for cache in (*runner.k_cache, *runner.v_cache):
+        cache.normal_()
+    assert torch.equal(runner.forward(fast), runner.forward(general))
+    # Anything else (a prompt chunk, a row that does not sample) takes the general layout.
+    assert not runner.prepare(chunks[:-1] + [([1, 2], 3, [0], True)]).decode_only
+    assert runner.prepare(chunks[:-1] + [([1], 3, [0], False)]).logits_index.shape[0] == len(chunks) - 1
