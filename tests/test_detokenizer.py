@@ -241,3 +241,35 @@ def test_llm_response_omits_default_hints_and_postprocessing_reads_them_back(tok
                                         for k, v in arrays.items()})["text_output"][0].decode()
         full = tok.decode(window[1:], skip_special_tokens=skip)
         assert text == (full[: len(full) - trim] if trim else full), (skip, trim)
+
+
+def test_output_fast_path_equals_the_general_release(tok):
+    """OutputState.on_tokens returns a token's output directly when nothing is held back and no
+    stop string is watched; with a stop string that never matches, the same tokens take the
+    general path (pending steps, _release). The outputs must be the same, field for field,
+    through split multi-byte characters, special tokens and the final flush."""
+    from dataclasses import asdict
+
+    from backend.outputs import OutputState
+    from backend.sampling_params import SamplingParams
+    from backend.sequence import Sequence
+
+    rng = random.Random(11)
+    special = sorted(tok.all_special_ids)
+    prompt = tok("日本語 🙂 prompt").input_ids[:-1]  # ends inside a character
+    for trial in range(20):
+        outs = []
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(tok.vocab_size - 1) for _ in range(30)]
+        for stops in ([], ["\x00\x01never"]):
+            params = SamplingParams(max_new_tokens=len(ids), ignore_eos=True, stop=stops,
+                                    skip_special_tokens=trial % 2 == 0)
+            seq = Sequence(request_id="r", token_ids=list(prompt), params=params, max_new_tokens=len(ids))
+            state = OutputState(detok=IncrementalDetokenizer(tok, prompt, skip_special_tokens=params.skip_special_tokens),
+                                stops=stops, eos_ids=frozenset())
+            got = []
+            for t in ids:
+                seq.token_ids.append(t)
+                got.append(asdict(state.on_tokens(seq, [t])))
+            outs.append(got)
+        assert outs[0] == outs[1]
+        assert outs[0][-1]["finish_reason"] == "length"
