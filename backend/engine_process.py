@@ -383,10 +383,9 @@ def _serve(chan: _Channel) -> None:
         raise ValueError(f"unknown engine call {op!r}")
 
     freeze_startup_heap()
-    info = engine.info()["config"]
     # "ready" goes first: the loop's first (idle) step may send before the proxy reads on.
-    chan.send(("ready", {"config": engine.config, "max_model_len": engine.max_model_len, "device": info["device"],
-                         "kv_dtype": info["kv_cache_dtype"], "stats": engine.stats(), "defaults": engine.defaults}))
+    chan.send(("ready", {"config": engine.config, "max_model_len": engine.max_model_len, "device": engine.device,
+                         "kv_dtype": engine.kv_dtype, "stats": engine.stats(), "defaults": engine.defaults}))
     engine.start()
     try:
         while True:

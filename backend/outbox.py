@@ -10,12 +10,12 @@ stays on one sender thread for its life, so the order of its responses is kept.
 A stream keeps at most two responses waiting for a sender: past that, what it produces is
 merged into the newer of the two. So a response carries one token while the senders keep up
 (or fall one behind for a moment), several when they lag (vLLM's output collector merges the
-same way, into one). Sending
-every token as its own response once they pile up only grows the backlog: on an H200 the
-engine made a step of 64 streams every 3.5-5 ms while the llm stub's senders spent ~0.24 ms
-of CPU on each response, and without merging the streams' tokens arrived later and later. With a cap on
-responses per engine step, the requests the cap holds back merge the same way, so the response
-rate stays bounded however many streams run, and no token is lost.
+same way, into one). Sending every token as its own response once they pile up only grows the
+backlog: on an H200 the engine made a step of 64 streams every 3.5-5 ms while the llm stub's
+senders spent ~0.24 ms of CPU on each response, and without merging the streams' tokens
+arrived later and later. With a cap on responses per engine step, a request the cap holds back
+merges what it accumulates into one response, so the response rate stays bounded however many
+streams run, and no token is lost.
 """
 
 from __future__ import annotations
@@ -226,9 +226,9 @@ class Outbox:
     a small CPU machine those cost more than the model's step once there are dozens of streams,
     and the whole server slows down. With a cap, a stream that has to wait keeps accumulating
     tokens and goes out as one larger response a few steps later, so the response rate per step
-    stays bounded while every token still arrives, in order. None: no cap (a stream's
-    response goes out as soon as a sender is free). The engine ticks when it goes idle as well; when no tick comes for
-    `idle_release_s` (a step that runs long), what is queued is released anyway. That timer
+    stays bounded while every token still arrives, in order. None: no cap (a stream's response
+    goes out as soon as a sender is free). The engine ticks when it goes idle as well; when no
+    tick comes for `idle_release_s` (a step that runs long), what is queued is released anyway. That timer
     must be longer than a busy step: at 20 ms it fired two or three times per 50-60 ms step of
     64 streams on 2 cores, so the cap never held and throughput was 9% lower (alternating runs).
     """
