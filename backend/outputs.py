@@ -170,21 +170,8 @@ class OutputState:
         if seq.finish_reason is None and not self.pending and not self.stops and not self.stop_regexes:
             # Most tokens of most requests: nothing held back, nothing to match, not the end.
             # What _release(seq, 1) would return for this one step, without the bookkeeping.
-            logprobs, self.pending_logprobs = (self.pending_logprobs or None), {}
-            return RequestOutput(
-                request_id=seq.request_id,
-                new_token_ids=list(new_ids),
-                window_ids=seq.token_ids[delta.window_start : delta.read_offset],
-                window_start=delta.window_start,
-                prefix_len=delta.prefix_len,
-                text=delta.text,
-                prompt_tokens=seq.num_prompt_tokens,
-                completion_tokens=seq.num_output_tokens,
-                num_preemptions=seq.num_preemptions,
-                index=seq.index,
-                cached_tokens=seq.num_cached_tokens,
-                logprobs=logprobs,
-            )
+            return self._output(seq, list(new_ids), seq.token_ids[delta.window_start : delta.read_offset],
+                                delta.window_start, delta.prefix_len, delta.text)
         total = seq.num_tokens - self.hidden_tokens
         self.pending.append(
             _Step(delta.text, list(delta.window_ids), total - len(delta.window_ids), delta.prefix_len, delta.read_offset)
@@ -258,6 +245,12 @@ class OutputState:
         if self.max_stop_len:
             self.released_tail = (self.released_tail + text)[-self.max_stop_len :]
         new_ids, self.pending_new_ids = self.pending_new_ids, []
+        return self._output(seq, new_ids, window, start, prefix_len, text, trim=trim, final=final)
+
+    def _output(self, seq: Sequence, new_ids: list[int], window: list[int], start: int, prefix_len: int, text: str,
+                trim: int = 0, final: bool = False) -> RequestOutput:
+        """The response's output: what was released, the sequence's counts, and the logprob
+        entries gathered since the last one."""
         logprobs, self.pending_logprobs = (self.pending_logprobs or None), {}
         return RequestOutput(
             request_id=seq.request_id,
