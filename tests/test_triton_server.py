@@ -212,9 +212,10 @@ def test_http_generate_and_generate_stream(server, hf):
     status, raw = _http(server, "/v2/models/ensemble/generate_stream", {**body, "stream": True})
     assert status == 200, raw
     events = [json.loads(line[5:]) for line in raw.decode().splitlines() if line.startswith("data:")]
-    assert len(events) == MAX_NEW
+    # A response may carry several tokens when the stream's sender lags (the outbox merges them).
+    assert 1 < len(events) <= MAX_NEW
     assert "".join(e["text_output"] for e in events) == ref
-    assert events[-1]["finish_reason"] == "length"
+    assert events[-1]["finish_reason"] == "length" and events[-1]["completion_tokens"] == MAX_NEW
 
 
 def test_cancelled_stream_frees_its_blocks(server, client, hf):
