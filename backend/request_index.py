@@ -7,6 +7,11 @@ be in the ensemble's preprocessing step when the abort reaches the llm model. An
 finds nothing is therefore remembered for a while, and a request arriving under that id is
 aborted as soon as it is added. An abort for an id whose request has already finished is a
 no-op, as in SGLang: remembered, it would abort the next request a client sends under that id.
+
+The OpenAI frontend names its Triton requests `<client id>@<frontend id>.<suffix>`
+(`client_of`), so a frontend can also abort by the id its client knows (SGLang's rid) without
+holding the stream itself: its other worker processes, and replicas sharing its frontend id,
+hold theirs (`abort_client`). Those aborts are not remembered: they take what is running.
 """
 
 from __future__ import annotations
@@ -14,7 +19,27 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Optional
+
+
+def client_of(triton_id: str) -> Optional[tuple[str, str]]:
+    """(client id, frontend id) of a Triton request id `<client id>@<frontend id>.<suffix>`;
+    None for an id not of that form. Parsed from the right: a client id may hold '@' and '.'."""
+    head, dot, _ = triton_id.rpartition(".")
+    client_id, at, frontend = head.rpartition("@")
+    if not dot or not at or not frontend:
+        return None
+    return client_id, frontend
+
+
+def names_client(rid: str, client_id: str) -> bool:
+    """Whether an abort for `rid` takes the request of `client_id`: the request itself, or prompt
+    i of the batch request `rid`, whose ids are `<rid>_<i>` on /generate (SGLang's naming) and
+    `<rid>-<i>` on /v1/completions."""
+    if client_id == rid:
+        return True
+    tail = client_id[len(rid) + 1 :]
+    return bool(rid) and client_id.startswith(rid) and client_id[len(rid) : len(rid) + 1] in ("_", "-") and tail.isdigit()
 
 
 class TritonRequestIndex:
@@ -56,6 +81,17 @@ class TritonRequestIndex:
             if triton_id not in self._finished:
                 self._remember(self._early_aborts, triton_id)
             return set()
+
+    def abort_client(self, frontend: str, rid: Optional[str]) -> tuple[int, set[str]]:
+        """Every running request frontend `frontend` sent (for client `rid` only, see
+        names_client, when given): how many Triton requests, and their engine requests."""
+        with self._lock:
+            taken = [t for t in self._engine_ids
+                     if (c := client_of(t)) is not None and c[1] == frontend and (rid is None or names_client(rid, c[0]))]
+            engine_ids: set[str] = set()
+            for triton_id in taken:
+                engine_ids |= self._engine_ids.pop(triton_id)
+            return len(taken), engine_ids
 
     def _remember(self, table: OrderedDict[str, float], triton_id: str) -> None:
         table[triton_id] = self._clock()

@@ -26,8 +26,8 @@ SCALAR_INPUTS: dict[str, str] = {
     "min_p": "min_p",
     "random_seed": "seed",
 }
-LLM_INPUTS = ("input_ids", "input_embeds", "stream", "stop_words", "sampling_parameters", "abort_request_id", "lora_update",
-              "reset_prefix_cache", "engine_info", *SCALAR_INPUTS)
+LLM_INPUTS = ("input_ids", "input_embeds", "stream", "stop_words", "sampling_parameters", "abort_request_id",
+              "abort_client", "lora_update", "reset_prefix_cache", "engine_info", *SCALAR_INPUTS)
 
 
 def _scalar(arr: np.ndarray, name: str = "input") -> Any:
@@ -178,7 +178,25 @@ def parse_abort_request_id(arr: np.ndarray) -> str:
     return str(_scalar(arr, "abort_request_id"))
 
 
-CONTROL_INPUTS = ("abort_request_id", "lora_update", "reset_prefix_cache", "engine_info")
+def parse_abort_client(arr: np.ndarray) -> tuple[str, Optional[str]]:
+    """The llm model's `abort_client` control input: a JSON object {"frontend": id, "rid": id or
+    null} (backend/request_index.py). Returns (frontend, rid); raises SamplingParamsError."""
+    try:
+        cmd = json.loads(_scalar(arr, "abort_client"))
+    except ValueError as exc:
+        raise SamplingParamsError(f"abort_client must be a JSON object: {exc}") from None
+    if not isinstance(cmd, dict) or not isinstance(cmd.get("frontend"), str) or not cmd["frontend"]:
+        raise SamplingParamsError('abort_client needs "frontend": the id of the frontend whose requests to abort')
+    rid = cmd.get("rid")
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise SamplingParamsError('abort_client.rid must be a non-empty string, or null for all of them')
+    unknown = sorted(set(cmd) - {"frontend", "rid"})
+    if unknown:
+        raise SamplingParamsError(f"abort_client: unknown field(s) {', '.join(unknown)}")
+    return cmd["frontend"], rid
+
+
+CONTROL_INPUTS = ("abort_request_id", "abort_client", "lora_update", "reset_prefix_cache", "engine_info")
 _SWITCHES = ("reset_prefix_cache", "engine_info")  # BOOL: false is the same as not sent
 
 
@@ -214,6 +232,11 @@ def control(engine: Any, kind: str, arrays: dict[str, np.ndarray],
         meta["stats"].update(serving_stats or {})
     else:
         raise ValueError(f"not a control input with a response: {kind}")
+    return meta_array(meta)
+
+
+def meta_array(meta: dict[str, Any]) -> np.ndarray:
+    """A control response's `meta_info` output: the JSON object as one BYTES element."""
     return np.array([json.dumps(meta).encode()], dtype=np.object_)
 
 
@@ -232,4 +255,4 @@ def lora_update(engine: Any, arr: np.ndarray) -> np.ndarray:
         engine.unload_lora(str(cmd.get("name") or ""))
     elif op != "list":
         raise SamplingParamsError('lora_update.op must be "load", "unload" or "list"')
-    return np.array([json.dumps({"loaded_adapters": engine.lora_adapters()}).encode()], dtype=np.object_)
+    return meta_array({"loaded_adapters": engine.lora_adapters()})

@@ -6,6 +6,9 @@ import argparse
 import importlib.util
 import logging
 import os
+import re
+import shutil
+import tempfile
 from typing import Optional, Sequence
 
 from openai_frontend.settings import Settings
@@ -41,6 +44,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--abort-model", default="llm",
                    help="after a client disconnect, send `abort_request_id` to this Triton model (default llm; "
                         "'none' disables): Triton 2.51 does not cancel an ensemble's in-flight decoupled step")
+    p.add_argument("--frontend-id", default=None,
+                   help="names this frontend in its Triton request ids: frontends given the same id (replicas "
+                        "behind one load balancer) abort each other's requests on /abort_request; default: "
+                        "one random id per launch, shared by its --workers")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="largest request body (else 413)")
     p.add_argument("--max-stop-strings", type=int, default=64, help="most stop strings per request")
     p.add_argument("--enable-custom-logit-processor", action="store_true",
@@ -71,11 +78,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_n=args.max_n,
         stream_timeout=args.stream_timeout,
         abort_model=None if (args.abort_model or "none").lower() == "none" else args.abort_model,
+        **({"frontend_id": args.frontend_id} if args.frontend_id else {}),
         max_body_bytes=args.max_body_bytes,
         max_stop_strings=args.max_stop_strings,
         enable_custom_logit_processor=args.enable_custom_logit_processor,
         retry_after_s=args.retry_after,
     )
+
+
+FRONTEND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # no '@' or '.': Triton ids are parsed on them
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -86,6 +97,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
+    if not FRONTEND_ID.fullmatch(settings.frontend_id):
+        raise SystemExit("--frontend-id: letters, digits, '_' and '-' only")
     if args.enable_reasoning and not args.reasoning_parser:
         raise SystemExit("--enable-reasoning needs --reasoning-parser")
     try:
@@ -124,8 +137,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         from openai_frontend.server import SETTINGS_ENV
 
+        settings.metrics_dir = tempfile.mkdtemp(prefix="openai-frontend-metrics-")
         os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(settings))
-        uvicorn.run("openai_frontend.server:app_from_env", factory=True, workers=args.workers, **options)
+        try:
+            uvicorn.run("openai_frontend.server:app_from_env", factory=True, workers=args.workers, **options)
+        finally:
+            shutil.rmtree(settings.metrics_dir, ignore_errors=True)
     else:
         app = create_app(settings)
         freeze_startup_heap()  # this process serves until it exits

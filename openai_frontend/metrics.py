@@ -13,12 +13,22 @@ locks needed) and rendered in the Prometheus text exposition format (version 0.0
 
 The engine's own metrics (KV blocks, queue, tokens, latencies) are on tritonserver's metrics
 port; these are the HTTP side.
+
+With --workers N, each worker process counts its own requests, and a scrape lands on any one of
+them: `SharedMetrics` has every worker write its counts to a file in one directory (at most
+every PUBLISH_INTERVAL_S, and at each scrape it answers), and answer with the sum over all of
+them. Counters include workers that have exited, so they never go down; gauges count live
+workers only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
-from typing import Iterable, Optional
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Optional
 
 # Paths reported under their own name; anything else is "other" (bounded label cardinality).
 # Every route of server.py (tests/test_frontend_unit.py checks).
@@ -81,6 +91,33 @@ class FrontendMetrics:
     def stream_hooks(self) -> tuple:
         return self.stream_started, self.stream_finished
 
+    # -- one worker's counts, and their sum over workers ---------------------------------------
+
+    def snapshot(self, out_of_order: Optional[int] = None) -> dict[str, Any]:
+        return {
+            "requests": [[e, s, v] for (e, s), v in self.requests.items()],
+            "in_flight": dict(self.in_flight),
+            "streams_in_flight": self.streams_in_flight,
+            "streams_total": self.streams_total,
+            "hist": {e: [counts, self._hist_sum[e]] for e, counts in self._hist.items()},
+            "out_of_order": out_of_order,
+        }
+
+    def add(self, snap: dict[str, Any], live: bool) -> None:
+        """Add a snapshot's counts to these; its gauges too when its process is `live`."""
+        for e, status, v in snap["requests"]:
+            self.requests[(e, status)] = self.requests.get((e, status), 0) + v
+        if live:
+            for e, v in snap["in_flight"].items():
+                self.in_flight[e] = self.in_flight.get(e, 0) + v
+            self.streams_in_flight += snap["streams_in_flight"]
+        self.streams_total += snap["streams_total"]
+        for e, (counts, total) in snap["hist"].items():
+            mine = self._hist.setdefault(e, [0] * (len(BUCKETS) + 1))
+            for i, c in enumerate(counts):
+                mine[i] += c
+            self._hist_sum[e] = self._hist_sum.get(e, 0.0) + total
+
     # -- exposition ---------------------------------------------------------------------------
 
     def render(self, out_of_order: Optional[int] = None) -> str:
@@ -122,3 +159,56 @@ class FrontendMetrics:
         family("frontend_request_duration_seconds", "histogram",
                "Time from the request's arrival to its last byte, by endpoint.", samples)
         return "\n".join(lines) + "\n"
+
+
+PUBLISH_INTERVAL_S = 0.5
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedMetrics:
+    """One worker's FrontendMetrics, written to `directory/<pid>.json`; `render` sums every
+    worker's file. The directory is made by the launching process and shared by its workers."""
+
+    def __init__(self, metrics: FrontendMetrics, directory: str) -> None:
+        self.metrics = metrics
+        self.directory = Path(directory)
+        self.path = self.directory / f"{os.getpid()}.json"
+        self._written: Optional[str] = None
+
+    def publish(self, out_of_order: Optional[int] = None) -> None:
+        text = json.dumps(self.metrics.snapshot(out_of_order))
+        if text == self._written:
+            return
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.path)  # a reader sees the old file or the new one, never half of one
+        self._written = text
+
+    async def run(self, out_of_order: Any) -> None:
+        """Publish every PUBLISH_INTERVAL_S until cancelled; `out_of_order()` is the count to add."""
+        while True:
+            self.publish(out_of_order())
+            await asyncio.sleep(PUBLISH_INTERVAL_S)
+
+    def render(self, out_of_order: Optional[int] = None) -> str:
+        self.publish(out_of_order)
+        total = FrontendMetrics()
+        disordered: Optional[int] = None
+        for path in sorted(self.directory.glob("*.json")):
+            try:
+                snap = json.loads(path.read_text())
+            except (OSError, ValueError):  # a worker's file replaced or removed under us
+                continue
+            total.add(snap, live=_alive(int(path.stem)))
+            if snap.get("out_of_order") is not None:
+                disordered = (disordered or 0) + snap["out_of_order"]
+        return total.render(out_of_order=disordered)

@@ -42,7 +42,7 @@ from openai_frontend.completions import CompletionHandler
 from openai_frontend.engine_types import EngineClient, EngineRequest
 from openai_frontend.errors import APIError, bad_request, model_not_found, unavailable
 from openai_frontend.generate import GenerateHandler
-from openai_frontend.metrics import FrontendMetrics, endpoint_label
+from openai_frontend.metrics import FrontendMetrics, SharedMetrics, endpoint_label
 from openai_frontend.protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -247,13 +247,23 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         client = TritonLLMClient(
             settings.triton_url, settings.triton_model,
             stream_timeout=settings.stream_timeout, abort_model=settings.abort_model,
+            frontend_id=settings.frontend_id,
         )
     ctx = Context(settings=settings, client=client, files=ModelFiles(settings.tokenizer_path))
     created = int(time.time())
 
+    shared = SharedMetrics(ctx.metrics, settings.metrics_dir) if settings.metrics_dir else None
+
+    def out_of_order() -> Optional[int]:
+        return getattr(ctx.client, "out_of_order_responses", None)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        publisher = asyncio.ensure_future(shared.run(out_of_order)) if shared else None
         yield
+        if publisher is not None:
+            publisher.cancel()
+            shared.publish(out_of_order())
         if owns_client:
             await client.close()
 
@@ -359,7 +369,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = ctx.metrics.render(out_of_order=getattr(ctx.client, "out_of_order_responses", None))
+        text = (shared or ctx.metrics).render(out_of_order=out_of_order())
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/get_server_info")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -26,6 +27,13 @@ class Settings:
     # Model that accepts `abort_request_id` to stop a request whose stream was cancelled (Triton
     # 2.51 does not cancel an ensemble's in-flight decoupled step). None: rely on gRPC cancellation.
     abort_model: Optional[str] = "llm"
+    # Part of every Triton request id this frontend makes, so that any process sharing it (the
+    # --workers of one launch, replicas given the same --frontend-id) can abort the others'
+    # requests by rid or all at once (SGLang's /abort_request) through abort_model.
+    frontend_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # --workers N: the directory where each worker writes its metrics, so that /metrics answers
+    # with all of theirs (openai_frontend/metrics.py SharedMetrics). None: one process.
+    metrics_dir: Optional[str] = None
     # Input safety (issue 7): request body size, stop strings per request.
     max_body_bytes: int = 8 * 1024 * 1024
     max_stop_strings: int = 64

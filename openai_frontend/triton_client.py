@@ -206,7 +206,8 @@ def _decode_generic(response: Any) -> EngineChunk:
 
 def _batch_item_of(client_id: str, rid: Optional[str]) -> bool:
     """Whether `client_id` is prompt i of the batch request `rid` (its streams are `<rid>_<i>` on
-    /generate, as SGLang names them, and `<rid>-<i>` on /v1/completions)."""
+    /generate, as SGLang names them, and `<rid>-<i>` on /v1/completions). The llm model applies
+    the same rule to `abort_client` (backend/request_index.py, names_client)."""
     return (bool(rid) and client_id[len(rid) : len(rid) + 1] in ("_", "-") and client_id.startswith(rid)
             and client_id[len(rid) + 1 :].isdigit())
 
@@ -363,6 +364,7 @@ class TritonLLMClient:
         stream_timeout: Optional[float] = None,
         ready_timeout: float = 2.0,
         abort_model: Optional[str] = None,
+        frontend_id: Optional[str] = None,
         preprocessing_model: str = "preprocessing",
         postprocessing_model: str = "postprocessing",
     ) -> None:
@@ -373,6 +375,7 @@ class TritonLLMClient:
         self.stream_timeout = stream_timeout
         self.ready_timeout = ready_timeout
         self.abort_model = abort_model
+        self.frontend_id = frontend_id or uuid.uuid4().hex[:12]
         self._client: Optional[grpcclient_aio.InferenceServerClient] = None
         self._aborts: set[asyncio.Task] = set()
         # The Triton request id of every stream in flight, by the request id the client knows
@@ -406,9 +409,9 @@ class TritonLLMClient:
         gRPC stream, which cancels the request in Triton.
         """
         inputs = build_inputs(request)
-        # Unique per stream (client-supplied ids may repeat), traceable to the client's id.
-        suffix = uuid.uuid4().hex[:8]
-        request_id = f"{request.request_id}.{suffix}" if request.request_id else uuid.uuid4().hex
+        # Unique per stream (client-supplied ids may repeat), traceable to the client's id, and
+        # abortable by it from any process sharing this frontend id (abort_requests).
+        request_id = f"{request.request_id or 'anon'}@{self.frontend_id}.{uuid.uuid4().hex[:8]}"
         done = asyncio.Event()
         payload = {
             "model_name": self.model_name,
@@ -475,7 +478,12 @@ class TritonLLMClient:
         """End in-flight requests early, as SGLang's /abort_request does: each one finishes
         normally with finish_reason "abort" (what it generated so far is kept). `rid` names a
         request by the id its client knows (and a batch's prompts, see _batch_item_of); `abort_all`
-        takes every request of this frontend. Returns the number of streams aborted."""
+        takes every request of this frontend. Returns the number of streams aborted.
+
+        This process's own streams are aborted by their Triton ids, which also stops one still
+        in the ensemble's preprocessing step (the engine remembers such an abort). Then the
+        engine aborts what runs under this frontend id from other processes: the other
+        --workers, and replicas given the same --frontend-id."""
         if not self.abort_model:
             raise APIError(400, "aborting requests needs the frontend's --abort-model (the engine model)")
         targets = [
@@ -485,7 +493,9 @@ class TritonLLMClient:
             for triton_id in ids
         ]
         await asyncio.gather(*(self._abort(triton_id) for triton_id in targets))
-        return len(targets)
+        command = json.dumps({"frontend": self.frontend_id, "rid": None if abort_all else rid})
+        meta = await self._llm_control([_bytes_input("abort_client", command)], "abort_client", 10)
+        return len(targets) + int(meta["aborted"])
 
     async def tokenize(self, request: EngineRequest) -> list[int]:
         """The prompt's token ids as the server computes them for generation: the

@@ -649,7 +649,7 @@ def test_client_disconnect_before_the_response_frees_kv_blocks(triton, base_url)
 
 def _stream_until_aborted(url: str, body: dict, started: threading.Event, out: list) -> None:
     with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, r.read()
         events = []
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -864,6 +864,66 @@ def _start_frontend_process(grpc_url: str, port: int, *extra: str) -> subprocess
             time.sleep(0.2)
     proc.kill()
     raise TimeoutError("the frontend did not start")
+
+
+def test_abort_request_reaches_the_streams_of_other_frontend_processes(triton, base_url):
+    """SGLang's /abort_request with --workers 2, aborted from a replica given the same
+    --frontend-id: whichever process holds a stream, the engine aborts it by the rid (or all of
+    that frontend's), and a frontend with another id keeps its streams."""
+    url = triton["server"].grpc_url
+    ports = free_port(), free_port()
+    workers = _start_frontend_process(url, ports[0], "--workers", "2", "--frontend-id", "shared-fe")
+    replica = _start_frontend_process(url, ports[1], "--frontend-id", "shared-fe")
+    try:
+        aborted = _aborted(triton)
+        long = {"max_new_tokens": None, "ignore_eos": True}
+        base = f"http://127.0.0.1:{ports[0]}"
+        streams = [(base + "/generate", {"text": f"tell me {i}", "stream": True, "rid": "same-rid", "sampling_params": long})
+                   for i in range(3)]  # three connections: the two workers likely share them
+        streams.append((base + "/generate", {"text": ["one", "two"], "stream": True, "rid": "a-batch",
+                                             "sampling_params": long}))
+        streams.append((base + "/v1/completions", {"model": MODEL, "prompt": "no rid", "stream": True,
+                                                   "max_tokens": 1000, "ignore_eos": True}))
+        other = {"model": MODEL, "prompt": "another frontend", "stream": True, "max_tokens": 300, "ignore_eos": True}
+        streams.append((base_url + "/v1/completions", other))
+        threads, outs = [], []
+        for target, body in streams:
+            started, out = threading.Event(), []
+            threads.append(threading.Thread(target=_stream_until_aborted, args=(target, body, started, out)))
+            threads[-1].start()
+            outs.append(out)
+            assert started.wait(30)
+        abort = f"http://127.0.0.1:{ports[1]}/abort_request"
+        assert httpx.post(abort, json={"rid": "same-rid"}).json() == {"aborted": 3}
+        assert httpx.post(abort, json={"rid": "a-batch"}).json() == {"aborted": 2}
+        assert httpx.post(abort, json={"abort_all": True}).json() == {"aborted": 1}  # the one without a rid
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive()
+        for out in outs[:4]:
+            finals = [e["meta_info"]["finish_reason"]["type"] for e in out[0] if e["meta_info"].get("finish_reason")]
+            assert finals and set(finals) == {"abort"}, finals
+        reasons = [[c["choices"][0]["finish_reason"] for c in out[0] if c["choices"][0]["finish_reason"]] for out in outs[4:]]
+        assert reasons == [["abort"], ["length"]]
+        _wait_aborted(triton, aborted + 6)
+        wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+        # Whichever worker answers a scrape, /metrics counts both workers' requests.
+        want = {'frontend_requests_total{endpoint="/generate",status="200"} 4', "frontend_streams_total 5",
+                "frontend_streams_in_flight 0"}
+        deadline = time.monotonic() + 10
+        while not want <= set((text := httpx.get(base + "/metrics").text).splitlines()):
+            assert time.monotonic() < deadline, text
+            time.sleep(0.2)
+        for _ in range(6):
+            text = httpx.get(base + "/metrics").text
+            assert want <= set(text.splitlines()), text
+    finally:
+        for proc in (workers, replica):
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def test_graceful_shutdown_drains_in_flight_streams(triton):

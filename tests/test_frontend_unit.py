@@ -1301,6 +1301,42 @@ def test_metrics_count_requests_by_endpoint_and_status_and_streams(base_url, fak
     assert 'endpoint="other",status="404"' in httpx.get(base_url + "/metrics").text  # bounded labels
 
 
+def test_shared_metrics_sum_every_workers_counts(tmp_path):
+    """--workers N: a scrape answered by any worker shows the sum of all workers' counts; a
+    worker that exited keeps its counters in the sum but not its gauges."""
+    import os
+
+    from openai_frontend.metrics import FrontendMetrics, SharedMetrics
+
+    def worker(requests: int, streams_open: int) -> FrontendMetrics:
+        m = FrontendMetrics()
+        for _ in range(requests):
+            m.request_started("/v1/completions")
+            m.request_finished("/v1/completions", 200, 0.02)
+        m.request_started("/generate")  # still in flight
+        for _ in range(streams_open):
+            m.stream_started()
+        return m
+
+    exited = SharedMetrics(worker(3, 2), str(tmp_path))
+    exited.publish(out_of_order=1)
+    os.replace(exited.path, tmp_path / "999999999.json")  # a pid no process has
+    me = SharedMetrics(worker(2, 1), str(tmp_path))
+    text = me.render(out_of_order=0)
+    assert _metric(text, 'frontend_requests_total{endpoint="/v1/completions",status="200"}') == 5
+    assert _metric(text, 'frontend_request_duration_seconds_count{endpoint="/v1/completions"}') == 5
+    assert _metric(text, 'frontend_request_duration_seconds_bucket{endpoint="/v1/completions",le="0.025"}') == 5
+    assert _metric(text, "frontend_streams_total") == 3
+    assert _metric(text, "frontend_triton_out_of_order_responses_total") == 1
+    # gauges: this worker's only
+    assert _metric(text, "frontend_streams_in_flight") == 1
+    assert _metric(text, 'frontend_requests_in_flight{endpoint="/generate"}') == 1
+    # a scrape publishes the answering worker's latest counts first
+    me.metrics.request_started("/v1/completions")
+    me.metrics.request_finished("/v1/completions", 400, 0.5)
+    assert _metric(me.render(0), 'frontend_requests_total{endpoint="/v1/completions",status="400"}') == 1
+
+
 def test_every_route_has_its_own_metrics_label_and_other_paths_share_one(base_url):
     from starlette.routing import Route
 

@@ -166,7 +166,7 @@ def triton_request(draw, specs: dict[str, dict[str, tuple[str, list[int]]]]):
     strict = draw(st.booleans())
     names = draw(st.lists(st.sampled_from(sorted(spec)), unique=True, max_size=6))
     if strict:
-        names = [n for n in names if n != "abort_request_id"]
+        names = [n for n in names if n not in ("abort_request_id", "abort_client")]
     if strict or draw(st.booleans()):
         prompt = draw(st.sampled_from([p for p in PROMPTS if p in spec]))
         names = [n for n in names if n not in PROMPTS] + [prompt]
@@ -294,6 +294,9 @@ KNOWN_MALFORMED = {
     "llm invalid UTF-8 stop_words": ("llm", [IDS, _t("stop_words", "BYTES", [b"\xff\xfe", b"ok"])]),
     "llm invalid UTF-8 sampling_parameters": ("llm", [IDS, _t("sampling_parameters", "BYTES", [b"\xc0"])]),
     "llm invalid UTF-8 abort_request_id": ("llm", [_t("abort_request_id", "BYTES", [b"\xdb"])]),
+    "llm abort_client bad JSON": ("llm", [_t("abort_client", "BYTES", [b'{"frontend": '])]),
+    "llm abort_client without frontend": ("llm", [_t("abort_client", "BYTES", [b'{"rid": "r"}'])]),
+    "llm abort_client with a prompt": ("llm", [IDS, _t("abort_client", "BYTES", [b'{"frontend": "f"}'])]),
     "llm sampling_parameters not an object": ("llm", [IDS, _t("sampling_parameters", "BYTES", [b"[1, 2]"])]),
     "llm sampling_parameters bad JSON": ("llm", [IDS, _t("sampling_parameters", "BYTES", [b'{"n": '])]),
     "llm unknown sampling parameter": ("llm", [IDS, _t("sampling_parameters", "BYTES", [b'{"bogus": 1}'])]),

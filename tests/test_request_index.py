@@ -1,6 +1,6 @@
 """backend/request_index.py: Triton request ids -> engine requests, and aborts that come first."""
 
-from backend.request_index import TritonRequestIndex
+from backend.request_index import TritonRequestIndex, client_of, names_client
 
 
 def test_request_index_aborts_known_and_early_requests():
@@ -34,3 +34,31 @@ def test_an_abort_for_a_finished_request_is_a_no_op():
     index.forget("R1", "e2")
     now[0] = 11  # long after: an abort that finds nothing is taken as one that came first again
     assert index.abort("R1") == set() and index.add("R1", "e3") is True
+
+
+def test_client_ids_parse_from_the_right():
+    assert client_of("rid-1@fe01.ab12cd34") == ("rid-1", "fe01")
+    assert client_of("a.b@c@fe01.ab12") == ("a.b@c", "fe01")  # a client id may hold '@' and '.'
+    for triton_id in ("plain", "no-frontend.ab12", "x@.ab12", "ab12"):
+        assert client_of(triton_id) is None, triton_id
+
+
+def test_an_abort_names_a_request_and_its_batch_items():
+    assert names_client("R", "R") and names_client("R", "R_0") and names_client("R", "R-12")
+    for client_id in ("R_x", "R_", "RR_0", "R0", "S", "R_0_1"):
+        assert not names_client("R", client_id), client_id
+
+
+def test_abort_client_takes_a_frontends_running_requests_by_rid_or_all():
+    index = TritonRequestIndex()
+    running = {"R@fe.1": "e1", "R_0@fe.2": "e2", "R-1@fe.3": "e3", "S@fe.4": "e4",
+               "R@other.5": "e5", "R.plain": "e6"}
+    for triton_id, engine_id in running.items():
+        index.add(triton_id, engine_id)
+    index.add("R@fe.1", "e1b")  # n > 1: one Triton request, two engine requests
+    assert index.abort_client("fe", "R") == (3, {"e1", "e1b", "e2", "e3"})
+    assert index.abort_client("fe", "R") == (0, set())  # taken once; nothing is remembered
+    index.add("R@fe.7", "e7")
+    assert index.abort_client("fe", None) == (2, {"e4", "e7"})  # every request of that frontend
+    assert len(index) == 2  # the other frontend's and the plain id's stay
+    assert index.abort("R@other.5") == {"e5"} and index.abort("R.plain") == {"e6"}

@@ -31,7 +31,7 @@ def test_a_control_input_comes_alone_and_a_false_switch_is_no_control():
     import pytest
 
     from backend.sampling_params import SamplingParamsError
-    from backend.triton_io import control_input, parse_llm_inputs
+    from backend.triton_io import control_input, parse_abort_client, parse_llm_inputs
 
     ids = np.array([1, 2], dtype=np.int32)
     off, on = np.array([False]), np.array([True])
@@ -46,6 +46,14 @@ def test_a_control_input_comes_alone_and_a_false_switch_is_no_control():
                             ({"reset_prefix_cache": on, "engine_info": on}, "reset_prefix_cache comes alone")):
         with pytest.raises(SamplingParamsError, match=message):
             control_input(arrays)
+    assert control_input({"abort_client": np.array([b'{"frontend": "f"}'], dtype=object)}) == "abort_client"
+    assert parse_abort_client(np.array([b'{"frontend": "f", "rid": "r"}'], dtype=object)) == ("f", "r")
+    assert parse_abort_client(np.array([b'{"frontend": "f", "rid": null}'], dtype=object)) == ("f", None)
+    for raw, message in ((b'{"frontend": ', "must be a JSON object"), (b'["f"]', 'needs "frontend"'),
+                         (b'{"rid": "r"}', 'needs "frontend"'), (b'{"frontend": "f", "rid": ""}', "non-empty string"),
+                         (b'{"frontend": "f", "rids": ["r"]}', "unknown field")):
+        with pytest.raises(SamplingParamsError, match=message):
+            parse_abort_client(np.array([raw], dtype=object))
     # "stream" inside sampling_parameters is a JSON boolean ("false" is not false)
     raw = np.array([b'{"stream": "false", "max_new_tokens": 3}'], dtype=object)
     with pytest.raises(SamplingParamsError, match="stream must be true or false"):

@@ -29,6 +29,8 @@ from backend.triton_io import (  # noqa: E402
     engine_config_overrides,
     llm_output_arrays,
     llm_setting,
+    meta_array,
+    parse_abort_client,
     parse_abort_request_id,
     parse_llm_inputs,
     server_torch_threads,
@@ -130,6 +132,11 @@ class TritonPythonModel:
                     self._abort(arrays["abort_request_id"])
                     guarded.send(pb_utils.InferenceResponse(output_tensors=[]), final=True)
                     continue
+                if kind == "abort_client":
+                    meta = meta_array({"aborted": self._abort_client(arrays["abort_client"])})
+                    guarded.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
+                                 final=True)
+                    continue
                 if kind is not None:
                     extra = {"open_requests": self._open.count - 1}
                     meta = self._control(kind, arrays, self._serving, extra)
@@ -177,6 +184,12 @@ class TritonPythonModel:
     def _abort(self, arr) -> None:
         for engine_id in self._requests.abort(parse_abort_request_id(arr)):
             self.engine.abort(engine_id)
+
+    def _abort_client(self, arr) -> int:
+        count, engine_ids = self._requests.abort_client(*parse_abort_client(arr))
+        for engine_id in engine_ids:
+            self.engine.abort(engine_id)
+        return count
 
     def _on_step(self, stats: EngineStats) -> None:
         self._outbox.tick()
