@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 import kernels
 from backend.decode_graphs import Capture, DecodeGraphs, capture_cuda_graph, graph_buckets
-from backend.host_tensors import host_tensor, on_device
+from backend.host_tensors import host_tensor, on_device, page_aligned_zeros
 from backend.lora import LoraAdapter, apply_lora, apply_lora_embedding, apply_lora_logits, load_adapter
 from kernels import cpu_attention
 
@@ -304,8 +304,12 @@ class ModelRunner:
         # Head-major: gathering a sequence's slots yields [kvh, n, max_k, d], which batched
         # matmuls read without a transposing copy.
         cache_shape = (c.num_layers, c.num_kv_heads, (num_blocks + scratch) * block_size, c.head_dim)
-        self.k_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
-        self.v_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
+        if self.device.type == "cpu":
+            self.k_cache = page_aligned_zeros(cache_shape, self.kv_dtype)
+            self.v_cache = page_aligned_zeros(cache_shape, self.kv_dtype)
+        else:
+            self.k_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
+            self.v_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
         # torch has no index_copy_/index_select for fp8: an fp8 cache is written and gathered
         # through byte views of the same storage.
         fp8 = self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)

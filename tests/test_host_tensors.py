@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.host_tensors import host_tensor, on_device
+from backend.host_tensors import HUGE_PAGE, host_tensor, on_device, page_aligned_zeros
 
 
 @pytest.mark.parametrize(
@@ -28,3 +28,21 @@ def test_host_tensor_refuses_what_torch_refuses():
 def test_on_device_returns_the_same_tensor_when_it_is_already_there():
     t = torch.arange(4)
     assert on_device(t, torch.device("cpu")) is t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_page_aligned_zeros_are_zeros_on_a_huge_page_boundary(dtype):
+    t = page_aligned_zeros((2, 3, 5000, 32), dtype)
+    assert t.shape == (2, 3, 5000, 32) and t.dtype == dtype and t.is_contiguous()
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert not t.view(torch.uint8).any()
+    t[1, 2, 4999] = 1  # writable to its last row
+    assert t.view(torch.uint8).count_nonzero() > 0
+
+
+def test_the_cpu_kv_cache_starts_on_a_page(demo_model_path):
+    from backend.model_runner import ModelRunner
+
+    runner = ModelRunner(demo_model_path, num_blocks=8, block_size=16, device="cpu")
+    for cache in (runner.k_cache, runner.v_cache):
+        assert cache.data_ptr() % 4096 == 0 and not cache.any()
