@@ -451,8 +451,8 @@ class LLMEngine:
             cuda_graphs=self.model.graphs is not None,
             torch_threads=self.torch_threads,
         )
-        return {"config": config, "vocab_size": self.vocab_size, "lora_adapters": self.lora_adapters(),
-                "stats": dataclasses.asdict(self.stats())}
+        return {"config": config, "vocab_size": self.vocab_size, "eos_token_ids": sorted(self.eos_ids),
+                "lora_adapters": self.lora_adapters(), "stats": dataclasses.asdict(self.stats())}
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked) or not self._inbox.empty()

@@ -32,7 +32,6 @@ from openai_frontend.errors import bad_request
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.sampling import constraint_from_request
 from openai_frontend.streams import Item
-from openai_frontend.tokenizer import ModelFiles
 
 MAX_BEAM_WIDTH = 10  # 2 x width alternatives per step, and the engine reports at most 20
 
@@ -73,9 +72,10 @@ class BeamSpec:
     keep_stop: bool = False  # include_stop_str_in_output: the stop token's text stays
 
 
-def beam_spec(req: AnyRequest, files: ModelFiles, lora: Optional[str] = None,
-              max_model_len: Optional[int] = None) -> Optional[BeamSpec]:
-    """The request's beam search, checked, or None when it asks for none."""
+def beam_spec(req: AnyRequest, lora: Optional[str] = None, max_model_len: Optional[int] = None,
+              eos: Optional[frozenset[int]] = None) -> Optional[BeamSpec]:
+    """The request's beam search, checked, or None when it asks for none. `eos`: the engine's
+    end-of-sequence ids (Context.eos_token_ids)."""
     if not req.use_beam_search:
         if req.length_penalty != 1.0:
             raise bad_request("length_penalty is only used with use_beam_search", param="length_penalty")
@@ -93,10 +93,9 @@ def beam_spec(req: AnyRequest, files: ModelFiles, lora: Optional[str] = None,
             raise bad_request(f"'{name}' is not supported with use_beam_search", param=name)
     if constraint_from_request(req) is not None:
         raise bad_request("structured output is not supported with use_beam_search", param="use_beam_search")
-    eos = files.eos_token_ids()
     if eos is None:
-        raise bad_request("use_beam_search needs the frontend's --tokenizer-path (for the end-of-sequence ids)",
-                          param="use_beam_search")
+        raise bad_request("use_beam_search needs the engine's end-of-sequence ids, which its engine_info does not "
+                          "report", param="use_beam_search")
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
     else:
@@ -127,7 +126,7 @@ def beam_spec(req: AnyRequest, files: ModelFiles, lora: Optional[str] = None,
         width=width, max_tokens=max_tokens, length_penalty=req.length_penalty,
         eos=eos, ignore_eos=bool(req.ignore_eos), stop_ids=frozenset(req.stop_token_ids or ()),
         keep_stop=bool(req.include_stop_str_in_output),
-        max_model_len=max_model_len or files.max_model_len, step_params=step,
+        max_model_len=max_model_len, step_params=step,
         skip_special_tokens=req.skip_special_tokens, spaces_between_special_tokens=req.spaces_between_special_tokens,
         top_logprobs=top_logprobs,
     )

@@ -90,6 +90,7 @@ class Context:
         return self.settings.served_model_name
 
     _engine_max_model_len: Optional[int] = None
+    _engine_eos: Optional[frozenset[int]] = None
 
     async def max_model_len(self) -> Optional[int]:
         """The engine's context length (its max_model_len setting may be below the model's),
@@ -102,6 +103,16 @@ class Context:
                 log.debug("engine max_model_len unknown: %s", exc)
                 return self.files.max_model_len
         return self._engine_max_model_len
+
+    async def eos_token_ids(self) -> Optional[frozenset[int]]:
+        """The ids that end a generation, as the engine found them (generation_config.json,
+        config.json, the tokenizer's), asked once; None when its engine_info does not say."""
+        if self._engine_eos is None:
+            ids = (await self.client.engine_info()).get("eos_token_ids")
+            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                return None
+            self._engine_eos = frozenset(ids)
+        return self._engine_eos
 
     # With runtime LoRA updating: the adapters the engine serves, as it last listed them (None
     # until it has); its list then replaces --lora-modules, which an unload may have shortened.

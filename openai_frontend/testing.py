@@ -48,8 +48,10 @@ class FakeLLMClient:
     the engine does. `delay` sleeps before each chunk.
     """
 
-    def __init__(self, script: Optional[Script] = None, delay: float = 0.0) -> None:
+    def __init__(self, script: Optional[Script] = None, delay: float = 0.0,
+                 eos_token_ids: Optional[list[int]] = None) -> None:
         self.script = script or (lambda req: text_chunks(["Hello", ",", " world", "!"]))
+        self.eos_token_ids = eos_token_ids  # what engine_info reports (None: nothing)
         self.delay = delay
         self.requests: list[EngineRequest] = []
         self.finished: list[str] = []  # "completed" | "closed" (consumer left early) per stream
@@ -77,7 +79,10 @@ class FakeLLMClient:
         return 0
 
     async def engine_info(self) -> dict[str, Any]:
-        return {"config": {"model_path": "fake"}, "stats": {}}
+        info: dict[str, Any] = {"config": {"model_path": "fake"}, "stats": {}}
+        if self.eos_token_ids is not None:
+            info["eos_token_ids"] = self.eos_token_ids
+        return info
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         self.requests.append(request)

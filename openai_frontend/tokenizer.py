@@ -1,9 +1,8 @@
 """Optional local model files: token texts (for logprobs, echo of token prompts) and model info.
 
 The frontend never needs the tokenizer to serve text (Triton's preprocessing/postprocessing own
-tokenization); `--tokenizer-path` only adds token strings, the end-of-sequence ids beam search
-needs, and the model's context length until the engine reports its own. Loaded lazily with
-the `tokenizers` library (no transformers import).
+tokenization); `--tokenizer-path` only adds token strings, and the model's context length until
+the engine reports its own. Loaded lazily with the `tokenizers` library (no transformers import).
 """
 
 from __future__ import annotations
@@ -34,21 +33,6 @@ class ModelFiles:
             return None
         value = cfg.get("max_position_embeddings")
         return int(value) if isinstance(value, int) else None
-
-    def eos_token_ids(self) -> Optional[frozenset[int]]:
-        """The ids that end a generation (generation_config.json's `eos_token_id`, else
-        config.json's; an int or a list), or None without model files."""
-        if self.path is None:
-            return None
-        for name in ("generation_config.json", "config.json"):
-            try:
-                value = json.loads((self.path / name).read_text()).get("eos_token_id")
-            except (OSError, ValueError, AttributeError):
-                continue
-            ids = [value] if isinstance(value, int) else value if isinstance(value, list) else []
-            if ids and all(isinstance(i, int) for i in ids):
-                return frozenset(ids)
-        return None
 
     def tokenizer(self) -> Any:
         if not self._loaded:

@@ -214,16 +214,15 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
-    # Model files give beam search its end-of-sequence id; there is no tokenizer.json, so token
-    # texts come from the engine's logprobs.
+    # The engine's engine_info gives beam search its end-of-sequence id; the model files have no
+    # tokenizer.json, so token texts come from the engine's logprobs.
     files = tmp_path_factory.mktemp("model")
-    (files / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
     (files / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     main = Settings(model_name=MODEL, tool_call_parser="qwen25", lora_modules=(ADAPTER,),
                     tokenizer_path=str(files), enable_custom_logit_processor=True)
     # A reasoning parser changes every chat response (and wraps constraints), so it gets its own app.
     reasoning = Settings(model_name=MODEL, reasoning_parser="qwen3")
-    fakes = {"main": FakeLLMClient(_script(PIECES)), "reasoning": FakeLLMClient(_script(REASONING))}
+    fakes = {"main": FakeLLMClient(_script(PIECES), eos_token_ids=[EOS]), "reasoning": FakeLLMClient(_script(REASONING))}
     with serve_in_thread(create_app(main, client=fakes["main"])) as main_url, \
             serve_in_thread(create_app(reasoning, client=fakes["reasoning"])) as reasoning_url, \
             httpx.Client(timeout=10) as http:

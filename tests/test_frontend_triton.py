@@ -744,6 +744,8 @@ def test_get_server_info_reports_the_effective_engine_config(triton, base_url):
     assert cfg["device"] == "cpu" and cfg["dtype"] == "float32"
     assert cfg["num_kv_blocks"] > 0 and cfg["max_model_len"] > 0 and cfg["block_size"] == 16  # "auto" resolved
     assert cfg["model_path"] == str(triton["model"]) and engine["vocab_size"] == 4096
+    # generation_config.json's EOS id and the tokenizer's own (beam search ends beams on them)
+    assert engine["eos_token_ids"] == [4091, 4093]
     assert engine["stats"]["num_kv_blocks"] == cfg["num_kv_blocks"] and engine["stats"]["num_steps"] >= 0
     # Requests the llm model took and has not sent the final response of (this one excluded).
     assert engine["stats"]["open_requests"] >= 0
@@ -797,6 +799,14 @@ async def _llm_stream(client: TritonLLMClient, payload: dict) -> list[str]:
     finally:
         done.set()
     return reasons
+
+
+def test_beam_search_needs_no_model_files_in_the_frontend(base_url):
+    # The EOS ids come from the engine (engine_info): base_url's frontend has no --tokenizer-path.
+    body = {"model": MODEL, "prompt": "beams", "max_tokens": 3, "n": 2, "use_beam_search": True}
+    r = httpx.post(base_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
 
 
 def test_client_disconnect_stops_a_beam_search(triton):

@@ -407,9 +407,8 @@ def _beam_lm(req):
 @pytest.fixture(scope="module")
 def beam_client(tmp_path_factory):
     files = tmp_path_factory.mktemp("model")
-    (files / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
     (files / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
-    bfake = FakeLLMClient(_beam_lm)
+    bfake = FakeLLMClient(_beam_lm, eos_token_ids=[EOS])  # the engine's, from its engine_info
     with serve_in_thread(create_app(Settings(model_name=MODEL, tokenizer_path=str(files)), client=bfake)) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0), bfake
 
@@ -478,9 +477,9 @@ def test_beam_search_refuses_what_would_change_it(beam_client, client):
             bclient.completions.create(model=MODEL, prompt="x", max_tokens=kwargs.pop("max_tokens", 2), **kwargs,
                                        extra_body={"use_beam_search": True, **body})
         assert err.value.body["param"] == param, (kwargs, err.value.body)
-    with pytest.raises(openai.BadRequestError) as err:  # without model files the EOS ids are unknown
+    with pytest.raises(openai.BadRequestError) as err:  # an engine that does not report its EOS ids
         client.completions.create(model=MODEL, prompt="x", extra_body={"use_beam_search": True})
-    assert "--tokenizer-path" in err.value.body["message"]
+    assert "end-of-sequence ids" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="x", extra_body={"length_penalty": 0.5})
     assert err.value.body["param"] == "length_penalty"
