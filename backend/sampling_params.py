@@ -11,9 +11,9 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
 
 class SamplingParamsError(ValueError):
@@ -54,11 +54,16 @@ MAX_LOGITS_PROCESSORS = 16
 # Temperatures below this are greedy (SGLang's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-6
 
+# Parameters are strict (a JSON string is no number, a number no boolean: "8" and true are
+# refused for max_new_tokens, as OpenAI refuses them), except where JSON itself puts numbers in
+# strings: an object's keys (logit_bias's token ids).
+JsonKeyInt = Annotated[int, Strict(False)]
+
 
 class SamplingParams(BaseModel):
     """The parameters the engine implements. Defaults are SGLang's constant ("openai") defaults."""
 
-    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False, strict=True)
 
     # None: up to the end of the context (SGLang's and vLLM's meaning of an absent limit).
     max_new_tokens: Optional[int] = 128
@@ -98,7 +103,7 @@ class SamplingParams(BaseModel):
     return_hidden_states: bool = False
     # OpenAI's logit_bias (token id -> bias added to its logit, -100..100) and vLLM's
     # allowed_token_ids (every other token is excluded), applied to the model's logits first.
-    logit_bias: Optional[dict[int, float]] = None
+    logit_bias: Optional[dict[JsonKeyInt, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     # vLLM's truncate_prompt_tokens: only the prompt's last k tokens are used.
     truncate_prompt_tokens: Optional[int] = None

@@ -32,7 +32,7 @@ NullableFalse = Annotated[bool, _null_is(False)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True)
 
 
 class _Open(BaseModel):
@@ -68,7 +68,7 @@ class _Body(_Strict):
     """A whole request body: refused as a 400 if any of its text is not valid Unicode. Its own
     float fields refuse NaN and infinities (JSON has neither; Python's parser takes both)."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -610,6 +610,14 @@ def test_small_validation_gaps_are_400(base_url):
     assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"
     r = post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]})
     assert r.status_code == 400 and "content[0]" in r.json()["error"]["message"]
+    # QA: no coercion across JSON types (pydantic's lax mode took "8" as 8, true as 1, "yes" as true)
+    for path, body, param in (("/v1/completions", {"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+                              ("/v1/completions", {"prompt": "x", "n": True}, "n"),
+                              ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": 1}, "logprobs"),
+                              ("/v1/chat/completions", {"messages": MESSAGES, "ignore_eos": "yes"}, "ignore_eos"),
+                              ("/generate", {"input_ids": [True, 2]}, "input_ids")):
+        r = post(path, body if path == "/generate" else {"model": MODEL, **body})
+        assert r.status_code == 400 and (r.json()["error"]["param"] or "").startswith(param), (path, r.text)
     r = post("/parse_function_call", {"text": "x", "tool_call_parser": "nope", "tools": []})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "tool_call_parser" and err["message"].count("nope") == 1, err

@@ -28,6 +28,21 @@ def test_unsupported_parameters_are_refused_not_ignored():
     assert parse_sampling_params({"n": 1, "return_logprob": False}).max_new_tokens == 128
 
 
+@pytest.mark.parametrize("raw, name", [
+    ({"max_new_tokens": "8"}, "max_new_tokens"), ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"max_new_tokens": 8.0}, "max_new_tokens"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"ignore_eos": 1}, "ignore_eos"), ({"temperature": "0.5"}, "temperature"),
+    ({"stop_token_ids": [True, 2]}, "stop_token_ids"), ({"logit_bias": {"5": "1"}}, "logit_bias"),
+])
+def test_values_are_not_coerced_across_json_types(raw, name):
+    # QA: "8" was taken as 8, true as 1 and "yes" as true (pydantic's lax mode); OpenAI refuses them.
+    with pytest.raises(SamplingParamsError, match=name):
+        parse_sampling_params(raw)
+    # What JSON cannot say otherwise stays accepted: an integer for a float, a number in an object key.
+    p = parse_sampling_params({"temperature": 1, "logit_bias": {"5": 2}})
+    assert p.temperature == 1.0 and p.logit_bias == {5: 2.0}
+
+
 def test_defaults_apply_under_request_values():
     p = parse_sampling_params({"top_p": 0.5}, defaults={"temperature": 0.7, "top_p": 0.8})
     assert p.temperature == 0.7 and p.top_p == 0.5
