@@ -2,7 +2,7 @@
 # Sets up the environment, builds the demo model if missing, and serves it on the real
 # tritonserver (and the OpenAI/SGLang frontend when it is present).
 #   scripts/serve.sh [--model-path DIR] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
-#                    [--frontend-port 9000] [--no-frontend] [--tool-call-parser qwen25]
+#                    [--frontend-port 9000] [--frontend-workers 1] [--no-frontend] [--tool-call-parser qwen25]
 #                    [--api-key KEY] [--chat-template FILE] [--trust-request-chat-template]
 #                    [--logits-processor-pattern REGEX] [--reasoning-parser NAME]
 #                    [--lora-modules name=path,name2=path2] [--allow-runtime-lora-updating]
@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_PATH=${LLM_MODEL_PATH:-models/demo}
-HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002 FRONTEND_PORT=9000 FRONTEND=1
+HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002 FRONTEND_PORT=9000 FRONTEND=1 FRONTEND_WORKERS=1
 TOOL_CALL_PARSER=${TOOL_CALL_PARSER:-qwen25} API_KEY=${OPENAI_FRONTEND_API_KEY:-} REASONING_PARSER= RUNTIME_LORA=
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -20,6 +20,7 @@ while [ $# -gt 0 ]; do
     --grpc-port) GRPC_PORT=$2; shift 2 ;;
     --metrics-port) METRICS_PORT=$2; shift 2 ;;
     --frontend-port) FRONTEND_PORT=$2; shift 2 ;;
+    --frontend-workers) FRONTEND_WORKERS=$2; shift 2 ;;
     --no-frontend) FRONTEND=0; shift ;;
     --tool-call-parser) TOOL_CALL_PARSER=$2; shift 2 ;;
     --api-key) API_KEY=$2; shift 2 ;;
@@ -59,7 +60,7 @@ if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
     sleep 1
   done
   OPENAI_FRONTEND_API_KEY="$API_KEY" .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" \
-    --port "$FRONTEND_PORT" --tokenizer-path "$LLM_MODEL_PATH" --tool-call-parser "$TOOL_CALL_PARSER" \
+    --port "$FRONTEND_PORT" --workers "$FRONTEND_WORKERS" --tokenizer-path "$LLM_MODEL_PATH" --tool-call-parser "$TOOL_CALL_PARSER" \
     ${REASONING_PARSER:+--reasoning-parser "$REASONING_PARSER"} ${LLM_LORA_MODULES:+--lora-modules "$LLM_LORA_MODULES"} \
     ${RUNTIME_LORA:+--allow-runtime-lora-updating} &
   pids+=($!)
