@@ -100,7 +100,22 @@ class ModelConfig:
         """The longest context this runner computes exactly: the model's, or its sliding window
         (below it, windowed and full causal attention agree; past it they do not)."""
         if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+            return min(self.rope_context, self.sliding_window)
+        return self.rope_context
+
+    @property
+    def rope_context(self) -> int:
+        """The model's context: max_position_embeddings, stretched by a linear or YaRN rope
+        scaling as vLLM reads them (a YaRN config keeps the pretraining length, e.g. Qwen's
+        32768 with factor 4 for 131072)."""
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        factor = scaling.get("factor")
+        if kind == "linear" and factor:
+            return int(self.max_position_embeddings * factor)
+        if kind == "yarn" and factor:
+            base = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
+            return max(self.max_position_embeddings, int(base * factor))
         return self.max_position_embeddings
 
 
@@ -125,11 +140,15 @@ ACTIVATIONS: dict[str, Any] = {
 }
 
 
-def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def _rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies [head_dim / 2], and the factor cos and sin are scaled by
+    (YaRN's attention factor; 1 otherwise)."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "yarn":
+        return _yarn_inv_freq(cfg, scaling)
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
@@ -142,8 +161,43 @@ def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     elif kind != "default":
-        raise ValueError(f"unsupported rope scaling type '{kind}'")
-    return inv_freq.float()
+        raise ValueError(f"unsupported rope scaling type '{kind}' (supported: linear, llama3, yarn)")
+    return inv_freq.float(), 1.0
+
+
+def _yarn_inv_freq(cfg: ModelConfig, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071), as transformers computes it, in float32 as it does: dimensions
+    that rotate fast keep their frequency, slow ones are interpolated by `factor`, a linear ramp
+    between (beta_fast / beta_slow rotations over the pretraining length), and cos/sin are scaled
+    by the attention factor (0.1 ln(factor) + 1 unless the config gives it)."""
+    dim = cfg.head_dim
+    base = cfg.rope_theta
+    original = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    factor = scaling.get("factor") or cfg.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide it by factor)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(attention)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -316,11 +370,12 @@ class ModelRunner:
         self._kv_bytes = (self.k_cache.view(torch.uint8), self.v_cache.view(torch.uint8)) if fp8 else None
         # Saturate rather than overflow: e4m3fn's cast already stops at 448, e5m2's goes to inf.
         self._kv_max = torch.finfo(self.kv_dtype).max if fp8 else None
-        self.inv_freq = _rope_inv_freq(c).to(self.device)
+        inv_freq, self._rope_scale = _rope_inv_freq(c)
+        self.inv_freq = inv_freq.to(self.device)
         # cos/sin per position, computed once: evaluating them every step cost more than the
         # step's attention on CPU (large arguments take the slow range reduction).
         self._rope_cos = self._rope_sin = torch.empty(0, device=self.device)
-        self._extend_rope(c.max_position_embeddings)
+        self._extend_rope(c.rope_context)
         self.attn_scale = c.head_dim**-0.5
         # Decode attention: "triton" (the Triton kernel reading the paged cache in place, CUDA),
         # "cpu" (the C++ kernel doing the same, when it builds) or "gather" (each sequence's
@@ -357,8 +412,11 @@ class ModelRunner:
         # Same arithmetic as computing them per step (and as HF): position * inv_freq in float32.
         freqs = torch.arange(length, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._rope_cos = emb.cos().to(self.dtype)
-        self._rope_sin = emb.sin().to(self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self._rope_scale != 1.0:  # YaRN's attention factor, on both (as transformers applies it)
+            cos, sin = cos * self._rope_scale, sin * self._rope_scale
+        self._rope_cos = cos.to(self.dtype)
+        self._rope_sin = sin.to(self.dtype)
 
     # ---------------------------------------------------------------- weights
     def _load_weights(self, path: Path) -> None:

@@ -21,7 +21,8 @@ MAX_NEW = 12
 
 
 def _build(kind: str, demo_model_path, out_dir):
-    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (AutoConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     base = AutoConfig.from_pretrained(demo_model_path)
     common = dict(
@@ -35,6 +36,12 @@ def _build(kind: str, demo_model_path, out_dir):
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         model = LlamaForCausalLM(cfg)
+    elif kind == "qwen2_yarn":
+        # YaRN as Qwen's model cards add it for long contexts: the pretraining length stays in
+        # max_position_embeddings, the factor stretches it (here 64 -> 256).
+        cfg = Qwen2Config(**{**common, "max_position_embeddings": 64}, tie_word_embeddings=True,
+                          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+        model = Qwen2ForCausalLM(cfg)
     elif kind == "llama_biased_gelu":
         # attention_bias biases o_proj too in Llama; mlp_bias gate/up/down; another activation.
         cfg = LlamaConfig(**common, attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh")
@@ -56,7 +63,7 @@ def _build(kind: str, demo_model_path, out_dir):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_biased_gelu"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_biased_gelu", "qwen2_yarn"])
 def test_engine_matches_hf_greedy(kind, demo_model_path, tmp_path):
     from pathlib import Path
 
@@ -65,7 +72,7 @@ def test_engine_matches_hf_greedy(kind, demo_model_path, tmp_path):
                                     block_size=16, sampling_defaults="openai"))
     try:
         rng = random.Random(1)
-        # Lengths past the llama3 rope's original 64 positions, so the scaled frequencies matter.
+        # Lengths past the llama3 / YaRN rope's original 64 positions, so the scaled frequencies matter.
         prompts = [[rng.randrange(10, hf.config.vocab_size) for _ in range(n)] for n in (5, 40, 90)]
         params = engine.parse_params({"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True})
         outs = engine.generate(prompts, params)
@@ -74,6 +81,8 @@ def test_engine_matches_hf_greedy(kind, demo_model_path, tmp_path):
                               max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
             assert out.new_token_ids == ref[0, len(prompt):].tolist()
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        if kind == "qwen2_yarn":
+            assert engine.max_model_len == 256  # 64 pretrained x factor 4, as vLLM reads it
     finally:
         engine.shutdown()
 
@@ -120,3 +129,35 @@ def test_model_directories_as_published_load_as_transformers_loads_them(demo_mod
     cfg_path.write_text(json.dumps({**cfg, "hidden_act": "sigmoid"}))
     with pytest.raises(ValueError, match="unsupported hidden_act 'sigmoid'"):
         LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", num_kv_blocks=64))
+
+
+@pytest.mark.parametrize("scaling, context", [
+    (None, 512),
+    ({"rope_type": "linear", "factor": 2.0}, 1024),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, 1024),
+    ({"rope_type": "yarn", "factor": 4.0}, 2048),  # no original length given: max_position_embeddings is it
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, 512),  # already the long one
+])
+def test_rope_scaling_stretches_the_context_as_vllm_reads_it(scaling, context, demo_model_path, tmp_path):
+    import json
+    from pathlib import Path
+
+    from backend.model_runner import ModelConfig
+
+    cfg = json.loads((Path(demo_model_path) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 512, "rope_scaling": scaling}))
+    assert ModelConfig.from_model_dir(tmp_path).context_limit == context
+
+
+def test_an_unsupported_rope_scaling_is_refused_by_name(demo_model_path, tmp_path):
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(demo_model_path) / "config.json").read_text())
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        src = Path(demo_model_path) / name
+        if src.exists() and name != "config.json":
+            shutil.copy2(src, tmp_path / name)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'dynamic'.*yarn"):
+        LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", num_kv_blocks=64, max_model_len=256))
