@@ -19,7 +19,8 @@
 #              SERVING_VARIANTS (default "engine_process=in_stub max_responses_per_step=16
 #              response_senders=8 stream_interval=2": each against the CUDA defaults, which are
 #              separate, no cap, 4 senders, every token; 4 JSON files + the log, under the 8 a call
-#              brings back) -> variant_<key>_<value>.json
+#              brings back) -> variant_<key>_<value>.json. frontend_workers=N instead runs the
+#              engine and the frontend (streaming and not) with the frontend's --workers N
 #   prefill    one prefill at prompt lengths unseen and seen, SDPA's cuDNN backend off (the engine's
 #              CUDA setting) and on, profiled -> prefill_probe.json (bench/prefill_probe.py)
 #   chunked    where a chunked-prefill step's time goes: decode steps of 8 streams against the steps
@@ -208,7 +209,13 @@ run() {
         # the streamed-response path (the stub's GIL) meets the engine's step loop.
         for variant in ${SERVING_VARIANTS:-engine_process=in_stub max_responses_per_step=16 response_senders=8 stream_interval=2}; do
           key=${variant%%=*} val=${variant#*=}
-          SERVING_ARGS="--only engine,triton --concurrency 8 64 --alternating-rounds 0 --c1-requests 8 --server-env LLM_${key^^}=$val ${SERVING_ARGS:-}" \
+          # frontend_workers=N: the OpenAI frontend's --workers, not an llm setting
+          if [ "$key" = frontend_workers ]; then
+            what="--only engine,frontend,frontend_nonstream --frontend-workers $val"
+          else
+            what="--only engine,triton --server-env LLM_${key^^}=$val"
+          fi
+          SERVING_ARGS="$what --concurrency 8 64 --alternating-rounds 0 --c1-requests 8 ${SERVING_ARGS:-}" \
             STEP_LIMIT_serving_variant=${STEP_LIMIT_serving_variant:-100} \
             step serving_variant bash "$SCRIPT" _serving "$py" "$OUT" "variant_${key}_$val" nopng
         done ;;

@@ -70,3 +70,10 @@ def test_the_serving_step_is_a_step():
     assert "serving) step serving" in text and "[serving]=" in text
     # Its packages resolve against the pins; grpcio is the host's own.
     assert re.search(r"-c constraints\.txt", text) and "SERVING_SKIP=(grpcio)" in text
+
+
+def test_a_serving_variant_can_be_the_frontends_worker_count():
+    # SERVING_VARIANTS="frontend_workers=4": the frontend's --workers, not an LLM_ env setting.
+    text = SCRIPT.read_text()
+    branch = text[text.index('if [ "$key" = frontend_workers ]'):]
+    assert "--frontend-workers $val" in branch.split("else")[0] and "LLM_${key^^}" in branch.split("fi")[0]
