@@ -50,9 +50,12 @@ class ModelConfig:
     # gate, up and down.
     o_bias: bool = False
     mlp_bias: bool = False
-    # Sliding-window attention is not implemented: a model that has one is served up to its
-    # window, where full causal attention is the same thing (see context_limit).
+    # Sliding-window attention (Mistral's; Qwen2's with use_sliding_window): each token sees the
+    # last `sliding_window` positions, itself included. Served when every layer slides; a model
+    # mixing full and sliding layers (Qwen2's max_window_layers) is served up to its window,
+    # where the two are the same thing (see context_limit).
     sliding_window: Optional[int] = None
+    mixed_window_layers: bool = False
 
     @classmethod
     def from_model_dir(cls, model_path: str | Path) -> "ModelConfig":
@@ -66,9 +69,7 @@ class ModelConfig:
         act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act '{act}'; supported: {', '.join(ACTIVATIONS)}")
-        window = cfg.get("sliding_window")
-        if model_type == "llama" or (model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False)):
-            window = None  # Qwen configs carry a window they use only when told to; Llama has none
+        window, mixed = _sliding_window(cfg, model_type)
         attention_bias = cfg.get("attention_bias", model_type == "qwen2")
         if model_type == "qwen3" and attention_bias:
             raise ValueError("attention_bias is not supported for qwen3 models")
@@ -92,16 +93,22 @@ class ModelConfig:
             hidden_act=act,
             o_bias=attention_bias and model_type in ("llama", "mistral"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
+            mixed_window_layers=mixed,
         )
 
     @property
     def context_limit(self) -> int:
-        """The longest context this runner computes exactly: the model's, or its sliding window
-        (below it, windowed and full causal attention agree; past it they do not)."""
-        if self.sliding_window is not None:
+        """The longest context this runner computes exactly: the model's, or the sliding window
+        of a model that mixes full and sliding layers (below it the two agree)."""
+        if self.sliding_window is not None and self.mixed_window_layers:
             return min(self.rope_context, self.sliding_window)
         return self.rope_context
+
+    @property
+    def attention_window(self) -> int:
+        """The sliding window every layer applies, 0 for none (kernels.paged_decode_attention)."""
+        return self.sliding_window if self.sliding_window is not None and not self.mixed_window_layers else 0
 
     @property
     def rope_context(self) -> int:
@@ -117,6 +124,29 @@ class ModelConfig:
             base = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
             return max(self.max_position_embeddings, int(base * factor))
         return self.max_position_embeddings
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str) -> tuple[Optional[int], bool]:
+    """(the window, whether only some layers use it) as transformers reads the config: its
+    `layer_types` when given; Mistral slides in every layer; Qwen2/3 only with
+    use_sliding_window, in the layers from max_window_layers on; Llama never."""
+    window = cfg.get("sliding_window")
+    if not window or model_type == "llama":
+        return None, False
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types:
+        sliding = [t == "sliding_attention" for t in types]
+    elif model_type in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window", False):
+            return None, False  # Qwen configs carry a window they use only when told to
+        first = cfg.get("max_window_layers", 28)
+        sliding = [i >= first for i in range(layers)]
+    else:
+        sliding = [True] * layers
+    if not any(sliding):
+        return None, False
+    return int(window), not all(sliding)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -337,6 +367,7 @@ class ModelRunner:
         model's dtype); a narrower one is rounded to once, when K/V are written, and widened
         back to the model's dtype (or float32, in the decode kernels) when read."""
         self.config = ModelConfig.from_model_dir(model_path)
+        self.window = self.config.attention_window  # 0: full causal attention
         self._act = ACTIVATIONS[self.config.hidden_act]
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -565,7 +596,10 @@ class ModelRunner:
             tables = host_tensor(table_rows, torch.long, "cpu")
             qpos = host_tensor(qpos_rows, torch.long, "cpu")
             n = len(members)
-            visible = torch.arange(max_k)[None, None, :] <= qpos[:, :, None]  # [n, max_q, max_k]
+            key = torch.arange(max_k)[None, None, :]
+            visible = key <= qpos[:, :, None]  # [n, max_q, max_k]
+            if self.window:
+                visible &= key > qpos[:, :, None] - self.window
             mask = visible[:, None].expand(n, gqa, max_q, max_k).reshape(1, n, gqa * max_q, max_k)
             mask = on_device(mask, dev)
             sdpa = self.device.type == "cuda"  # CPU prefill groups went one sequence at a time above
@@ -648,8 +682,10 @@ class ModelRunner:
         n, bs = len(ids), self.block_size
         total = start + n
         bias = None
-        if start > 0:
+        if start > 0 or (self.window and total > self.window):
             visible = torch.ones(n, total, dtype=torch.bool).tril_(start)
+            if self.window:  # key j seen by the query at position p when p - window < j
+                visible.triu_(start - self.window + 1)
             bias = torch.zeros(n, total, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
         return SeqChunk(base, n, host_tensor(table[: (total + bs - 1) // bs], torch.long, self.device), bias)
 
@@ -717,7 +753,7 @@ class ModelRunner:
                 if g.block_tables is not None:
                     out = kernels.paged_decode_attention(
                         q.contiguous() if attn is None else q[g.token_index], self.k_cache[li], self.v_cache[li],
-                        g.block_tables, g.context_lens, self.block_size, self.attn_scale,
+                        g.block_tables, g.context_lens, self.block_size, self.attn_scale, window=self.window,
                         use_triton=self.decode_attention == "triton",
                     ).reshape(g.num_seqs, q_size)
                     if attn is None:

@@ -237,16 +237,18 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     *,
+    window: int = 0,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged KV cache: q [B, H, d], caches [kvh, slots, d],
-    block_tables [B, max_blocks], context_lens [B] -> [B, H, d].
+    block_tables [B, max_blocks], context_lens [B] -> [B, H, d]. `window` > 0: sliding-window
+    attention (Mistral's), the last `window` keys of each context only.
 
     The Triton kernel (paged_attention.py) when Triton is chosen; otherwise, for CPU tensors,
     the C++ kernel (csrc/paged_attention_cpu.cpp) when it is built, else the torch reference."""
     if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError("q must be [B, H, d] and the caches [kvh, slots, d]")
-    args = (q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+    args = (q, k_cache, v_cache, block_tables, context_lens, block_size, scale, int(window))
     if _want_triton(q, use_triton):
         from . import paged_attention, triton_ops
 

@@ -32,9 +32,11 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     module = _KERNEL.require()
-    return module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, int(block_size), float(scale))
+    return module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, int(block_size), float(scale),
+                                         int(window))
 
 
 def widen_fp8(x: torch.Tensor) -> torch.Tensor:

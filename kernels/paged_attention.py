@@ -21,6 +21,7 @@ def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
     stride_qb, stride_qh, stride_kh, stride_ks, stride_tb, stride_ob, stride_oh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -41,10 +42,14 @@ def _paged_decode_kernel(
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_kh
     num_blocks = tl.cdiv(ctx, BLOCK)
-    for i in range(0, num_blocks):
+    # Sliding window: keys before `first` are out of sight, and whole blocks of them are skipped.
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(ctx - WINDOW, 0)
+    for i in range(first // BLOCK, num_blocks):
         block = tl.load(tables_ptr + b.to(tl.int64) * stride_tb + i).to(tl.int64)
         pos = i * BLOCK + offs_s
-        valid = pos < ctx
+        valid = (pos < ctx) & (pos >= first)
         slots = block * BLOCK + offs_s
         kv_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
@@ -72,9 +77,11 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [B, H, d]; k/v_cache [kvh, slots, d]; block_tables [B, max_blocks] int32; context_lens
-    [B] int32 (keys 0..len-1 are visible; the current token's K/V already written) -> [B, H, d]."""
+    [B] int32 (keys 0..len-1 are visible, only len-window.. with a sliding `window` > 0; the
+    current token's K/V already written) -> [B, H, d]."""
     B, H, D = q.shape
     kvh = k_cache.shape[0]
     if block_size & (block_size - 1) or H % kvh or k_cache.stride(2) != 1:
@@ -91,5 +98,6 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
         out.stride(0), out.stride(1),
         G=G, GP=triton.next_power_of_2(G), D=D, DP=triton.next_power_of_2(D), BLOCK=block_size,
+        WINDOW=int(window),
     )
     return out

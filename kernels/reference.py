@@ -238,8 +238,10 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One query token per sequence over its paged context: gather the blocks, mask, softmax."""
+    """One query token per sequence over its paged context: gather the blocks, mask, softmax.
+    `window` > 0: sliding-window attention, only the last `window` keys are visible."""
     B, H, D = q.shape
     kvh = k_cache.shape[0]
     G = H // kvh
@@ -249,7 +251,10 @@ def paged_decode_attention(
     v = v_cache[:, slots].float()
     qg = q.float().view(B, kvh, G, D).transpose(0, 1)  # [kvh, B, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [kvh, B, G, max_k]
-    visible = torch.arange(max_k, device=q.device)[None, :] < context_lens.long()[:, None]  # [B, max_k]
+    key = torch.arange(max_k, device=q.device)[None, :]
+    visible = key < context_lens.long()[:, None]  # [B, max_k]
+    if window > 0:
+        visible &= key >= context_lens.long()[:, None] - window
     scores = scores.masked_fill(~visible[None, :, None, :], float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1), v)  # [kvh, B, G, D]
     return out.transpose(0, 1).reshape(B, H, D).to(q.dtype)

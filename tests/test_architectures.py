@@ -21,8 +21,8 @@ MAX_NEW = 12
 
 
 def _build(kind: str, demo_model_path, out_dir):
-    from transformers import (AutoConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (AutoConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     base = AutoConfig.from_pretrained(demo_model_path)
     common = dict(
@@ -42,6 +42,10 @@ def _build(kind: str, demo_model_path, out_dir):
         cfg = Qwen2Config(**{**common, "max_position_embeddings": 64}, tie_word_embeddings=True,
                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
         model = Qwen2ForCausalLM(cfg)
+    elif kind == "mistral_swa":
+        # Mistral's sliding window in every layer, narrower than the longer prompts.
+        cfg = MistralConfig(**common, sliding_window=32, tie_word_embeddings=False)
+        model = MistralForCausalLM(cfg)
     elif kind == "llama_biased_gelu":
         # attention_bias biases o_proj too in Llama; mlp_bias gate/up/down; another activation.
         cfg = LlamaConfig(**common, attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh")
@@ -63,16 +67,20 @@ def _build(kind: str, demo_model_path, out_dir):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_biased_gelu", "qwen2_yarn"])
-def test_engine_matches_hf_greedy(kind, demo_model_path, tmp_path):
+@pytest.mark.parametrize("kind, chunk", [("llama", None), ("qwen3", None), ("llama_biased_gelu", None),
+                                         ("qwen2_yarn", None), ("mistral_swa", None), ("mistral_swa", 24)])
+def test_engine_matches_hf_greedy(kind, chunk, demo_model_path, tmp_path):
     from pathlib import Path
 
     hf = _build(kind, Path(demo_model_path), tmp_path)
+    # chunk: prefill in chunks of that many tokens, so a chunk starts past the sliding window
     engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64,
-                                    block_size=16, sampling_defaults="openai"))
+                                    block_size=16, sampling_defaults="openai",
+                                    **({"max_num_batched_tokens": chunk, "max_prefill_tokens_while_decoding": chunk}
+                                       if chunk else {})))
     try:
         rng = random.Random(1)
-        # Lengths past the llama3 / YaRN rope's original 64 positions, so the scaled frequencies matter.
+        # Lengths past the llama3 / YaRN rope's original 64 positions and Mistral's 32-token window.
         prompts = [[rng.randrange(10, hf.config.vocab_size) for _ in range(n)] for n in (5, 40, 90)]
         params = engine.parse_params({"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True})
         outs = engine.generate(prompts, params)
@@ -83,13 +91,16 @@ def test_engine_matches_hf_greedy(kind, demo_model_path, tmp_path):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         if kind == "qwen2_yarn":
             assert engine.max_model_len == 256  # 64 pretrained x factor 4, as vLLM reads it
+        if kind == "mistral_swa":
+            assert engine.model.window == 32 and engine.max_model_len == 512  # no longer capped at the window
     finally:
         engine.shutdown()
 
 
 def test_model_directories_as_published_load_as_transformers_loads_them(demo_model_path, tmp_path):
-    # QA on real repos' layouts: a sliding window (not implemented) caps the context instead of
-    # silently attending past it; EOS ids from config.json count without generation_config.json;
+    # QA on real repos' layouts: full and sliding-window layers mixed (not implemented) cap the
+    # context at the window instead of silently attending past it; EOS ids from config.json count
+    # without generation_config.json;
     # only the shards the index names load (Mistral repos add consolidated.safetensors).
     import json
     from pathlib import Path
@@ -102,14 +113,14 @@ def test_model_directories_as_published_load_as_transformers_loads_them(demo_mod
     cfg_path = tmp_path / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg_path.write_text(json.dumps({**cfg, "model_type": "mistral", "sliding_window": 128, "eos_token_id": [4093, 7],
-                                    "rope_scaling": None}))
+                                    "rope_scaling": None, "layer_types": ["full_attention", "sliding_attention"]}))
     (tmp_path / "generation_config.json").unlink(missing_ok=True)
     (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00001.safetensors")
     weights = json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}})
     (tmp_path / "model.safetensors.index.json").write_text(weights)
     save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, str(tmp_path / "consolidated.safetensors"))
     assert ModelRunnerSizing(tmp_path, EngineConfig(model_path=str(tmp_path), num_kv_blocks=64)).max_model_len == 128
-    with pytest.raises(ValueError, match="sliding window 128"):
+    with pytest.raises(ValueError, match="sliding window 128 .it mixes full and sliding-window layers"):
         ModelRunnerSizing(tmp_path, EngineConfig(model_path=str(tmp_path), num_kv_blocks=64, max_model_len=256))
     engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64))
     try:
@@ -120,12 +131,21 @@ def test_model_directories_as_published_load_as_transformers_loads_them(demo_mod
         engine.shutdown()
     from backend.model_runner import ModelConfig
 
-    for extra, limit in (({"model_type": "qwen2", "sliding_window": 64}, 512),  # unused unless use_sliding_window
-                         ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}, 64),
-                         ({"model_type": "qwen3", "sliding_window": 64}, 512),
-                         ({"model_type": "llama", "sliding_window": 64}, 512)):
+    cfg.pop("layer_types", None)
+    qwen2 = {"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}
+    for extra, limit, window in (
+        ({"model_type": "qwen2", "sliding_window": 64}, 512, 0),  # unused unless use_sliding_window
+        (qwen2, 512, 0),  # from layer max_window_layers (28 by default) on: none of these 2
+        ({**qwen2, "max_window_layers": 1}, 64, 0),  # layer 0 full, layer 1 sliding: capped
+        ({**qwen2, "max_window_layers": 0}, 512, 64),  # every layer slides: served with the window
+        ({"model_type": "mistral", "sliding_window": 64}, 512, 64),
+        ({"model_type": "mistral", "sliding_window": None}, 512, 0),
+        ({"model_type": "qwen3", "sliding_window": 64}, 512, 0),
+        ({"model_type": "llama", "sliding_window": 64}, 512, 0),
+    ):
         cfg_path.write_text(json.dumps({**cfg, **extra}))
-        assert ModelConfig.from_model_dir(tmp_path).context_limit == limit, extra
+        model = ModelConfig.from_model_dir(tmp_path)
+        assert (model.context_limit, model.attention_window) == (limit, window), extra
     cfg_path.write_text(json.dumps({**cfg, "hidden_act": "sigmoid"}))
     with pytest.raises(ValueError, match="unsupported hidden_act 'sigmoid'"):
         LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", num_kv_blocks=64))

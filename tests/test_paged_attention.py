@@ -36,7 +36,7 @@ def _case(B, H, kvh, D, block_size, num_blocks, seed, dtype=torch.float32):
     return q, k_cache, v_cache, tables.to(DEVICE), lens.to(DEVICE)
 
 
-def _contiguous_attention(q, k_cache, v_cache, tables, lens, block_size, scale):
+def _contiguous_attention(q, k_cache, v_cache, tables, lens, block_size, scale, window=0):
     out = []
     kvh = k_cache.shape[0]
     G = q.shape[1] // kvh
@@ -44,6 +44,8 @@ def _contiguous_attention(q, k_cache, v_cache, tables, lens, block_size, scale):
         n = int(lens[b])
         slots = torch.cat([tables[b, i].long() * block_size + torch.arange(block_size, device=q.device)
                            for i in range((n + block_size - 1) // block_size)])[:n]
+        if window:
+            slots = slots[max(n - window, 0) :]
         k = k_cache[:, slots].float().repeat_interleave(G, 0)  # [H, n, D]
         v = v_cache[:, slots].float().repeat_interleave(G, 0)
         att = (q[b].float()[:, None, :] @ k.transpose(1, 2)).squeeze(1) * scale
@@ -156,3 +158,21 @@ def test_cpu_kernel_rejects_bad_tables():
         cpu_attention.paged_decode_attention(q, kc, vc, bad, lens, 16, 0.17)
     with pytest.raises(RuntimeError, match="context length"):
         cpu_attention.paged_decode_attention(q, kc, vc, tables, torch.zeros_like(lens), 16, 0.17)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 23, 1000])
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_sliding_window_sees_the_last_keys_only(window, use_triton):
+    # Mistral's sliding window: the query at context length L sees keys L-window..L-1. Windows
+    # inside a block, on a block boundary, across blocks, and wider than every context.
+    q, kc, vc, tables, lens = _case(6, 4, 2, 32, 16, num_blocks=64, seed=window)
+    if not use_triton:
+        assert cpu_attention.load() is not None, cpu_attention.error()
+        q, kc, vc, tables, lens = (t.cpu() for t in (q, kc, vc, tables, lens))
+    got = kernels.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.17, window=window, use_triton=use_triton)
+    want = ref.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.17, window=window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(want, _contiguous_attention(q, kc, vc, tables, lens, 16, 0.17, window), atol=2e-5, rtol=1e-4)
+    if window < int(lens.max()):
+        assert not torch.allclose(got, ref.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.17))
+

@@ -98,20 +98,20 @@ inline void prefetch_block(const scalar_t* p, int64_t elems) {
   for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(scalar_t)); off += 64) __builtin_prefetch(c + off);
 }
 
-// Calls fn(t, row) for the context's tokens t = 0..L-1 in order, row being token t's D values
-// (as float) in one KV head's cache `head`. A block's rows are contiguous (slot stride == D), so
-// a narrower cache is widened a block at a time into `buf` (block_size * D floats): one long
-// loop instead of one per row.
+// Calls fn(t - begin, row) for the context's tokens t = begin..L-1 in order, row being token
+// t's D values (as float) in one KV head's cache `head`. A block's rows are contiguous (slot
+// stride == D), so a narrower cache is widened a block at a time into `buf` (block_size * D
+// floats): one long loop instead of one per row.
 template <typename scalar_t, typename Fn>
-inline void for_each_row(const scalar_t* head, const int32_t* table, int64_t L, int64_t block_size, int64_t D,
-                         float* buf, Fn&& fn) {
+inline void for_each_row(const scalar_t* head, const int32_t* table, int64_t begin, int64_t L, int64_t block_size,
+                         int64_t D, float* buf, Fn&& fn) {
   const int64_t num_blocks = (L + block_size - 1) / block_size;
-  for (int64_t i = 0; i < num_blocks; ++i) {
-    const int64_t t0 = i * block_size, n = std::min(block_size, L - t0);
+  for (int64_t i = begin / block_size; i < num_blocks; ++i) {
+    const int64_t t0 = i * block_size, n = std::min(block_size, L - t0), skip = std::max<int64_t>(begin - t0, 0);
     const scalar_t* block = head + static_cast<int64_t>(table[i]) * block_size * D;
     if (i + 1 < num_blocks) prefetch_block(head + static_cast<int64_t>(table[i + 1]) * block_size * D, block_size * D);
     const float* rows = as_float(block, buf, n * D);
-    for (int64_t j = 0; j < n; ++j) fn(t0 + j, rows + j * D);
+    for (int64_t j = skip; j < n; ++j) fn(t0 + j - begin, rows + j * D);
   }
 }
 
@@ -121,7 +121,7 @@ inline void for_each_row(const scalar_t* head, const int32_t* table, int64_t L, 
 template <typename scalar_t, int DIM>
 void decode(const float* q, const scalar_t* k, const scalar_t* v, float* out, const int32_t* tables,
             const int32_t* lens, int64_t B, int64_t H, int64_t kvh, int64_t dim, int64_t max_blocks,
-            int64_t block_size, int64_t head_stride, float scale) {
+            int64_t block_size, int64_t head_stride, float scale, int64_t window) {
   const int64_t D = DIM > 0 ? DIM : dim;
   const int64_t G = H / kvh;
   at::parallel_for(0, B * kvh, 1, [&](int64_t begin, int64_t end) {
@@ -130,36 +130,38 @@ void decode(const float* q, const scalar_t* k, const scalar_t* v, float* out, co
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / kvh, h = w % kvh;
       const int64_t L = lens[b];
+      // Sliding window: the last `window` keys only; n keys in sight.
+      const int64_t begin = window > 0 ? std::max<int64_t>(L - window, 0) : 0, n = L - begin;
       const int32_t* table = tables + b * max_blocks;
       const scalar_t* kh = k + h * head_stride;
       const scalar_t* vh = v + h * head_stride;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = q[(b * H + h * G + g) * D + d] * scale;
-      scores.resize(G * L);
+      scores.resize(G * n);
       // Each K row is read once for the G query heads that share this KV head.
-      for_each_row(kh, table, L, block_size, D, rows.data(), [&](int64_t t, const float* r) {
+      for_each_row(kh, table, begin, L, block_size, D, rows.data(), [&](int64_t t, const float* r) {
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < D; ++d) s += qg[d] * r[d];
-          scores[g * L + t] = s;
+          scores[g * n + t] = s;
         }
       });
       for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        const float m = *std::max_element(sg, sg + L);
+        float* sg = scores.data() + g * n;
+        const float m = *std::max_element(sg, sg + n);
         float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
+        for (int64_t t = 0; t < n; ++t) {
           sg[t] = std::exp(sg[t] - m);
           sum += sg[t];
         }
         denom[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(vh, table, L, block_size, D, rows.data(), [&](int64_t t, const float* r) {
+      for_each_row(vh, table, begin, L, block_size, D, rows.data(), [&](int64_t t, const float* r) {
         for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
+          const float p = scores[g * n + t];
           float* ag = acc.data() + g * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] += p * r[d];
@@ -179,7 +181,7 @@ void decode(const float* q, const scalar_t* k, const scalar_t* v, float* out, co
 // `.to()`s did that several times per call.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                                     int64_t block_size, double scale) {
+                                     int64_t block_size, double scale, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(),
               "q must be [B, H, d] and the caches [kvh, slots, d]");
@@ -191,6 +193,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) && k_cache.strides() == v_cache.strides(),
               "caches need contiguous slots ([kvh, slots, d] with slot stride d)");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), kvh = k_cache.size(0);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(k_cache.size(2) == D && H % kvh == 0, "head dims must agree and H % kvh == 0");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && context_lens.numel() == B,
               "block_tables [B, max_blocks] and context_lens [B]");
@@ -221,7 +224,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       auto run = [&](auto dim) {
         decode<scalar_t, decltype(dim)::value>(qf.data_ptr<float>(), k_cache.data_ptr<scalar_t>(),
                                                v_cache.data_ptr<scalar_t>(), out.data_ptr<float>(), tp, lp, B, H, kvh,
-                                               D, max_blocks, block_size, k_cache.stride(0), static_cast<float>(scale));
+                                               D, max_blocks, block_size, k_cache.stride(0), static_cast<float>(scale),
+                                               window);
       };
       switch (D) {
         case 32: run(std::integral_constant<int, 32>{}); break;
@@ -273,5 +277,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The loop runs without the GIL, like torch's own ops: inside tritonserver the response
   // threads share this process with the step loop and must not stall for the attention.
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (q [B,H,d], caches [kvh,slots,d])");
+        "decode attention over a paged KV cache (q [B,H,d], caches [kvh,slots,d]; window > 0: the last window keys)");
 }
