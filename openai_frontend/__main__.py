@@ -78,7 +78,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_n=args.max_n,
         stream_timeout=args.stream_timeout,
         abort_model=None if (args.abort_model or "none").lower() == "none" else args.abort_model,
-        **({"frontend_id": args.frontend_id} if args.frontend_id else {}),
+        **({"frontend_id": args.frontend_id} if args.frontend_id is not None else {}),
         max_body_bytes=args.max_body_bytes,
         max_stop_strings=args.max_stop_strings,
         enable_custom_logit_processor=args.enable_custom_logit_processor,

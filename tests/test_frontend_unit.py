@@ -1714,3 +1714,13 @@ def test_detokenize_names_its_own_field_in_an_error():
     with pytest.raises(APIError) as err:
         asyncio.run(detokenize(ctx, DetokenizeRequest(tokens=[99999])))
     assert (err.value.param, err.value.message) == ("tokens", "tokens out of range [0, 4096): [99999]")
+
+
+@pytest.mark.parametrize("frontend_id", ["a.b", "x@y", "", "sp ace"])
+def test_cli_refuses_a_frontend_id_that_would_not_parse_out_of_a_triton_id(frontend_id):
+    # Triton request ids are <client id>@<frontend id>.<suffix>, parsed from the right.
+    from openai_frontend.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--model-name", MODEL, "--frontend-id", frontend_id])
+    assert "--frontend-id" in str(exc.value)
