@@ -878,16 +878,10 @@ class ModelRunnerSizing:
         if config.max_model_len is not None and config.max_model_len > ctx:
             # As vLLM refuses it: positions past what the model was trained on give output that
             # looks fine and is not, so a longer context is never granted quietly (or at all here).
-            where = (f"its sliding window {model.sliding_window} (it mixes full and sliding-window layers, "
-                     "which is not implemented: the context stops at the window, where the two are the same)"
-                     if ctx < model.rope_context else f"max_position_embeddings {ctx}"
-                     if ctx == model.max_position_embeddings else f"{ctx} (max_position_embeddings "
-                     f"{model.max_position_embeddings} with its rope_scaling)")
+            where = (f"max_position_embeddings {ctx}" if ctx == model.max_position_embeddings
+                     else f"{ctx} (max_position_embeddings {model.max_position_embeddings} with its rope_scaling)")
             raise ValueError(f"max_model_len {config.max_model_len} is more than the model's context, "
                              f"{where} in {model_path / 'config.json'}")
-        if ctx < model.rope_context:
-            log.warning("sliding window %d: the context is capped at it (the model's is %d); layers mixing "
-                        "full and sliding-window attention are not implemented", ctx, model.rope_context)
         self.max_model_len = config.max_model_len or ctx
         elem = torch.empty((), dtype=config.kv_torch_dtype()).element_size()
         bytes_per_block = 2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim * elem

@@ -50,12 +50,11 @@ class ModelConfig:
     # gate, up and down.
     o_bias: bool = False
     mlp_bias: bool = False
-    # Sliding-window attention (Mistral's; Qwen2's with use_sliding_window): each token sees the
-    # last `sliding_window` positions, itself included. Served when every layer slides; a model
-    # mixing full and sliding layers (Qwen2's max_window_layers) is served up to its window,
-    # where the two are the same thing (see context_limit).
+    # Sliding-window attention (Mistral's; Qwen2's with use_sliding_window): in a sliding layer
+    # each token sees the last `sliding_window` positions, itself included. Which layers slide:
+    # all (Mistral), or from Qwen2's max_window_layers on (layer_windows).
     sliding_window: Optional[int] = None
-    mixed_window_layers: bool = False
+    sliding_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_model_dir(cls, model_path: str | Path) -> "ModelConfig":
@@ -69,7 +68,7 @@ class ModelConfig:
         act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act '{act}'; supported: {', '.join(ACTIVATIONS)}")
-        window, mixed = _sliding_window(cfg, model_type)
+        window, sliding = _sliding_window(cfg, model_type)
         attention_bias = cfg.get("attention_bias", model_type == "qwen2")
         if model_type == "qwen3" and attention_bias:
             raise ValueError("attention_bias is not supported for qwen3 models")
@@ -94,24 +93,18 @@ class ModelConfig:
             o_bias=attention_bias and model_type in ("llama", "mistral"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=window,
-            mixed_window_layers=mixed,
+            sliding_layers=sliding,
         )
 
     @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window, 0 for full causal attention (kernels.paged_decode_attention)."""
+        if self.sliding_window is None:
+            return (0,) * self.num_layers
+        return tuple(self.sliding_window if s else 0 for s in self.sliding_layers)
+
+    @property
     def context_limit(self) -> int:
-        """The longest context this runner computes exactly: the model's, or the sliding window
-        of a model that mixes full and sliding layers (below it the two agree)."""
-        if self.sliding_window is not None and self.mixed_window_layers:
-            return min(self.rope_context, self.sliding_window)
-        return self.rope_context
-
-    @property
-    def attention_window(self) -> int:
-        """The sliding window every layer applies, 0 for none (kernels.paged_decode_attention)."""
-        return self.sliding_window if self.sliding_window is not None and not self.mixed_window_layers else 0
-
-    @property
-    def rope_context(self) -> int:
         """The model's context: max_position_embeddings, stretched by a linear or YaRN rope
         scaling as vLLM reads them (a YaRN config keeps the pretraining length, e.g. Qwen's
         32768 with factor 4 for 131072)."""
@@ -126,27 +119,29 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
-def _sliding_window(cfg: dict[str, Any], model_type: str) -> tuple[Optional[int], bool]:
-    """(the window, whether only some layers use it) as transformers reads the config: its
-    `layer_types` when given; Mistral slides in every layer; Qwen2/3 only with
-    use_sliding_window, in the layers from max_window_layers on; Llama never."""
+def _sliding_window(cfg: dict[str, Any], model_type: str) -> tuple[Optional[int], tuple[bool, ...]]:
+    """(the window, which layers slide) as transformers reads the config: its `layer_types` when
+    given; Mistral slides in every layer; Qwen2/3 only with use_sliding_window, in the layers
+    from max_window_layers on; Llama never."""
     window = cfg.get("sliding_window")
     if not window or model_type == "llama":
-        return None, False
+        return None, ()
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types:
         sliding = [t == "sliding_attention" for t in types]
     elif model_type in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window", False):
-            return None, False  # Qwen configs carry a window they use only when told to
+            return None, ()  # Qwen configs carry a window they use only when told to
         first = cfg.get("max_window_layers", 28)
         sliding = [i >= first for i in range(layers)]
     else:
         sliding = [True] * layers
+    if len(sliding) != layers:
+        raise ValueError(f"layer_types names {len(sliding)} layers; the model has {layers}")
     if not any(sliding):
-        return None, False
-    return int(window), not all(sliding)
+        return None, ()
+    return int(window), tuple(sliding)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -274,6 +269,10 @@ class AttentionGroup:
     # CPU prefill chunks, attended one sequence at a time instead (gather_blocks and the masks
     # are then unused): see SeqChunk.
     seqs: Optional[list["SeqChunk"]] = None
+    # A stack mixing full and sliding-window layers: mask / attn_bias as the sliding layers
+    # see them (ModelRunner.mixed_window).
+    window_mask: Optional[torch.Tensor] = None
+    window_attn_bias: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -291,6 +290,8 @@ class SeqChunk:
     # [num_tokens, start + num_tokens] 0 / -inf, key visible to query (causal, aligned at the
     # bottom right); None when the chunk starts at position 0 (is_causal).
     bias: Optional[torch.Tensor]
+    # The same for the sliding layers of a stack that mixes them with full ones.
+    window_bias: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -367,7 +368,13 @@ class ModelRunner:
         model's dtype); a narrower one is rounded to once, when K/V are written, and widened
         back to the model's dtype (or float32, in the decode kernels) when read."""
         self.config = ModelConfig.from_model_dir(model_path)
-        self.window = self.config.attention_window  # 0: full causal attention
+        # Per layer: 0 full causal attention, else its sliding window. The step's masks are built
+        # for `window` (every layer's, or 0), and when the stack mixes the two, also for
+        # `mixed_window` (the sliding layers'): SeqChunk.window_bias, AttentionGroup.window_*.
+        self.windows = self.config.layer_windows
+        mixed = len(set(self.windows)) > 1
+        self.window = 0 if mixed else self.windows[0]
+        self.mixed_window = max(self.windows) if mixed else 0
         self._act = ACTIVATIONS[self.config.hidden_act]
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -406,7 +413,7 @@ class ModelRunner:
         # cos/sin per position, computed once: evaluating them every step cost more than the
         # step's attention on CPU (large arguments take the slow range reduction).
         self._rope_cos = self._rope_sin = torch.empty(0, device=self.device)
-        self._extend_rope(c.rope_context)
+        self._extend_rope(c.context_limit)
         self.attn_scale = c.head_dim**-0.5
         # Decode attention: "triton" (the Triton kernel reading the paged cache in place, CUDA),
         # "cpu" (the C++ kernel doing the same, when it builds) or "gather" (each sequence's
@@ -552,7 +559,6 @@ class ModelRunner:
             logit_spans.append((first_logit, len(logits_index)))
 
         groups = []
-        gqa = self.config.num_heads // self.config.num_kv_heads
         q_lens = [len(c[0]) for c in chunks]
         paged_decode = self.decode_attention != "gather"
         # A decode-only step is one paged group in packed order: the forward pass then hands
@@ -596,22 +602,20 @@ class ModelRunner:
             tables = host_tensor(table_rows, torch.long, "cpu")
             qpos = host_tensor(qpos_rows, torch.long, "cpu")
             n = len(members)
-            key = torch.arange(max_k)[None, None, :]
-            visible = key <= qpos[:, :, None]  # [n, max_q, max_k]
-            if self.window:
-                visible &= key > qpos[:, :, None] - self.window
-            mask = visible[:, None].expand(n, gqa, max_q, max_k).reshape(1, n, gqa * max_q, max_k)
-            mask = on_device(mask, dev)
-            sdpa = self.device.type == "cuda"  # CPU prefill groups went one sequence at a time above
+            mask, attn_bias = self._group_masks(qpos, max_k, self.window)
+            window_mask, window_attn_bias = (self._group_masks(qpos, max_k, self.mixed_window) if self.mixed_window
+                                             else (None, None))
             groups.append(
                 AttentionGroup(
                     token_index=token_index_t,
                     query_slots=query_slots_t,
                     gather_blocks=on_device(tables.reshape(-1), dev),
-                    mask=None if sdpa else mask,
+                    mask=mask,
                     num_seqs=n,
                     max_q=max_q,
-                    attn_bias=torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf")) if sdpa else None,
+                    attn_bias=attn_bias,
+                    window_mask=window_mask,
+                    window_attn_bias=window_attn_bias,
                 )
             )
         lora = lora_logit_rows = None
@@ -677,17 +681,39 @@ class ModelRunner:
             decode_only=True,
         )
 
+    def _group_masks(self, qpos: torch.Tensor, max_k: int, window: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """A padded group's (mask, attn_bias), one of them set: key visible to query, the GQA
+        heads folded into the query rows. qpos [n, max_q] is each query's position; `window`
+        > 0 hides keys at or before position - window."""
+        n, max_q = qpos.shape
+        gqa = self.config.num_heads // self.config.num_kv_heads
+        key = torch.arange(max_k)[None, None, :]
+        visible = key <= qpos[:, :, None]  # [n, max_q, max_k]
+        if window:
+            visible &= key > qpos[:, :, None] - window
+        mask = on_device(visible[:, None].expand(n, gqa, max_q, max_k).reshape(1, n, gqa * max_q, max_k), self.device)
+        if self.device.type != "cuda":  # the explicit matmul-softmax path reads the boolean mask
+            return mask, None
+        # CPU prefill groups go one sequence at a time (SeqChunk): SDPA's bias is CUDA's
+        return None, torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
+
     def _seq_chunk(self, base: int, chunk: tuple[list[int], int, list[int], Any]) -> SeqChunk:
         ids, start, table, _ = chunk
         n, bs = len(ids), self.block_size
         total = start + n
-        bias = None
-        if start > 0 or (self.window and total > self.window):
-            visible = torch.ones(n, total, dtype=torch.bool).tril_(start)
-            if self.window:  # key j seen by the query at position p when p - window < j
-                visible.triu_(start - self.window + 1)
-            bias = torch.zeros(n, total, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
-        return SeqChunk(base, n, host_tensor(table[: (total + bs - 1) // bs], torch.long, self.device), bias)
+        window_bias = self._chunk_bias(start, n, self.mixed_window) if self.mixed_window else None
+        return SeqChunk(base, n, host_tensor(table[: (total + bs - 1) // bs], torch.long, self.device),
+                        self._chunk_bias(start, n, self.window), window_bias)
+
+    def _chunk_bias(self, start: int, n: int, window: int) -> Optional[torch.Tensor]:
+        """A prefill chunk's [n, start + n] 0 / -inf bias; None where SDPA's causal mask is it."""
+        total = start + n
+        if start == 0 and not (window and total > window):
+            return None
+        visible = torch.ones(n, total, dtype=torch.bool).tril_(start)
+        if window:  # key j seen by the query at position p when p - window < j
+            visible.triu_(start - window + 1)
+        return torch.zeros(n, total, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
 
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
@@ -753,7 +779,7 @@ class ModelRunner:
                 if g.block_tables is not None:
                     out = kernels.paged_decode_attention(
                         q.contiguous() if attn is None else q[g.token_index], self.k_cache[li], self.v_cache[li],
-                        g.block_tables, g.context_lens, self.block_size, self.attn_scale, window=self.window,
+                        g.block_tables, g.context_lens, self.block_size, self.attn_scale, window=self.windows[li],
                         use_triton=self.decode_attention == "triton",
                     ).reshape(g.num_seqs, q_size)
                     if attn is None:
@@ -765,7 +791,8 @@ class ModelRunner:
                 values = self._gather(self.v_cache[li], g)
                 qp = q.new_zeros((g.num_seqs * g.max_q, c.num_heads, c.head_dim))
                 qp.index_copy_(0, g.query_slots, q[g.token_index])
-                out = self._attention(qp.view(g.num_seqs, g.max_q, c.num_heads, c.head_dim), keys, values, g)
+                out = self._attention(qp.view(g.num_seqs, g.max_q, c.num_heads, c.head_dim), keys, values, g,
+                                      sliding=bool(self.mixed_window and self.windows[li]))
                 attn[g.token_index] = out.reshape(g.num_seqs * g.max_q, q_size)[g.query_slots]
             if not batch.lora:
                 h = h + F.linear(attn, layer["o"], layer.get("o_bias"))
@@ -798,12 +825,14 @@ class ModelRunner:
         k_cache, v_cache = self._kv_bytes or (self.k_cache, self.v_cache)
         k_blocks = k_cache[li].view(kvh, -1, bs * d)
         v_blocks = v_cache[li].view(kvh, -1, bs * d)
+        sliding = bool(self.mixed_window and self.windows[li])
         for s in seqs:
-            total = s.num_tokens if s.bias is None else s.bias.shape[1]  # keys: the context so far
+            bias = s.window_bias if sliding else s.bias
+            total = s.num_tokens if bias is None else bias.shape[1]  # keys: the context so far
             keys = self._widen(k_blocks.index_select(1, s.blocks)).view(1, kvh, -1, d)[:, :, :total]
             values = self._widen(v_blocks.index_select(1, s.blocks)).view(1, kvh, -1, d)[:, :, :total]
             qs = q[s.base : s.base + s.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-            out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=s.bias, is_causal=s.bias is None,
+            out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=bias, is_causal=bias is None,
                                                  scale=self.attn_scale, enable_gqa=True)
             attn[s.base : s.base + s.num_tokens] = out[0].transpose(0, 1).reshape(s.num_tokens, -1)
 
@@ -833,8 +862,10 @@ class ModelRunner:
         blocks = cache.view(kvh, -1, self.block_size * d)
         return self._widen(torch.index_select(blocks, 1, g.gather_blocks)).view(kvh, g.num_seqs, -1, d)
 
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-        """q [B, max_q, H, d], keys/values [kvh, B, max_k, d], the group's masks -> [B, max_q, H, d].
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup,
+                   sliding: bool = False) -> torch.Tensor:
+        """q [B, max_q, H, d], keys/values [kvh, B, max_k, d], the group's masks (its window_*
+        ones for a sliding layer of a mixed stack) -> [B, max_q, H, d].
 
         GQA without repeating K/V: the g query heads sharing a KV head are folded into the
         query length, so each KV head is read once, and the KV head is the leading batch dim
@@ -848,10 +879,11 @@ class ModelRunner:
         g = c.num_heads // c.num_kv_heads
         kvh = c.num_kv_heads
         qg = q.view(B, max_q, kvh, g, c.head_dim).permute(2, 0, 3, 1, 4).reshape(kvh, B, g * max_q, c.head_dim)
-        if group.attn_bias is not None:
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=group.attn_bias, scale=self.attn_scale)
+        attn_bias, mask = (group.window_attn_bias, group.window_mask) if sliding else (group.attn_bias, group.mask)
+        if attn_bias is not None:
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=attn_bias, scale=self.attn_scale)
         else:
             scores = torch.matmul(qg * self.attn_scale, keys.transpose(-1, -2))
-            scores = scores.masked_fill_(~group.mask, float("-inf")).softmax(dim=-1)
+            scores = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
             out = torch.matmul(scores.to(values.dtype), values)
         return out.view(kvh, B, g, max_q, c.head_dim).permute(1, 3, 0, 2, 4).reshape(B, max_q, c.num_heads, c.head_dim)

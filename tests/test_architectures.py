@@ -46,6 +46,11 @@ def _build(kind: str, demo_model_path, out_dir):
         # Mistral's sliding window in every layer, narrower than the longer prompts.
         cfg = MistralConfig(**common, sliding_window=32, tie_word_embeddings=False)
         model = MistralForCausalLM(cfg)
+    elif kind == "qwen2_mixed_swa":
+        # Qwen2's use_sliding_window from max_window_layers on: layer 0 full, layer 1 sliding.
+        cfg = Qwen2Config(**common, sliding_window=32, use_sliding_window=True, max_window_layers=1,
+                          tie_word_embeddings=True)
+        model = Qwen2ForCausalLM(cfg)
     elif kind == "llama_biased_gelu":
         # attention_bias biases o_proj too in Llama; mlp_bias gate/up/down; another activation.
         cfg = LlamaConfig(**common, attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh")
@@ -68,7 +73,8 @@ def _build(kind: str, demo_model_path, out_dir):
 
 
 @pytest.mark.parametrize("kind, chunk", [("llama", None), ("qwen3", None), ("llama_biased_gelu", None),
-                                         ("qwen2_yarn", None), ("mistral_swa", None), ("mistral_swa", 24)])
+                                         ("qwen2_yarn", None), ("mistral_swa", None), ("mistral_swa", 24),
+                                         ("qwen2_mixed_swa", None), ("qwen2_mixed_swa", 24)])
 def test_engine_matches_hf_greedy(kind, chunk, demo_model_path, tmp_path):
     from pathlib import Path
 
@@ -92,16 +98,18 @@ def test_engine_matches_hf_greedy(kind, chunk, demo_model_path, tmp_path):
         if kind == "qwen2_yarn":
             assert engine.max_model_len == 256  # 64 pretrained x factor 4, as vLLM reads it
         if kind == "mistral_swa":
-            assert engine.model.window == 32 and engine.max_model_len == 512  # no longer capped at the window
+            assert engine.model.windows == (32, 32) and engine.max_model_len == 512  # not capped at the window
+        if kind == "qwen2_mixed_swa":
+            assert engine.model.windows == (0, 32) and engine.max_model_len == 512
     finally:
         engine.shutdown()
 
 
 def test_model_directories_as_published_load_as_transformers_loads_them(demo_model_path, tmp_path):
-    # QA on real repos' layouts: full and sliding-window layers mixed (not implemented) cap the
-    # context at the window instead of silently attending past it; EOS ids from config.json count
-    # without generation_config.json;
-    # only the shards the index names load (Mistral repos add consolidated.safetensors).
+    # QA on real repos' layouts: which layers slide, as transformers reads each config; a
+    # max_model_len past the model's context is refused; EOS ids from config.json count without
+    # generation_config.json; only the shards the index names load (Mistral repos add
+    # consolidated.safetensors).
     import json
     from pathlib import Path
 
@@ -113,39 +121,39 @@ def test_model_directories_as_published_load_as_transformers_loads_them(demo_mod
     cfg_path = tmp_path / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg_path.write_text(json.dumps({**cfg, "model_type": "mistral", "sliding_window": 128, "eos_token_id": [4093, 7],
-                                    "rope_scaling": None, "layer_types": ["full_attention", "sliding_attention"]}))
+                                    "rope_scaling": None, "max_position_embeddings": 160}))
     (tmp_path / "generation_config.json").unlink(missing_ok=True)
     (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00001.safetensors")
     weights = json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}})
     (tmp_path / "model.safetensors.index.json").write_text(weights)
     save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, str(tmp_path / "consolidated.safetensors"))
-    assert ModelRunnerSizing(tmp_path, EngineConfig(model_path=str(tmp_path), num_kv_blocks=64)).max_model_len == 128
-    with pytest.raises(ValueError, match="sliding window 128 .it mixes full and sliding-window layers"):
+    assert ModelRunnerSizing(tmp_path, EngineConfig(model_path=str(tmp_path), num_kv_blocks=64)).max_model_len == 160
+    with pytest.raises(ValueError, match="max_model_len 256 is more than the model's context, max_position_embeddings 160"):
         ModelRunnerSizing(tmp_path, EngineConfig(model_path=str(tmp_path), num_kv_blocks=64, max_model_len=256))
     engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64))
     try:
-        assert {4093, 7} <= set(engine.eos_ids) and engine.max_model_len == 128
-        with pytest.raises(Exception, match="context is 128 tokens"):
-            engine.add_request(list(range(10, 140)), engine.parse_params({}), lambda out: None)
+        assert {4093, 7} <= set(engine.eos_ids) and engine.max_model_len == 160 and engine.model.windows == (128, 128)
+        with pytest.raises(Exception, match="context is 160 tokens"):
+            engine.add_request(list(range(10, 170)), engine.parse_params({}), lambda out: None)
     finally:
         engine.shutdown()
     from backend.model_runner import ModelConfig
 
-    cfg.pop("layer_types", None)
     qwen2 = {"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}
-    for extra, limit, window in (
-        ({"model_type": "qwen2", "sliding_window": 64}, 512, 0),  # unused unless use_sliding_window
-        (qwen2, 512, 0),  # from layer max_window_layers (28 by default) on: none of these 2
-        ({**qwen2, "max_window_layers": 1}, 64, 0),  # layer 0 full, layer 1 sliding: capped
-        ({**qwen2, "max_window_layers": 0}, 512, 64),  # every layer slides: served with the window
-        ({"model_type": "mistral", "sliding_window": 64}, 512, 64),
-        ({"model_type": "mistral", "sliding_window": None}, 512, 0),
-        ({"model_type": "qwen3", "sliding_window": 64}, 512, 0),
-        ({"model_type": "llama", "sliding_window": 64}, 512, 0),
+    for extra, windows in (
+        ({"model_type": "qwen2", "sliding_window": 64}, (0, 0)),  # unused unless use_sliding_window
+        (qwen2, (0, 0)),  # from layer max_window_layers (28 by default) on: none of these 2
+        ({**qwen2, "max_window_layers": 1}, (0, 64)),
+        ({**qwen2, "max_window_layers": 0}, (64, 64)),
+        ({"model_type": "mistral", "sliding_window": 64}, (64, 64)),
+        ({"model_type": "mistral", "sliding_window": None}, (0, 0)),
+        ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}, (64, 0)),
+        ({"model_type": "qwen3", "sliding_window": 64}, (0, 0)),
+        ({"model_type": "llama", "sliding_window": 64}, (0, 0)),
     ):
         cfg_path.write_text(json.dumps({**cfg, **extra}))
         model = ModelConfig.from_model_dir(tmp_path)
-        assert (model.context_limit, model.attention_window) == (limit, window), extra
+        assert (model.context_limit, model.layer_windows) == (512, windows), extra
     cfg_path.write_text(json.dumps({**cfg, "hidden_act": "sigmoid"}))
     with pytest.raises(ValueError, match="unsupported hidden_act 'sigmoid'"):
         LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", num_kv_blocks=64))
