@@ -692,9 +692,11 @@ class ModelRunner:
         if window:
             visible &= key > qpos[:, :, None] - window
         mask = on_device(visible[:, None].expand(n, gqa, max_q, max_k).reshape(1, n, gqa * max_q, max_k), self.device)
-        if self.device.type != "cuda":  # the explicit matmul-softmax path reads the boolean mask
+        # SDPA (CUDA) takes the additive bias; the CPU's padded groups are decodes without the C++
+        # kernel, on the explicit matmul-softmax path, which takes the boolean mask (its prefill
+        # chunks go one sequence at a time: SeqChunk).
+        if self.device.type != "cuda":
             return mask, None
-        # CPU prefill groups go one sequence at a time (SeqChunk): SDPA's bias is CUDA's
         return None, torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, float("-inf"))
 
     def _seq_chunk(self, base: int, chunk: tuple[list[int], int, list[int], Any]) -> SeqChunk:
