@@ -104,12 +104,17 @@ class ModelConfig:
         return tuple(self.sliding_window if s else 0 for s in self.sliding_layers)
 
     @property
+    def rope_type(self) -> str:
+        """The rope scaling's kind ("rope_type", or the older "type"): "default" without one."""
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+    @property
     def context_limit(self) -> int:
         """The model's context: max_position_embeddings, stretched by a linear or YaRN rope
         scaling as vLLM reads them (a YaRN config keeps the pretraining length, e.g. Qwen's
         32768 with factor 4 for 131072)."""
-        scaling = self.rope_scaling or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling, kind = self.rope_scaling or {}, self.rope_type
         factor = scaling.get("factor")
         if kind == "linear" and factor:
             return int(self.max_position_embeddings * factor)
@@ -170,8 +175,7 @@ def _rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     (YaRN's attention factor; 1 otherwise)."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    scaling, kind = cfg.rope_scaling or {}, cfg.rope_type
     if kind == "yarn":
         return _yarn_inv_freq(cfg, scaling)
     if kind == "linear":
