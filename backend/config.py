@@ -61,7 +61,8 @@ class EngineConfig(BaseModel):
     # whose qualified name this regex matches (re.match). None: no processors at all.
     logits_processor_pattern: Optional[str] = None
     sampling_defaults: Literal["model", "openai"] = "model"
-    # CPU threads for the model's torch ops (process-wide). None: torch's default.
+    # CPU threads for the step loop's torch ops. None: one on CUDA, torch's default on the CPU
+    # (engine.default_torch_threads).
     torch_threads: Optional[int] = Field(default=None, ge=1)
     # Decode steps replayed from CUDA graphs (backend/decode_graphs.py). None: on for CUDA
     # (vLLM's default; its --enforce-eager is cuda_graphs=false). CPU: always eager.
