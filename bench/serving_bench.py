@@ -67,6 +67,7 @@ import torch  # noqa: E402
 
 from client.perf.make_inputs import ids_entries, mixed_workload, usable_vocab, write  # noqa: E402
 from client.perf.run_perf_analyzer import percentile as pct  # noqa: E402
+from openai_frontend.__main__ import workers_arg  # noqa: E402
 
 SECTIONS = ("hf_one_by_one", "hf_static", "engine", "triton", "triton_llm", "frontend", "frontend_nonstream", "perf_analyzer",
             "alternating",
@@ -1342,9 +1343,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="measure HF one-at-a-time on the first N requests only (default all; quick 8)")
     ap.add_argument("--only", default=None, help=f"comma-separated sections to run: {','.join(SECTIONS)}")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip")
-    ap.add_argument("--frontend-workers", type=int, default=1,
+    ap.add_argument("--frontend-workers", type=workers_arg, default="auto",
                     help="the frontend's server processes (its --workers): each takes a share of the requests' "
-                         "HTTP, validation and gRPC work, ~1.3 ms of CPU a request on 2 cores")
+                         "HTTP, validation and gRPC work, ~1.3 ms of CPU a request on 2 cores (default: the frontend's auto)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="EngineConfig field for the engine in this process and, as LLM_KEY, for tritonserver "
                          "(e.g. max_num_seqs=256); repeatable")
@@ -1429,7 +1430,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                      "prompt_tokens": [args.min_prompt, args.max_prompt], "max_new_tokens": [args.min_new, args.max_new],
                      "total_prompt_tokens": sum(map(len, wl.prompts)), "total_output_tokens": sum(wl.new_tokens),
                      "temperature": args.temperature, "ignore_eos": True, "seed": args.seed,
-                     "main_prefix_caching": args.main_prefix_caching, "engine_args": args.engine_args},
+                     "main_prefix_caching": args.main_prefix_caching, "engine_args": args.engine_args,
+                     "frontend_workers": args.frontend_workers},
         "sections": sorted(args.sections),
     })
     log(f"workload: {args.num_requests} requests, {results['workload']['total_prompt_tokens']} prompt / "

@@ -57,11 +57,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--graceful-shutdown-timeout", type=float, default=None,
                    help="on SIGTERM/SIGINT, stop accepting and let in-flight requests and streams finish, "
                         "for at most this many seconds (default: no limit)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="server processes (each with its own gRPC channel) sharing the port")
+    p.add_argument("--workers", type=workers_arg, default="auto",
+                   help="server processes (each with its own event loop and gRPC channel) sharing the port; "
+                        "auto (default): one per four CPUs, from one to four")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
     return p.parse_args(argv)
+
+
+def workers_arg(value: str) -> int:
+    """--workers: a count, or auto. One event loop spends ~1.3 ms of CPU a request; on an H100
+    host (16 cores) four workers took the frontend's streaming from 0.70 to 0.82 of its
+    non-streaming throughput at concurrency 64. On a small host the cores belong to the engine."""
+    if value == "auto":
+        return max(1, min(4, len(os.sched_getaffinity(0)) // 4))
+    try:
+        workers = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or auto, not {value!r}") from None
+    if workers < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return workers
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -2,7 +2,7 @@
 # Sets up the environment, builds the demo model if missing, and serves it on the real
 # tritonserver (and the OpenAI/SGLang frontend when it is present).
 #   scripts/serve.sh [--model-path DIR] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
-#                    [--frontend-port 9000] [--frontend-workers 1] [--no-frontend] [--tool-call-parser qwen25]
+#                    [--frontend-port 9000] [--frontend-workers auto] [--no-frontend] [--tool-call-parser qwen25]
 #                    [--api-key KEY] [--chat-template FILE] [--trust-request-chat-template]
 #                    [--logits-processor-pattern REGEX] [--reasoning-parser NAME]
 #                    [--lora-modules name=path,name2=path2] [--allow-runtime-lora-updating]
@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL_PATH=${LLM_MODEL_PATH:-models/demo}
-HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002 FRONTEND_PORT=9000 FRONTEND=1 FRONTEND_WORKERS=1
+HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002 FRONTEND_PORT=9000 FRONTEND=1 FRONTEND_WORKERS=auto
 TOOL_CALL_PARSER=${TOOL_CALL_PARSER:-qwen25} API_KEY=${OPENAI_FRONTEND_API_KEY:-} REASONING_PARSER= RUNTIME_LORA=
 while [ $# -gt 0 ]; do
   case "$1" in

@@ -7,6 +7,7 @@ The app runs under uvicorn on a loopback port (real HTTP, real disconnects); the
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -1724,3 +1725,15 @@ def test_cli_refuses_a_frontend_id_that_would_not_parse_out_of_a_triton_id(front
     with pytest.raises(SystemExit) as exc:
         main(["--model-name", MODEL, "--frontend-id", frontend_id])
     assert "--frontend-id" in str(exc.value)
+
+
+def test_cli_workers_auto_is_one_per_four_cpus_up_to_four(monkeypatch):
+    from openai_frontend.__main__ import parse_args
+
+    for cpus, workers in ((2, 1), (7, 1), (8, 2), (16, 4), (64, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert parse_args(["--model-name", MODEL]).workers == workers
+    assert parse_args(["--model-name", MODEL, "--workers", "3"]).workers == 3
+    for bad in ("0", "many"):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-name", MODEL, "--workers", bad])
