@@ -7,6 +7,13 @@ history, the n samples of one prompt) share the blocks of that prefix, reference
 block whose last owner finishes keeps its contents and its hash: it sits in the free list, in
 least-recently-freed order, and is either found again by a later prefix or reused (evicted)
 when fresh blocks are needed.
+
+With sliding-window attention in every layer (Mistral's), a block wholly behind the window is
+never read again: it is released as the sequence moves on (vLLM's sliding-window manager), so a
+long sequence holds about window / block_size blocks, not its whole length. Its table entry
+stays, pointing at block 0, so positions keep their index: attention never reads it (the
+decode kernels start at the window; where a path gathers every block, the window's mask hides it,
+as it hides the tables' block-0 padding).
 """
 
 from __future__ import annotations
@@ -30,12 +37,17 @@ def chain_hash(parent: Optional[int], token_ids: Seq[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int = 0) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        if sliding_window < 0:
+            raise ValueError("sliding_window must be 0 (off) or positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Every layer's window (0: full attention somewhere, nothing is released early).
+        self.sliding_window = sliding_window
         self._blocks = [_Block() for _ in range(num_blocks)]
         # Free blocks, oldest-freed first: allocation takes from the front, so a cached block
         # survives as long as possible. Values unused (an ordered set).
@@ -148,20 +160,37 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first: they are the least likely to be shared, so they are evicted first.
-        for block in reversed(seq.block_table):
-            b = self._blocks[block]
-            if b.ref_count <= 0:
-                raise RuntimeError(f"block {block} freed more often than it was taken")
-            b.ref_count -= 1
-            if b.ref_count == 0:
-                if b.hash is None:
-                    self._free[block] = None
-                    self._free.move_to_end(block, last=False)  # uncached: reuse first
-                else:
-                    self._free[block] = None
+        for block in reversed(seq.block_table[seq.num_window_freed:]):
+            self._release(block)
         seq.block_table = []
+        seq.num_window_freed = 0
         seq.num_hashed_blocks = 0
         seq.block_hash = None
+
+    def free_behind_window(self, seq: Sequence) -> int:
+        """Release the blocks `seq`'s next tokens can no longer see; returns how many. Call it
+        once the step's K/V are stored (and its full blocks registered): the next query, at
+        position num_computed_tokens, sees keys from num_computed_tokens - window + 1 on."""
+        if not self.sliding_window:
+            return 0
+        dead = min(len(seq.block_table), (seq.num_computed_tokens - self.sliding_window + 1) // self.block_size)
+        released = 0
+        for i in range(seq.num_window_freed, dead):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = 0
+            released += 1
+        seq.num_window_freed = max(seq.num_window_freed, dead)
+        return released
+
+    def _release(self, block: int) -> None:
+        b = self._blocks[block]
+        if b.ref_count <= 0:
+            raise RuntimeError(f"block {block} freed more often than it was taken")
+        b.ref_count -= 1
+        if b.ref_count == 0:
+            self._free[block] = None
+            if b.hash is None:
+                self._free.move_to_end(block, last=False)  # uncached: reuse first
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached contents of every block nobody holds; returns how many."""

@@ -150,7 +150,9 @@ class LLMEngine:
             else:
                 log.info("CUDA graphs for decode batches up to %d captured in %.1f s",
                          self.model.graphs.max_batch, time.perf_counter() - t0)
-        self.block_manager = BlockManager(probe.num_blocks, config.block_size, config.enable_prefix_caching)
+        # ModelRunner.window is every layer's window, 0 when any layer attends to the whole context.
+        self.block_manager = BlockManager(probe.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          sliding_window=self.model.window)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_cap(),
             prefill_context_unit=config.prefill_unit(), prefill_tokens_per_decode=config.prefill_per_decode(),
@@ -600,6 +602,7 @@ class LLMEngine:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(seq)
+            self.block_manager.free_behind_window(seq)
             if seq.max_new_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
                 self._end(seq.request_id, FinishReason.LENGTH)  # scored only: its prompt logprobs go out
         if result is None:
@@ -905,10 +908,19 @@ class ModelRunnerSizing:
             num_blocks = int(max(free - weights * 1.2, 0) * config.gpu_memory_utilization) // bytes_per_block
         else:
             num_blocks = 2**30 // bytes_per_block  # 1 GiB on CPU
-        if num_blocks * config.block_size < self.max_model_len:
+        windows = set(model.layer_windows)
+        window = windows.pop() if len(windows) == 1 else 0
+        if window:
+            # Every layer slides: a sequence holds its window and the step's new tokens, from
+            # any offset in a block (the rest is released behind it, as vLLM sizes it).
+            span = min(self.max_model_len, window - 1 + config.max_num_batched_tokens)
+            need, what = -(-span // config.block_size) + 1, f"the sliding window of {window} and a step's {config.max_num_batched_tokens} tokens"
+        else:
+            need, what = -(-self.max_model_len // config.block_size), f"one sequence of the context length {self.max_model_len}"
+        if num_blocks < need:
             raise ValueError(
-                f"the KV pool ({num_blocks} blocks of {config.block_size}) cannot hold one sequence of the "
-                f"context length {self.max_model_len}; raise num_kv_blocks or lower max_model_len"
+                f"the KV pool ({num_blocks} blocks of {config.block_size}) cannot hold {what}; "
+                f"raise num_kv_blocks or lower max_model_len"
             )
         self.num_blocks = int(num_blocks)
 

@@ -35,6 +35,8 @@ class Sequence:
     # Tokens whose K/V are in the cache. A sequence computes [num_computed_tokens, num_tokens).
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Leading table entries already released behind a sliding window (BlockManager.free_behind_window).
+    num_window_freed: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: Optional[FinishReason] = None
     # The stop string or token id that ended the sequence (None for length/abort).

@@ -105,6 +105,34 @@ def test_engine_matches_hf_greedy(kind, chunk, demo_model_path, tmp_path):
         engine.shutdown()
 
 
+def test_sliding_window_model_runs_past_the_pool_on_released_blocks(demo_model_path, tmp_path):
+    # Mistral, window 32, blocks of 16: two sequences of 190 and 160 tokens need 22 blocks with
+    # every block kept, and a pool of 12 would preempt. Released behind the window (prefill in
+    # 24-token chunks, so it happens mid-prompt too), they run side by side, reusing released
+    # blocks at once, and still match HF greedy token for token.
+    from pathlib import Path
+
+    hf = _build("mistral_swa", Path(demo_model_path), tmp_path)
+    engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=12,
+                                    block_size=16, sampling_defaults="openai", max_num_batched_tokens=24,
+                                    max_prefill_tokens_while_decoding=24, enable_prefix_caching=False))
+    try:
+        assert engine.block_manager.sliding_window == 32
+        rng = random.Random(3)
+        prompts = [[rng.randrange(10, hf.config.vocab_size) for _ in range(n)] for n in (90, 60)]
+        new = 100
+        params = engine.parse_params({"temperature": 0, "max_new_tokens": new, "ignore_eos": True})
+        outs = engine.generate(prompts, params)
+        for prompt, out in zip(prompts, outs):
+            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            assert out.new_token_ids == ref[0, len(prompt):].tolist()
+        assert engine.scheduler.num_preemptions == 0
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown()
+
+
 def test_model_directories_as_published_load_as_transformers_loads_them(demo_model_path, tmp_path):
     # QA on real repos' layouts: which layers slide, as transformers reads each config; a
     # max_model_len past the model's context is refused; EOS ids from config.json count without

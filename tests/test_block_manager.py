@@ -277,3 +277,50 @@ def test_prefill_is_capped_while_others_decode():
     sched2 = Scheduler(bm2, max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=8)
     sched2.add(_seq(40))
     assert [i.num_new_tokens for i in sched2.schedule()] == [40]
+
+
+def test_sliding_window_releases_the_blocks_behind_it():
+    # window 8, blocks of 4: the next query at position p sees keys p-7..p, so the blocks
+    # wholly below p-7 go back to the pool; their entries stay (block 0) to keep positions.
+    bm = BlockManager(num_blocks=8, block_size=4, sliding_window=8)
+    s = _seq(20)
+    bm.allocate(s, 20)
+    held = list(s.block_table)
+    assert bm.free_behind_window(s) == 0  # nothing computed yet
+    s.num_computed_tokens = 11  # next query at 11 sees 4..11: block 0 (0..3) is behind
+    assert bm.free_behind_window(s) == 1
+    assert s.block_table == [0] + held[1:] and bm.num_free_blocks == 4 and bm.ref_count(held[0]) == 0
+    s.num_computed_tokens = 20  # sees 13..20: blocks 1 and 2 (4..11) are behind, block 3 (12..15) is not
+    assert bm.free_behind_window(s) == 2 and bm.free_behind_window(s) == 0
+    assert s.block_table[:3] == [0, 0, 0] and s.block_table[3:] == held[3:] and s.num_window_freed == 3
+    bm.allocate(s, 21)  # grows by position: the released entries still count as the table's length
+    assert len(s.block_table) == 6
+    bm.free(s)  # only what it still holds
+    assert bm.num_free_blocks == 8 and s.num_window_freed == 0 and s.block_table == []
+    # Off without a window: full attention reads every block.
+    full = BlockManager(num_blocks=8, block_size=4)
+    t = _seq(20)
+    full.allocate(t, 20)
+    t.num_computed_tokens = 20
+    assert full.free_behind_window(t) == 0 and full.num_free_blocks == 3
+
+
+def test_sliding_window_release_keeps_shared_and_cached_blocks():
+    # A block shared through the prefix cache stays with its other holder; released by its
+    # last holder it keeps its contents (cached, free, found by a later prompt).
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True, sliding_window=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    prefix = list(range(100, 112))  # 3 full blocks
+    a = _tokens_seq(prefix + [1, 2])
+    _admit_and_compute(sched, a)
+    shared = a.block_table[:3]
+    b = _tokens_seq(prefix + [3, 4, 5])
+    sched.add(b)
+    sched.schedule()
+    assert b.block_table[:3] == shared and all(bm.ref_count(x) == 2 for x in shared)
+    assert bm.free_behind_window(a) == 2  # a's next query at 14 sees 11..14: blocks 0, 1 behind
+    assert [bm.ref_count(x) for x in shared] == [1, 1, 2] and bm.num_cached_blocks == 3
+    sched.finish(b, FinishReason.STOP)
+    sched.finish(a, FinishReason.STOP)
+    assert bm.num_free_blocks == 16 and all(bm.ref_count(x) == 0 for x in shared)
+    assert bm.match_prefix(_tokens_seq(prefix + [9])) == shared
