@@ -29,7 +29,9 @@
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
-#              frontend streaming / non-streaming at concurrency 1, 8, 64 -> serving_bench.json + .png;
+#              frontend streaming / non-streaming at concurrency 1, 8, 64, then three alternating
+#              rounds of each at c=64 whose medians give the ratios (one 64-request run at c=64 lasts
+#              ~1 s on an H100 and moves by +-20%) -> serving_bench.json + .png;
 #              every engine (this process's and the server's) gets a KV pool of SERVING_KV_MB (8192):
 #              left to take 0.85 of the free memory, the bench's engines and the server's cannot
 #              all fit (an H200 run's second in-process engine lost its CUDA graphs to OOM)
@@ -269,7 +271,7 @@ serving() {  # python, out dir, name[, nopng]: the serving paths on this host's 
   # copy the result out. A no-op trap (not an ignored signal) leaves the children's default.
   trap 'true' TERM
   TRITON_HOME=$home PYTHONPATH="/tmp/serving-site:${PYTHONPATH:-}" "$py" -m bench.serving_bench --device "${SERVING_DEVICE:-cuda}" \
-    --only engine,triton,triton_llm,frontend,frontend_nonstream --concurrency 1 8 64 --out "$results" \
+    --only engine,triton,triton_llm,frontend,frontend_nonstream,alternating --concurrency 1 8 64 --out "$results" \
     --engine-arg "kv_cache_memory_mb=${SERVING_KV_MB:-8192}" ${SERVING_ARGS:-}
   local rc=$? last
   last=$(ls -t "$results"/*.json 2>/dev/null | head -1)
