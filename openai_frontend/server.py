@@ -531,5 +531,27 @@ def app_from_env() -> FastAPI:
     import os
 
     app = create_app(Settings(**json.loads(os.environ[SETTINGS_ENV])))
+    _exit_with_supervisor()
     freeze_startup_heap()  # each worker serves until it exits
     return app
+
+
+def _exit_with_supervisor(interval: float = 1.0) -> None:
+    """A worker stops (gracefully, SIGTERM) once the uvicorn process that started it is gone.
+
+    uvicorn's workers do not notice their supervisor's death: killed outright (SIGKILL, the OOM
+    killer), it leaves them serving on the port it bound, so a restarted frontend cannot bind
+    it and the orphans run with nobody to stop them."""
+    import os
+    import signal
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="frontend-supervisor-watch", daemon=True).start()

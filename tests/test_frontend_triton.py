@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -981,6 +982,35 @@ def test_triton_unreachable_is_503():
         for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
             r = httpx.post(url + path, json=body, timeout=30)
             assert _error(r, 503)["type"] == "service_unavailable_error" and r.headers["retry-after"], path
+
+
+def test_frontend_workers_stop_when_their_supervisor_is_killed():
+    """--workers 2, the uvicorn supervisor SIGKILLed (the OOM killer, kill -9): its workers stop
+    too and the port is free again for a restarted frontend, instead of orphans serving on it."""
+    port = free_port()
+    proc = _start_frontend_process(f"localhost:{free_port()}", port, "--workers", "2")
+    children = set()
+    for _ in range(50):
+        children = {int(p) for p in (Path("/proc") / str(proc.pid) / "task" / str(proc.pid) / "children").read_text().split()}
+        if len(children) >= 2:
+            break
+        time.sleep(0.1)
+    assert len(children) >= 2, children
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{c}").exists() and "Z" not in _proc_state(c) for c in children):
+        time.sleep(0.2)
+    assert not [c for c in children if Path(f"/proc/{c}").exists() and "Z" not in _proc_state(c)], "orphaned workers"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # nobody holds the port any more
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
 
 
 def test_triton_restart_then_overload(triton, base_url, demo_model_path):
