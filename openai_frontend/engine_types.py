@@ -36,6 +36,9 @@ class EngineRequest:
     input_ids: Optional[list[int]] = None
     input_embeds: Optional[list[list[float]]] = None  # [num_tokens][hidden_size] (SGLang's input_embeds)
     request_id: str = ""
+    # The client chose request_id (SGLang's rid): while a request runs under it, another one is
+    # refused, as SGLang's tokenizer manager refuses it (an abort by rid must name one request).
+    client_named: bool = False
     n: int = 1
     stream: bool = True
 

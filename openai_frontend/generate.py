@@ -264,7 +264,7 @@ class GenerateHandler:
             rid = _pick(req.rid, p, b, "rid") if isinstance(req.rid, list) else request_id
             if b > 1 and not isinstance(req.rid, list):
                 rid = f"{rid}_{p}"
-            common = dict(sampling_params=sp, request_id=rid, n=n, stream=req.stream)
+            common = dict(sampling_params=sp, request_id=rid, n=n, stream=req.stream, client_named=req.rid is not None)
             if isinstance(prompt, str):
                 requests.append(EngineRequest(text_input=prompt, **common))
             elif embedded:

@@ -408,6 +408,9 @@ class TritonLLMClient:
         Closing the iterator before the end (or cancelling the task consuming it) cancels the
         gRPC stream, which cancels the request in Triton.
         """
+        if request.client_named and request.request_id in self._streams:
+            # Checked and registered below with no await between: atomic on the event loop.
+            raise APIError(400, f"Duplicate request ID detected: {request.request_id}", param="rid")
         inputs = build_inputs(request)
         # Unique per stream (client-supplied ids may repeat), traceable to the client's id, and
         # abortable by it from any process sharing this frontend id (abort_requests).

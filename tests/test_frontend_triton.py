@@ -662,7 +662,8 @@ def _stream_until_aborted(url: str, body: dict, started: threading.Event, out: l
 
 def test_abort_request_ends_streams_with_finish_reason_abort(triton, base_url):
     """SGLang's /abort_request: by rid (a /generate stream, and one prompt of a batch), and
-    abort_all (OpenAI streams); each keeps what it generated and frees its blocks."""
+    abort_all (OpenAI streams); each keeps what it generated and frees its blocks. A second
+    request under a rid in flight is refused, as SGLang refuses it; once it ended the rid is free."""
     aborted = _aborted(triton)
     long = {"max_new_tokens": None, "ignore_eos": True}  # up to the end of the context
     bodies = {
@@ -674,10 +675,18 @@ def test_abort_request_ends_streams_with_finish_reason_abort(triton, base_url):
         t = threading.Thread(target=_stream_until_aborted, args=(base_url + "/generate", body, started, out))
         t.start()
         assert started.wait(30)
+        again = {"text": "again", "rid": "abort-me" if name == "single" else "abort-batch_1",
+                 "sampling_params": {"max_new_tokens": 2}}
+        dup = httpx.post(base_url + "/generate", json=again)
+        assert dup.status_code == 400, dup.text
+        assert dup.json()["error"]["message"] == f"Duplicate request ID detected: {again['rid']}"
+        assert dup.json()["error"]["param"] == "rid"
         r = httpx.post(base_url + "/abort_request", json={"rid": body["rid"]})
         assert r.status_code == 200 and r.json() == {"aborted": 1 if name == "single" else 2}, r.text
         t.join(30)
         assert not t.is_alive() and out, name
+        r = httpx.post(base_url + "/generate", json=again)
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2, r.text
         finals = [e["meta_info"] for e in out[0] if e["meta_info"].get("finish_reason")]
         assert finals and all(m["finish_reason"]["type"] == "abort" for m in finals), finals
         assert all(0 < m["completion_tokens"] < 1000 for m in finals)

@@ -1634,6 +1634,11 @@ def test_generate_ids_and_logprob_keys_as_sglang(base_url, fake):
     # and the one used is echoed.
     r = httpx.post(base_url + "/generate", json={"text": "x", "rid": "g77"})
     assert r.json()["meta_info"]["id"] == "g77" and r.headers["x-request-id"] == "g77"
+    # A rid the client chose is its request's alone while it runs (the client refuses a second,
+    # tests/test_frontend_triton.py); a generated id needs no such check.
+    assert fake.requests[-1].client_named
+    httpx.post(base_url + "/generate", json={"text": "x"})
+    assert not fake.requests[-1].client_named
     r = httpx.post(base_url + "/generate", json={"text": "x", "rid": "g78"}, headers={"X-Request-Id": "hdr1"})
     assert r.json()["meta_info"]["id"] == "hdr1" and r.headers["x-request-id"] == "hdr1"
     r = httpx.post(base_url + "/generate", json={"text": ["x", "y", "z"], "rid": ["a", "b", "a"]})
