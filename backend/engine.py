@@ -908,18 +908,18 @@ class ModelRunnerSizing:
             num_blocks = int(max(free - weights * 1.2, 0) * config.gpu_memory_utilization) // bytes_per_block
         else:
             num_blocks = 2**30 // bytes_per_block  # 1 GiB on CPU
+        bs = config.block_size
+        need, what = -(-self.max_model_len // bs), f"one sequence of the context length {self.max_model_len}"
         windows = set(model.layer_windows)
         window = windows.pop() if len(windows) == 1 else 0
-        if window:
-            # Every layer slides: a sequence holds its window and the step's new tokens, from
-            # any offset in a block (the rest is released behind it, as vLLM sizes it).
-            span = min(self.max_model_len, window - 1 + config.max_num_batched_tokens)
-            need, what = -(-span // config.block_size) + 1, f"the sliding window of {window} and a step's {config.max_num_batched_tokens} tokens"
-        else:
-            need, what = -(-self.max_model_len // config.block_size), f"one sequence of the context length {self.max_model_len}"
+        # Every layer slides: a sequence holds its window and the step's new tokens, from any
+        # offset in a block (the rest is released behind it), as vLLM sizes it.
+        if window and -(-(window - 1 + config.max_num_batched_tokens) // bs) + 1 < need:
+            need = -(-(window - 1 + config.max_num_batched_tokens) // bs) + 1
+            what = f"the sliding window of {window} and a step's {config.max_num_batched_tokens} tokens"
         if num_blocks < need:
             raise ValueError(
-                f"the KV pool ({num_blocks} blocks of {config.block_size}) cannot hold {what}; "
+                f"the KV pool ({num_blocks} blocks of {bs}) cannot hold {what}; "
                 f"raise num_kv_blocks or lower max_model_len"
             )
         self.num_blocks = int(num_blocks)

@@ -131,6 +131,38 @@ def test_sliding_window_model_runs_past_the_pool_on_released_blocks(demo_model_p
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
         engine.shutdown()
+    # The pool must hold a window and a step's tokens from any offset: 31 + 24 tokens -> 5 blocks.
+    from backend.engine import ModelRunnerSizing
+
+    small = EngineConfig(model_path=str(tmp_path), device="cpu", num_kv_blocks=4, block_size=16, max_num_batched_tokens=24)
+    with pytest.raises(ValueError, match="cannot hold the sliding window of 32 and a step's 24 tokens"):
+        ModelRunnerSizing(tmp_path, small)
+    assert ModelRunnerSizing(tmp_path, small.model_copy(update={"num_kv_blocks": 5})).num_blocks == 5
+
+
+def test_sliding_window_release_with_prefix_caching_keeps_outputs_exact(demo_model_path, tmp_path):
+    # A 100-token prefix shared by three prompts, prefix caching on: the later prompts find the
+    # first one's blocks cached, those its window had already released included (kept in the
+    # pool's LRU with their contents), and release their own copies behind the window again.
+    from pathlib import Path
+
+    hf = _build("mistral_swa", Path(demo_model_path), tmp_path)
+    engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=32,
+                                    block_size=16, sampling_defaults="openai", enable_prefix_caching=True))
+    try:
+        rng = random.Random(5)
+        prefix = [rng.randrange(10, hf.config.vocab_size) for _ in range(100)]
+        prompts = [prefix + [rng.randrange(10, hf.config.vocab_size) for _ in range(n)] for n in (3, 20, 41)]
+        params = engine.parse_params({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
+        outs = [engine.generate([p], params)[0] for p in prompts]  # one after another: the cache is warm
+        for prompt, out in zip(prompts, outs):
+            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
+            assert out.new_token_ids == ref[0, len(prompt):].tolist()
+        assert [o.cached_tokens for o in outs] == [0, 96, 96]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown()
 
 
 def test_model_directories_as_published_load_as_transformers_loads_them(demo_model_path, tmp_path):
