@@ -72,6 +72,13 @@ def _build(kind: str, demo_model_path, out_dir):
     return model
 
 
+def _assert_hf_greedy(hf, prompts, outs, new: int) -> None:
+    for prompt, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        assert out.new_token_ids == ref[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("kind, chunk", [("llama", None), ("qwen3", None), ("llama_biased_gelu", None),
                                          ("qwen2_yarn", None), ("mistral_swa", None), ("mistral_swa", 24),
                                          ("qwen2_mixed_swa", None), ("qwen2_mixed_swa", 24)])
@@ -90,10 +97,7 @@ def test_engine_matches_hf_greedy(kind, chunk, demo_model_path, tmp_path):
         prompts = [[rng.randrange(10, hf.config.vocab_size) for _ in range(n)] for n in (5, 40, 90)]
         params = engine.parse_params({"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True})
         outs = engine.generate(prompts, params)
-        for prompt, out in zip(prompts, outs):
-            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-            assert out.new_token_ids == ref[0, len(prompt):].tolist()
+        _assert_hf_greedy(hf, prompts, outs, MAX_NEW)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         if kind == "qwen2_yarn":
             assert engine.max_model_len == 256  # 64 pretrained x factor 4, as vLLM reads it
@@ -123,10 +127,7 @@ def test_sliding_window_model_runs_past_the_pool_on_released_blocks(demo_model_p
         new = 100
         params = engine.parse_params({"temperature": 0, "max_new_tokens": new, "ignore_eos": True})
         outs = engine.generate(prompts, params)
-        for prompt, out in zip(prompts, outs):
-            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-            assert out.new_token_ids == ref[0, len(prompt):].tolist()
+        _assert_hf_greedy(hf, prompts, outs, new)
         assert engine.scheduler.num_preemptions == 0
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
@@ -155,10 +156,7 @@ def test_sliding_window_release_with_prefix_caching_keeps_outputs_exact(demo_mod
         prompts = [prefix + [rng.randrange(10, hf.config.vocab_size) for _ in range(n)] for n in (3, 20, 41)]
         params = engine.parse_params({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
         outs = [engine.generate([p], params)[0] for p in prompts]  # one after another: the cache is warm
-        for prompt, out in zip(prompts, outs):
-            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0)
-            assert out.new_token_ids == ref[0, len(prompt):].tolist()
+        _assert_hf_greedy(hf, prompts, outs, 40)
         assert [o.cached_tokens for o in outs] == [0, 96, 96]
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
