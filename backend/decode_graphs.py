@@ -121,7 +121,7 @@ class DecodeGraphs:
             return None
         n = batch.input_ids.shape[0]
         b = self.bucket(n)
-        if b is None or batch.logits_index.shape[0] != n:
+        if b is None:
             return None
         group = batch.groups[0]
         width = group.block_tables.shape[1]
@@ -137,8 +137,11 @@ class DecodeGraphs:
         replay, logits = self._graphs[b]
         replay()
         self.replays += 1
-        # Rows are the sequences in order (decode-only: logits_index is 0..n-1).
-        return logits[:n].clone()
+        # The graph computes every row's logits. A decode step wants them all, in order; a flat
+        # step (prefill chunks as decode rows, ModelRunner._prepare_flat) only its logits_index.
+        if batch.logits_index.shape[0] == n:
+            return logits[:n].clone()
+        return logits[:n].index_select(0, batch.logits_index)
 
     @torch.inference_mode()
     def self_check(self, atol: float = 1e-2) -> Optional[str]:

@@ -140,6 +140,7 @@ class LLMEngine:
             model_path, probe.num_blocks, config.block_size, device=device, dtype=config.model_dtype(),
             kv_dtype=config.kv_torch_dtype(), graph_batch=graph_batch,
         )
+        self.model.flat_tokens = config.flat_prefill_tokens
         for name, path in config.lora_modules.items():
             self.load_lora(name, path)
         if graph_batch:

@@ -387,6 +387,9 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or self.dtype
         self.block_size = block_size
         self.graph_batch = graph_batch
+        # Steps of at most this many tokens that carry prefill chunks are laid out flat: every
+        # token one paged-kernel query (_prepare_flat; EngineConfig.flat_prefill_tokens). 0: never.
+        self.flat_tokens = 0
         self.graphs: Optional[DecodeGraphs] = None
         self.adapters: dict[str, LoraAdapter] = {}
         self._load_weights(Path(model_path))
@@ -531,9 +534,54 @@ class ModelRunner:
         (forward_with_hidden returns them in chunk order).
         """
         if (self.decode_attention != "gather" and chunks and not (adapters and any(adapters)) and embeds is None
-                and not (hidden and any(hidden)) and all(len(c[0]) == 1 and c[3] is True for c in chunks)):
-            return self._prepare_decode(chunks)
+                and not (hidden and any(hidden))):
+            if all(len(c[0]) == 1 and c[3] is True for c in chunks):
+                return self._prepare_decode(chunks)
+            if sum(len(c[0]) for c in chunks) <= self.flat_tokens:
+                return self._prepare_flat(chunks)
         return self._prepare_general(chunks, adapters, embeds, hidden)
+
+    def _prepare_flat(self, chunks: list[tuple[list[int], int, list[int], Any]]) -> BatchInput:
+        """`prepare` for a step whose prefill chunks are small: every token is one query of the
+        paged decode kernel, reading its sequence's blocks in place up to its own position (the
+        chunk's K/V are written before attention runs, so each query sees the tokens before it
+        and itself: causal). The step is then laid out as a decode step is, one paged group in
+        packed order, with no gathered K/V, no masks and no per-sequence attention call; on a
+        GPU it replays a decode graph."""
+        bs = self.block_size
+        dev = self.device
+        width = max(len(c[2]) for c in chunks)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        table_rows: list[list[int]] = []
+        logits_index: list[int] = []
+        for ids, start, table, rows in chunks:
+            base = len(input_ids)
+            n = len(ids)
+            row = table if len(table) == width else list(table) + [0] * (width - len(table))
+            pos = range(start, start + n)
+            input_ids.extend(ids)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            table_rows.extend([row] * n)
+            if rows is True:
+                logits_index.append(base + n - 1)
+            elif rows:
+                logits_index.extend(base + r for r in rows)
+        index = host_tensor(range(len(input_ids)), torch.long, dev)
+        group = AttentionGroup(index, index, None, None, len(input_ids), 1,
+                               block_tables=host_tensor(table_rows, torch.int32, dev),
+                               context_lens=host_tensor([p + 1 for p in positions], torch.int32, dev))
+        return BatchInput(
+            input_ids=host_tensor(input_ids, torch.long, dev),
+            positions=host_tensor(positions, torch.long, dev),
+            slot_mapping=host_tensor(slots, torch.long, dev),
+            groups=[group],
+            logits_index=host_tensor(logits_index, torch.long, dev),
+            max_position=max(positions),
+            decode_only=True,
+        )
 
     def _prepare_general(self, chunks: list[tuple[list[int], int, list[int], Any]],
                          adapters: Optional[list[Optional[LoraAdapter]]] = None,

@@ -138,6 +138,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "max_prefill_tokens_while_decoding": int,
         "prefill_context_unit": int,
         "prefill_tokens_per_decode": int,
+        "flat_prefill_tokens": int,
         "max_model_len": int,
         "scheduling_policy": str,
         "sampling_defaults": str,

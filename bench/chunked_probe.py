@@ -40,11 +40,14 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--long-prompt-len", type=int, default=3072)
     ap.add_argument("--decode-steps", type=int, default=30, help="decode-only steps timed before the prompt")
+    ap.add_argument("--flat-prefill-tokens", type=int, default=0,
+                    help="EngineConfig.flat_prefill_tokens: steps of at most this many tokens run as decode steps "
+                         "(on CUDA from the decode graphs); 0 off")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     engine = LLMEngine(EngineConfig(model_path=a.model_path, device=a.device, enable_prefix_caching=False,
-                                    kv_cache_memory_mb=2048))
+                                    kv_cache_memory_mb=2048, flat_prefill_tokens=a.flat_prefill_tokens))
     rng = random.Random(0)
     vocab = engine.vocab_size
     cuda = a.device.startswith("cuda")
@@ -75,6 +78,7 @@ def main() -> None:
 
     decode = SamplingParams(max_new_tokens=2048, temperature=0.0, ignore_eos=True)
     results: dict[str, Any] = {"device": a.device, "model": str(a.model_path), "streams": a.streams,
+                               "flat_prefill_tokens": a.flat_prefill_tokens,
                                "long_prompt_len": a.long_prompt_len,
                                "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
                                "caps": {}}

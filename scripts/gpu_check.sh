@@ -26,6 +26,12 @@
 #   chunked    where a chunked-prefill step's time goes: decode steps of 8 streams against the steps
 #              that also carry a chunk of a 3072-token prompt, at chunk caps 128/256/512, profiled
 #              -> chunked_probe.json (bench/chunked_probe.py)
+#   chunked_flat  the same with flat_prefill_tokens 128 at caps 64/112: the steps that carry a chunk
+#              laid out as decode rows and replayed from the decode graphs (max_num_seqs 128 buckets)
+#              instead of run eagerly -> chunked_flat_probe.json. Against `chunked`: whether to turn
+#              flat_prefill_tokens on by default on CUDA (with the serving chunked section:
+#              SERVING_ARGS="--only chunked --engine-arg flat_prefill_tokens=128
+#              --engine-arg max_prefill_tokens_while_decoding=112")
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
@@ -138,7 +144,7 @@ PY
   du -sh .whl/serving
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [chunked]=90 [kvdtype]=170
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [chunked]=90 [chunked_flat]=90 [kvdtype]=170
                   [serving]=300 [serving_0.4b]=200)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
@@ -223,6 +229,8 @@ run() {
         done ;;
       prefill) step prefill "$py" -m bench.prefill_probe --device cuda --profile --json "$OUT/prefill_probe.json" ;;
       chunked) step chunked "$py" -m bench.chunked_probe --device cuda --profile --json "$OUT/chunked_probe.json" ;;
+      chunked_flat) step chunked_flat "$py" -m bench.chunked_probe --device cuda --caps 64 112 --flat-prefill-tokens 128 \
+                      --json "$OUT/chunked_flat_probe.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
       serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" serving_bench ;;
       serving_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"

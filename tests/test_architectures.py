@@ -79,18 +79,26 @@ def _assert_hf_greedy(hf, prompts, outs, new: int) -> None:
         assert out.new_token_ids == ref[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind, chunk", [("llama", None), ("qwen3", None), ("llama_biased_gelu", None),
-                                         ("qwen2_yarn", None), ("mistral_swa", None), ("mistral_swa", 24),
-                                         ("qwen2_mixed_swa", None), ("qwen2_mixed_swa", 24)])
-def test_engine_matches_hf_greedy(kind, chunk, demo_model_path, tmp_path):
+@pytest.mark.parametrize("kind, chunk, flat", [("llama", None, False), ("qwen3", None, False),
+                                               ("llama_biased_gelu", None, False), ("qwen2_yarn", None, False),
+                                               ("mistral_swa", None, False), ("mistral_swa", 24, False),
+                                               ("mistral_swa", 24, True), ("qwen2_mixed_swa", None, False),
+                                               ("qwen2_mixed_swa", 24, False), ("qwen2_mixed_swa", 24, True)])
+def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path):
     from pathlib import Path
 
     hf = _build(kind, Path(demo_model_path), tmp_path)
-    # chunk: prefill in chunks of that many tokens, so a chunk starts past the sliding window
+    # chunk: prefill in chunks of that many tokens, so a chunk starts past the sliding window;
+    # flat: every step (at most `chunk` tokens) as paged-kernel queries, the window in the kernel
     engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64,
                                     block_size=16, sampling_defaults="openai",
                                     **({"max_num_batched_tokens": chunk, "max_prefill_tokens_while_decoding": chunk}
-                                       if chunk else {})))
+                                       if chunk else {}),
+                                    **({"flat_prefill_tokens": chunk} if flat else {})))
+    flat_steps = []
+    if flat:
+        prepare_flat = engine.model._prepare_flat
+        engine.model._prepare_flat = lambda chunks: flat_steps.append(len(chunks)) or prepare_flat(chunks)
     try:
         rng = random.Random(1)
         # Lengths past the llama3 / YaRN rope's original 64 positions and Mistral's 32-token window.
@@ -99,6 +107,8 @@ def test_engine_matches_hf_greedy(kind, chunk, demo_model_path, tmp_path):
         outs = engine.generate(prompts, params)
         _assert_hf_greedy(hf, prompts, outs, MAX_NEW)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        if flat:  # every prefill step went flat, prompts past the window among them
+            assert len(flat_steps) >= (5 + 40 + 90) // chunk and max(flat_steps) > 1
         if kind == "qwen2_yarn":
             assert engine.max_model_len == 256  # 64 pretrained x factor 4, as vLLM reads it
         if kind == "mistral_swa":

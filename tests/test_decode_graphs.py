@@ -136,6 +136,45 @@ def test_bad_capture_is_rejected(demo_model_path):
     assert ModelRunner(demo_model_path, BLOCKS, BS, device="cpu").enable_decode_graphs() is not None
 
 
+def test_flat_prefill_steps_replay_decode_graphs_and_equal_the_general_layout(demo_model_path):
+    # flat_prefill_tokens: steps of at most 32 tokens, prefill chunks included, laid out as decode
+    # rows (one paged-kernel query per token) and replayed from the decode graphs, which then
+    # hand back only the logits the step wants (the chunks' last rows, prompt logprob rows).
+    # Against the general layout, run eagerly: the same tokens and the same prompt logprobs.
+    def engine(flat: bool) -> LLMEngine:
+        eng = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", dtype="float32", num_kv_blocks=BLOCKS,
+                                     block_size=BS, max_num_seqs=32, enable_prefix_caching=False,
+                                     max_num_batched_tokens=32, max_prefill_tokens_while_decoding=32,
+                                     flat_prefill_tokens=32 if flat else 0))
+        if flat:
+            eng.model = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=32)
+            eng.model.flat_tokens = 32
+            assert eng.model.enable_decode_graphs(capture=eager_replay) is None
+        return eng
+
+    general, flat = engine(False), engine(True)
+    flat_steps = []
+    prepare_flat = flat.model._prepare_flat
+    flat.model._prepare_flat = lambda chunks: flat_steps.append(sum(len(c[0]) for c in chunks)) or prepare_flat(chunks)
+    rng = random.Random(11)
+    vocab = general.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 45, 70, 9, 100)]
+    params = [SamplingParams(max_new_tokens=5 + 4 * i, temperature=0.0, ignore_eos=True,
+                             **({"return_logprob": True, "logprob_start_len": 0} if i == 1 else {}))
+              for i in range(5)]
+    want = general.generate(prompts, params)
+    got = flat.generate(prompts, params)
+    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+    lp_got = [e[0] for e in got[1].logprobs["input_token_logprobs"]]
+    lp_want = [e[0] for e in want[1].logprobs["input_token_logprobs"]]
+    assert len(lp_got) == 45 and lp_got[0] is None and lp_want[0] is None
+    torch.testing.assert_close(torch.tensor(lp_got[1:]), torch.tensor(lp_want[1:]))
+    assert flat_steps and max(flat_steps) > 1  # prefill chunks went flat ...
+    assert flat.model.graphs.replays >= len(flat_steps)  # ... and replayed graphs, with the decodes
+    for eng in (general, flat):
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graph capture: CUDA only")
 def test_cuda_graphs_equal_eager_on_gpu(demo_model_path):
     def engine(graphs: bool) -> LLMEngine:
