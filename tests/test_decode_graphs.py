@@ -192,6 +192,28 @@ def test_cuda_graphs_equal_eager_on_gpu(demo_model_path):
     assert graphed.model.graphs.replays > 10
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graph capture: CUDA only")
+def test_cuda_flat_prefill_steps_equal_eager_on_gpu(demo_model_path):
+    # flat_prefill_tokens on a GPU: steps carrying prefill chunks replay the captured decode
+    # graphs; against the eager general layout, the same greedy tokens.
+    def engine(flat: bool) -> LLMEngine:
+        return LLMEngine(EngineConfig(model_path=demo_model_path, device="cuda", dtype="float32", num_kv_blocks=BLOCKS,
+                                      block_size=BS, max_num_seqs=32, max_num_batched_tokens=32,
+                                      max_prefill_tokens_while_decoding=32, flat_prefill_tokens=32 if flat else 0,
+                                      cuda_graphs=flat))
+
+    flat, eager = engine(True), engine(False)
+    assert flat.model.graphs is not None
+    rng = random.Random(9)
+    prompts = [[rng.randrange(eager.vocab_size) for _ in range(rng.randint(3, 90))] for _ in range(9)]
+    params = [SamplingParams(max_new_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(9)]
+    want = eager.generate(prompts, params)
+    replays = flat.model.graphs.replays
+    got = flat.generate(prompts, params)
+    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+    assert flat.model.graphs.replays - replays > 10
+
+
 def test_cuda_runner_keeps_sdpa_off_cudnn(demo_model_path):
     """cuDNN's SDPA builds a graph per new shape (tens of ms; backend/model_runner.py): a CUDA
     runner turns that backend off, a CPU runner leaves the process's setting alone."""
