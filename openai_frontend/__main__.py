@@ -151,10 +151,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         import dataclasses
         import json
 
-        from openai_frontend.server import SETTINGS_ENV
+        from openai_frontend.server import SETTINGS_ENV, SUPERVISOR_ENV
 
         settings.metrics_dir = tempfile.mkdtemp(prefix="openai-frontend-metrics-")
         os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(settings))
+        os.environ[SUPERVISOR_ENV] = str(os.getpid())
         try:
             uvicorn.run("openai_frontend.server:app_from_env", factory=True, workers=args.workers, **options)
         finally:

@@ -509,6 +509,8 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
 
 SETTINGS_ENV = "OPENAI_FRONTEND_SETTINGS"
+# The uvicorn supervisor's pid, for its workers (_exit_with_supervisor).
+SUPERVISOR_ENV = "OPENAI_FRONTEND_SUPERVISOR_PID"
 
 
 def freeze_startup_heap() -> None:
@@ -541,13 +543,15 @@ def _exit_with_supervisor(interval: float = 1.0) -> None:
 
     uvicorn's workers do not notice their supervisor's death: killed outright (SIGKILL, the OOM
     killer), it leaves them serving on the port it bound, so a restarted frontend cannot bind
-    it and the orphans run with nobody to stop them."""
+    it and the orphans run with nobody to stop them. The supervisor's pid comes from the
+    environment, not getppid() here: a worker still starting when its supervisor died would
+    take its new parent (init) for the supervisor and never stop."""
     import os
     import signal
     import threading
     import time
 
-    parent = os.getppid()
+    parent = int(os.environ.get(SUPERVISOR_ENV) or os.getppid())
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -993,21 +993,29 @@ def test_triton_unreachable_is_503():
             assert _error(r, 503)["type"] == "service_unavailable_error" and r.headers["retry-after"], path
 
 
-def test_frontend_workers_stop_when_their_supervisor_is_killed():
-    """--workers 2, the uvicorn supervisor SIGKILLed (the OOM killer, kill -9): its workers stop
-    too and the port is free again for a restarted frontend, instead of orphans serving on it."""
+@pytest.mark.parametrize("when", ["serving", "starting"])
+def test_frontend_workers_stop_when_their_supervisor_is_killed(when):
+    """--workers 2, the uvicorn supervisor SIGKILLed (the OOM killer, kill -9), once its workers
+    serve or while they still start: they stop too and the port is free again for a restarted
+    frontend, instead of orphans serving on it."""
     port = free_port()
-    proc = _start_frontend_process(f"localhost:{free_port()}", port, "--workers", "2")
-    children = set()
-    for _ in range(50):
+    if when == "serving":
+        proc = _start_frontend_process(f"localhost:{free_port()}", port, "--workers", "2")
+    else:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "openai_frontend", "--triton-url", f"localhost:{free_port()}", "--model-name", MODEL,
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--workers", "2"],
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    children: set[int] = set()
+    for _ in range(300):
         children = {int(p) for p in (Path("/proc") / str(proc.pid) / "task" / str(proc.pid) / "children").read_text().split()}
         if len(children) >= 2:
             break
-        time.sleep(0.1)
+        time.sleep(0.05)
     assert len(children) >= 2, children
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(Path(f"/proc/{c}").exists() and "Z" not in _proc_state(c) for c in children):
         time.sleep(0.2)
     assert not [c for c in children if Path(f"/proc/{c}").exists() and "Z" not in _proc_state(c)], "orphaned workers"
