@@ -27,7 +27,8 @@
 #   TRITONSERVER        tritonserver binary (default: tritonserver on PATH)
 #   TRITON_BACKEND_DIR  backend directory (default /opt/tritonserver/backends)
 #   PYTHON              interpreter with the project's dependencies (default python3 on PATH)
-#   TRITON_ARGS FRONTEND_ARGS   extra arguments (word-split)
+#   TRITON_ARGS FRONTEND_ARGS   extra arguments (word-split); the frontend runs `--workers auto`
+#                       (one process per four CPUs, one to four) unless FRONTEND_ARGS says otherwise
 #   WATCHDOG_INTERVAL (5) STUB_GRACE (5) EXIT_TIMEOUT (30) READY_TIMEOUT (600) MAX_RESTARTS (5) RESTART_WINDOW (600)
 #   OPENAI_FRONTEND_API_KEY     read by the frontend: require this bearer token
 #   LLM_* engine settings       read by the llm model (see README: LLM_NUM_KV_BLOCKS, LLM_MAX_MODEL_LEN, ...)
