@@ -549,7 +549,6 @@ class ModelRunner:
         packed order, with no gathered K/V, no masks and no per-sequence attention call; on a
         GPU it replays a decode graph."""
         bs = self.block_size
-        dev = self.device
         width = max(len(c[2]) for c in chunks)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -569,19 +568,7 @@ class ModelRunner:
                 logits_index.append(base + n - 1)
             elif rows:
                 logits_index.extend(base + r for r in rows)
-        index = host_tensor(range(len(input_ids)), torch.long, dev)
-        group = AttentionGroup(index, index, None, None, len(input_ids), 1,
-                               block_tables=host_tensor(table_rows, torch.int32, dev),
-                               context_lens=host_tensor([p + 1 for p in positions], torch.int32, dev))
-        return BatchInput(
-            input_ids=host_tensor(input_ids, torch.long, dev),
-            positions=host_tensor(positions, torch.long, dev),
-            slot_mapping=host_tensor(slots, torch.long, dev),
-            groups=[group],
-            logits_index=host_tensor(logits_index, torch.long, dev),
-            max_position=max(positions),
-            decode_only=True,
-        )
+        return self._paged_batch(input_ids, positions, slots, table_rows, logits_index)
 
     def _prepare_general(self, chunks: list[tuple[list[int], int, list[int], Any]],
                          adapters: Optional[list[Optional[LoraAdapter]]] = None,
@@ -711,16 +698,22 @@ class ModelRunner:
         steps under load): the same BatchInput, laid out in one pass over the sequences. On a
         GPU the step's host time is mostly such per-sequence Python."""
         bs = self.block_size
-        dev = self.device
-        n = len(chunks)
         input_ids = [c[0][0] for c in chunks]
         positions = [c[1] for c in chunks]
         tables = [c[2] for c in chunks]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
         max_blocks = max(len(t) for t in tables)
         table_rows = [t if len(t) == max_blocks else list(t) + [0] * (max_blocks - len(t)) for t in tables]
-        index = host_tensor(range(n), torch.long, dev)
-        group = AttentionGroup(index, index, None, None, n, 1,
+        return self._paged_batch(input_ids, positions, slots, table_rows)
+
+    def _paged_batch(self, input_ids: list[int], positions: list[int], slots: list[int], table_rows: list[list[int]],
+                     logits_index: Optional[list[int]] = None) -> BatchInput:
+        """A step as one paged group in packed order: every token one query of the paged kernel,
+        seeing its sequence's blocks up to its own position (decode steps and flat steps).
+        `logits_index` None: every row's logits."""
+        dev = self.device
+        index = host_tensor(range(len(input_ids)), torch.long, dev)
+        group = AttentionGroup(index, index, None, None, len(input_ids), 1,
                                block_tables=host_tensor(table_rows, torch.int32, dev),
                                context_lens=host_tensor([p + 1 for p in positions], torch.int32, dev))
         return BatchInput(
@@ -728,7 +721,7 @@ class ModelRunner:
             positions=host_tensor(positions, torch.long, dev),
             slot_mapping=host_tensor(slots, torch.long, dev),
             groups=[group],
-            logits_index=index,
+            logits_index=index if logits_index is None else host_tensor(logits_index, torch.long, dev),
             max_position=max(positions),
             decode_only=True,
         )
