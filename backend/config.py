@@ -47,8 +47,9 @@ class EngineConfig(BaseModel):
     # A step whose prefill chunks and decodes come to at most this many tokens runs as a decode
     # step does: every token one query of the paged kernel, reading the cache in place up to its
     # own position (ModelRunner._prepare_flat); on CUDA that step replays a decode graph when its
-    # token count fits one, instead of the eager mixed step. 0 (the default): never. On the CPU
-    # it measured slower (each query reads its whole context); the GPU figure is to be taken.
+    # token count fits one, instead of the eager mixed step. While streams decode, chunks are cut
+    # to fit beside them. 0 (the default): never. On the CPU it measured slower (each query reads
+    # its whole context); the GPU figure is to be taken.
     flat_prefill_tokens: int = Field(default=0, ge=0)
     max_model_len: Optional[int] = Field(default=None, ge=1)
     # vLLM's --scheduling-policy: "fcfs" (arrival order), or "priority": a request's `priority`

@@ -157,7 +157,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_cap(),
             prefill_context_unit=config.prefill_unit(), prefill_tokens_per_decode=config.prefill_per_decode(),
-            policy=config.scheduling_policy,
+            policy=config.scheduling_policy, flat_step_tokens=config.flat_prefill_tokens,
         )
         self.sampler = Sampler(self.model.config.vocab_size)
         if self.model.device.type == "cpu":

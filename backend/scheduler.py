@@ -61,6 +61,7 @@ class Scheduler:
         prefill_context_unit: int = 0,
         prefill_tokens_per_decode: int = 0,
         policy: Literal["fcfs", "priority"] = "fcfs",
+        flat_step_tokens: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.by_priority = policy == "priority"
@@ -73,6 +74,9 @@ class Scheduler:
         self.prefill_context_unit = prefill_context_unit
         # ... and the cap grows with the decode batch (EngineConfig.prefill_tokens_per_decode).
         self.prefill_tokens_per_decode = prefill_tokens_per_decode
+        # EngineConfig.flat_prefill_tokens: while streams decode, chunks are cut so the step stays
+        # within it (a flat step, on CUDA a decode graph), where that leaves room for a chunk.
+        self.flat_step_tokens = flat_step_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -97,6 +101,8 @@ class Scheduler:
         num_decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
         decoding = num_decoding > 0
         cap = max(self.max_prefill_tokens_while_decoding, self.prefill_tokens_per_decode * num_decoding)
+        if decoding and self.flat_step_tokens - num_decoding >= MIN_PREFILL_CHUNK:
+            cap = min(cap, self.flat_step_tokens - num_decoding)
         prefill_left = cap if decoding else budget
         weight = (lambda start: 1 + start / self.prefill_context_unit) if decoding and self.prefill_context_unit else (lambda start: 1)
 

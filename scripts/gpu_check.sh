@@ -26,12 +26,12 @@
 #   chunked    where a chunked-prefill step's time goes: decode steps of 8 streams against the steps
 #              that also carry a chunk of a 3072-token prompt, at chunk caps 128/256/512, profiled
 #              -> chunked_probe.json (bench/chunked_probe.py)
-#   chunked_flat  the same with flat_prefill_tokens 128 at caps 64/112: the steps that carry a chunk
-#              laid out as decode rows and replayed from the decode graphs (max_num_seqs 128 buckets)
-#              instead of run eagerly -> chunked_flat_probe.json. Against `chunked`: whether to turn
-#              flat_prefill_tokens on by default on CUDA (with the serving chunked section:
-#              SERVING_ARGS="--only chunked --engine-arg flat_prefill_tokens=128
-#              --engine-arg max_prefill_tokens_while_decoding=112")
+#   chunked_flat  the same with flat_prefill_tokens 128 at caps 64/512 (chunks then cut to 128 less
+#              the decodes): the steps that carry a chunk laid out as decode rows and replayed from
+#              the decode graphs (max_num_seqs 128 buckets) instead of run eagerly
+#              -> chunked_flat_probe.json. Against `chunked`: whether to turn flat_prefill_tokens on
+#              by default on CUDA (with the serving chunked section:
+#              SERVING_ARGS="--only chunked --engine-arg flat_prefill_tokens=128")
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
@@ -229,7 +229,7 @@ run() {
         done ;;
       prefill) step prefill "$py" -m bench.prefill_probe --device cuda --profile --json "$OUT/prefill_probe.json" ;;
       chunked) step chunked "$py" -m bench.chunked_probe --device cuda --profile --json "$OUT/chunked_probe.json" ;;
-      chunked_flat) step chunked_flat "$py" -m bench.chunked_probe --device cuda --caps 64 112 --flat-prefill-tokens 128 \
+      chunked_flat) step chunked_flat "$py" -m bench.chunked_probe --device cuda --caps 64 512 --flat-prefill-tokens 128 \
                       --json "$OUT/chunked_flat_probe.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
       serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" serving_bench ;;

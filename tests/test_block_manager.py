@@ -324,3 +324,35 @@ def test_sliding_window_release_keeps_shared_and_cached_blocks():
     sched.finish(a, FinishReason.STOP)
     assert bm.num_free_blocks == 16 and all(bm.ref_count(x) == 0 for x in shared)
     assert bm.match_prefix(_tokens_seq(prefix + [9])) == shared
+
+
+def test_flat_steps_cut_chunks_to_fit_while_others_decode():
+    """flat_step_tokens (EngineConfig.flat_prefill_tokens): while streams decode, a chunk takes at
+    most what the flat size leaves beside the decodes, so the whole step stays flat (on CUDA a
+    decode graph). With too many decodes for a chunk of MIN_PREFILL_CHUNK, the usual cap holds
+    (the step runs in the general layout); an idle batch keeps the whole budget."""
+    bm = BlockManager(num_blocks=4096, block_size=16)
+
+    def step_sizes(num_decoders: int, flat: int) -> tuple[int, int]:
+        sched = Scheduler(bm, max_num_seqs=128, max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=512,
+                          flat_step_tokens=flat)
+        for _ in range(num_decoders):
+            d = _seq(4)
+            d.num_computed_tokens = 4
+            d.token_ids.append(9)
+            bm.allocate(d, 5)
+            sched.running.append(d)
+        long = _seq(3000)
+        sched.add(long)
+        step = sched.schedule()
+        (chunk,) = [item.num_new_tokens for item in step if item.seq is long]
+        total = sum(item.num_new_tokens for item in step)
+        for item in step:
+            bm.free(item.seq)
+        return chunk, total
+
+    assert step_sizes(8, 128) == (120, 128)  # decodes + chunk = the flat size
+    assert step_sizes(8, 0) == (512, 520)  # off: the usual cap
+    assert step_sizes(120, 128) == (512, 632)  # 8 left < MIN_PREFILL_CHUNK: the usual cap
+    assert step_sizes(0, 128) == (2048, 2048)  # nothing decodes: the whole budget
+    assert bm.num_free_blocks == bm.num_blocks
