@@ -118,6 +118,26 @@ def test_prefill_cap_while_decoding_weighs_tokens_by_context():
     assert [s.num_new_tokens for s in plain.schedule()] == [1, 128]
 
 
+def _step_beside_decoders(sched: Scheduler, num_decoders: int) -> tuple[int, int]:
+    """One step of `sched` with `num_decoders` sequences decoding and a 3000-token prompt
+    waiting: (the prompt's chunk, the step's tokens). Every block is freed afterwards."""
+    bm = sched.block_manager
+    for _ in range(num_decoders):
+        d = _seq(4)
+        d.num_computed_tokens = 4
+        d.token_ids.append(9)
+        bm.allocate(d, 5)
+        sched.running.append(d)
+    long = _seq(3000)
+    sched.add(long)
+    step = sched.schedule()
+    (chunk,) = [item.num_new_tokens for item in step if item.seq is long]
+    total = sum(item.num_new_tokens for item in step)
+    for item in step:
+        bm.free(item.seq)
+    return chunk, total
+
+
 def test_prefill_cap_while_decoding_grows_with_the_decode_batch():
     """With prefill_tokens_per_decode, the cap is the larger of the fixed cap and that many
     tokens per decoding sequence: a few decoders keep the fixed cap, a large batch admits more."""
@@ -126,19 +146,8 @@ def test_prefill_cap_while_decoding_grows_with_the_decode_batch():
     def prefill_tokens(num_decoders: int) -> int:
         sched = Scheduler(bm, max_num_seqs=128, max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=128,
                           prefill_tokens_per_decode=6)
-        for _ in range(num_decoders):
-            d = _seq(4)
-            d.num_computed_tokens = 4
-            d.token_ids.append(9)
-            bm.allocate(d, 5)
-            sched.running.append(d)
-        long = _seq(3000)
-        sched.add(long)
-        step = sched.schedule()
-        assert sum(1 for item in step if item.seq is not long) == num_decoders  # every decode goes
-        (chunk,) = [item.num_new_tokens for item in step if item.seq is long]
-        for item in step:
-            bm.free(item.seq)
+        chunk, total = _step_beside_decoders(sched, num_decoders)
+        assert total == chunk + num_decoders  # every decode goes
         return chunk
 
     assert prefill_tokens(0) == 2048  # nothing decodes: the whole budget
@@ -336,20 +345,7 @@ def test_flat_steps_cut_chunks_to_fit_while_others_decode():
     def step_sizes(num_decoders: int, flat: int) -> tuple[int, int]:
         sched = Scheduler(bm, max_num_seqs=128, max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=512,
                           flat_step_tokens=flat)
-        for _ in range(num_decoders):
-            d = _seq(4)
-            d.num_computed_tokens = 4
-            d.token_ids.append(9)
-            bm.allocate(d, 5)
-            sched.running.append(d)
-        long = _seq(3000)
-        sched.add(long)
-        step = sched.schedule()
-        (chunk,) = [item.num_new_tokens for item in step if item.seq is long]
-        total = sum(item.num_new_tokens for item in step)
-        for item in step:
-            bm.free(item.seq)
-        return chunk, total
+        return _step_beside_decoders(sched, num_decoders)
 
     assert step_sizes(8, 128) == (120, 128)  # decodes + chunk = the flat size
     assert step_sizes(8, 0) == (512, 520)  # off: the usual cap
