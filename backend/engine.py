@@ -151,7 +151,7 @@ class LLMEngine:
             else:
                 log.info("CUDA graphs for decode batches up to %d captured in %.1f s",
                          self.model.graphs.max_batch, time.perf_counter() - t0)
-        # ModelRunner.window is every layer's window, 0 when any layer attends to the whole context.
+        # Every layer's window (ModelConfig.uniform_window), 0 when any layer attends to the whole context.
         self.block_manager = BlockManager(probe.num_blocks, config.block_size, config.enable_prefix_caching,
                                           sliding_window=self.model.window)
         self.scheduler = Scheduler(
@@ -911,8 +911,7 @@ class ModelRunnerSizing:
             num_blocks = 2**30 // bytes_per_block  # 1 GiB on CPU
         bs = config.block_size
         need, what = -(-self.max_model_len // bs), f"one sequence of the context length {self.max_model_len}"
-        windows = set(model.layer_windows)
-        window = windows.pop() if len(windows) == 1 else 0
+        window = model.uniform_window
         # Every layer slides: a sequence holds its window and the step's new tokens, from any
         # offset in a block (the rest is released behind it), as vLLM sizes it.
         if window and -(-(window - 1 + config.max_num_batched_tokens) // bs) + 1 < need:

@@ -104,6 +104,12 @@ class ModelConfig:
         return tuple(self.sliding_window if s else 0 for s in self.sliding_layers)
 
     @property
+    def uniform_window(self) -> int:
+        """The window every layer slides by; 0 when any layer attends to the whole context."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else 0
+
+    @property
     def rope_type(self) -> str:
         """The rope scaling's kind ("rope_type", or the older "type"): "default" without one."""
         scaling = self.rope_scaling or {}
@@ -376,9 +382,8 @@ class ModelRunner:
         # for `window` (every layer's, or 0), and when the stack mixes the two, also for
         # `mixed_window` (the sliding layers'): SeqChunk.window_bias, AttentionGroup.window_*.
         self.windows = self.config.layer_windows
-        mixed = len(set(self.windows)) > 1
-        self.window = 0 if mixed else self.windows[0]
-        self.mixed_window = max(self.windows) if mixed else 0
+        self.window = self.config.uniform_window
+        self.mixed_window = max(self.windows) if len(set(self.windows)) > 1 else 0
         self._act = ACTIVATIONS[self.config.hidden_act]
         self.device = torch.device(device)
         if self.device.type == "cuda":
