@@ -456,6 +456,8 @@ class LLMEngine:
             device=self.device,
             dtype=str(self.model.dtype).removeprefix("torch."),
             kv_cache_dtype=self.kv_dtype,
+            # The scales an fp8 cache divides K / V by: the checkpoint's, or 1.0 for every layer.
+            kv_cache_scales="checkpoint" if self.model.kv_scales is self.model.checkpoint_kv_scales else "1.0",
             num_kv_blocks=self.block_manager.num_blocks,
             max_model_len=self.max_model_len,
             max_prefill_tokens_while_decoding=self.config.prefill_cap(),
@@ -906,6 +908,8 @@ class ModelRunnerSizing:
         elif config.device.startswith("cuda"):
             free, _ = torch.cuda.mem_get_info()
             weights = sum(f.stat().st_size for f in weight_files(model_path))
+            if model.quantization:  # FP8 weights are dequantized at load: up to model-dtype bytes each
+                weights *= torch.empty((), dtype=config.model_dtype()).element_size()
             num_blocks = int(max(free - weights * 1.2, 0) * config.gpu_memory_utilization) // bytes_per_block
         else:
             num_blocks = 2**30 // bytes_per_block  # 1 GiB on CPU

@@ -9,6 +9,7 @@ one batched SDPA per layer, so there is no Python loop over sequences.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -23,7 +24,10 @@ import kernels
 from backend.decode_graphs import Capture, DecodeGraphs, capture_cuda_graph, graph_buckets
 from backend.host_tensors import host_tensor, on_device, page_aligned_zeros
 from backend.lora import LoraAdapter, apply_lora, apply_lora_embedding, apply_lora_logits, load_adapter
+from backend.quantized_checkpoint import check_quantization, dequantize_weights, take_kv_scales
 from kernels import cpu_attention
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -55,6 +59,8 @@ class ModelConfig:
     # all (Mistral), or from Qwen2's max_window_layers on (layer_windows).
     sliding_window: Optional[int] = None
     sliding_layers: tuple[bool, ...] = ()
+    # config.json's quantization_config: FP8 checkpoints load (backend/quantized_checkpoint.py).
+    quantization: Optional[dict[str, Any]] = None
 
     @classmethod
     def from_model_dir(cls, model_path: str | Path) -> "ModelConfig":
@@ -69,6 +75,8 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act '{act}'; supported: {', '.join(ACTIVATIONS)}")
         window, sliding = _sliding_window(cfg, model_type)
+        quantization = cfg.get("quantization_config") or None
+        check_quantization(quantization)
         attention_bias = cfg.get("attention_bias", model_type == "qwen2")
         if model_type == "qwen3" and attention_bias:
             raise ValueError("attention_bias is not supported for qwen3 models")
@@ -94,6 +102,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=window,
             sliding_layers=sliding,
+            quantization=quantization,
         )
 
     @property
@@ -427,6 +436,17 @@ class ModelRunner:
         self._rope_cos = self._rope_sin = torch.empty(0, device=self.device)
         self._extend_rope(c.context_limit)
         self.attn_scale = c.head_dim**-0.5
+        # An fp8 cache stores K / k_scale and V / v_scale: the checkpoint's calibrated scales
+        # (backend/quantized_checkpoint.py), else 1.0. Every attention path reads the stored
+        # rows as they are: k_scale is folded into the layer's softmax scale (q.(k8 s) =
+        # (q.k8) s) and v_scale multiplies its output (sum p (v8 s) = s sum p v8), so the
+        # kernels and the decode graphs need nothing of their own.
+        self.kv_scales = [(1.0, 1.0)] * c.num_layers
+        if fp8 and self.checkpoint_kv_scales:
+            self.kv_scales = self.checkpoint_kv_scales
+        elif self.checkpoint_kv_scales:
+            log.info("the checkpoint's KV cache scales are not used: the cache is %s, not fp8", self.kv_dtype)
+        self.layer_attn_scales = [self.attn_scale * k for k, _ in self.kv_scales]
         # Decode attention: "triton" (the Triton kernel reading the paged cache in place, CUDA),
         # "cpu" (the C++ kernel doing the same, when it builds) or "gather" (each sequence's
         # blocks gathered into a padded batch for SDPA / matmul-softmax). LLM_PAGED_DECODE=0
@@ -477,6 +497,8 @@ class ModelRunner:
         for f in files:
             raw.update(load_file(str(f)))
         c = self.config
+        dequantize_weights(raw, c.quantization)
+        self.checkpoint_kv_scales = take_kv_scales(raw, c.num_layers)
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -821,6 +843,7 @@ class ModelRunner:
                 qk = _rotate(qkv[:, : q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
                 q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             self._store(li, batch.slot_mapping, k, v)
+            scale = self.layer_attn_scales[li]
             # A decode-only step is one paged group holding every token in order: its queries
             # go to the kernel as they are and its output is the attention, no gather/scatter.
             attn = None if batch.decode_only else q.new_empty((q.shape[0], q_size))
@@ -831,7 +854,7 @@ class ModelRunner:
                 if g.block_tables is not None:
                     out = kernels.paged_decode_attention(
                         q.contiguous() if attn is None else q[g.token_index], self.k_cache[li], self.v_cache[li],
-                        g.block_tables, g.context_lens, self.block_size, self.attn_scale, window=self.windows[li],
+                        g.block_tables, g.context_lens, self.block_size, scale, window=self.windows[li],
                         use_triton=self.decode_attention == "triton",
                     ).reshape(g.num_seqs, q_size)
                     if attn is None:
@@ -843,9 +866,11 @@ class ModelRunner:
                 values = self._gather(self.v_cache[li], g)
                 qp = q.new_zeros((g.num_seqs * g.max_q, c.num_heads, c.head_dim))
                 qp.index_copy_(0, g.query_slots, q[g.token_index])
-                out = self._attention(qp.view(g.num_seqs, g.max_q, c.num_heads, c.head_dim), keys, values, g,
+                out = self._attention(qp.view(g.num_seqs, g.max_q, c.num_heads, c.head_dim), keys, values, g, scale,
                                       sliding=bool(self.mixed_window and self.windows[li]))
                 attn[g.token_index] = out.reshape(g.num_seqs * g.max_q, q_size)[g.query_slots]
+            if self.kv_scales[li][1] != 1.0:
+                attn = attn * self.kv_scales[li][1]
             if not batch.lora:
                 h = h + F.linear(attn, layer["o"], layer.get("o_bias"))
                 x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
@@ -885,17 +910,19 @@ class ModelRunner:
             values = self._widen(v_blocks.index_select(1, s.blocks)).view(1, kvh, -1, d)[:, :, :total]
             qs = q[s.base : s.base + s.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=bias, is_causal=bias is None,
-                                                 scale=self.attn_scale, enable_gqa=True)
+                                                 scale=self.layer_attn_scales[li], enable_gqa=True)
             attn[s.base : s.base + s.num_tokens] = out[0].transpose(0, 1).reshape(s.num_tokens, -1)
 
     def _store(self, li: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write a step's new K/V ([n, kvh, d], the model's dtype) into layer li's cache slots,
-        rounded to the cache dtype."""
+        rounded to the cache dtype (an fp8 cache's after division by the layer's scales)."""
         if self._kv_bytes is None:
             self.k_cache[li].index_copy_(1, slots, k.transpose(0, 1).to(self.kv_dtype))
             self.v_cache[li].index_copy_(1, slots, v.transpose(0, 1).to(self.kv_dtype))
             return
-        for cache, x in zip(self._kv_bytes, (k, v)):
+        for cache, x, x_scale in zip(self._kv_bytes, (k, v), self.kv_scales[li]):
+            if x_scale != 1.0:
+                x = x / x_scale
             x8 = x.transpose(0, 1).clamp(-self._kv_max, self._kv_max).to(self.kv_dtype)
             cache[li].index_copy_(1, slots, x8.view(torch.uint8))
 
@@ -915,9 +942,9 @@ class ModelRunner:
         return self._widen(torch.index_select(blocks, 1, g.gather_blocks)).view(kvh, g.num_seqs, -1, d)
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: AttentionGroup,
-                   sliding: bool = False) -> torch.Tensor:
-        """q [B, max_q, H, d], keys/values [kvh, B, max_k, d], the group's masks (its window_*
-        ones for a sliding layer of a mixed stack) -> [B, max_q, H, d].
+                   scale: float, sliding: bool = False) -> torch.Tensor:
+        """q [B, max_q, H, d], keys/values [kvh, B, max_k, d], the softmax scale, the group's masks
+        (its window_* ones for a sliding layer of a mixed stack) -> [B, max_q, H, d].
 
         GQA without repeating K/V: the g query heads sharing a KV head are folded into the
         query length, so each KV head is read once, and the KV head is the leading batch dim
@@ -933,9 +960,9 @@ class ModelRunner:
         qg = q.view(B, max_q, kvh, g, c.head_dim).permute(2, 0, 3, 1, 4).reshape(kvh, B, g * max_q, c.head_dim)
         attn_bias, mask = (group.window_attn_bias, group.window_mask) if sliding else (group.attn_bias, group.mask)
         if attn_bias is not None:
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=attn_bias, scale=self.attn_scale)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=attn_bias, scale=scale)
         else:
-            scores = torch.matmul(qg * self.attn_scale, keys.transpose(-1, -2))
+            scores = torch.matmul(qg * scale, keys.transpose(-1, -2))
             scores = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
             out = torch.matmul(scores.to(values.dtype), values)
         return out.view(kvh, B, g, max_q, c.head_dim).permute(1, 3, 0, 2, 4).reshape(B, max_q, c.num_heads, c.head_dim)
