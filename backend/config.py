@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -28,6 +28,12 @@ class EngineConfig(BaseModel):
     # is e4m3 ("fp8" as in vLLM) or e5m2 with a scale of 1.0 (vLLM's default without scales in
     # the checkpoint): values past the format's range saturate at +-448 / +-57344.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # vLLM's --calculate-kv-scales: an fp8 cache's per-layer K/V scales measured at start-up, from a
+    # prefill of a fixed English text, as max|K| / 200 and max|V| / 100 (vLLM's K_SCALE_CONSTANT and
+    # V_SCALE_CONSTANT, headroom for inputs larger than the calibration's), instead of the
+    # checkpoint's scales or 1.0. vLLM measures on the first forward pass; here it is before any
+    # request, so the scales do not depend on which request came first, and CUDA graphs capture them.
+    calculate_kv_scales: bool = False
     max_num_seqs: int = Field(default=128, ge=1)  # 0 would admit nothing: every request would wait
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     # Prefill tokens per step while other sequences decode (chunked prefill keeps their
@@ -89,6 +95,13 @@ class EngineConfig(BaseModel):
         from backend.lora import parse_lora_modules
 
         return parse_lora_modules(v)
+
+    @model_validator(mode="after")
+    def _kv_scales_need_fp8(self) -> "EngineConfig":
+        if self.calculate_kv_scales and self.kv_cache_dtype not in _FP8:
+            raise ValueError(f"calculate_kv_scales needs an fp8 kv_cache_dtype (fp8, fp8_e4m3, fp8_e5m2), "
+                             f"not '{self.kv_cache_dtype}': only an fp8 cache is scaled")
+        return self
 
     def prefill_cap(self) -> int:
         if self.max_prefill_tokens_while_decoding is not None:

@@ -30,6 +30,7 @@ from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.model_runner import ModelConfig, ModelRunner, weight_files
 from backend.outputs import OutputState, RequestOutput, StopRegexTimeout
+from backend.quantized_checkpoint import CALIBRATION_TEXT
 from backend.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_at
 from backend.sampling_params import SamplingParams, load_model_defaults, parse_sampling_params
 from backend.scheduler import Scheduler
@@ -141,6 +142,11 @@ class LLMEngine:
             kv_dtype=config.kv_torch_dtype(), graph_batch=graph_batch,
         )
         self.model.flat_tokens = config.flat_prefill_tokens
+        if config.calculate_kv_scales:
+            ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=True)[: self.max_model_len]
+            scales = self.model.calibrate_kv_scales(ids)
+            log.info("fp8 KV cache scales measured on %d tokens: %s", len(ids),
+                     ", ".join(f"{k:.4g}/{v:.4g}" for k, v in scales))
         for name, path in config.lora_modules.items():
             self.load_lora(name, path)
         if graph_batch:
@@ -457,7 +463,8 @@ class LLMEngine:
             dtype=str(self.model.dtype).removeprefix("torch."),
             kv_cache_dtype=self.kv_dtype,
             # The scales an fp8 cache divides K / V by: the checkpoint's, or 1.0 for every layer.
-            kv_cache_scales="checkpoint" if self.model.kv_scales is self.model.checkpoint_kv_scales else "1.0",
+            kv_cache_scales=("calculated" if self.config.calculate_kv_scales
+                             else "checkpoint" if self.model.kv_scales is self.model.checkpoint_kv_scales else "1.0"),
             num_kv_blocks=self.block_manager.num_blocks,
             max_model_len=self.max_model_len,
             max_prefill_tokens_while_decoding=self.config.prefill_cap(),

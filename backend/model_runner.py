@@ -24,7 +24,7 @@ import kernels
 from backend.decode_graphs import Capture, DecodeGraphs, capture_cuda_graph, graph_buckets
 from backend.host_tensors import host_tensor, on_device, page_aligned_zeros
 from backend.lora import LoraAdapter, apply_lora, apply_lora_embedding, apply_lora_logits, load_adapter
-from backend.quantized_checkpoint import check_quantization, dequantize_weights, take_kv_scales
+from backend.quantized_checkpoint import check_quantization, dequantize_weights, measured_scales, take_kv_scales
 from kernels import cpu_attention
 
 log = logging.getLogger(__name__)
@@ -447,6 +447,7 @@ class ModelRunner:
         elif self.checkpoint_kv_scales:
             log.info("the checkpoint's KV cache scales are not used: the cache is %s, not fp8", self.kv_dtype)
         self.layer_attn_scales = [self.attn_scale * k for k, _ in self.kv_scales]
+        self._kv_maxima: Optional[list[list[float]]] = None  # max |K|, |V| per layer while calibrating
         # Decode attention: "triton" (the Triton kernel reading the paged cache in place, CUDA),
         # "cpu" (the C++ kernel doing the same, when it builds) or "gather" (each sequence's
         # blocks gathered into a padded batch for SDPA / matmul-softmax). LLM_PAGED_DECODE=0
@@ -544,6 +545,27 @@ class ModelRunner:
         adapter = load_adapter(name, path, self.config, self.device, self.dtype)
         self.adapters[name] = adapter
         return adapter
+
+    def calibrate_kv_scales(self, token_ids: list[int]) -> list[tuple[float, float]]:
+        """Measure an fp8 cache's per-layer K/V scales on a prefill of `token_ids` and use them
+        (EngineConfig.calculate_kv_scales). The prefill writes the pool's first blocks, free at
+        start-up: every block is written before it is read. Call before capturing decode graphs,
+        which keep the scales they saw."""
+        if self._kv_bytes is None:
+            raise ValueError(f"only an fp8 cache is scaled; this one is {self.kv_dtype}")
+        if self.graphs is not None:
+            raise RuntimeError("calibrate the KV scales before capturing decode graphs")
+        ids = token_ids[: self.scratch_block * self.block_size]
+        blocks = list(range(-(-len(ids) // self.block_size)))
+        self._kv_maxima = [[0.0, 0.0] for _ in self.layers]
+        try:
+            self.forward(self.prepare([(ids, 0, blocks, False)]))
+            maxima = [(k, v) for k, v in self._kv_maxima]
+        finally:
+            self._kv_maxima = None
+        self.kv_scales = measured_scales(maxima)
+        self.layer_attn_scales = [self.attn_scale * k for k, _ in self.kv_scales]
+        return self.kv_scales
 
     # ---------------------------------------------------------------- inputs
     def prepare(self, chunks: list[tuple[list[int], int, list[int], Any]],
@@ -920,6 +942,9 @@ class ModelRunner:
             self.k_cache[li].index_copy_(1, slots, k.transpose(0, 1).to(self.kv_dtype))
             self.v_cache[li].index_copy_(1, slots, v.transpose(0, 1).to(self.kv_dtype))
             return
+        if self._kv_maxima is not None:
+            self._kv_maxima[li] = [max(self._kv_maxima[li][0], k.abs().max().item()),
+                                   max(self._kv_maxima[li][1], v.abs().max().item())]
         for cache, x, x_scale in zip(self._kv_bytes, (k, v), self.kv_scales[li]):
             if x_scale != 1.0:
                 x = x / x_scale

@@ -10,7 +10,8 @@ with the numbers it was calibrated to, at the memory of an unquantized model. Ac
 The same exports carry per-layer K/V scales calibrated for an FP8 KV cache: the cache stores
 K / k_scale and V / v_scale, which keeps large keys (Qwen2's biased ones reach the hundreds) from
 saturating at e4m3's 448. The runner applies them when it runs an fp8 cache (as vLLM does; with
-a wider cache they are not needed and are ignored).
+a wider cache they are not needed and are ignored). Without them, `calculate_kv_scales` measures
+scales at start-up on a prefill of CALIBRATION_TEXT (ModelRunner.calibrate_kv_scales).
 """
 
 from __future__ import annotations
@@ -131,3 +132,39 @@ def take_kv_scales(raw: dict[str, torch.Tensor], num_layers: int) -> Optional[li
             found = True
             break
     return [(k, v) for k, v in scales] if found else None
+
+
+# A fixed prefill for calculate_kv_scales: prose, code, numbers and markup, so the keys and values
+# of the kinds of text a server sees are measured. Fixed, so the scales are reproducible.
+CALIBRATION_TEXT = """\
+The committee met on Tuesday, 14 March 2023, to review the quarterly results. Revenue rose 12.5%
+to $4.2 billion, while operating costs fell by 3%. "We expect growth to continue," the chair said.
+
+def merge_sorted(a: list[int], b: list[int]) -> list[int]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i]); i += 1
+        else:
+            out.append(b[j]); j += 1
+    return out + a[i:] + b[j:]
+
+{"id": 42, "name": "Ada Lovelace", "tags": ["math", "computing"], "active": true, "score": 9.75}
+
+<table><tr><td>Paris</td><td>2,102,650</td></tr><tr><td>Tokyo</td><td>13,960,000</td></tr></table>
+Q: What is the capital of Australia? A: Canberra, not Sydney, although Sydney is larger.
+Once upon a time, in a village at the edge of a great forest, there lived an old woman who kept
+bees. Every morning she walked to the river, filled two buckets, and carried them up the hill.
+Die Sonne scheint, und les enfants jouent dans le parc. 東京は日本の首都です。Привет, мир!
+"""
+
+# vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: a measured max|K| maps to 200 and max|V| to 100,
+# well inside e4m3's 448, leaving room for inputs larger than the calibration's.
+K_RANGE = 200.0
+V_RANGE = 100.0
+
+
+def measured_scales(maxima: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Per-layer (k_scale, v_scale) from the measured (max|K|, max|V|); 1.0 where a layer's were
+    all zero."""
+    return [(k / K_RANGE if k > 0 else 1.0, v / V_RANGE if v > 0 else 1.0) for k, v in maxima]

@@ -133,6 +133,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "num_kv_blocks": int,
         "kv_cache_memory_mb": int,
         "kv_cache_dtype": str,
+        "calculate_kv_scales": _flag,
         "max_num_seqs": int,
         "max_num_batched_tokens": int,
         "max_prefill_tokens_while_decoding": int,

@@ -293,3 +293,61 @@ def test_every_attention_path_applies_the_kv_scales_alike(wide_kv_dirs):
             eng.shutdown()
     assert all(len(ids) == 10 for ids in outputs[paths[0]])
     assert all(outputs[p] == outputs[paths[0]] for p in paths[1:]), outputs
+
+
+def _calibration_ids(path) -> list[int]:
+    from backend.quantized_checkpoint import CALIBRATION_TEXT
+    from backend.tokenizer import load_tokenizer
+
+    return load_tokenizer(path).encode(CALIBRATION_TEXT)
+
+
+def test_calculated_kv_scales_keep_an_fp8_cache_from_saturating(wide_kv_dirs):
+    """vLLM's calculate_kv_scales on the model whose keys and values pass 448, without checkpoint
+    scales: max|K| / 200 and max|V| / 100 of a calibration prefill, and the logits as near the
+    float32 cache's as with calibrated checkpoint scales."""
+    plain, scaled = wide_kv_dirs
+    want = mixed_step(_runner(plain))[1]
+    runner = _runner(plain, torch.float8_e4m3fn)
+    scales = runner.calibrate_kv_scales(_calibration_ids(plain))
+    assert all(k > FP8_MAX / 200 and v > FP8_MAX / 100 for k, v in scales), scales
+    calculated = (mixed_step(runner)[1] - want).abs().max().item()
+    with_checkpoint = (mixed_step(_runner(scaled, torch.float8_e4m3fn))[1] - want).abs().max().item()
+    clipped = (mixed_step(_runner(plain, torch.float8_e4m3fn))[1] - want).abs().max().item()
+    assert calculated < 1.5 * with_checkpoint + 1e-3 and clipped > 4 * calculated, (calculated, with_checkpoint, clipped)
+
+
+def test_calculated_scales_act_as_checkpoint_scales_and_the_calibration_leaves_no_trace(wide_kv_dirs, tmp_path):
+    """An engine measuring its scales gives the tokens of an engine whose checkpoint holds the
+    same scales: the calibration prefill wrote the pool's first blocks, which requests then
+    overwrite, and nothing else. The scales are the same on every start."""
+    plain, _ = wide_kv_dirs
+    eng = _engine(plain, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    try:
+        scales = eng.model.kv_scales
+        assert eng.info()["config"]["kv_cache_scales"] == "calculated"
+    finally:
+        eng.shutdown()
+    raw = load_file(str(plain / "model.safetensors"))
+    for i, (k, v) in enumerate(scales):
+        raw[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
+        raw[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v)
+    _write(plain, tmp_path / "measured", raw)
+    prompts = _prompts(6, seed=5)
+    calculated = _generate(plain, prompts, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    assert calculated == _generate(tmp_path / "measured", prompts, kv_cache_dtype="fp8")
+    eng = _engine(plain, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    try:
+        assert eng.model.kv_scales == scales
+    finally:
+        eng.shutdown()
+
+
+def test_calculate_kv_scales_needs_an_fp8_cache(demo_model_path):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="calculate_kv_scales needs an fp8 kv_cache_dtype"):
+        EngineConfig(model_path=demo_model_path, kv_cache_dtype="bfloat16", calculate_kv_scales=True)
+    assert EngineConfig(model_path=demo_model_path, kv_cache_dtype="fp8_e5m2", calculate_kv_scales=True)
+    with pytest.raises(ValueError, match="only an fp8 cache is scaled"):
+        _runner(demo_model_path).calibrate_kv_scales([1, 2, 3])

@@ -23,6 +23,8 @@ def test_engine_config_overrides_cast_through_the_same_rule():
     assert engine_config_overrides({"kv_cache_dtype": "auto"}, {}) == {}
     assert engine_config_overrides({"kv_cache_dtype": "auto"}, {"LLM_KV_CACHE_DTYPE": "bfloat16"}) == {
         "kv_cache_dtype": "bfloat16"}
+    assert engine_config_overrides({"calculate_kv_scales": "false"}, {"LLM_CALCULATE_KV_SCALES": "1"}) == {
+        "calculate_kv_scales": True}
 
 
 
