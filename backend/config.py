@@ -8,6 +8,8 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from backend.speculative import SpeculativeConfig
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -58,6 +60,11 @@ class EngineConfig(BaseModel):
     # its whole context); the GPU figure is to be taken.
     flat_prefill_tokens: int = Field(default=0, ge=0)
     max_model_len: Optional[int] = Field(default=None, ge=1)
+    # vLLM's --speculative-config (a JSON object or its text): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": .., "prompt_lookup_min": ..,
+    # "disable_by_batch_size": ..} drafts up to k tokens a step from each sequence's own history
+    # and verifies them in that step (backend/speculative.py). None: off.
+    speculative_config: Optional[SpeculativeConfig] = None
     # vLLM's --scheduling-policy: "fcfs" (arrival order), or "priority": a request's `priority`
     # (lower first, arrival breaks ties) orders the waiting queue, the running batch's share of
     # the step budget and which sequence is preempted first (the last in that order).

@@ -35,6 +35,7 @@ from backend.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_at
 from backend.sampling_params import SamplingParams, load_model_defaults, parse_sampling_params
 from backend.scheduler import Scheduler
 from backend.sequence import FinishReason, Sequence
+from backend.speculative import NgramProposer, speculates
 from backend.tokenizer import load_tokenizer
 from kernels import cpu_sampling
 
@@ -88,6 +89,10 @@ class EngineStats:
     # many sampled tokens were respelled with the forced text that followed them.
     jump_forward_tokens_total: int = 0
     jump_forward_respelled_total: int = 0
+    # Speculative decoding: draft tokens verified, and of them accepted (each accepted one is a
+    # generation token a step did not have to be run for).
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
 
 
 @contextlib.contextmanager
@@ -166,6 +171,8 @@ class LLMEngine:
             policy=config.scheduling_policy, flat_step_tokens=config.flat_prefill_tokens,
         )
         self.sampler = Sampler(self.model.config.vocab_size)
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
         if self.model.device.type == "cpu":
             # Built (or loaded from torch's extension cache) now, during model load, rather than
             # by the first sampled request: a first build takes ~20 s.
@@ -196,6 +203,8 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._jump_forward_tokens_total = 0
         self._jump_forward_respelled_total = 0
+        self._spec_draft_tokens_total = 0
+        self._spec_accepted_tokens_total = 0
         self._step_seconds = 0.0
         self._step_cpu_seconds = 0.0
         self.on_step: Optional[Callable[[EngineStats], None]] = None
@@ -444,6 +453,8 @@ class LLMEngine:
             step_thread_cpu_seconds_total=self._step_cpu_seconds,
             jump_forward_tokens_total=self._jump_forward_tokens_total,
             jump_forward_respelled_total=self._jump_forward_respelled_total,
+            spec_draft_tokens_total=self._spec_draft_tokens_total,
+            spec_accepted_tokens_total=self._spec_accepted_tokens_total,
         )
 
     @property
@@ -539,6 +550,8 @@ class LLMEngine:
         if not self.scheduler.has_work():
             return False
         wall0, cpu0 = time.perf_counter(), time.thread_time()
+        if self.proposer is not None:
+            self._propose()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return False
@@ -561,6 +574,9 @@ class LLMEngine:
         for c, item in enumerate(scheduled):
             seq = item.seq
             start = seq.num_computed_tokens
+            if item.draft:  # the newest token and the draft after it, every position sampled
+                chunks.append((seq.token_ids[start:] + item.draft, start, seq.block_table, list(range(item.num_new_tokens))))
+                continue
             ids = seq.token_ids[start : start + item.num_new_tokens]
             chunks.append((ids, start, seq.block_table, self._logit_rows(seq, start, len(ids), item.samples)))
             if start < seq.num_prompt_tokens:
@@ -570,7 +586,10 @@ class LLMEngine:
                     embeds[c] = seq.prompt_embeds[start : start + item.num_new_tokens]
         wants_hidden = [item.seq.params.return_hidden_states for item in scheduled]
         # Each sequence carries its adapter: an adapter unloaded meanwhile still serves it.
-        batch = self.model.prepare(chunks, [item.seq.lora for item in scheduled], embeds, wants_hidden)
+        # Drafts to verify beside plain decodes: a few tokens per sequence, laid out as a decode
+        # step (on CUDA a decode graph's replay) rather than as prefill chunks.
+        flat = any(item.draft for item in scheduled) and all(item.draft or len(c[0]) == 1 for item, c in zip(scheduled, chunks))
+        batch = self.model.prepare(chunks, [item.seq.lora for item in scheduled], embeds, wants_hidden, flat=flat)
         hidden = None
         if batch.hidden_index is not None:
             logits, hidden = self.model.forward_with_hidden(batch)
@@ -601,54 +620,97 @@ class LLMEngine:
                     tracked.state.add_hidden_states(start, rows_hidden.tolist(), seq.num_prompt_tokens)
             if item.samples:
                 sampling.append(item)
-                sample_logits.append(row + count - 1)
+                # A draft's rows: one per position, each drawn as its own decode step would be.
+                sample_logits.extend(range(row, row + count) if item.draft else (row + count - 1,))
             row += count
 
         result = None
         if sampling:
-            rows = [self._sampling_row(item.seq) for item in sampling]
+            rows = [r for item in sampling for r in self._sampling_rows(item)]
             result = self.sampler(logits[sample_logits], rows)
         for item in scheduled:
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
+            # A draft's K/V stand only once its tokens are accepted (below).
+            seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
             self.block_manager.register_full_blocks(seq)
             self.block_manager.free_behind_window(seq)
             if seq.max_new_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
                 self._end(seq.request_id, FinishReason.LENGTH)  # scored only: its prompt logprobs go out
         if result is None:
             return
-        for row, (item, token, lp) in enumerate(zip(sampling, result.token_ids, result.logprobs)):
-            seq = item.seq
-            tracked = self._tracked.get(seq.request_id)
-            if tracked is None:
+        row = 0
+        for item in sampling:
+            n = 1 + len(item.draft)
+            if self._tracked.get(item.seq.request_id) is None:
+                row += n
                 continue
-            if row in result.errors:  # the request's own processor failed (its siblings end too)
-                self._end(seq.request_id, FinishReason.ABORT, error=result.errors[row], code="invalid_arg")
+            tokens = [int(t) for t in result.token_ids[row : row + n]]
+            if item.draft:
+                # Position j's draw is the token after draft[:j]: it counts only while every draft
+                # token before it was the one drawn. The first draw that differs ends the run.
+                accepted = 0
+                while accepted < len(item.draft) and tokens[accepted] == item.draft[accepted]:
+                    accepted += 1
+                tokens = tokens[: accepted + 1]
+                self._spec_draft_tokens_total += len(item.draft)
+                self._spec_accepted_tokens_total += accepted
+            for j, token in enumerate(tokens):
+                if j:  # the draft token before this one was drawn: its K/V stand
+                    item.seq.num_computed_tokens += 1
+                if not self._take_token(item.seq, token, result.logprobs[row + j], result.errors.get(row + j)):
+                    break
+            else:
+                if item.draft:
+                    self.block_manager.register_full_blocks(item.seq)
+                    self.block_manager.free_behind_window(item.seq)
+            row += n
+
+    def _take_token(self, seq: Sequence, token: int, lp: Optional[TokenLogprobs], error: Optional[str]) -> bool:
+        """Append a drawn token to its sequence and emit what it releases. False when the
+        sequence ended (or is gone): no later token of this step is for it."""
+        tracked = self._tracked.get(seq.request_id)
+        if tracked is None:
+            return False
+        if error is not None:  # the request's own processor failed (its siblings end too)
+            self._end(seq.request_id, FinishReason.ABORT, error=error, code="invalid_arg")
+            return False
+        seq.token_ids.append(token)
+        self._generation_tokens_total += 1
+        grammar_done = False
+        new_tokens = [token]
+        if tracked.grammar is not None:
+            if not tracked.grammar.accept(token):
+                self._end(seq.request_id, FinishReason.ABORT, error=f"the grammar rejected token {token}")
+                return False
+            grammar_done = tracked.grammar.is_terminated
+            if self.config.enable_jump_forward and not grammar_done:
+                new_tokens = self._jump_forward(tracked)
+        if lp is not None:
+            tracked.state.add_logprobs(self._logprob_entries("output", [lp], seq.params))
+        try:
+            out = tracked.state.on_tokens(seq, new_tokens, grammar_done=grammar_done)
+        except StopRegexTimeout as exc:
+            self._end(seq.request_id, FinishReason.ABORT, error=str(exc), code="invalid_arg")
+            return False
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq, seq.finish_reason)
+            self._forget(tracked)
+        if out is not None:
+            self._emit(tracked, out)
+        return seq.finish_reason is None
+
+    def _propose(self) -> None:
+        """Draft tokens for the decoding sequences that speculate (backend/speculative.py)."""
+        running = self.scheduler.running
+        cap = self.config.speculative_config.disable_by_batch_size
+        off = cap is not None and len(running) > cap
+        for seq in running:
+            seq.draft_tokens = []
+            if off or seq.num_tokens - seq.num_computed_tokens != 1 or not speculates(seq.params):
                 continue
-            token = int(token)
-            seq.token_ids.append(token)
-            self._generation_tokens_total += 1
-            grammar_done = False
-            new_tokens = [token]
-            if tracked.grammar is not None:
-                if not tracked.grammar.accept(token):
-                    self._end(seq.request_id, FinishReason.ABORT, error=f"the grammar rejected token {token}")
-                    continue
-                grammar_done = tracked.grammar.is_terminated
-                if self.config.enable_jump_forward and not grammar_done:
-                    new_tokens = self._jump_forward(tracked)
-            if lp is not None:
-                tracked.state.add_logprobs(self._logprob_entries("output", [lp], seq.params))
-            try:
-                out = tracked.state.on_tokens(seq, new_tokens, grammar_done=grammar_done)
-            except StopRegexTimeout as exc:
-                self._end(seq.request_id, FinishReason.ABORT, error=str(exc), code="invalid_arg")
-                continue
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq, seq.finish_reason)
-                self._forget(tracked)
-            if out is not None:
-                self._emit(tracked, out)
+            # The step adds the draft's accepted tokens and one more: within max_new_tokens.
+            limit = seq.max_new_tokens - seq.num_output_tokens - 1
+            seq.draft_tokens = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
 
     def _jump_forward(self, tracked: _Tracked) -> list[int]:
         """The step's tokens for a sequence whose grammar accepted its newest (sampled) token:
@@ -745,16 +807,23 @@ class LLMEngine:
             return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_rows(self, item: Any) -> list[SamplingRow]:
+        """The sampling row of a scheduled sequence, or with a draft one per position: the row
+        its own decode step would have, that position being the next output token."""
+        if not item.draft:
+            return [self._sampling_row(item.seq)]
+        return [self._sampling_row(item.seq, ahead) for ahead in range(1 + len(item.draft))]
+
+    def _sampling_row(self, seq: Sequence, ahead: int = 0) -> SamplingRow:
         params = seq.params
         tracked = self._tracked[seq.request_id]
         suppress: tuple[int, ...] = ()
-        if seq.num_output_tokens < params.min_new_tokens:
+        if seq.num_output_tokens + ahead < params.min_new_tokens:
             suppress = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_ids))
         return SamplingRow(
             params=params,
             seed=seq.seed,
-            step=seq.num_output_tokens,
+            step=seq.num_output_tokens + ahead,
             seq_id=seq.seq_id,
             token_ids=seq.token_ids if params.has_penalties or params.logits_processors else (),
             num_prompt_tokens=seq.num_prompt_tokens,
@@ -857,6 +926,8 @@ class LLMEngine:
         rid = tracked.seq.request_id
         self._tracked.pop(rid, None)
         self.sampler.release(tracked.seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.forget(tracked.seq.seq_id)
         members = self._groups.get(tracked.group)
         if members is not None and all(m not in self._tracked for m in members):
             del self._groups[tracked.group]

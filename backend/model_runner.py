@@ -571,7 +571,7 @@ class ModelRunner:
     def prepare(self, chunks: list[tuple[list[int], int, list[int], Any]],
                 adapters: Optional[list[Optional[LoraAdapter]]] = None,
                 embeds: Optional[list[Optional[torch.Tensor]]] = None,
-                hidden: Optional[list[bool]] = None) -> BatchInput:
+                hidden: Optional[list[bool]] = None, flat: bool = False) -> BatchInput:
         """Lay out a step. Each chunk is (new token ids, start position, block table, logit rows).
 
         Logit rows: True for the chunk's last token (it samples), False for none, or a list of
@@ -580,13 +580,15 @@ class ModelRunner:
         adapter of each chunk's sequence (None: the base model). ``embeds``: per chunk, rows
         [k, hidden] that replace the embeddings of its first k tokens (input_embeds), or None.
         ``hidden``: per chunk, whether the hidden states of all its tokens are wanted
-        (forward_with_hidden returns them in chunk order).
+        (forward_with_hidden returns them in chunk order). ``flat``: lay the step out flat
+        (_prepare_flat) where the paged kernels can take it, whatever its size: a step of
+        decodes and speculative drafts to verify, a few tokens per sequence.
         """
         if (self.decode_attention != "gather" and chunks and not (adapters and any(adapters)) and embeds is None
                 and not (hidden and any(hidden))):
             if all(len(c[0]) == 1 and c[3] is True for c in chunks):
                 return self._prepare_decode(chunks)
-            if sum(len(c[0]) for c in chunks) <= self.flat_tokens:
+            if flat or sum(len(c[0]) for c in chunks) <= self.flat_tokens:
                 return self._prepare_flat(chunks)
         return self._prepare_general(chunks, adapters, embeds, hidden)
 

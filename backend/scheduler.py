@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from backend.block_manager import BlockManager
@@ -25,6 +25,9 @@ from backend.sequence import FinishReason, Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    # Speculative decoding: draft tokens run after the sequence's newest one, part of
+    # num_new_tokens (its K/V slots are allocated; the step verifies them).
+    draft: list[int] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -34,7 +37,8 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so a next token is drawn (not for
         a prompt that is only scored: max_new_tokens 0 with prompt logprobs)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens and self.seq.max_new_tokens > 0
+        end = self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft)
+        return end == self.seq.num_tokens and self.seq.max_new_tokens > 0
 
 
 def _prefilled(seq: Sequence) -> bool:
@@ -119,6 +123,17 @@ class Scheduler:
             seq = self.running[i]
             start = seq.num_computed_tokens
             remaining = len(seq.token_ids) - start
+            if remaining == 1 and seq.draft_tokens and budget > 1:
+                draft = seq.draft_tokens[: budget - 1]
+                # A draft takes free blocks only while every running sequence could still get
+                # one: speculation never preempts anything.
+                needed = bm.num_blocks_needed(seq, start + 1 + len(draft))
+                if needed == 0 or needed + len(self.running) <= bm.num_free_blocks:
+                    bm.allocate(seq, start + 1 + len(draft))
+                    scheduled.append(ScheduledSeq(seq, 1 + len(draft), draft))
+                    budget -= 1 + len(draft)
+                    i += 1
+                    continue
             if remaining == 1 and start < len(seq.block_table) * block_size:
                 # A decode whose block has room (all but one step in block_size): nothing to
                 # allocate. The common case, per sequence per step, kept to a few operations.

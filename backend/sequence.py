@@ -65,6 +65,9 @@ class Sequence:
     # n > 1: the sibling whose prefill the others wait for, so they find its blocks cached.
     wait_for: Optional["Sequence"] = None
     index: int = 0  # which of the request's n samples this is
+    # Speculative decoding: tokens proposed to follow this decoding sequence's newest one, which
+    # the next step verifies (backend/speculative.py); set before each step, [] for none.
+    draft_tokens: list[int] = field(default_factory=list)
     seed: int = 0  # effective seed: the request's, or one drawn for it
 
     def __post_init__(self) -> None:

@@ -141,6 +141,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "prefill_tokens_per_decode": int,
         "flat_prefill_tokens": int,
         "max_model_len": int,
+        "speculative_config": str,  # JSON text, validated by EngineConfig
         "scheduling_policy": str,
         "sampling_defaults": str,
         "seed": int,

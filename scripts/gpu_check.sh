@@ -190,7 +190,7 @@ run() {
                    tests/test_kernels.py tests/test_kernel_distribution.py)
   local engine_cmd=(env LLM_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider tests/test_engine.py
                     tests/test_engine_sampling.py tests/test_hidden_states.py tests/test_input_embeds.py
-                    tests/test_kv_cache_dtype.py tests/test_fp8_checkpoint.py)
+                    tests/test_kv_cache_dtype.py tests/test_fp8_checkpoint.py tests/test_speculative.py)
   local make_cmd=("$py" -m bench.make_random_model --out /tmp/model-0.4b)
   for s in "${steps[@]}"; do
     case "$s" in

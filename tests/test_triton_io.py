@@ -25,6 +25,10 @@ def test_engine_config_overrides_cast_through_the_same_rule():
         "kv_cache_dtype": "bfloat16"}
     assert engine_config_overrides({"calculate_kv_scales": "false"}, {"LLM_CALCULATE_KV_SCALES": "1"}) == {
         "calculate_kv_scales": True}
+    assert engine_config_overrides({"speculative_config": ""}, {}) == {}
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert engine_config_overrides({"speculative_config": ""}, {"LLM_SPECULATIVE_CONFIG": spec}) == {
+        "speculative_config": spec}
 
 
 

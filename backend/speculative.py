@@ -1,0 +1,121 @@
+"""N-gram speculative decoding (vLLM's `{"method": "ngram"}`, prompt lookup): draft tokens come
+from the sequence's own history, and one step verifies them all.
+
+A decoding sequence whose last few tokens occurred earlier in its prompt or output proposes the
+tokens that followed that earlier occurrence. The step then runs its newest token and the draft
+as one chunk and samples every position. Each position's token is drawn exactly as a plain
+decode step would draw it: the same logits (up to batch-shape rounding), the same per-row
+transforms, and the same noise, which depends only on the request's seed and the output
+position. So a draft token is accepted when it is the token that position draws, and the first
+position that draws something else contributes that token and ends the run. The output is the
+one decoding token by token gives, for greedy and seeded sampling alike; what speculation
+changes is how many steps it takes.
+
+Requests whose token choice depends on the tokens drawn before it within the same step
+(penalties, a grammar, logits processors) and those asking for hidden states decode one token a
+step, beside speculating ones.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from backend.sampling_params import SamplingParams
+
+
+class SpeculativeConfig(BaseModel):
+    """vLLM's --speculative-config, for the n-gram method."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram"]
+    num_speculative_tokens: int = Field(ge=1, le=32)
+    # The n-gram sizes matched, longest first. vLLM's rule for the ones not given: both 5, or
+    # the one given for both.
+    prompt_lookup_max: Optional[int] = Field(default=None, ge=1)
+    prompt_lookup_min: Optional[int] = Field(default=None, ge=1)
+    # No drafts in a step whose running batch is larger than this: verifying a draft costs a
+    # decode's attention per drafted token, which a large batch cannot hide.
+    disable_by_batch_size: Optional[int] = Field(default=None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_json(cls, value: Any) -> Any:
+        return json.loads(value) if isinstance(value, (str, bytes)) else value
+
+    @model_validator(mode="after")
+    def _lookup_sizes(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max = self.prompt_lookup_min = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} is more than prompt_lookup_max "
+                             f"{self.prompt_lookup_max}")
+        return self
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request's tokens can be verified several at a time: each position's draw depends
+    only on its own logits, seed and output position."""
+    return not (params.has_penalties or params.constraint is not None or params.logits_processors
+                or params.custom_logit_processor or params.return_hidden_states)
+
+
+class _History:
+    """One sequence's n-grams -> where each last ended, over every position before its newest."""
+
+    __slots__ = ("ends", "indexed")
+
+    def __init__(self) -> None:
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in `ends`
+
+
+class NgramProposer:
+    """Drafts from each sequence's own token history (prompt lookup)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.sizes = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)  # longest first
+        self._histories: dict[int, _History] = {}
+
+    def propose(self, seq_id: int, tokens: list[int], limit: int) -> list[int]:
+        """Up to min(k, limit) tokens that followed the latest earlier occurrence of the longest
+        n-gram (of the configured sizes) the tokens end with; [] when none occurred before.
+        `tokens` only grows between calls for one sequence."""
+        if limit <= 0:
+            return []
+        h = self._histories.get(seq_id)
+        if h is None:
+            h = self._histories[seq_id] = _History()
+        end = len(tokens)
+        # Index the n-grams ending at positions [indexed, end - 1): every one but the suffix
+        # itself, whose own occurrence is no prediction. A later occurrence replaces an earlier
+        # one, so the nearest repeat is the one continued.
+        lo = self.sizes.stop + 1  # the smallest size
+        for e in range(max(h.indexed, lo), end):
+            for n in self.sizes:
+                if e >= n:
+                    h.ends[tuple(tokens[e - n : e])] = e
+        h.indexed = max(h.indexed, end)
+        for n in self.sizes:
+            if end <= n:
+                continue
+            e = h.ends.get(tuple(tokens[end - n :]))
+            if e is not None:
+                # What followed the earlier occurrence, past the end as well: a repeat with
+                # period end - e goes on repeating (a run of one token drafts k of it).
+                draft: list[int] = []
+                for i in range(min(self.k, limit)):
+                    draft.append(tokens[e + i] if e + i < end else draft[e + i - end])
+                return draft
+        return []
+
+    def forget(self, seq_id: int) -> None:
+        self._histories.pop(seq_id, None)
