@@ -812,9 +812,9 @@ class LLMEngine:
         its own decode step would have, that position being the next output token."""
         if not item.draft:
             return [self._sampling_row(item.seq)]
-        return [self._sampling_row(item.seq, ahead) for ahead in range(1 + len(item.draft))]
+        return [self._sampling_row(item.seq, ahead, item.draft[:ahead]) for ahead in range(1 + len(item.draft))]
 
-    def _sampling_row(self, seq: Sequence, ahead: int = 0) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, ahead: int = 0, pending: tuple | list = ()) -> SamplingRow:
         params = seq.params
         tracked = self._tracked[seq.request_id]
         suppress: tuple[int, ...] = ()
@@ -832,6 +832,7 @@ class LLMEngine:
             grammar=tracked.grammar,
             custom_processor=tracked.custom_processor,
             logits_processors=tracked.logits_processors,
+            pending=pending,
         )
 
     def _drain_inbox(self) -> None:

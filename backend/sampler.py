@@ -39,6 +39,9 @@ class SamplingRow:
     grammar: Any = None  # backend.grammar.GrammarState
     custom_processor: Any = None  # a loaded CustomLogitProcessor
     logits_processors: Seq[Any] = ()  # backend.logits_processors.RowProcessor, this sequence's own
+    # Speculative decoding: draft tokens before this row's position, verified in the same step.
+    # Penalties count them as output, as the row's own decode step would have.
+    pending: Seq[int] = ()
 
 
 @dataclass
@@ -195,6 +198,10 @@ class TokenCounts:
             self.counts.index_put_(index, torch.ones(len(upd_ids), dtype=torch.int32, device=device), accumulate=True)
         return host_tensor(slots, torch.long, device)
 
+    def slot_of(self, seq_id: int) -> int:
+        """A tracked sequence's row in the tables (after `update` has seen it)."""
+        return self._slot[seq_id][0]
+
     def release(self, seq_id: int) -> None:
         entry = self._slot.pop(seq_id, None)
         if entry is not None:
@@ -254,6 +261,29 @@ class Sampler:
         ties = torch.where(x == best, idx, torch.full_like(idx, logits.shape[1]))
         return ties.min(dim=-1).values.tolist()
 
+    def _penalize_pending(self, logits: torch.Tensor, rows: list[SamplingRow], ahead: list[tuple[int, list[int]]],
+                          raw: list[torch.Tensor]) -> None:
+        """Rows of a speculative draft were penalized for the sequence's committed tokens; their
+        pending draft tokens are output too by that position. Those few tokens' values are
+        penalized again from their values before the penalties, with the counts the row's own
+        decode step would have, by the reference's arithmetic (repetition, then frequency, then
+        presence)."""
+        tc = self.token_counts
+        for (i, toks), v in zip(ahead, raw):
+            r, p = rows[i], rows[i].params
+            t = torch.as_tensor(toks, dtype=torch.long, device=logits.device)
+            extra = torch.tensor([r.pending.count(x) for x in toks], dtype=torch.float32, device=logits.device)
+            count = tc.counts[tc.slot_of(r.seq_id), t].to(torch.float32) + extra
+            x = v
+            if p.repetition_penalty != 1:  # every pending token is in the output: seen
+                rep = torch.tensor(p.repetition_penalty, dtype=torch.float32, device=logits.device)
+                x = torch.where(v > 0, v / rep, v * rep)
+            if p.frequency_penalty != 0:
+                x = x - torch.tensor(p.frequency_penalty, dtype=torch.float32, device=logits.device) * count
+            if p.presence_penalty != 0:
+                x = x - torch.tensor(p.presence_penalty, dtype=torch.float32, device=logits.device)
+            logits[i, t] = x
+
     def _penalty_args(self, rows: list[SamplingRow]) -> tuple[torch.Tensor, ...]:
         """For the C++ kernels that read the count tables in place (CPU): the tables, each row's
         slot in them brought up to date (-1: not penalized), and its three penalties."""
@@ -290,6 +320,9 @@ class Sampler:
             if r.logits_processors:
                 _apply_row_processors(logits, i, r, errors)
         pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        # Draft rows: their pending tokens' values before the penalties (see _penalize_pending).
+        ahead = [(i, list(dict.fromkeys(rows[i].pending))) for i in pen if rows[i].pending]
+        raw = [logits[i, toks].clone() for i, toks in ahead]
         native = kernels.native_cpu_sampling(logits)
         if pen and native is not None:
             # In place, statistics read by slot: no [rows, V] copies (the sampler owns `logits`).
@@ -313,6 +346,8 @@ class Sampler:
                 logits = penalized
             else:
                 logits[pen] = penalized
+        if ahead:
+            self._penalize_pending(logits, rows, ahead, raw)
         suppressed = [i for i, r in enumerate(rows) if r.suppress_ids]
         # min_new_tokens yields where it would leave no token at all (a grammar or
         # allowed_token_ids that only an end token can satisfy now): the rows before it are kept.
@@ -399,6 +434,7 @@ def _argmax_after_lowering(r: SamplingRow) -> bool:
     p = r.params
     return (
         p.greedy and not r.suppress_ids and r.grammar is None and r.custom_processor is None
+        and not (r.pending and p.has_penalties)
         and not r.logits_processors
         and not p.return_logprob and not p.restricts_tokens
         and p.repetition_penalty >= 1 and p.frequency_penalty >= 0 and p.presence_penalty >= 0

@@ -11,9 +11,9 @@ position that draws something else contributes that token and ends the run. The 
 one decoding token by token gives, for greedy and seeded sampling alike; what speculation
 changes is how many steps it takes.
 
-Requests whose token choice depends on the tokens drawn before it within the same step
-(penalties, a grammar, logits processors) and those asking for hidden states decode one token a
-step, beside speculating ones.
+Penalties count a position's earlier draft tokens as output, as its own decode step would.
+Requests with a grammar or logits processors, whose state follows the tokens one at a time, and
+those asking for hidden states decode one token a step, beside speculating ones.
 """
 
 from __future__ import annotations
@@ -62,9 +62,11 @@ class SpeculativeConfig(BaseModel):
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request's tokens can be verified several at a time: each position's draw depends
-    only on its own logits, seed and output position."""
-    return not (params.has_penalties or params.constraint is not None or params.logits_processors
-                or params.custom_logit_processor or params.return_hidden_states)
+    only on its own logits, seed and output position, and on penalties, whose counts take the
+    draft tokens before it (Sampler._penalize_pending). A grammar's state, a logits processor's
+    and hidden states follow the tokens one step at a time."""
+    return not (params.constraint is not None or params.logits_processors or params.custom_logit_processor
+                or params.return_hidden_states)
 
 
 class _History:

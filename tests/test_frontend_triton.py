@@ -764,7 +764,7 @@ def test_get_server_info_reports_the_effective_engine_config(triton, base_url):
             cfg["cuda_graphs"], cfg["max_responses_per_step"], cfg["stream_interval"]) == (96, 640, 6, False, 16, 1)
     assert cfg["torch_threads"] >= 1 and cfg["response_senders"] >= 1
     # Left unset on purpose only: the pool was sized in blocks, and no logits processors are allowed.
-    assert {k for k, v in cfg.items() if v is None} <= {"kv_cache_memory_mb", "logits_processor_pattern"}, cfg
+    assert {k for k, v in cfg.items() if v is None} <= {"kv_cache_memory_mb", "logits_processor_pattern", "speculative_config"}, cfg
     assert frontend["served_model_name"] == MODEL and frontend["tool_call_parser"] == "qwen25"
     assert "api_key" not in frontend
 

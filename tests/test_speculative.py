@@ -98,13 +98,15 @@ def test_speculative_config_follows_vllm():
             SpeculativeConfig.model_validate(bad)
 
 
-def test_requests_whose_draws_depend_on_earlier_draws_do_not_speculate(demo_model_path):
+def test_requests_whose_state_follows_each_token_do_not_speculate(demo_model_path):
     from backend.sampling_params import parse_sampling_params
 
     assert speculates(parse_sampling_params({"temperature": 0.7, "top_p": 0.9, "logit_bias": {"5": 2.0},
-                                             "return_logprob": True, "stop": ["x"], "min_new_tokens": 3}))
-    for raw in ({"repetition_penalty": 1.1}, {"frequency_penalty": 0.5}, {"presence_penalty": 0.5},
-                {"regex": "[ab]+"}, {"json_schema": '{"type": "object"}'}, {"return_hidden_states": True}):
+                                             "return_logprob": True, "stop": ["x"], "min_new_tokens": 3,
+                                             "repetition_penalty": 1.1, "frequency_penalty": 0.5,
+                                             "presence_penalty": 0.5}))
+    for raw in ({"regex": "[ab]+"}, {"json_schema": '{"type": "object"}'}, {"return_hidden_states": True},
+                {"logits_processors": ["tests.logits_processor_examples.ban_previous"]}):
         assert not speculates(parse_sampling_params(raw)), raw
 
 
@@ -287,21 +289,61 @@ def test_drafts_never_preempt_and_a_tight_pool_gives_the_same_tokens(demo_model_
     assert stats.num_preemptions <= ref_stats.num_preemptions
 
 
-def test_penalized_requests_decode_beside_speculating_ones(demo_model_path):
+PENALTIES = [
+    {"temperature": 0, "repetition_penalty": 1.3},
+    {"temperature": 0, "frequency_penalty": 0.8, "presence_penalty": 0.6, "repetition_penalty": 1.0},
+    {"temperature": 0.9, "seed": 8, "repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": -0.4},
+]
+
+
+@pytest.mark.parametrize("raw", PENALTIES, ids=["repetition", "frequency_presence", "all_sampled"])
+def test_penalties_count_the_draft_tokens_before_each_position(demo_model_path, raw):
+    """A draft position's penalties count the draft tokens before it as output, as its own decode
+    step would: the tokens of decoding one at a time. The oracle drafts the penalized reference,
+    which repeats tokens of the prompt and of itself only where the penalties allow."""
     prompts = _prompts(4, seed=17)
+    raw = {**raw, "max_new_tokens": 40, "ignore_eos": True}
+    ref, _ = _run(demo_model_path, prompts, raw)
+    # Tokens that repeat within a draft are where the counts matter most: drafts run 6 long.
+    oracle = OracleProposer({tuple(p): o.new_token_ids for p, o in zip(prompts, ref)}, k=6, spoil=4)
+    outs, stats = _run(demo_model_path, prompts, raw, spec={**NGRAM, "num_speculative_tokens": 6}, oracle=oracle)
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in ref]
+    assert stats.spec_accepted_tokens_total > stats.spec_draft_tokens_total // 2
+
+
+def test_a_repeated_draft_token_is_penalized_where_it_repeats(demo_model_path):
+    """Drafts of one token repeated: with a strong frequency penalty the model's own choice moves
+    off it after a few repeats, so the later positions must see the earlier ones counted."""
+    prompts = _prompts(3, seed=41)
+    raw = {"temperature": 0, "frequency_penalty": 2.0, "repetition_penalty": 1.0, "max_new_tokens": 24,
+           "ignore_eos": True, "logit_bias": {"1234": 15.0}}
+    ref, _ = _run(demo_model_path, prompts, raw)
+    assert all(1234 in o.new_token_ids for o in ref)
+    repeat = OracleProposer({}, k=5, spoil=0)
+    repeat.propose = lambda seq_id, tokens, limit: [1234] * min(5, limit)
+    outs, stats = _run(demo_model_path, prompts, raw, spec=NGRAM, oracle=repeat)
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in ref]
+    assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
+
+
+def test_grammar_requests_decode_beside_speculating_ones(demo_model_path):
+    prompts = _prompts(2, seed=43)
     plain = {"temperature": 0, "repetition_penalty": 1.0, "max_new_tokens": 20, "ignore_eos": True}
-    penalized = {**plain, "repetition_penalty": 1.3}
+    constrained = {"temperature": 0, "max_new_tokens": 20, "regex": "(ab|cd)+"}
     eng = _engine(demo_model_path, NGRAM)
     try:
-        params = [eng.parse_params(plain), eng.parse_params(penalized)] * 2
-        ref = [o.new_token_ids for o in _run(demo_model_path, prompts[:1], plain)[0]]
-        oracle = OracleProposer({tuple(prompts[0]): ref[0], tuple(prompts[2]): []}, k=4, spoil=0)
+        want_plain = _run(demo_model_path, prompts[:1], plain)[0][0].new_token_ids
+        want_regex = _run(demo_model_path, prompts[1:], constrained)[0][0].text
+        oracle = OracleProposer({tuple(prompts[0]): want_plain}, k=4, spoil=0)
+        asked = []
+        propose = oracle.propose
+        oracle.propose = lambda seq_id, tokens, limit: asked.append(tuple(tokens[:len(prompts[1])])) or propose(
+            seq_id, tokens, limit)
         eng.proposer = oracle
-        outs = eng.generate(prompts, params)
-        assert outs[0].new_token_ids == ref[0]
-        for i in (1, 3):  # the penalized ones match their own plain run
-            assert outs[i].new_token_ids == _run(demo_model_path, [prompts[i]], penalized)[0][0].new_token_ids
-        assert oracle.calls > 0 and eng.stats().spec_accepted_tokens_total > 0
+        outs = eng.generate(prompts, [eng.parse_params(plain), eng.parse_params(constrained)])
+        assert outs[0].new_token_ids == want_plain and outs[1].text == want_regex
+        assert tuple(prompts[1]) not in asked  # the grammar request was never drafted for
+        assert eng.stats().spec_accepted_tokens_total > 0
     finally:
         eng.shutdown()
 
