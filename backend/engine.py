@@ -654,6 +654,7 @@ class LLMEngine:
                 tokens = tokens[: accepted + 1]
                 self._spec_draft_tokens_total += len(item.draft)
                 self._spec_accepted_tokens_total += accepted
+                self.proposer.verified(item.seq.seq_id, item.seq.num_tokens + len(tokens), accepted)
             for j, token in enumerate(tokens):
                 if j:  # the draft token before this one was drawn: its K/V stand
                     item.seq.num_computed_tokens += 1

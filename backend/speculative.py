@@ -69,14 +69,23 @@ def speculates(params: SamplingParams) -> bool:
                 or params.return_hidden_states)
 
 
+# A sequence whose draft was rejected outright drafts again only after this many more tokens,
+# doubling with each further miss up to the cap: a verifying step costs more than a decode step
+# (about twice at batch 1 on the CPU), so text that does not repeat should stop paying for it.
+BACKOFF_TOKENS = 2
+BACKOFF_CAP = 64
+
+
 class _History:
     """One sequence's n-grams -> where each last ended, over every position before its newest."""
 
-    __slots__ = ("ends", "indexed")
+    __slots__ = ("ends", "indexed", "misses", "resume_at")
 
     def __init__(self) -> None:
         self.ends: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in `ends`
+        self.misses = 0  # drafts rejected outright in a row
+        self.resume_at = 0  # no drafts before the sequence is this long
 
 
 class NgramProposer:
@@ -97,6 +106,8 @@ class NgramProposer:
         if h is None:
             h = self._histories[seq_id] = _History()
         end = len(tokens)
+        if end < h.resume_at:
+            return []
         # Index the n-grams ending at positions [indexed, end - 1): every one but the suffix
         # itself, whose own occurrence is no prediction. A later occurrence replaces an earlier
         # one, so the nearest repeat is the one continued.
@@ -118,6 +129,18 @@ class NgramProposer:
                     draft.append(tokens[e + i] if e + i < end else draft[e + i - end])
                 return draft
         return []
+
+    def verified(self, seq_id: int, length: int, accepted: int) -> None:
+        """A draft of the sequence was verified, `accepted` of its tokens kept; the sequence is now
+        `length` tokens long. After a draft rejected outright, the next waits (BACKOFF_TOKENS)."""
+        h = self._histories.get(seq_id)
+        if h is None:
+            return
+        if accepted:
+            h.misses = 0
+            return
+        h.misses += 1
+        h.resume_at = length + min(BACKOFF_TOKENS ** h.misses, BACKOFF_CAP)
 
     def forget(self, seq_id: int) -> None:
         self._histories.pop(seq_id, None)

@@ -83,6 +83,26 @@ def test_the_incremental_index_matches_a_full_search_as_a_sequence_grows():
     assert not p._histories
 
 
+def test_a_sequence_whose_drafts_fail_drafts_less_often():
+    from backend.speculative import BACKOFF_CAP
+
+    p = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=1))
+    tokens = [1, 2] * 10
+    assert p.propose(0, tokens, 5) == [1, 2]
+    waits = []
+    for _ in range(8):  # each draft rejected outright: the next one waits twice as long
+        p.verified(0, len(tokens) + 1, accepted=0)
+        tokens.append(9)
+        start = len(tokens)
+        while not p.propose(0, tokens, 5):
+            tokens.append(1 if tokens[-1] != 1 else 2)
+        waits.append(len(tokens) - start)
+    assert waits == [2, 4, 8, 16, 32, 64, 64, 64] and BACKOFF_CAP == 64
+    p.verified(0, len(tokens), accepted=1)  # a draft that kept a token resets the wait
+    p.verified(0, len(tokens), accepted=0)
+    assert p.propose(0, tokens + [1], 5) == [] and p.propose(0, tokens + [1, 2], 5)
+
+
 def test_speculative_config_follows_vllm():
     assert SpeculativeConfig(method="ngram", num_speculative_tokens=5).prompt_lookup_min == 5
     c = SpeculativeConfig.model_validate('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}')
@@ -133,6 +153,9 @@ class OracleProposer:
                     draft[at] = (draft[at] + 1) % 4000
                 return draft
         return []
+
+    def verified(self, seq_id: int, length: int, accepted: int) -> None:
+        pass
 
     def forget(self, seq_id: int) -> None:
         pass
