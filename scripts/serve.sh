@@ -6,7 +6,7 @@
 #                    [--api-key KEY] [--chat-template FILE] [--trust-request-chat-template]
 #                    [--logits-processor-pattern REGEX] [--reasoning-parser NAME]
 #                    [--lora-modules name=path,name2=path2] [--allow-runtime-lora-updating]
-#                    [--kv-cache-dtype auto|bfloat16|fp8|...]
+#                    [--kv-cache-dtype auto|bfloat16|fp8|...] [--speculative-config JSON]
 # Every other engine setting: env LLM_<NAME> (README, "Engine settings").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +31,7 @@ while [ $# -gt 0 ]; do
     --lora-modules) export LLM_LORA_MODULES=$2; shift 2 ;;
     --allow-runtime-lora-updating) RUNTIME_LORA=1; shift ;;
     --kv-cache-dtype) export LLM_KV_CACHE_DTYPE=$2; shift 2 ;;
+    --speculative-config) export LLM_SPECULATIVE_CONFIG=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
