@@ -640,31 +640,34 @@ class LLMEngine:
             return
         row = 0
         for item in sampling:
-            n = 1 + len(item.draft)
-            if self._tracked.get(item.seq.request_id) is None:
-                row += n
-                continue
-            tokens = [int(t) for t in result.token_ids[row : row + n]]
             if item.draft:
-                # Position j's draw is the token after draft[:j]: it counts only while every draft
-                # token before it was the one drawn. The first draw that differs ends the run.
-                accepted = 0
-                while accepted < len(item.draft) and tokens[accepted] == item.draft[accepted]:
-                    accepted += 1
-                tokens = tokens[: accepted + 1]
-                self._spec_draft_tokens_total += len(item.draft)
-                self._spec_accepted_tokens_total += accepted
-                self.proposer.verified(item.seq.seq_id, item.seq.num_tokens + len(tokens), accepted)
-            for j, token in enumerate(tokens):
-                if j:  # the draft token before this one was drawn: its K/V stand
-                    item.seq.num_computed_tokens += 1
-                if not self._take_token(item.seq, token, result.logprobs[row + j], result.errors.get(row + j)):
-                    break
+                self._take_verified(item, result, row)
+                row += 1 + len(item.draft)
             else:
-                if item.draft:
-                    self.block_manager.register_full_blocks(item.seq)
-                    self.block_manager.free_behind_window(item.seq)
-            row += n
+                self._take_token(item.seq, int(result.token_ids[row]), result.logprobs[row], result.errors.get(row))
+                row += 1
+
+    def _take_verified(self, item: Any, result: Any, row: int) -> None:
+        """A sequence's draft and the draw at each of its positions (result rows from `row`):
+        position j's draw is the token after draft[:j], so it counts only while every draft token
+        before it was the one drawn. The first draw that differs ends the run."""
+        seq, draft = item.seq, item.draft
+        if self._tracked.get(seq.request_id) is None:
+            return
+        tokens = [int(t) for t in result.token_ids[row : row + 1 + len(draft)]]
+        accepted = 0
+        while accepted < len(draft) and tokens[accepted] == draft[accepted]:
+            accepted += 1
+        self._spec_draft_tokens_total += len(draft)
+        self._spec_accepted_tokens_total += accepted
+        self.proposer.verified(seq.seq_id, seq.num_tokens + accepted + 1, accepted)
+        for j, token in enumerate(tokens[: accepted + 1]):
+            if j:  # the draft token before this one was drawn: its K/V stand
+                seq.num_computed_tokens += 1
+            if not self._take_token(seq, token, result.logprobs[row + j], result.errors.get(row + j)):
+                return
+        self.block_manager.register_full_blocks(seq)
+        self.block_manager.free_behind_window(seq)
 
     def _take_token(self, seq: Sequence, token: int, lp: Optional[TokenLogprobs], error: Optional[str]) -> bool:
         """Append a drawn token to its sequence and emit what it releases. False when the
