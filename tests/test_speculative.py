@@ -508,3 +508,20 @@ def test_cuda_verify_steps_equal_decoding_one_at_a_time(demo_model_path):
     want, _, _ = run(None)
     got, replays, stats = run(NGRAM, OracleProposer({tuple(p): o for p, o in zip(prompts, want)}, k=4, spoil=3))
     assert got == want and replays > 5 and stats.spec_accepted_tokens_total > 0
+
+
+@pytest.mark.parametrize("kind", ["mistral_swa", "qwen2_mixed_swa"])
+def test_verified_drafts_under_sliding_windows(demo_model_path, tmp_path, kind):
+    """Sliding windows (every layer, or mixed with full layers) in the flat verify layout: the
+    tokens of decoding one at a time, past the window (32) as well."""
+    from tests.test_architectures import _build
+
+    _build(kind, demo_model_path, tmp_path)
+    prompts = _prompts(3, seed=47)
+    raw = {"temperature": 0.8, "seed": 6, "repetition_penalty": 1.0, "max_new_tokens": 48, "ignore_eos": True}
+    kw = {"max_model_len": 256, "block_size": 8}
+    ref, _ = _run(tmp_path, prompts, raw, **kw)
+    oracle = OracleProposer({tuple(p): o.new_token_ids for p, o in zip(prompts, ref)}, k=4, spoil=3)
+    outs, stats = _run(tmp_path, prompts, raw, spec=NGRAM, oracle=oracle, **kw)
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in ref]
+    assert stats.spec_accepted_tokens_total > stats.spec_draft_tokens_total // 2
