@@ -32,6 +32,9 @@
 #              -> chunked_flat_probe.json. Against `chunked`: whether to turn flat_prefill_tokens on
 #              by default on CUDA (with the serving chunked section:
 #              SERVING_ARGS="--only chunked --engine-arg flat_prefill_tokens=128")
+#   spec       n-gram speculative decoding against one token a step, on the demo model and on its
+#              repeating variant (every draft holds), batch 1 and 8, outputs checked equal
+#              -> spec_decode.json (bench/spec_decode.py)
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
@@ -144,7 +147,7 @@ PY
   du -sh .whl/serving
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [chunked]=90 [chunked_flat]=90 [kvdtype]=170
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [chunked]=90 [chunked_flat]=90 [spec]=120 [kvdtype]=170
                   [serving]=300 [serving_0.4b]=200)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
@@ -232,6 +235,7 @@ run() {
       chunked_flat) step chunked_flat "$py" -m bench.chunked_probe --device cuda --caps 64 512 --flat-prefill-tokens 128 \
                       --json "$OUT/chunked_flat_probe.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
+      spec) step spec "$py" -m bench.spec_decode --device cuda --json "$OUT/spec_decode.json" ;;
       serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" serving_bench ;;
       serving_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
                     SERVING_ARGS="--model-path /tmp/model-0.4b ${SERVING_0_4B_ARGS:---c1-requests 8 --alternating-rounds 0} ${SERVING_ARGS:-}" \
