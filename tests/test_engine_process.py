@@ -137,3 +137,33 @@ def test_a_child_that_dies_before_ready_fails_the_start_at_once(config, monkeypa
     with pytest.raises(EngineProcessError, match="exited"):
         EngineProxy(config, start_timeout_s=60)
     assert time.monotonic() - t0 < 15
+
+
+def test_speculative_decoding_in_the_engine_process(config, tmp_path):
+    """speculative_config crosses to the child as part of the config: on a model whose greedy
+    output repeats, its drafts hold (counted in the stats the stub sees) and the tokens are the
+    in-process engine's without drafts."""
+    from bench.spec_decode import repeating_model
+
+    model = repeating_model(config.model_path, tmp_path / "repeating")
+    plain = config.model_copy(update={"model_path": model})
+    spec = EngineConfig(**{**plain.model_dump(), "speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, "prompt_lookup_min": 1}})
+    params = SamplingParams(max_new_tokens=30, repetition_penalty=1.0, **GREEDY)
+    prompts = _prompts(2, seed=5)
+    engine = LLMEngine(plain)
+    ref = [engine.generate([ids], params)[0].new_token_ids for ids in prompts]
+    engine.shutdown()
+    p = EngineProxy(spec)
+    try:
+        for ids, want in zip(prompts, ref):
+            c = _Collect()
+            p.add_request(ids, params, c)
+            assert c.done.wait(30)
+            assert c.tokens() == want
+        deadline = time.monotonic() + 10
+        while p.stats().spec_accepted_tokens_total < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.stats().spec_accepted_tokens_total >= 40
+    finally:
+        p.shutdown()
