@@ -12,6 +12,11 @@ The OpenAI frontend names its Triton requests `<client id>@<frontend id>.<suffix
 (`client_of`), so a frontend can also abort by the id its client knows (SGLang's rid) without
 holding the stream itself: its other worker processes, and replicas sharing its frontend id,
 hold theirs (`abort_client`). Those aborts are not remembered: they take what is running.
+
+A client that named its request (SGLang's `rid`) gets a suffix `rid-<hex>` (`NAMED_SUFFIX`):
+such an id runs once at a time per frontend id. A second one while the first runs is refused
+(`DuplicateRequestId`), whichever of the frontend's worker processes sent each; each process
+also refuses its own duplicates before sending.
 """
 
 from __future__ import annotations
@@ -32,6 +37,22 @@ def client_of(triton_id: str) -> Optional[tuple[str, str]]:
     return client_id, frontend
 
 
+NAMED_SUFFIX = "rid-"
+
+
+class DuplicateRequestId(ValueError):
+    """A client-named request id is already running (SGLang's "Duplicate request ID detected")."""
+
+    def __init__(self, client_id: str) -> None:
+        super().__init__(f"Duplicate request ID detected: {client_id}")
+
+
+def named_client(triton_id: str) -> Optional[tuple[str, str]]:
+    """(client id, frontend id) of a request its client named (suffix NAMED_SUFFIX), else None."""
+    c = client_of(triton_id)
+    return c if c is not None and triton_id.rpartition(".")[2].startswith(NAMED_SUFFIX) else None
+
+
 def names_client(rid: str, client_id: str) -> bool:
     """Whether an abort for `rid` takes the request of `client_id`: the request itself, or prompt
     i of the batch request `rid`, whose ids are `<rid>_<i>` on /generate (SGLang's naming) and
@@ -50,16 +71,25 @@ class TritonRequestIndex:
         self._clock = clock
         self._lock = threading.Lock()
         self._engine_ids: dict[str, set[str]] = {}
+        self._named: dict[tuple[str, str], str] = {}  # (client id, frontend id) -> its running Triton id
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # triton id -> when
         self._finished: OrderedDict[str, float] = OrderedDict()  # triton id -> when its last request ended
 
     def add(self, triton_id: str, engine_id: str) -> bool:
-        """Index a new engine request; True when an abort for its Triton id came first."""
+        """Index a new engine request; True when an abort for its Triton id came first. Raises
+        DuplicateRequestId when its client named it and that name is running already."""
         with self._lock:
             self._expire()
+            named = named_client(triton_id)
+            if named is not None:
+                running = self._named.get(named)
+                if running is not None and running != triton_id:
+                    raise DuplicateRequestId(named[0])
             if self._early_aborts.pop(triton_id, None) is not None:
                 return True
             self._engine_ids.setdefault(triton_id, set()).add(engine_id)
+            if named is not None:
+                self._named[named] = triton_id
             return False
 
     def forget(self, triton_id: str, engine_id: str) -> None:
@@ -69,13 +99,20 @@ class TritonRequestIndex:
                 ids.discard(engine_id)
                 if not ids:
                     del self._engine_ids[triton_id]
+                    self._unname(triton_id)
                     self._remember(self._finished, triton_id)
+
+    def _unname(self, triton_id: str) -> None:
+        named = named_client(triton_id)
+        if named is not None and self._named.get(named) == triton_id:
+            del self._named[named]
 
     def abort(self, triton_id: str) -> set[str]:
         """The engine requests to abort for `triton_id`; none yet means remember the abort."""
         with self._lock:
             ids = self._engine_ids.pop(triton_id, None)
             if ids:
+                self._unname(triton_id)
                 return ids
             self._expire()
             if triton_id not in self._finished:
@@ -91,6 +128,7 @@ class TritonRequestIndex:
             engine_ids: set[str] = set()
             for triton_id in taken:
                 engine_ids |= self._engine_ids.pop(triton_id)
+                self._unname(triton_id)
             return len(taken), engine_ids
 
     def _remember(self, table: OrderedDict[str, float], triton_id: str) -> None:

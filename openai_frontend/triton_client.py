@@ -204,6 +204,11 @@ def _decode_generic(response: Any) -> EngineChunk:
     )
 
 
+# The mark on the Triton id of a request whose client named it: the llm model runs such a name
+# once at a time per frontend id (backend/request_index.py, NAMED_SUFFIX, the same string).
+NAMED_SUFFIX = "rid-"
+
+
 def _batch_item_of(client_id: str, rid: Optional[str]) -> bool:
     """Whether `client_id` is prompt i of the batch request `rid` (its streams are `<rid>_<i>` on
     /generate, as SGLang names them, and `<rid>-<i>` on /v1/completions). The llm model applies
@@ -255,8 +260,9 @@ _PARAM_RE = re.compile(
     r"|^invalid (json_schema|regex|ebnf|structural_tag)\b"
     r"|^(input_ids) out of range"
     r"|^prompt token (id) \d+ is out of range"
+    r"|^Duplicate request (ID) detected"
 )
-_PARAM_ALIASES = {"processor": "logits_processors", "adapter": "lora_path", "id": "input_ids"}
+_PARAM_ALIASES = {"processor": "logits_processors", "adapter": "lora_path", "id": "input_ids", "ID": "rid"}
 
 
 def _param(msg: str) -> Optional[str]:
@@ -413,8 +419,11 @@ class TritonLLMClient:
             raise APIError(400, f"Duplicate request ID detected: {request.request_id}", param="rid")
         inputs = build_inputs(request)
         # Unique per stream (client-supplied ids may repeat), traceable to the client's id, and
-        # abortable by it from any process sharing this frontend id (abort_requests).
-        request_id = f"{request.request_id or 'anon'}@{self.frontend_id}.{uuid.uuid4().hex[:8]}"
+        # abortable by it from any process sharing this frontend id (abort_requests). A name the
+        # client chose is marked (NAMED_SUFFIX): the llm model then refuses a second one while it
+        # runs, sent by another of this frontend's processes (backend/request_index.py).
+        mark = NAMED_SUFFIX if request.client_named else ""
+        request_id = f"{request.request_id or 'anon'}@{self.frontend_id}.{mark}{uuid.uuid4().hex[:8]}"
         done = asyncio.Event()
         payload = {
             "model_name": self.model_name,

@@ -889,7 +889,8 @@ def _start_frontend_process(grpc_url: str, port: int, *extra: str) -> subprocess
 def test_abort_request_reaches_the_streams_of_other_frontend_processes(triton, base_url):
     """SGLang's /abort_request with --workers 2, aborted from a replica given the same
     --frontend-id: whichever process holds a stream, the engine aborts it by the rid (or all of
-    that frontend's), and a frontend with another id keeps its streams."""
+    that frontend's), and a frontend with another id keeps its streams. The replica refuses a
+    rid the workers have in flight."""
     url = triton["server"].grpc_url
     ports = free_port(), free_port()
     workers = _start_frontend_process(url, ports[0], "--workers", "2", "--frontend-id", "shared-fe")
@@ -913,6 +914,14 @@ def test_abort_request_reaches_the_streams_of_other_frontend_processes(triton, b
             threads[-1].start()
             outs.append(out)
             assert started.wait(30)
+        # A rid in flight is refused by the replica too: the llm model holds the running names of
+        # every process sharing the frontend id.
+        for rid in ("one-rid", "a-batch_1"):
+            dup = httpx.post(f"http://127.0.0.1:{ports[1]}/generate",
+                             json={"text": "again", "rid": rid, "sampling_params": {"max_new_tokens": 2}})
+            assert dup.status_code == 400, dup.text
+            assert dup.json()["error"]["message"] == f"Duplicate request ID detected: {rid}"
+            assert dup.json()["error"]["param"] == "rid"
         abort = f"http://127.0.0.1:{ports[1]}/abort_request"
         assert httpx.post(abort, json={"rid": "one-rid"}).json() == {"aborted": 1}
         assert httpx.post(abort, json={"rid": "a-batch"}).json() == {"aborted": 2}

@@ -1,5 +1,7 @@
 """backend/request_index.py: Triton request ids -> engine requests, and aborts that come first."""
 
+import pytest
+
 from backend.request_index import TritonRequestIndex, client_of, names_client
 
 
@@ -62,3 +64,29 @@ def test_abort_client_takes_a_frontends_running_requests_by_rid_or_all():
     assert index.abort_client("fe", None) == (2, {"e4", "e7"})  # every request of that frontend
     assert len(index) == 2  # the other frontend's and the plain id's stay
     assert index.abort("R@other.5") == {"e5"} and index.abort("R.plain") == {"e6"}
+
+
+def test_a_client_named_id_runs_once_per_frontend():
+    from backend.request_index import NAMED_SUFFIX, DuplicateRequestId
+    from openai_frontend.triton_client import NAMED_SUFFIX as FRONTEND_MARK
+
+    assert FRONTEND_MARK == NAMED_SUFFIX
+    idx = TritonRequestIndex()
+    first = f"job-1@fe1.{NAMED_SUFFIX}aaaa"
+    assert idx.add(first, "e1") is False
+    # The same name from another worker of the frontend (another suffix) is refused ...
+    with pytest.raises(DuplicateRequestId, match="Duplicate request ID detected: job-1"):
+        idx.add(f"job-1@fe1.{NAMED_SUFFIX}bbbb", "e2")
+    # ... not from another frontend, nor an unnamed id, nor the batch items of that name.
+    assert idx.add(f"job-1@fe2.{NAMED_SUFFIX}cccc", "e3") is False
+    assert idx.add("job-1@fe1.dddd", "e4") is False
+    assert idx.add(f"job-1_0@fe1.{NAMED_SUFFIX}eeee", "e5") is False
+    # Free again once it finished, or was aborted by id or by client.
+    idx.forget(first, "e1")
+    second = f"job-1@fe1.{NAMED_SUFFIX}ffff"
+    assert idx.add(second, "e6") is False
+    assert idx.abort(second) == {"e6"}
+    third = f"job-1@fe1.{NAMED_SUFFIX}gggg"
+    assert idx.add(third, "e7") is False
+    assert idx.abort_client("fe1", "job-1")[0] >= 1
+    assert idx.add(f"job-1@fe1.{NAMED_SUFFIX}hhhh", "e8") is False

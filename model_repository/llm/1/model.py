@@ -20,7 +20,7 @@ from backend.engine_process import EngineProxy  # noqa: E402
 from backend.gc_freeze import freeze_startup_heap  # noqa: E402
 from backend.outbox import Outbox, StreamResponder  # noqa: E402
 from backend.outputs import RequestOutput  # noqa: E402
-from backend.request_index import TritonRequestIndex  # noqa: E402
+from backend.request_index import DuplicateRequestId, TritonRequestIndex  # noqa: E402
 from backend.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
 from backend.triton_io import (  # noqa: E402
     LLM_INPUTS,
@@ -168,7 +168,7 @@ class TritonPythonModel:
                     raise
                 if aborted_first:
                     self.engine.abort(engine_id)
-            except (RequestError, SamplingParamsError) as exc:
+            except (RequestError, SamplingParamsError, DuplicateRequestId) as exc:
                 self._metrics.rejected("invalid_argument")
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
                 guarded.send(pb_utils.InferenceResponse(error=error), final=True)
