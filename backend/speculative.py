@@ -74,6 +74,9 @@ def speculates(params: SamplingParams) -> bool:
 # (about twice at batch 1 on the CPU), so text that does not repeat should stop paying for it.
 BACKOFF_TOKENS = 2
 BACKOFF_CAP = 64
+# Positions indexed per call at most: a long prompt is indexed over several steps (no drafts
+# until it is), so no one step of the loop pays for all of it (a 32k prompt at ~1 us a position).
+INDEX_PER_CALL = 2048
 
 
 class _History:
@@ -112,11 +115,14 @@ class NgramProposer:
         # itself, whose own occurrence is no prediction. A later occurrence replaces an earlier
         # one, so the nearest repeat is the one continued.
         lo = self.sizes.stop + 1  # the smallest size
-        for e in range(max(h.indexed, lo), end):
+        stop = min(end, max(h.indexed, lo) + INDEX_PER_CALL)
+        for e in range(max(h.indexed, lo), stop):
             for n in self.sizes:
                 if e >= n:
                     h.ends[tuple(tokens[e - n : e])] = e
-        h.indexed = max(h.indexed, end)
+        h.indexed = max(h.indexed, stop)
+        if stop < end:
+            return []
         for n in self.sizes:
             if end <= n:
                 continue

@@ -525,3 +525,15 @@ def test_verified_drafts_under_sliding_windows(demo_model_path, tmp_path, kind):
     outs, stats = _run(tmp_path, prompts, raw, spec=NGRAM, oracle=oracle, **kw)
     assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in ref]
     assert stats.spec_accepted_tokens_total > stats.spec_draft_tokens_total // 2
+
+
+def test_a_long_prompt_is_indexed_over_several_calls():
+    from backend.speculative import INDEX_PER_CALL
+
+    p = NgramProposer(SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=2))
+    tokens = [1, 2, 3] + list(range(10, 10 + 2 * INDEX_PER_CALL)) + [1, 2]
+    calls = 0
+    while not (draft := p.propose(0, tokens, 5)):
+        calls += 1
+        assert calls < 10
+    assert calls == 2 and draft == [3, 10, 11]
