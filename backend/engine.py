@@ -91,6 +91,7 @@ class EngineStats:
     jump_forward_respelled_total: int = 0
     # Speculative decoding: draft tokens verified, and of them accepted (each accepted one is a
     # generation token a step did not have to be run for).
+    spec_drafts_total: int = 0  # drafts verified (accepted / drafts + 1: tokens a verifying step yields)
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
 
@@ -203,6 +204,7 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._jump_forward_tokens_total = 0
         self._jump_forward_respelled_total = 0
+        self._spec_drafts_total = 0
         self._spec_draft_tokens_total = 0
         self._spec_accepted_tokens_total = 0
         self._step_seconds = 0.0
@@ -453,6 +455,7 @@ class LLMEngine:
             step_thread_cpu_seconds_total=self._step_cpu_seconds,
             jump_forward_tokens_total=self._jump_forward_tokens_total,
             jump_forward_respelled_total=self._jump_forward_respelled_total,
+            spec_drafts_total=self._spec_drafts_total,
             spec_draft_tokens_total=self._spec_draft_tokens_total,
             spec_accepted_tokens_total=self._spec_accepted_tokens_total,
         )
@@ -658,6 +661,7 @@ class LLMEngine:
         accepted = 0
         while accepted < len(draft) and tokens[accepted] == draft[accepted]:
             accepted += 1
+        self._spec_drafts_total += 1
         self._spec_draft_tokens_total += len(draft)
         self._spec_accepted_tokens_total += accepted
         self.proposer.verified(seq.seq_id, seq.num_tokens + accepted + 1, accepted)

@@ -161,6 +161,8 @@ class LLMMetrics:
                 "jump_forward_tokens_total": "Generated tokens a grammar forced (jump-forward decoding), not sampled",
                 "jump_forward_respelled_total": "Sampled tokens respelled together with the forced text after them "
                 "(jump-forward decoding across a token boundary)",
+                "spec_decode_num_drafts_total": "Drafts verified (speculative decoding); accepted tokens / drafts + 1 "
+                "is the tokens a verifying step yields a sequence",
                 "spec_decode_num_draft_tokens_total": "Draft tokens verified (speculative decoding)",
                 "spec_decode_num_accepted_tokens_total": "Draft tokens accepted (speculative decoding): generated "
                 "tokens no step of their own was run for",
@@ -222,6 +224,7 @@ class LLMMetrics:
             "generation_tokens_total": s.generation_tokens_total,
             "jump_forward_tokens_total": getattr(s, "jump_forward_tokens_total", 0),
             "jump_forward_respelled_total": getattr(s, "jump_forward_respelled_total", 0),
+            "spec_decode_num_drafts_total": getattr(s, "spec_drafts_total", 0),
             "spec_decode_num_draft_tokens_total": getattr(s, "spec_draft_tokens_total", 0),
             "spec_decode_num_accepted_tokens_total": getattr(s, "spec_accepted_tokens_total", 0),
             "prefix_cache_queries_total": queries,

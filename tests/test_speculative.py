@@ -194,6 +194,7 @@ def test_verified_drafts_give_the_tokens_of_decoding_one_at_a_time(demo_model_pa
     assert stats.spec_draft_tokens_total > 0
     if spoil == 0:  # every draft token is the reference: all accepted, 5 tokens a step
         assert stats.spec_accepted_tokens_total == stats.spec_draft_tokens_total
+        assert stats.spec_draft_tokens_total <= 4 * stats.spec_drafts_total
         assert stats.num_steps <= 1 + 40 // 5 + 2
     else:
         assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total

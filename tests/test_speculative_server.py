@@ -55,6 +55,8 @@ def test_streams_through_the_server_equal_decoding_one_token_at_a_time(server, r
             break
         time.sleep(0.2)
     drafted = delta(after, before, "llm_spec_decode_num_draft_tokens_total")
+    drafts = delta(after, before, "llm_spec_decode_num_drafts_total")
+    assert 0 < drafts and accepted / drafts + 1 > 4  # most verifying steps yield 6 tokens
     # Every draft holds on this model: of each request's 39 tokens after the first, 5 of 6 come
     # from drafts (6 requests).
     assert drafted > 0 and accepted == drafted
