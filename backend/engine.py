@@ -31,9 +31,9 @@ from backend.detokenizer import IncrementalDetokenizer
 from backend.model_runner import ModelConfig, ModelRunner, weight_files
 from backend.outputs import OutputState, RequestOutput, StopRegexTimeout
 from backend.quantized_checkpoint import CALIBRATION_TEXT
-from backend.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_at
+from backend.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, logprobs_at
 from backend.sampling_params import SamplingParams, load_model_defaults, parse_sampling_params
-from backend.scheduler import Scheduler
+from backend.scheduler import ScheduledSeq, Scheduler
 from backend.sequence import FinishReason, Sequence
 from backend.speculative import NgramProposer, speculates
 from backend.tokenizer import load_tokenizer
@@ -650,7 +650,7 @@ class LLMEngine:
                 self._take_token(item.seq, int(result.token_ids[row]), result.logprobs[row], result.errors.get(row))
                 row += 1
 
-    def _take_verified(self, item: Any, result: Any, row: int) -> None:
+    def _take_verified(self, item: ScheduledSeq, result: SamplerOutput, row: int) -> None:
         """A sequence's draft and the draw at each of its positions (result rows from `row`):
         position j's draw is the token after draft[:j], so it counts only while every draft token
         before it was the one drawn. The first draw that differs ends the run."""
@@ -815,7 +815,7 @@ class LLMEngine:
             return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _sampling_rows(self, item: Any) -> list[SamplingRow]:
+    def _sampling_rows(self, item: ScheduledSeq) -> list[SamplingRow]:
         """The sampling row of a scheduled sequence, or with a draft one per position: the row
         its own decode step would have, that position being the next output token."""
         if not item.draft:
