@@ -8,22 +8,19 @@ with the numbers it was calibrated to, at the memory of an unquantized model. Ac
 (`input_scale`) are dropped: activations stay in the model's dtype.
 
 The same exports carry per-layer K/V scales calibrated for an FP8 KV cache: the cache stores
-K / k_scale and V / v_scale, which keeps large keys (Qwen2's biased ones reach the hundreds) from
-saturating at e4m3's 448. The runner applies them when it runs an fp8 cache (as vLLM does; with
+K / k_scale and V / v_scale, which keeps keys and values larger than e4m3's 448 from
+saturating. The runner applies them when it runs an fp8 cache (as vLLM does; with
 a wider cache they are not needed and are ignored). Without them, `calculate_kv_scales` measures
 scales at start-up on a prefill of CALIBRATION_TEXT (ModelRunner.calibrate_kv_scales).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from typing import Any, Optional
 
 import torch
-
-log = logging.getLogger(__name__)
 
 # quantization_config.quant_method values whose checkpoints are FP8 weights with scales.
 FP8_METHODS = ("fp8", "compressed-tensors", "modelopt")
