@@ -554,7 +554,12 @@ class LLMEngine:
             return False
         wall0, cpu0 = time.perf_counter(), time.thread_time()
         if self.proposer is not None:
-            self._propose()
+            try:
+                self._propose()
+            except Exception:  # drafts are an optimization: without them the step runs as usual
+                log.exception("speculative drafts failed; this step decodes one token a sequence")
+                for seq in self.scheduler.running:
+                    seq.draft_tokens = []
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return False

@@ -538,3 +538,20 @@ def test_a_long_prompt_is_indexed_over_several_calls():
         calls += 1
         assert calls < 10
     assert calls == 2 and draft == [3, 10, 11]
+
+
+def test_a_failing_proposer_costs_only_its_drafts(demo_model_path):
+    prompts = _prompts(2, seed=53)
+    raw = {"temperature": 0, "repetition_penalty": 1.0, "max_new_tokens": 12, "ignore_eos": True}
+    ref, _ = _run(demo_model_path, prompts, raw)
+    broken = OracleProposer({}, k=4, spoil=0)
+
+    def propose(seq_id, tokens, limit):
+        if len(tokens) % 3 == 0:
+            raise RuntimeError("proposer bug")
+        return [5] * min(4, limit)
+
+    broken.propose = propose
+    outs, stats = _run(demo_model_path, prompts, raw, spec=NGRAM, oracle=broken)
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in ref]
+    assert all(o.error is None for o in outs)
