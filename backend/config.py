@@ -31,7 +31,7 @@ class EngineConfig(BaseModel):
     # the checkpoint): values past the format's range saturate at +-448 / +-57344.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     # vLLM's --calculate-kv-scales: an fp8 cache's per-layer K/V scales measured at start-up, from a
-    # prefill of a fixed English text, as max|K| / 200 and max|V| / 100 (vLLM's K_SCALE_CONSTANT and
+    # prefill of a fixed text, as max|K| / 200 and max|V| / 100 (vLLM's K_SCALE_CONSTANT and
     # V_SCALE_CONSTANT, headroom for inputs larger than the calibration's), instead of the
     # checkpoint's scales or 1.0. vLLM measures on the first forward pass; here it is before any
     # request, so the scales do not depend on which request came first, and CUDA graphs capture them.
