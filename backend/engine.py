@@ -94,6 +94,9 @@ class EngineStats:
     spec_drafts_total: int = 0  # drafts verified (accepted / drafts + 1: tokens a verifying step yields)
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
+    # Per draft position (0 first): how many drafts reached it and kept its token, for tuning
+    # num_speculative_tokens (vLLM's num_accepted_tokens_per_pos).
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @contextlib.contextmanager
@@ -207,6 +210,7 @@ class LLMEngine:
         self._spec_drafts_total = 0
         self._spec_draft_tokens_total = 0
         self._spec_accepted_tokens_total = 0
+        self._spec_accepted_per_position: list[int] = []
         self._step_seconds = 0.0
         self._step_cpu_seconds = 0.0
         self.on_step: Optional[Callable[[EngineStats], None]] = None
@@ -458,6 +462,7 @@ class LLMEngine:
             spec_drafts_total=self._spec_drafts_total,
             spec_draft_tokens_total=self._spec_draft_tokens_total,
             spec_accepted_tokens_total=self._spec_accepted_tokens_total,
+            spec_accepted_per_position=tuple(self._spec_accepted_per_position),
         )
 
     @property
@@ -669,6 +674,11 @@ class LLMEngine:
         self._spec_drafts_total += 1
         self._spec_draft_tokens_total += len(draft)
         self._spec_accepted_tokens_total += accepted
+        per_position = self._spec_accepted_per_position
+        if len(per_position) < accepted:
+            per_position.extend([0] * (accepted - len(per_position)))
+        for position in range(accepted):
+            per_position[position] += 1
         self.proposer.verified(seq.seq_id, seq.num_tokens + accepted + 1, accepted)
         for j, token in enumerate(tokens[: accepted + 1]):
             if j:  # the draft token before this one was drawn: its K/V stand

@@ -184,6 +184,11 @@ class LLMMetrics:
         self.ttft = _Histogram(self, "time_to_first_token_seconds", "Time from arrival to the first token", _TTFT_BUCKETS)
         self.itl = _Histogram(self, "inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
         self.e2e = _Histogram(self, "e2e_request_latency_seconds", "Time from arrival to the last response", _E2E_BUCKETS)
+        self._accepted_family = self._family(
+            "spec_decode_num_accepted_tokens_per_pos_total",
+            "Drafts whose token at this position (0 first) was kept (speculative decoding)", counter=True)
+        self._accepted_metrics: dict[int, Any] = {}
+        self._sent_accepted: list[int] = []
         self._finished_family = self._family("request_finished_total", "Requests finished, by finish reason", counter=True)
         self._finished_metrics = {r: self._finished_family.Metric(labels={"finish_reason": r}) for r in FINISH_REASONS}
         self.finished: dict[str, int] = {r: 0 for r in FINISH_REASONS}
@@ -246,6 +251,14 @@ class LLMMetrics:
                 if value > self._sent_counters[name]:
                     self._counters[name].increment(value - self._sent_counters[name])
                     self._sent_counters[name] = value
+            per_position = getattr(s, "spec_accepted_per_position", ())
+            for position, value in enumerate(per_position):
+                if position >= len(self._sent_accepted):
+                    self._sent_accepted.append(0)
+                    self._accepted_metrics[position] = self._accepted_family.Metric(labels={"position": str(position)})
+                if value > self._sent_accepted[position]:
+                    self._accepted_metrics[position].increment(value - self._sent_accepted[position])
+                    self._sent_accepted[position] = value
             for reason, value in rejected.items():
                 if value > self._sent_rejected[reason]:
                     self._rejected_metrics[reason].increment(value - self._sent_rejected[reason])

@@ -192,6 +192,9 @@ def test_verified_drafts_give_the_tokens_of_decoding_one_at_a_time(demo_model_pa
     assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in ref]
     assert [o.text for o in outs] == [o.text for o in ref]
     assert stats.spec_draft_tokens_total > 0
+    per_position = stats.spec_accepted_per_position
+    assert sum(per_position) == stats.spec_accepted_tokens_total
+    assert list(per_position) == sorted(per_position, reverse=True) and len(per_position) <= 4
     if spoil == 0:  # every draft token is the reference: all accepted, 5 tokens a step
         assert stats.spec_accepted_tokens_total == stats.spec_draft_tokens_total
         assert stats.spec_draft_tokens_total <= 4 * stats.spec_drafts_total

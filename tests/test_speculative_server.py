@@ -56,6 +56,9 @@ def test_streams_through_the_server_equal_decoding_one_token_at_a_time(server, r
         time.sleep(0.2)
     drafted = delta(after, before, "llm_spec_decode_num_draft_tokens_total")
     drafts = delta(after, before, "llm_spec_decode_num_drafts_total")
+    per_position = [delta(after, before, "llm_spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+                    for i in range(5)]
+    assert sum(per_position) == accepted and per_position[0] == drafts
     assert 0 < drafts and accepted / drafts + 1 > 4  # most verifying steps yield 6 tokens
     # Every draft holds on this model: of each request's 39 tokens after the first, 5 of 6 come
     # from drafts (6 requests).
