@@ -28,6 +28,7 @@ from backend.block_manager import BlockManager
 from backend.cancel_watch import CancelWatch
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
+from backend.grammar import DraftMask
 from backend.model_runner import ModelConfig, ModelRunner, weight_files
 from backend.outputs import OutputState, RequestOutput, StopRegexTimeout
 from backend.quantized_checkpoint import CALIBRATION_TEXT
@@ -729,7 +730,8 @@ class LLMEngine:
         off = cap is not None and len(running) > cap
         for seq in running:
             seq.draft_tokens = []
-            if off or seq.num_tokens - seq.num_computed_tokens != 1 or not speculates(seq.params):
+            if (off or seq.num_tokens - seq.num_computed_tokens != 1
+                    or not speculates(seq.params, self.config.enable_jump_forward)):
                 continue
             # The step adds the draft's accepted tokens and one more: within max_new_tokens.
             limit = seq.max_new_tokens - seq.num_output_tokens - 1
@@ -835,7 +837,12 @@ class LLMEngine:
         its own decode step would have, that position being the next output token."""
         if not item.draft:
             return [self._sampling_row(item.seq)]
-        return [self._sampling_row(item.seq, ahead, item.draft[:ahead]) for ahead in range(1 + len(item.draft))]
+        rows = [self._sampling_row(item.seq, ahead, item.draft[:ahead]) for ahead in range(1 + len(item.draft))]
+        grammar = self._tracked[item.seq.request_id].grammar
+        if grammar is not None:  # each position masked as the grammar stands after the draft before it
+            for row, mask in zip(rows, grammar.draft_masks(item.draft)):
+                row.grammar = DraftMask(mask)
+        return rows
 
     def _sampling_row(self, seq: Sequence, ahead: int = 0, pending: tuple | list = ()) -> SamplingRow:
         params = seq.params

@@ -523,6 +523,19 @@ def _generation_config_eos(tokenizer: Any) -> list[int]:
     return [t for t in eos if isinstance(t, int)] if isinstance(eos, list) else []
 
 
+class DraftMask:
+    """One draft position's grammar bitmask row (GrammarState.draft_masks), where the sampler
+    takes a grammar: it only asks it to fill the row."""
+
+    __slots__ = ("_row",)
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self._row = row
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = self._row
+
+
 class GrammarState:
     """One sequence's position in its grammar (an ``xgrammar.GrammarMatcher``). Not thread-safe:
     the engine's step loop is its only user.
@@ -568,6 +581,31 @@ class GrammarState:
         if ok and self._guard is not None:
             self._tail = self._guard.tail_after(self._tail, int(token_id))
         return ok
+
+    def draft_masks(self, draft: list[int]) -> torch.Tensor:
+        """Speculative decoding: the bitmask rows of a draft's positions, [1 + len(draft), words]
+        (CPU int32). Row j allows what the grammar allows after the draft's first j tokens. The
+        draft is accepted to fill them and rolled back after: the state is as it was. Past a draft
+        token the grammar refuses, or a stop token that ends it, the rows repeat the last one: no
+        later position's draw is used."""
+        masks = torch.full((1 + len(draft), self._words), -1, dtype=torch.int32)
+        tail, taken = self._tail, 0
+        try:
+            for j in range(len(draft) + 1):
+                self.fill_bitmask(masks, j)
+                if j == len(draft) or not self.accept(draft[j]):
+                    masks[j + 1 :] = masks[j]
+                    break
+                taken += 1
+                if self._matcher.is_terminated():  # a stop token: kept, it ends the sequence there
+                    masks[j + 1 :] = masks[j]
+                    break
+        finally:
+            if taken:
+                self._matcher.rollback(taken)
+                self._num_accepted -= taken
+            self._tail = tail
+        return masks
 
     @property
     def is_terminated(self) -> bool:

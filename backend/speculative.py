@@ -11,9 +11,10 @@ position that draws something else contributes that token and ends the run. The 
 one decoding token by token gives, for greedy and seeded sampling alike; what speculation
 changes is how many steps it takes.
 
-Penalties count a position's earlier draft tokens as output, as its own decode step would.
-Requests with a grammar or logits processors, whose state follows the tokens one at a time, and
-those asking for hidden states decode one token a step, beside speculating ones.
+Penalties count a position's earlier draft tokens as output, and a grammar masks it as it stands
+after them, as its own decode step would. Requests with logits processors (whose state follows
+the tokens one at a time), hidden states, or a grammar under jump-forward decoding decode one
+token a step, beside speculating ones.
 """
 
 from __future__ import annotations
@@ -60,13 +61,16 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
-def speculates(params: SamplingParams) -> bool:
+def speculates(params: SamplingParams, jump_forward: bool = False) -> bool:
     """Whether a request's tokens can be verified several at a time: each position's draw depends
-    only on its own logits, seed and output position, and on penalties, whose counts take the
-    draft tokens before it (Sampler._penalize_pending). A grammar's state, a logits processor's
-    and hidden states follow the tokens one step at a time."""
-    return not (params.constraint is not None or params.logits_processors or params.custom_logit_processor
-                or params.return_hidden_states)
+    only on its own logits, seed and output position; on penalties, whose counts take the draft
+    tokens before it (Sampler._penalize_pending); and on a grammar's mask after the draft tokens
+    before it (GrammarState.draft_masks). Not with jump-forward decoding, which appends forced
+    tokens after a drawn one; nor with logits processors (their state follows the tokens one step
+    at a time) or hidden states."""
+    if params.constraint is not None and jump_forward:
+        return False
+    return not (params.logits_processors or params.custom_logit_processor or params.return_hidden_states)
 
 
 # A sequence whose draft was rejected outright drafts again only after this many more tokens,

@@ -125,9 +125,12 @@ def test_requests_whose_state_follows_each_token_do_not_speculate(demo_model_pat
                                              "return_logprob": True, "stop": ["x"], "min_new_tokens": 3,
                                              "repetition_penalty": 1.1, "frequency_penalty": 0.5,
                                              "presence_penalty": 0.5}))
-    for raw in ({"regex": "[ab]+"}, {"json_schema": '{"type": "object"}'}, {"return_hidden_states": True},
-                {"logits_processors": ["tests.logits_processor_examples.ban_previous"]}):
+    assert speculates(parse_sampling_params({"regex": "[ab]+"}))
+    assert speculates(parse_sampling_params({"json_schema": '{"type": "object"}'}))
+    assert not speculates(parse_sampling_params({"regex": "[ab]+"}), jump_forward=True)
+    for raw in ({"return_hidden_states": True}, {"logits_processors": ["tests.logits_processor_examples.ban_previous"]}):
         assert not speculates(parse_sampling_params(raw)), raw
+        assert not speculates(parse_sampling_params(raw), jump_forward=True), raw
 
 
 # ---------------------------------------------------------------------------------- verification
@@ -353,14 +356,41 @@ def test_a_repeated_draft_token_is_penalized_where_it_repeats(demo_model_path):
     assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
 
 
-def test_grammar_requests_decode_beside_speculating_ones(demo_model_path):
+GRAMMARS = [
+    {"regex": "(ab|cd|[0-9]{2,4}-)+x?"},
+    {"json_schema": json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                                "tags": {"type": "array", "items": {"enum": ["a", "bb"]},
+                                                                         "maxItems": 4}},
+                                "required": ["name", "tags"]})},
+]
+
+
+@pytest.mark.parametrize("grammar", GRAMMARS, ids=["regex", "json_schema"])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 12}], ids=["greedy", "sampled"])
+def test_grammar_masks_each_draft_position_as_it_stands_after_the_draft_before_it(demo_model_path, grammar, sampling):
+    """Structured output with drafts: each position's mask is the grammar's after the draft tokens
+    before it (rolled back after), so the output is decoding's, grammar-valid, and the matcher
+    ends where decoding leaves it. The oracle spoils some drafts with tokens the grammar refuses."""
+    prompts = _prompts(3, seed=43)
+    raw = {**sampling, **grammar, "repetition_penalty": 1.0, "max_new_tokens": 40}
+    ref, _ = _run(demo_model_path, prompts, raw)
+    assert all(o.finish_reason in ("stop", "length") and o.error is None for o in ref)
+    oracle = OracleProposer({tuple(p): o.new_token_ids for p, o in zip(prompts, ref)}, k=5, spoil=3)
+    outs, stats = _run(demo_model_path, prompts, raw, spec={**NGRAM, "num_speculative_tokens": 5}, oracle=oracle)
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in ref]
+    assert [o.text for o in outs] == [o.text for o in ref]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
+    assert stats.spec_accepted_tokens_total > stats.spec_draft_tokens_total // 3
+
+
+def test_grammar_requests_do_not_speculate_under_jump_forward(demo_model_path):
     prompts = _prompts(2, seed=43)
     plain = {"temperature": 0, "repetition_penalty": 1.0, "max_new_tokens": 20, "ignore_eos": True}
-    constrained = {"temperature": 0, "max_new_tokens": 20, "regex": "(ab|cd)+"}
-    eng = _engine(demo_model_path, NGRAM)
+    constrained = {"temperature": 0, "max_new_tokens": 20, **GRAMMARS[0]}
+    eng = _engine(demo_model_path, NGRAM, enable_jump_forward=True)
     try:
         want_plain = _run(demo_model_path, prompts[:1], plain)[0][0].new_token_ids
-        want_regex = _run(demo_model_path, prompts[1:], constrained)[0][0].text
+        want_regex = _run(demo_model_path, prompts[1:], constrained, enable_jump_forward=True)[0][0].text
         oracle = OracleProposer({tuple(prompts[0]): want_plain}, k=4, spoil=0)
         asked = []
         propose = oracle.propose
@@ -373,6 +403,29 @@ def test_grammar_requests_decode_beside_speculating_ones(demo_model_path):
         assert eng.stats().spec_accepted_tokens_total > 0
     finally:
         eng.shutdown()
+
+
+def test_draft_masks_leave_the_grammar_as_it_was(demo_model_path):
+    from backend.grammar import GrammarCompiler
+    from backend.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(demo_model_path)
+    gc = GrammarCompiler(tok, 4096)
+    try:
+        state = gc.matcher(gc.compile("regex", "(ab|cd)+"))
+        ab, cd = tok.encode("ab", add_special_tokens=False), tok.encode("cd", add_special_tokens=False)
+        assert all(state.accept(t) for t in ab)
+        before = torch.full((1, 128), -1, dtype=torch.int32)
+        state.fill_bitmask(before, 0)
+        refused = tok.encode("zz", add_special_tokens=False)[0]
+        masks = state.draft_masks(cd + [refused, cd[0]])
+        assert torch.equal(masks[0], before[0]) and state.num_accepted == len(ab)
+        assert torch.equal(masks[len(cd) + 1], masks[len(cd)])  # past the refused token: repeated
+        after = torch.full((1, 128), -1, dtype=torch.int32)
+        state.fill_bitmask(after, 0)
+        assert torch.equal(after, before) and all(state.accept(t) for t in cd)
+    finally:
+        gc.shutdown()
 
 
 def test_an_aborted_request_frees_its_draft_blocks(demo_model_path):
