@@ -16,6 +16,9 @@ What speculation gains depends on how often a sequence repeats itself, so two mo
 * `repeating` — the demo model with its final norm zeroed (every logit 0, so greedy repeats one
   token): every draft holds. Same shapes, same cost per step: the ceiling, where a step yields
   num_speculative_tokens + 1 tokens.
+* `json` — the demo model writing a JSON array of six objects under a schema (structured
+  output, one space at most between tokens): the keys and punctuation the grammar forces repeat
+  from object to object, whatever the weights, so drafts of them hold.
 
 Real workloads that quote their input (code edits, RAG answers, summaries) land between the two,
 by their acceptance rate.
@@ -44,8 +47,15 @@ CONFIGS = {
     "ngram_k5_n5": {"method": "ngram", "num_speculative_tokens": 5},
     # Shorter n-grams match more often (and more wrongly).
     "ngram_k4_n3-1": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+    # 4- to 2-grams: JSON keys and punctuation repeat in runs of a few tokens.
+    "ngram_k5_n4-2": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
 }
 SAMPLING = {"temperature": 0.0, "repetition_penalty": 1.0, "ignore_eos": True}
+ITEMS = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                          "label": {"enum": ["alpha", "beta", "gamma"]}, "ok": {"type": "boolean"}},
+         "required": ["id", "label", "ok"], "additionalProperties": False}
+JSON_SAMPLING = {"temperature": 0.0, "repetition_penalty": 1.0, "whitespace_pattern": "[ ]?",
+                 "json_schema": json.dumps({"type": "array", "minItems": 6, "maxItems": 6, "items": ITEMS})}
 
 
 def repeating_model(src: Path, out: Path) -> Path:
@@ -61,8 +71,9 @@ def repeating_model(src: Path, out: Path) -> Path:
     return out
 
 
-def serve(engine: LLMEngine, prompts: list[list[int]], batch: int, max_new: int) -> dict[str, Any]:
-    params = engine.parse_params({**SAMPLING, "max_new_tokens": max_new})
+def serve(engine: LLMEngine, prompts: list[list[int]], batch: int, max_new: int,
+          sampling: Optional[dict] = None) -> dict[str, Any]:
+    params = engine.parse_params({**(sampling or SAMPLING), "max_new_tokens": max_new})
     before = engine.stats()
     outs = []
     t = time.perf_counter()
@@ -79,20 +90,20 @@ def serve(engine: LLMEngine, prompts: list[list[int]], batch: int, max_new: int)
 
 
 def compare(model: Path, spec: dict, prompts: list[list[int]], batch: int, max_new: int, repeats: int,
-            device: str) -> dict[str, Any]:
+            device: str, sampling: Optional[dict] = None) -> dict[str, Any]:
     def engine(speculative: Optional[dict]) -> LLMEngine:
         return LLMEngine(EngineConfig(model_path=model, device=device, num_kv_blocks=1024, max_model_len=2048,
                                       enable_prefix_caching=False, speculative_config=speculative))
 
     plain, spec_engine = engine(None), engine(spec)
     try:
-        serve(plain, prompts[:2], batch, 8)  # warm-up: allocator, kernels
-        serve(spec_engine, prompts[:2], batch, 8)
+        serve(plain, prompts[:2], batch, 8, sampling)  # warm-up: allocator, kernels, grammar compile
+        serve(spec_engine, prompts[:2], batch, 8, sampling)
         runs: dict[str, list[dict]] = {"off": [], "on": []}
         for r in range(repeats):
             order = [("off", plain), ("on", spec_engine)] if r % 2 == 0 else [("on", spec_engine), ("off", plain)]
             for name, eng in order:
-                runs[name].append(serve(eng, prompts, batch, max_new))
+                runs[name].append(serve(eng, prompts, batch, max_new, sampling))
     finally:
         plain.shutdown()
         spec_engine.shutdown()
@@ -128,12 +139,19 @@ def main() -> None:
     prompts = [[rng.randrange(100, 4000) for _ in range(rng.randint(16, 256))] for _ in range(a.num_prompts)]
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"demo": a.model_path, "repeating": repeating_model(a.model_path, Path(tmp) / "repeating")}
-        for model_name, path in models.items():
+        from backend.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(a.model_path)
+        json_prompts = [tok(f"Record {i}: list the items as JSON.").input_ids for i in range(a.num_prompts)]
+        workloads = {"demo": (a.model_path, prompts, None, a.max_new),
+                     "repeating": (repeating_model(a.model_path, Path(tmp) / "repeating"), prompts, None, a.max_new),
+                     "json": (a.model_path, json_prompts, JSON_SAMPLING, 400)}
+        for model_name, (path, workload_prompts, sampling, max_new) in workloads.items():
             for config in a.configs:
                 for batch in a.batch:
-                    res = {"model": model_name, "config": config, **compare(path, CONFIGS[config], prompts, batch,
-                                                                             a.max_new, a.repeats, a.device)}
+                    res = {"model": model_name, "config": config, **compare(path, CONFIGS[config], workload_prompts,
+                                                                             batch, max_new, a.repeats, a.device,
+                                                                             sampling)}
                     results.append(res)
                     print(f"{model_name:9s} {config:14s} batch {batch:3d}: speculation {res['speedup']:.2f}x "
                           f"(tok/s off {res['tok_s_off']} on {res['tok_s_on']}), steps {res['steps_off']} -> "
