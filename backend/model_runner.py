@@ -245,6 +245,11 @@ def _yarn_inv_freq(cfg: ModelConfig, scaling: dict[str, Any]) -> tuple[torch.Ten
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and x.is_cpu and weight.dtype == torch.float32:
+        # torch's fused op: for float32 on the CPU it is bit for bit the arithmetic below
+        # (tests/test_engine.py), 1.4x faster on a decode row and 3x on a prefill's rows. Other
+        # dtypes round where Hugging Face does not, so they keep the three ops.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)

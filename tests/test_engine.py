@@ -411,3 +411,19 @@ def test_default_torch_threads_is_one_on_cuda():
     assert default_torch_threads("cuda") == 1
     assert default_torch_threads("cuda:1") == 1
     assert default_torch_threads("cpu") == torch.get_num_threads()
+
+
+def test_the_fused_cpu_rms_norm_is_hugging_faces_arithmetic_bit_for_bit():
+    """model_runner._rms_norm takes torch's fused op for float32 on the CPU: it must equal
+    Hugging Face's Qwen2/Llama RMSNorm exactly (to float32, normalize, back, times the weight),
+    at every scale and shape the runner uses (rows of hidden states, per-head q/k norms)."""
+    from backend.model_runner import _rms_norm
+
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        for shape in [(1, 128), (7, 896), (33, 4096), (5, 14, 64), (300, 3584)]:
+            x = torch.randn(shape, generator=g) * 10.0 ** (seed % 5 - 2)
+            w = torch.randn(shape[-1], generator=g)
+            x32 = x.float()
+            want = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+            assert torch.equal(_rms_norm(x, w, 1e-6), want), (seed, shape)
