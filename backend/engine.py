@@ -210,7 +210,7 @@ class LLMEngine:
         self._jump_forward_respelled_total = 0
         self._spec_drafts_total = 0
         self._spec_draft_tokens_total = 0
-        self._spec_accepted_tokens_total = 0
+        # Kept draft tokens per draft position; their sum is every kept draft token.
         self._spec_accepted_per_position: list[int] = []
         self._step_seconds = 0.0
         self._step_cpu_seconds = 0.0
@@ -462,7 +462,7 @@ class LLMEngine:
             jump_forward_respelled_total=self._jump_forward_respelled_total,
             spec_drafts_total=self._spec_drafts_total,
             spec_draft_tokens_total=self._spec_draft_tokens_total,
-            spec_accepted_tokens_total=self._spec_accepted_tokens_total,
+            spec_accepted_tokens_total=sum(self._spec_accepted_per_position),
             spec_accepted_per_position=tuple(self._spec_accepted_per_position),
         )
 
@@ -674,10 +674,8 @@ class LLMEngine:
             accepted += 1
         self._spec_drafts_total += 1
         self._spec_draft_tokens_total += len(draft)
-        self._spec_accepted_tokens_total += accepted
         per_position = self._spec_accepted_per_position
-        if len(per_position) < accepted:
-            per_position.extend([0] * (accepted - len(per_position)))
+        per_position.extend([0] * (accepted - len(per_position)))
         for position in range(accepted):
             per_position[position] += 1
         self.proposer.verified(seq.seq_id, seq.num_tokens + accepted + 1, accepted)
