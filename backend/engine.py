@@ -36,6 +36,7 @@ from backend.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, 
 from backend.sampling_params import SamplingParams, load_model_defaults, parse_sampling_params
 from backend.scheduler import ScheduledSeq, Scheduler
 from backend.sequence import FinishReason, Sequence
+from backend.predicted_outputs import DEFAULT_DRAFT_TOKENS, Prediction, PredictionProposer
 from backend.speculative import NgramProposer, speculates
 from backend.tokenizer import load_tokenizer
 from kernels import cpu_sampling
@@ -178,6 +179,8 @@ class LLMEngine:
         self.sampler = Sampler(self.model.config.vocab_size)
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
+        self.predictions = PredictionProposer(spec.num_speculative_tokens if spec is not None else DEFAULT_DRAFT_TOKENS)
+        self._num_predicting = 0  # tracked sequences whose request carries a prediction
         if self.model.device.type == "cpu":
             # Built (or loaded from torch's extension cache) now, during model load, rather than
             # by the first sampled request: a first build takes ~20 s.
@@ -304,6 +307,7 @@ class LLMEngine:
             )
         else:
             max_new = min(params.max_new_tokens, room)
+        prediction = self._prediction(params)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         stop_regexes = [regex.compile(p) for p in params.stop_regex]
         cacheable = params.logprob_start_len < 0 and not params.return_hidden_states and embeds is None
@@ -327,6 +331,7 @@ class LLMEngine:
                 wait_for=children[0].seq if children and cacheable and self.config.enable_prefix_caching else None,
                 lora=adapter,
                 cache_salt=adapter.cache_salt if adapter is not None else None,
+                prediction=prediction,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -342,6 +347,14 @@ class LLMEngine:
         self._inbox.put(("add", children))
         self._wakeup.set()
         return request_id
+
+    def _prediction(self, params: SamplingParams) -> Optional[Prediction]:
+        """The request's predicted output as tokens (up to any the model cannot take)."""
+        if not params.prediction:
+            return None
+        ids = self.tokenizer.encode(params.prediction, add_special_tokens=False)
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), len(ids))
+        return Prediction(ids[:bad]) if bad else None
 
     def _prompt_embeds(self, value: Any, params: SamplingParams) -> torch.Tensor:
         hidden = self.model.config.hidden_size
@@ -559,7 +572,7 @@ class LLMEngine:
         if not self.scheduler.has_work():
             return False
         wall0, cpu0 = time.perf_counter(), time.thread_time()
-        if self.proposer is not None:
+        if self.proposer is not None or self._num_predicting:
             try:
                 self._propose()
             except Exception:  # drafts are an optimization: without them the step runs as usual
@@ -678,10 +691,16 @@ class LLMEngine:
         per_position.extend([0] * (accepted - len(per_position)))
         for position in range(accepted):
             per_position[position] += 1
-        self.proposer.verified(seq.seq_id, seq.num_tokens + accepted + 1, accepted)
+        predicted = seq.draft_predicted
+        (self.predictions if predicted else self.proposer).verified(seq.seq_id, seq.num_tokens + accepted + 1, accepted)
+        accepted_before, rejected_before = seq.prediction_accepted, seq.prediction_rejected
         for j, token in enumerate(tokens[: accepted + 1]):
             if j:  # the draft token before this one was drawn: its K/V stand
                 seq.num_computed_tokens += 1
+            if predicted:  # as they stand should the sequence end with this token
+                kept = min(accepted, j + 1)
+                seq.prediction_accepted = accepted_before + kept
+                seq.prediction_rejected = rejected_before + len(draft) - kept
             if not self._take_token(seq, token, result.logprobs[row + j], result.errors.get(row + j)):
                 return
         self.block_manager.register_full_blocks(seq)
@@ -722,18 +741,28 @@ class LLMEngine:
         return seq.finish_reason is None
 
     def _propose(self) -> None:
-        """Draft tokens for the decoding sequences that speculate (backend/speculative.py)."""
+        """Draft tokens for the decoding sequences that speculate: from the request's prediction
+        (backend/predicted_outputs.py) where it has one and the output stands in it, else from
+        the sequence's own history when the server speculates (backend/speculative.py)."""
         running = self.scheduler.running
-        cap = self.config.speculative_config.disable_by_batch_size
-        off = cap is not None and len(running) > cap
+        spec = self.config.speculative_config
+        # A large batch cannot hide verifying steps; a prediction was asked for, and drafts on.
+        ngram = self.proposer is not None and (spec.disable_by_batch_size is None
+                                               or len(running) <= spec.disable_by_batch_size)
         for seq in running:
             seq.draft_tokens = []
-            if (off or seq.num_tokens - seq.num_computed_tokens != 1
+            seq.draft_predicted = False
+            if (seq.num_tokens - seq.num_computed_tokens != 1
                     or not speculates(seq.params, self.config.enable_jump_forward)):
                 continue
             # The step adds the draft's accepted tokens and one more: within max_new_tokens.
             limit = seq.max_new_tokens - seq.num_output_tokens - 1
-            seq.draft_tokens = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
+            if seq.prediction is not None:
+                seq.draft_tokens = self.predictions.propose(seq.seq_id, seq.prediction, seq.token_ids,
+                                                            seq.num_prompt_tokens, limit)
+                seq.draft_predicted = bool(seq.draft_tokens)
+            if ngram and not seq.draft_tokens:
+                seq.draft_tokens = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
 
     def _jump_forward(self, tracked: _Tracked) -> list[int]:
         """The step's tokens for a sequence whose grammar accepted its newest (sampled) token:
@@ -887,6 +916,7 @@ class LLMEngine:
                 for tracked in children:
                     rid = tracked.seq.request_id
                     self._tracked[rid] = tracked
+                    self._num_predicting += tracked.seq.prediction is not None
                     if tracked.seq.params.wants_prompt_logprobs and tracked.seq.params.logprob_start_len == 0:
                         self._first_prompt_logprob(tracked)
                     if tracked.seq.max_new_tokens == 0 and not tracked.seq.params.needs_prompt_rows:
@@ -953,7 +983,9 @@ class LLMEngine:
 
     def _forget(self, tracked: _Tracked) -> None:
         rid = tracked.seq.request_id
-        self._tracked.pop(rid, None)
+        if self._tracked.pop(rid, None) is not None and tracked.seq.prediction is not None:
+            self._num_predicting -= 1
+            self.predictions.forget(tracked.seq.seq_id)
         self.sampler.release(tracked.seq.seq_id)
         if self.proposer is not None:
             self.proposer.forget(tracked.seq.seq_id)

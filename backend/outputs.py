@@ -48,6 +48,10 @@ class RequestOutput:
     num_preemptions: int = 0
     index: int = 0  # which of the request's n samples
     cached_tokens: int = 0
+    # Predicted Outputs: the prediction's draft tokens kept so far and those verified and
+    # discarded (None without a prediction).
+    accepted_prediction_tokens: Optional[int] = None
+    rejected_prediction_tokens: Optional[int] = None
     # SGLang-format logprob entries for new_token_ids ([logprob, token_id, text]) and friends,
     # and hidden_states entries (return_hidden_states): meta_info lists that grow per response.
     logprobs: Optional[dict[str, list]] = None
@@ -268,6 +272,8 @@ class OutputState:
             num_preemptions=seq.num_preemptions,
             index=seq.index,
             cached_tokens=seq.num_cached_tokens,
+            accepted_prediction_tokens=seq.prediction_accepted if seq.params.prediction else None,
+            rejected_prediction_tokens=seq.prediction_rejected if seq.params.prediction else None,
             logprobs=logprobs,
         )
 

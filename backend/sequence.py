@@ -68,6 +68,13 @@ class Sequence:
     # Speculative decoding: tokens proposed to follow this decoding sequence's newest one, which
     # the next step verifies (backend/speculative.py); set before each step, [] for none.
     draft_tokens: list[int] = field(default_factory=list)
+    # Predicted Outputs (backend/predicted_outputs.py): the request's Prediction, and its draft
+    # tokens this sequence kept and those its steps verified and discarded (OpenAI's
+    # accepted_prediction_tokens / rejected_prediction_tokens).
+    prediction: Any = None
+    draft_predicted: bool = False  # draft_tokens come from the prediction
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
     seed: int = 0  # effective seed: the request's, or one drawn for it
 
     def __post_init__(self) -> None:

@@ -94,6 +94,9 @@ def llm_output_arrays(out: RequestOutput, params: SamplingParams) -> dict[str, n
         "num_preemptions": out.num_preemptions,
         "cached_tokens": out.cached_tokens,
     }
+    if out.accepted_prediction_tokens is not None:
+        meta["accepted_prediction_tokens"] = out.accepted_prediction_tokens
+        meta["rejected_prediction_tokens"] = out.rejected_prediction_tokens
     if out.logprobs:
         meta.update(out.logprobs)
     arrays = {

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from openai_frontend.beam_search import BeamSpec, beam_spec
 from openai_frontend.best_of import samples_per_prompt, with_sampled_logprobs
 from openai_frontend.choices import returned_choices
-from openai_frontend.common import Context, LastHiddenState, dumps, json_response, usage
+from openai_frontend.common import Context, LastHiddenState, dumps, json_response, prediction_totals, usage
 from openai_frontend.engine_types import EngineRequest, TokenLogprob
 from openai_frontend.errors import bad_request, unsupported
 from openai_frontend.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
@@ -75,7 +75,7 @@ class _Choice:
     """Per-choice accumulation (non-streaming) or streaming state."""
 
     __slots__ = ("texts", "finish", "stop_reason", "completion_tokens", "logprobs", "tools", "got_logprobs",
-                 "reasoning", "held_reasoning", "hidden")
+                 "reasoning", "held_reasoning", "hidden", "prediction")
 
     def __init__(self, tools: Optional[ToolCallStreamer], reasoning: Optional[ReasoningFormat] = None,
                  hidden: bool = False) -> None:
@@ -89,6 +89,7 @@ class _Choice:
         self.reasoning = ReasoningStreamer(reasoning) if reasoning is not None else None
         self.held_reasoning = ""  # stream_reasoning false: sent when the section ends
         self.hidden = LastHiddenState() if hidden else None  # return_hidden_states
+        self.prediction: Optional[tuple[int, int]] = None  # (accepted, rejected) prediction tokens
 
 
 def _reasoning_format(req: ChatCompletionRequest, parser: Optional[str]) -> Optional[ReasoningFormat]:
@@ -204,6 +205,7 @@ class ChatHandler:
                 if req.prompt_logprobs is not None and prompt_lps is None:
                     prompt_lps = chunk.prompt_logprobs(req.prompt_logprobs)
                 c.completion_tokens = chunk.completion_tokens
+                c.prediction = chunk.prediction_tokens or c.prediction
                 prompt_tokens = chunk.prompt_tokens or prompt_tokens
                 if c.hidden is not None:
                     c.hidden.add(chunk)
@@ -248,7 +250,8 @@ class ChatHandler:
             "created": created,
             "model": model,
             "choices": out,
-            "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices), cached),
+            "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices), cached,
+                           prediction_totals([c.prediction for c in choices])),
         }
         if req.prompt_logprobs is not None:
             name = namer or TokenNamer(self.ctx.files, bool(req.return_tokens_as_token_ids))
@@ -290,6 +293,8 @@ class ChatHandler:
         async for i, chunk in stream:
             c = choices[i]
             c.completion_tokens = chunk.completion_tokens
+            if include_usage:
+                c.prediction = chunk.prediction_tokens or c.prediction
             prompt_tokens = chunk.prompt_tokens or prompt_tokens
             if c.hidden is not None:
                 c.hidden.add(chunk)
@@ -351,7 +356,8 @@ class ChatHandler:
                 yield "".join(parts).encode()
         if include_usage:
             total = sum(c.completion_tokens for c in choices)
+            final = usage(prompt_tokens, total, cached, prediction_totals([c.prediction for c in choices]))
             yield (
                 f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},'
-                f'"model":{dumps(model)},"choices":[],"usage":{dumps(usage(prompt_tokens, total, cached))}}}\n\n'
+                f'"model":{dumps(model)},"choices":[],"usage":{dumps(final)}}}\n\n'
             ).encode()

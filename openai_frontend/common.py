@@ -40,7 +40,8 @@ def error_event(exc: APIError) -> bytes:
     return b"data: " + dumps(exc.body()).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None,
+          prediction: Optional[tuple[int, int]] = None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -48,7 +49,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[in
     }
     if cached_tokens is not None:  # the engine reports prefix-cache hits
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if prediction is not None:  # Predicted Outputs: (accepted, rejected) prediction tokens
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": prediction[0],
+                                            "rejected_prediction_tokens": prediction[1]}
     return out
+
+
+def prediction_totals(per_sample: list[Optional[tuple[int, int]]]) -> Optional[tuple[int, int]]:
+    """The request's (accepted, rejected) prediction tokens over its samples; None without a
+    prediction."""
+    known = [p for p in per_sample if p is not None]
+    return (sum(p[0] for p in known), sum(p[1] for p in known)) if known else None
 
 
 class LastHiddenState:

@@ -110,6 +110,15 @@ class EngineChunk:
         value = self.meta.get("cached_tokens")
         return value if isinstance(value, int) else None
 
+    @property
+    def prediction_tokens(self) -> Optional[tuple[int, int]]:
+        """Predicted Outputs: (accepted, rejected) prediction tokens of this sample so far, when
+        the request carried a prediction."""
+        if not self.meta_raw or "accepted_prediction_tokens" not in self.meta_raw:
+            return None
+        accepted, rejected = self.meta.get("accepted_prediction_tokens"), self.meta.get("rejected_prediction_tokens")
+        return (accepted, rejected) if isinstance(accepted, int) and isinstance(rejected, int) else None
+
     def raw_logprobs(self) -> dict[str, list]:
         """The SGLang-format logprob lists of this chunk's meta_info, keyed as SGLang names them
         (output_token_logprobs, output_top_logprobs, output_token_ids_logprobs, input_...)."""

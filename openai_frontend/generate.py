@@ -11,7 +11,8 @@ meta_info: id, finish_reason ({"type": "stop", "matched": ...} / {"type": "lengt
 {"type": "abort", ...}), prompt_tokens, completion_tokens, cached_tokens, e2e_latency and, with
 return_logprob, the engine's SGLang-format logprob lists; with return_hidden_states,
 `hidden_states` (the prompt's final-norm rows as one entry, then one row per generated token
-fed back, as SGLang).
+fed back, as SGLang); with sampling_params.prediction (OpenAI's Predicted Outputs, an extension
+here), accepted_prediction_tokens and rejected_prediction_tokens.
 
 Streaming, like SGLang: every event carries the cumulative `text` and `output_ids` and the
 `meta_info` so far (plus `index` for a batch or n > 1), then `data: [DONE]`. The cumulative
@@ -76,7 +77,7 @@ class _Out:
 
     __slots__ = ("rid", "text_json", "texts", "ids", "ids_json", "finish", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "logprob", "lp_keys", "lps", "lps_json", "input_lps", "start", "hidden",
-                 "hidden_json")
+                 "hidden_json", "prediction")
 
     def __init__(self, rid: str, lp_keys: tuple[str, ...], start: float, hidden: bool = False) -> None:
         self.rid = rid
@@ -100,6 +101,7 @@ class _Out:
         # return_hidden_states: the entries so far (None: not asked for) and, streaming, their JSON.
         self.hidden: Optional[list] = [] if hidden else None
         self.hidden_json = ""
+        self.prediction: Optional[tuple[int, int]] = None  # sampling_params.prediction: (accepted, rejected)
 
     def add(self, chunk: EngineChunk, encode: bool) -> None:
         self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
@@ -118,6 +120,7 @@ class _Out:
         cached = chunk.cached_tokens
         if cached is not None:
             self.cached_tokens = cached
+        self.prediction = chunk.prediction_tokens or self.prediction
         if chunk.finish_reason:
             self.finish = finish_reason_obj(chunk)
         if self.hidden is not None:
@@ -146,6 +149,8 @@ class _Out:
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
         }
+        if self.prediction is not None:
+            meta["accepted_prediction_tokens"], meta["rejected_prediction_tokens"] = self.prediction
         if self.finish is not None:
             meta["e2e_latency"] = time.perf_counter() - self.start
         return meta

@@ -97,7 +97,9 @@ def _check_chat(req: ChatCompletionRequest) -> None:
     if req.modalities is not None and list(req.modalities) != ["text"]:
         raise unsupported("modalities", "only text output is supported")
     if req.prediction is not None:
-        raise unsupported("prediction")
+        prediction_text(req.prediction)
+        if req.use_beam_search:
+            raise unsupported("prediction", "not with use_beam_search")
     if req.reasoning_effort is not None:
         raise unsupported("reasoning_effort")
     if req.service_tier not in (None, "auto", "default"):
@@ -111,6 +113,21 @@ def _check_chat(req: ChatCompletionRequest) -> None:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+
+
+def prediction_text(prediction: Any) -> str:
+    """OpenAI's Predicted Outputs: {"type": "content", "content": a string or text parts}."""
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" or set(prediction) - {"type", "content"}:
+        raise bad_request('prediction must be {"type": "content", "content": ...}', param="prediction")
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) and set(p) == {"type", "text"}
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise bad_request("prediction.content must be a string or a list of text parts", param="prediction")
 
 
 def _check_completion(req: CompletionRequest) -> None:
@@ -286,4 +303,8 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         sp[constraint[0]] = constraint[1]
     if req.guided_whitespace_pattern is not None:
         sp["whitespace_pattern"] = req.guided_whitespace_pattern
+    if isinstance(req, ChatCompletionRequest) and req.prediction is not None:
+        text = prediction_text(req.prediction)
+        if text:
+            sp["prediction"] = text
     return sp

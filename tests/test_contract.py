@@ -479,7 +479,9 @@ CHAT_CASES: dict[str, Case] = {
     "service_tier": refused(service_tier="flex"),  # "auto" and "default" are accepted: the one tier there is
     "audio": refused(audio={"voice": "alloy", "format": "wav"}, modalities=["text", "audio"]),
     "modalities": refused(modalities=["text", "audio"]),  # ["text"] is accepted: it is what happens
-    "prediction": refused(prediction={"type": "content", "content": "Hello"}),
+    # Predicted Outputs: the text travels to the engine, which drafts from it.
+    "prediction": engine(sp_has(prediction="Hello"), prediction={"type": "content", "content": [{"type": "text", "text": "Hel"},
+                                                                                        {"type": "text", "text": "lo"}]}),
     "reasoning_effort": refused(reasoning_effort="low"),
     "web_search_options": refused(web_search_options={"search_context_size": "low"}),
     "functions": refused(functions=[WEATHER["function"]]),

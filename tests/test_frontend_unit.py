@@ -1457,6 +1457,55 @@ def test_unicode_line_separators_do_not_split_sse_events(client, base_url, fake)
     assert text == "".join(pieces)
 
 
+def test_predicted_outputs_reach_the_engine_and_their_counts_the_usage(client, base_url, fake):
+    def metas(accepted: int, rejected: int) -> list[str]:
+        return [json.dumps({"index": 0, "accepted_prediction_tokens": a, "rejected_prediction_tokens": r})
+                for a, r in ((0, 0), (accepted, rejected))]
+
+    fake.script = lambda req: text_chunks(["Hel", "lo"], meta=metas(1, 3))
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                       prediction={"type": "content", "content": "Hello there"})
+    assert fake.requests[-1].sampling_params["prediction"] == "Hello there"
+    details = r.usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (1, 3)
+    # n samples: the request's counts are their sums; streaming reports them in its usage chunk.
+    usage = [c.usage for c in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=2, stream=True, stream_options={"include_usage": True},
+        prediction={"type": "content", "content": [{"type": "text", "text": "Hello"}]}) if c.usage]
+    assert fake.requests[-1].sampling_params["prediction"] == "Hello"
+    assert (usage[0].completion_tokens_details.accepted_prediction_tokens,
+            usage[0].completion_tokens_details.rejected_prediction_tokens) == (2, 6)
+    # Without a prediction the engine reports none, and usage has no details.
+    fake.script = lambda req: text_chunks(["Hel", "lo"])
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES).usage.completion_tokens_details is None
+    # /generate (SGLang's API, prediction as an extension of its sampling_params) reports them in meta_info.
+    fake.script = lambda req: text_chunks(["Hel", "lo"], meta=metas(1, 0))
+    meta = httpx.post(base_url + "/generate", json={"text": "x", "sampling_params": {"prediction": "Hello"}}).json()["meta_info"]
+    assert (meta["accepted_prediction_tokens"], meta["rejected_prediction_tokens"]) == (1, 0)
+
+
+@pytest.mark.parametrize("prediction", [
+    "Hello", {"type": "text", "content": "Hello"}, {"type": "content"}, {"type": "content", "content": 5},
+    {"type": "content", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+    {"type": "content", "content": "x", "extra": 1},
+])
+def test_a_malformed_prediction_is_refused_by_name(client, prediction):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, prediction=prediction)
+    assert err.value.body["param"] == "prediction"
+
+
+def test_a_prediction_is_refused_where_it_cannot_apply(client):
+    prediction = {"type": "content", "content": "Hello"}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, prediction=prediction,
+                                       extra_body={"use_beam_search": True})
+    assert err.value.body["param"] == "prediction" and "use_beam_search" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:  # OpenAI's completions API has none
+        client.completions.create(model=MODEL, prompt="x", extra_body={"prediction": prediction})
+    assert err.value.body["param"] == "prediction"
+
+
 def test_cached_tokens_and_engine_logprobs_pass_through(client, base_url, fake):
     metas = [json.dumps({"index": 0, "cached_tokens": 16, "output_token_logprobs": [[-0.5, 100, "Hel"]],
                          "output_top_logprobs": [[[-0.5, 100, "Hel"], [-1.5, 7, "Hi"]]],

@@ -374,6 +374,28 @@ def test_return_hidden_states_as_sglang_openai(client):
                                   extra_body={"return_hidden_states": True, "use_beam_search": True})
 
 
+def test_predicted_outputs_keep_the_output_and_report_what_they_saved(client):
+    """OpenAI's Predicted Outputs: the reply is the one without a prediction, streaming or not,
+    and usage says how many of the prediction's tokens it kept."""
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=48, **GREEDY)
+    plain = client.chat.completions.create(**kwargs)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details is None
+    r = client.chat.completions.create(prediction={"type": "content", "content": text}, **kwargs)
+    assert r.choices[0].message.content == text
+    assert r.usage.completion_tokens == plain.usage.completion_tokens
+    details = r.usage.completion_tokens_details
+    assert 0 < details.accepted_prediction_tokens < r.usage.completion_tokens
+    assert details.rejected_prediction_tokens >= 0
+    texts, _, usage, _ = _stream_chat(client, prediction={"type": "content", "content": text},
+                                      stream_options={"include_usage": True}, **kwargs)
+    assert texts == {0: text}
+    assert usage.completion_tokens_details == details
+    # An unrelated prediction costs nothing but the drafts it never makes.
+    r = client.chat.completions.create(prediction={"type": "content", "content": "Nothing like it " * 20}, **kwargs)
+    assert r.choices[0].message.content == text
+
+
 def test_stop_strings_and_stop_token_ids(client):
     base = dict(model=MODEL, prompt="Tell me a story about a dragon.", max_tokens=24, **GREEDY)
     full = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].text

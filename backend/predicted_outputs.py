@@ -1,0 +1,117 @@
+"""OpenAI's Predicted Outputs: drafts from text the client expects the output to largely repeat
+(a file to be returned with a small edit, a document to be reformatted).
+
+The prediction's tokens are drafted from where the output stands in them, and a step verifies a
+draft as it verifies an n-gram draft (backend/speculative.py): every position is drawn as its
+own decode step would draw it, so the output is the one decoding without a prediction gives,
+and a good prediction only makes it take fewer steps.
+
+Alignment. While each new output token is the prediction's next one, the next draft is what
+follows in the prediction. Where the output leaves it (an edit), drafting stops until the
+output's last few tokens occur in the prediction again: at the earliest occurrence at or after
+the point where the two parted, as an edit rarely goes back, else at the latest before it.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Optional
+
+from backend.speculative import BACKOFF_CAP, BACKOFF_TOKENS
+
+# Tail lengths the output is matched by to rejoin its prediction, longest first. Not one token:
+# while the output writes something new, its single tokens (a comma, a newline) recur in the
+# prediction by chance, and each chance match costs a verifying step.
+REJOIN_SIZES = (3, 2)
+# Draft tokens a step verifies for a prediction, unless the server's speculative_config sets
+# num_speculative_tokens: a prediction is usually followed for long runs, so a draft is longer
+# than an n-gram's.
+DEFAULT_DRAFT_TOKENS = 8
+
+
+class Prediction:
+    """A request's predicted tokens, and where each short run of them ends (shared by its n
+    samples; built on the caller's thread, not the engine's)."""
+
+    __slots__ = ("tokens", "_ends")
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        for n in REJOIN_SIZES:
+            for end in range(n, len(tokens) + 1):
+                self._ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
+
+    def rejoin(self, output: list[int], floor: int) -> Optional[int]:
+        """The prediction position after the output's tail (its last 3 or 2 tokens, longest
+        first), nearest at or after `floor`, else the latest before it; None when none occurs."""
+        for n in REJOIN_SIZES:
+            if len(output) < n:
+                continue
+            ends = self._ends.get(tuple(output[-n:]))
+            if ends:
+                i = bisect_left(ends, floor)
+                return ends[i] if i < len(ends) else ends[-1]
+        return None
+
+
+@dataclass
+class _Follow:
+    """One sequence's place in its prediction."""
+
+    pos: Optional[int]  # the prediction index the next output token should match; None: parted
+    seen: int  # the sequence's length when last followed
+    floor: int = 0  # where the output last stood in the prediction
+    misses: int = 0  # drafts rejected outright in a row
+    resume_at: int = 0  # no drafts before the sequence is this long
+
+
+class PredictionProposer:
+    """Drafts for sequences whose request carries a prediction."""
+
+    def __init__(self, k: int = DEFAULT_DRAFT_TOKENS) -> None:
+        self.k = k
+        self._follows: dict[int, _Follow] = {}
+
+    def propose(self, seq_id: int, prediction: Prediction, tokens: list[int], num_prompt_tokens: int,
+                limit: int) -> list[int]:
+        """Up to min(k, limit) prediction tokens to follow the sequence's newest one; [] while
+        the output stands nowhere in the prediction, or at its end. `tokens` (prompt and output)
+        only grows between calls for one sequence."""
+        f = self._follows.get(seq_id)
+        if f is None:
+            f = self._follows[seq_id] = _Follow(pos=0, seen=num_prompt_tokens)
+        predicted = prediction.tokens
+        for i in range(f.seen, len(tokens)):
+            if f.pos is None:
+                continue
+            if f.pos < len(predicted) and predicted[f.pos] == tokens[i]:
+                f.pos += 1
+            else:  # parted here
+                f.floor, f.pos = f.pos, None
+        f.seen = len(tokens)
+        if limit <= 0 or len(tokens) < f.resume_at:
+            return []
+        if f.pos is None:
+            f.pos = prediction.rejoin(tokens[max(num_prompt_tokens, len(tokens) - REJOIN_SIZES[0]) :], f.floor)
+            if f.pos is None:
+                return []
+            f.floor = f.pos
+        return predicted[f.pos : f.pos + min(self.k, limit)]
+
+    def verified(self, seq_id: int, length: int, accepted: int) -> None:
+        """A draft was verified and `accepted` of its tokens kept; the sequence is now `length`
+        tokens long. After a draft rejected outright the next waits, as an n-gram draft does
+        (backend/speculative.py): a chance rejoin should not cost a verifying step each token."""
+        f = self._follows.get(seq_id)
+        if f is None:
+            return
+        if accepted:
+            f.misses = 0
+            return
+        f.misses += 1
+        f.resume_at = length + min(BACKOFF_TOKENS**f.misses, BACKOFF_CAP)
+
+    def forget(self, seq_id: int) -> None:
+        self._follows.pop(seq_id, None)

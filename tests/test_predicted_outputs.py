@@ -1,0 +1,258 @@
+"""Predicted Outputs (OpenAI's `prediction`): drafts from the text a client expects back.
+
+The output must be the one decoding without a prediction gives, for greedy and seeded sampling
+and whatever the prediction holds (the output exactly, an edited copy, something unrelated); a
+good prediction must cut the steps; the accepted / rejected prediction tokens each response
+reports must be what its steps kept and threw away; and the pool must be free after each test.
+The follower is tested on its own, the engine with token-level predictions (the demo model's
+random outputs are rarely the tokenizer's own spelling of their text, which a trained model's
+are) and with text, as the frontend sends it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend.engine import LLMEngine
+from backend.predicted_outputs import Prediction, PredictionProposer
+from backend.sampling_params import MAX_PREDICTION_CHARS, SamplingParams
+from tests.test_speculative import NGRAM, _engine, _prompts
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 96}
+SEEDED = {"temperature": 0.8, "top_k": 50, "seed": 11, "ignore_eos": True, "max_new_tokens": 96}
+
+
+# ---------------------------------------------------------------------------------- follower
+def test_the_follower_drafts_what_follows_while_the_output_keeps_to_the_prediction():
+    p = PredictionProposer(k=3)
+    pred = Prediction([10, 11, 12, 13, 14, 15, 16])
+    prompt = [1, 2, 3]
+    assert p.propose(0, pred, prompt + [10], 3, limit=9) == [11, 12, 13]
+    assert p.propose(0, pred, prompt + [10, 11, 12], 3, limit=9) == [13, 14, 15]
+    assert p.propose(0, pred, prompt + [10, 11, 12, 13, 14], 3, limit=1) == [15]  # the limit
+    assert p.propose(0, pred, prompt + [10, 11, 12, 13, 14, 15, 16], 3, limit=9) == []  # its end
+
+
+def test_a_parted_output_drafts_again_where_its_tail_rejoins_the_prediction():
+    p = PredictionProposer(k=3)
+    pred = Prediction([10, 11, 12, 13, 14, 15, 16, 17])
+    out = [10, 11, 99]  # an edit: the output leaves the prediction
+    assert p.propose(0, pred, out, 0, limit=9) == []
+    out += [98]
+    assert p.propose(0, pred, out, 0, limit=9) == []
+    out += [14, 15]  # back: "14 15" occurs in the prediction, followed by 16
+    assert p.propose(0, pred, out, 0, limit=9) == [16, 17]
+    # A deletion: the output skips 12..14 and goes on from 15 (its tail "11 15" occurs nowhere,
+    # "15 16" does).
+    q = PredictionProposer(k=2)
+    assert q.propose(1, pred, [10, 11, 15], 0, limit=9) == []
+    assert q.propose(1, pred, [10, 11, 15, 16], 0, limit=9) == [17]
+
+
+def test_a_rejoin_prefers_the_nearest_occurrence_after_where_the_output_parted():
+    # "5 6" occurs three times; the output parted after position 4, so the occurrence ending at 8
+    # is taken, not the first (ending at 2) nor the last (ending at 12).
+    pred = Prediction([5, 6, 1, 2, 7, 8, 5, 6, 20, 21, 5, 6, 30, 31])
+    p = PredictionProposer(k=2)
+    assert p.propose(0, pred, [5, 6, 1, 2, 40, 5, 6], 0, limit=9) == [20, 21]
+    # Only occurrences before it: the latest of them.
+    p = PredictionProposer(k=2)
+    assert p.propose(1, pred, [5, 6, 1, 2, 7, 8, 5, 6, 20, 21, 5, 6, 30, 31, 41, 1, 2], 0, limit=9) == [7, 8]
+
+
+def test_the_rejoin_matches_the_output_not_the_prompt():
+    pred = Prediction([7, 8, 9, 10])
+    p = PredictionProposer(k=2)
+    # The prompt ends with "7 8", the output's first token parts: nothing to rejoin by yet.
+    assert p.propose(0, pred, [1, 7, 8, 50], 3, limit=9) == []
+    # One output token never rejoins (single tokens recur by chance).
+    assert p.propose(2, pred, [1, 2, 3, 50, 9], 3, limit=9) == []
+    assert p.propose(2, pred, [1, 2, 3, 50, 9, 10], 3, limit=9) == []  # at the prediction's end
+    assert p.propose(3, pred, [1, 2, 3, 50, 8, 9], 3, limit=9) == [10]
+
+
+def test_a_rejected_draft_backs_off_and_an_accepted_one_resets():
+    pred = Prediction(list(range(100, 140)))
+    p = PredictionProposer(k=4)
+    out = [100, 101]
+    assert p.propose(0, pred, out, 0, limit=99) == [102, 103, 104, 105]
+    p.verified(0, len(out) + 1, accepted=0)  # rejected outright: the next waits two tokens
+    out += [102]
+    assert p.propose(0, pred, out, 0, limit=99) == []
+    out += [103]
+    assert p.propose(0, pred, out, 0, limit=99) == []
+    out += [104]
+    assert p.propose(0, pred, out, 0, limit=99) == [105, 106, 107, 108]
+    p.verified(0, len(out) + 3, accepted=2)
+    out += [105, 106, 107]
+    assert p.propose(0, pred, out, 0, limit=99) == [108, 109, 110, 111]
+    p.forget(0)
+    assert p.propose(0, pred, [100], 0, limit=99) == [101, 102, 103, 104]  # a new sequence
+
+
+# ---------------------------------------------------------------------------------- engine
+def _edited(ids: list[int], seed: int) -> list[int]:
+    """The output with a substitution, a deletion and an insertion."""
+    rng = random.Random(seed)
+    out = list(ids)
+    i = rng.randrange(5, len(out) // 3)
+    out[i : i + 3] = [rng.randrange(100, 4000) for _ in range(5)]
+    i = rng.randrange(len(out) // 3, 2 * len(out) // 3)
+    del out[i : i + 4]
+    i = rng.randrange(2 * len(out) // 3, len(out))
+    out[i:i] = [rng.randrange(100, 4000) for _ in range(4)]
+    return out
+
+
+def _generate_with(eng: LLMEngine, prompts, raw: dict, predictions: list[list[int]]):
+    """Each prompt with its token-level prediction; the engine's own tokenization of a text
+    prediction is bypassed (module docstring)."""
+    outs, steps = [], eng.stats().num_steps
+    for prompt, ids in zip(prompts, predictions):
+        eng._prediction = lambda params, ids=ids: Prediction(list(ids))
+        outs += eng.generate([prompt], eng.parse_params({**raw, "prediction": "x"}))
+    del eng._prediction
+    return outs, eng.stats().num_steps - steps
+
+
+@pytest.mark.parametrize("raw", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["predictions_only", "with_ngram"])
+def test_outputs_equal_decoding_without_a_prediction(demo_model_path, raw, spec):
+    prompts = _prompts(4, seed=5)
+    eng = _engine(demo_model_path, spec=None)
+    try:
+        base, base_steps = [], eng.stats().num_steps
+        for prompt in prompts:
+            base += eng.generate([prompt], eng.parse_params(raw))
+        base_steps = eng.stats().num_steps - base_steps
+    finally:
+        eng.shutdown()
+    eng = _engine(demo_model_path, spec=spec)
+    try:
+        exact = [o.new_token_ids for o in base]
+        cases = {
+            "exact": exact,
+            "edited": [_edited(ids, i) for i, ids in enumerate(exact)],
+            "unrelated": [[5, 6, 7, 8] * 30] * len(prompts),
+        }
+        steps = {}
+        for name, predictions in cases.items():
+            outs, steps[name] = _generate_with(eng, prompts, raw, predictions)
+            assert [o.new_token_ids for o in outs] == exact, name
+            assert [o.text for o in outs] == [o.text for o in base], name
+            for o in outs:
+                assert o.accepted_prediction_tokens is not None and o.rejected_prediction_tokens is not None
+                assert o.accepted_prediction_tokens <= o.completion_tokens - 1
+                if name == "exact":  # every drafted token holds: k of each k + 1 come from it
+                    k = eng.predictions.k
+                    assert o.rejected_prediction_tokens == 0
+                    assert o.accepted_prediction_tokens >= (o.completion_tokens - 1) * k // (k + 1) - k
+                if name == "unrelated":
+                    assert (o.accepted_prediction_tokens, o.rejected_prediction_tokens) == (0, 0)
+            assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        # k=8 (or the n-gram config's 4) tokens a verifying step: the exact prediction takes a
+        # fraction of the steps; an edited one still saves.
+        assert steps["exact"] <= base_steps / 3
+        assert steps["edited"] <= base_steps * 0.7
+    finally:
+        eng.shutdown()
+
+
+def test_counts_stop_where_the_output_stops_inside_an_accepted_run(demo_model_path):
+    """A stop token, a stop string or max_new_tokens inside a run of accepted draft tokens: the
+    tokens after it were verified, not kept, and count as rejected."""
+    prompts = _prompts(3, seed=9)
+    eng = _engine(demo_model_path)
+    try:
+        base = [eng.generate([p], eng.parse_params(GREEDY))[0] for p in prompts]
+        for cut in (5, 14, 23):
+            for kind in ("stop_token_ids", "stop", "max_new_tokens"):
+                for prompt, ref in zip(prompts, base):
+                    ids = ref.new_token_ids
+                    if kind == "stop_token_ids" and ids[cut] in ids[:cut]:
+                        continue
+                    raw = {**GREEDY, "stop_token_ids": [ids[cut]]} if kind == "stop_token_ids" else (
+                        {**GREEDY, "max_new_tokens": cut + 1} if kind == "max_new_tokens" else GREEDY)
+                    if kind == "stop":
+                        stop = eng.tokenizer.decode(ids[cut : cut + 1])
+                        if not stop.strip() or stop in eng.tokenizer.decode(ids[:cut]):
+                            continue
+                        raw = {**GREEDY, "stop": [stop]}
+                    want = eng.generate([prompt], eng.parse_params(raw))[0]
+                    stats0 = eng.stats()
+                    got, _ = _generate_with(eng, [prompt], raw, [ids])
+                    stats = eng.stats()
+                    out = got[0]
+                    assert out.new_token_ids == want.new_token_ids and out.text == want.text
+                    drafted = stats.spec_draft_tokens_total - stats0.spec_draft_tokens_total
+                    assert out.accepted_prediction_tokens + out.rejected_prediction_tokens == drafted
+                    # Every kept token but the first (prefill's) and one a verifying step came
+                    # from the prediction or a draw.
+                    verifies = stats.spec_drafts_total - stats0.spec_drafts_total
+                    assert out.completion_tokens - 1 - verifies <= out.accepted_prediction_tokens <= out.completion_tokens - 1
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
+def test_n_samples_follow_the_prediction_each_and_report_their_own(demo_model_path):
+    prompt = _prompts(1, seed=2)[0]
+    eng = _engine(demo_model_path)
+    try:
+        raw = {**SEEDED, "n": 3}
+        base = eng.generate([prompt], eng.parse_params(raw))
+        got, _ = _generate_with(eng, [prompt], raw, [base[1].new_token_ids])
+        assert [o.new_token_ids for o in got] == [o.new_token_ids for o in base]
+        assert got[1].rejected_prediction_tokens == 0 and got[1].accepted_prediction_tokens > 40
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
+def test_a_text_prediction_is_tokenized_by_the_engine(demo_model_path):
+    prompts = _prompts(3, seed=4)
+    eng = _engine(demo_model_path)
+    try:
+        base = [eng.generate([p], eng.parse_params(GREEDY))[0] for p in prompts]
+        for prompt, ref in zip(prompts, base):
+            out = eng.generate([prompt], eng.parse_params({**GREEDY, "prediction": ref.text}))[0]
+            assert out.new_token_ids == ref.new_token_ids
+            assert out.accepted_prediction_tokens > 0
+        # No prediction: nothing reported; an empty one: nothing to draft.
+        assert eng.generate([prompts[0]], eng.parse_params(GREEDY))[0].accepted_prediction_tokens is None
+        out = eng.generate([prompts[0]], eng.parse_params({**GREEDY, "prediction": ""}))[0]
+        assert out.accepted_prediction_tokens is None and out.new_token_ids == base[0].new_token_ids
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
+def test_an_aborted_predicting_request_frees_everything(demo_model_path):
+    eng = _engine(demo_model_path)
+    try:
+        prompt = _prompts(1, seed=6)[0]
+        ref = eng.generate([prompt], eng.parse_params(GREEDY))[0]
+        eng._prediction = lambda params: Prediction(list(ref.new_token_ids))
+        outs = []
+        rid = eng.add_request(prompt, eng.parse_params({**GREEDY, "prediction": "x"}), outs.append)
+        for _ in range(4):
+            eng.step()
+        eng.abort(rid)
+        while eng.has_unfinished():
+            eng.step()
+        eng.step()
+        assert outs[-1].finish_reason == "abort"
+        assert eng._num_predicting == 0 and not eng.predictions._follows
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
+def test_a_prediction_is_bounded():
+    SamplingParams(prediction="x" * MAX_PREDICTION_CHARS)
+    with pytest.raises(ValueError, match="prediction is longer than"):
+        SamplingParams(prediction="x" * (MAX_PREDICTION_CHARS + 1))
+    with pytest.raises(ValueError):
+        SamplingParams(prediction=["not", "text"])
