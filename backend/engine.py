@@ -349,12 +349,18 @@ class LLMEngine:
         return request_id
 
     def _prediction(self, params: SamplingParams) -> Optional[Prediction]:
-        """The request's predicted output as tokens (up to any the model cannot take)."""
+        """The request's predicted output as tokens, no longer than a context (no output is)."""
         if not params.prediction:
             return None
-        ids = self.tokenizer.encode(params.prediction, add_special_tokens=False)
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), len(ids))
-        return Prediction(ids[:bad]) if bad else None
+        if isinstance(params.prediction, str):
+            ids = self.tokenizer.encode(params.prediction, add_special_tokens=False)
+            # A tokenizer may know tokens the model has no row for: never drafted.
+            ids = ids[: next((i for i, t in enumerate(ids) if t >= self.vocab_size), len(ids))]
+        else:
+            ids = params.prediction
+            if max(ids) >= self.vocab_size:
+                raise RequestError(f"prediction token ids must be < the vocabulary size {self.vocab_size}")
+        return Prediction(ids[: self.max_model_len]) if ids else None
 
     def _prompt_embeds(self, value: Any, params: SamplingParams) -> torch.Tensor:
         hidden = self.model.config.hidden_size

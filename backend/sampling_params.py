@@ -49,7 +49,8 @@ MAX_TOP_LOGPROBS = 64
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 MAX_WHITESPACE_PATTERN_CHARS = 256
 MAX_LOGITS_PROCESSORS = 16
-MAX_PREDICTION_CHARS = 256 * 1024
+MAX_PREDICTION_CHARS = 128 * 1024
+MAX_PREDICTION_TOKENS = 32 * 1024
 
 
 # Temperatures below this are greedy (SGLang's _SAMPLING_EPS).
@@ -121,9 +122,10 @@ class SamplingParams(BaseModel):
     # (backend/logits_processors.py).
     logits_processors: Optional[list[Union[str, dict[str, Any]]]] = None
     # OpenAI's Predicted Outputs (`prediction.content`): text the output is expected to largely
-    # repeat. Its tokens are drafted and verified as speculative decoding verifies any draft
-    # (backend/predicted_outputs.py), so the output is the one decoding without it would give.
-    prediction: Optional[str] = None
+    # repeat, or its token ids. Its tokens are drafted and verified as speculative decoding
+    # verifies any draft (backend/predicted_outputs.py), so the output is the one decoding
+    # without it would give.
+    prediction: Optional[Union[str, list[int]]] = None
 
     @field_validator("stop", "stop_regex", mode="before")
     @classmethod
@@ -192,8 +194,13 @@ class SamplingParams(BaseModel):
         given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"only one of json_schema, regex, ebnf, structural_tag may be given, got {', '.join(given)}")
-        if self.prediction is not None and len(self.prediction) > MAX_PREDICTION_CHARS:
+        if isinstance(self.prediction, str) and len(self.prediction) > MAX_PREDICTION_CHARS:
             raise ValueError(f"prediction is longer than {MAX_PREDICTION_CHARS} characters")
+        if isinstance(self.prediction, list):
+            if len(self.prediction) > MAX_PREDICTION_TOKENS:
+                raise ValueError(f"prediction has more than {MAX_PREDICTION_TOKENS} token ids")
+            if any(t < 0 for t in self.prediction):
+                raise ValueError("prediction token ids must be non-negative")
         if given and len(getattr(self, given[0])) > MAX_CONSTRAINT_CHARS:
             raise ValueError(f"{given[0]} is longer than {MAX_CONSTRAINT_CHARS} characters")
         if self.whitespace_pattern is not None:

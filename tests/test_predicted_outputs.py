@@ -4,9 +4,9 @@ The output must be the one decoding without a prediction gives, for greedy and s
 and whatever the prediction holds (the output exactly, an edited copy, something unrelated); a
 good prediction must cut the steps; the accepted / rejected prediction tokens each response
 reports must be what its steps kept and threw away; and the pool must be free after each test.
-The follower is tested on its own, the engine with token-level predictions (the demo model's
+The follower is tested on its own, the engine with predictions as token ids (the demo model's
 random outputs are rarely the tokenizer's own spelling of their text, which a trained model's
-are) and with text, as the frontend sends it.
+are) and as text, as the frontend sends it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import random
 
 import pytest
 
-from backend.engine import LLMEngine
+from backend.engine import LLMEngine, RequestError
 from backend.predicted_outputs import Prediction, PredictionProposer
-from backend.sampling_params import MAX_PREDICTION_CHARS, SamplingParams
+from backend.sampling_params import MAX_PREDICTION_CHARS, MAX_PREDICTION_TOKENS, SamplingParams
 from tests.test_speculative import NGRAM, _engine, _prompts
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 96}
@@ -107,13 +107,10 @@ def _edited(ids: list[int], seed: int) -> list[int]:
 
 
 def _generate_with(eng: LLMEngine, prompts, raw: dict, predictions: list[list[int]]):
-    """Each prompt with its token-level prediction; the engine's own tokenization of a text
-    prediction is bypassed (module docstring)."""
+    """Each prompt with its prediction as token ids; the steps they took."""
     outs, steps = [], eng.stats().num_steps
     for prompt, ids in zip(prompts, predictions):
-        eng._prediction = lambda params, ids=ids: Prediction(list(ids))
-        outs += eng.generate([prompt], eng.parse_params({**raw, "prediction": "x"}))
-    del eng._prediction
+        outs += eng.generate([prompt], eng.parse_params({**raw, "prediction": list(ids)}))
     return outs, eng.stats().num_steps - steps
 
 
@@ -234,9 +231,8 @@ def test_an_aborted_predicting_request_frees_everything(demo_model_path):
     try:
         prompt = _prompts(1, seed=6)[0]
         ref = eng.generate([prompt], eng.parse_params(GREEDY))[0]
-        eng._prediction = lambda params: Prediction(list(ref.new_token_ids))
         outs = []
-        rid = eng.add_request(prompt, eng.parse_params({**GREEDY, "prediction": "x"}), outs.append)
+        rid = eng.add_request(prompt, eng.parse_params({**GREEDY, "prediction": ref.new_token_ids}), outs.append)
         for _ in range(4):
             eng.step()
         eng.abort(rid)
@@ -250,9 +246,22 @@ def test_an_aborted_predicting_request_frees_everything(demo_model_path):
         eng.shutdown()
 
 
-def test_a_prediction_is_bounded():
+def test_a_prediction_is_bounded(demo_model_path):
     SamplingParams(prediction="x" * MAX_PREDICTION_CHARS)
-    with pytest.raises(ValueError, match="prediction is longer than"):
-        SamplingParams(prediction="x" * (MAX_PREDICTION_CHARS + 1))
-    with pytest.raises(ValueError):
-        SamplingParams(prediction=["not", "text"])
+    SamplingParams(prediction=[7] * MAX_PREDICTION_TOKENS)
+    for bad, words in [("x" * (MAX_PREDICTION_CHARS + 1), "longer than"), ([7] * (MAX_PREDICTION_TOKENS + 1), "more than"),
+                       ([3, -1], "non-negative"), (["not", "ids"], "prediction"), (3, "prediction")]:
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(prediction=bad)
+    eng = _engine(demo_model_path, max_model_len=256)
+    try:
+        with pytest.raises(RequestError, match="prediction token ids must be < the vocabulary size"):
+            eng.add_request([1, 2, 3], eng.parse_params({**GREEDY, "prediction": [5, eng.vocab_size]}), print)
+        # Cut to the context: no output is longer.
+        captured = []
+        real = eng._prediction
+        eng._prediction = lambda params: captured.append(real(params)) or captured[-1]
+        eng.generate([[1, 2, 3]], eng.parse_params({**GREEDY, "max_new_tokens": 4, "prediction": [9] * 1000}))
+        assert len(captured[0].tokens) == 256
+    finally:
+        eng.shutdown()
