@@ -117,6 +117,7 @@ def build_sampling(
     seed: Optional[int] = None,
     stop: Optional[Sequence[str]] = None,
     n: Optional[int] = None,
+    prediction: Optional[str] = None,
     json_params: Optional[dict[str, Any] | str] = None,
 ) -> dict[str, Any]:
     """The SGLang sampling parameters of a request: `json_params`, then the named options on top."""
@@ -137,6 +138,7 @@ def build_sampling(
         "seed": seed,
         "stop": list(stop) if stop else None,
         "n": n,
+        "prediction": prediction,
     }
     params.update({k: v for k, v in named.items() if v is not None})
     return params
@@ -256,7 +258,7 @@ def stream_pieces(
     (`reorder`: responses the ensemble delivered out of order are held back until their turn).
 
     `sampling_options` are build_sampling's keywords (max_tokens, temperature, top_p, top_k,
-    min_p, seed, stop, n, json_params). With n > 1 the samples' responses interleave; each
+    min_p, seed, stop, n, prediction, json_params). With n > 1 the samples' responses interleave; each
     piece's `index` says which sample it belongs to. Closing the iterator early (or an error, or
     no response within `timeout` seconds: TimeoutError) cancels the request and aborts it on
     `abort_model` (the engine model; None: cancel only), which an ensemble's cancellation alone
@@ -560,6 +562,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--stop", nargs="+", default=None, metavar="STR", help="stop strings")
     p.add_argument("-n", "--n", type=int, default=None, metavar="N",
                    help="samples of the prompt (SGLang's n; also accepted in --json-params); see below for the output")
+    p.add_argument("--prediction", default=None, metavar="TEXT|@FILE",
+                   help="Predicted Outputs: text the output is expected to largely repeat (a file to be returned "
+                        "with edits: @path reads it); drafted and verified, so the output is the same, sooner. "
+                        "--stats shows accepted_prediction_tokens / rejected_prediction_tokens in meta")
     p.add_argument("--json-params", default=None, metavar="JSON",
                    help='any SGLang sampling parameters as a JSON object, e.g. \'{"ignore_eos": true}\'; '
                         "the named options above override it")
@@ -633,9 +639,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prompt = sys.stdin.read()
     from tritonclient.utils import InferenceServerException
 
+    prediction = args.prediction
+    if prediction is not None and prediction.startswith("@"):
+        try:
+            prediction = Path(prediction[1:]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"error: --prediction: {exc}", file=sys.stderr)
+            return 2
     sampling_options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop, n=args.n,
-                            json_params=args.json_params)
+                            prediction=prediction, json_params=args.json_params)
     try:
         n = build_sampling(**sampling_options).get("n", 1)
     except ValueError as exc:

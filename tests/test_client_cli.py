@@ -30,6 +30,7 @@ GREEDY = {"temperature": 0.0, "json_params": {"ignore_eos": True}, "max_tokens":
 
 
 def test_build_sampling_merges_json_then_named_options():
+    assert build_sampling(prediction="def f():")["prediction"] == "def f():"
     params = build_sampling(max_tokens=5, temperature=0.5, stop=["x"], json_params='{"temperature": 1, "ignore_eos": true}')
     assert params == {"temperature": 0.5, "ignore_eos": True, "max_new_tokens": 5, "stop": ["x"]}
     with pytest.raises(ValueError, match="json-params"):
@@ -261,6 +262,21 @@ def test_cli_streams_text_and_ids(server, demo_model_path):
     assert [int(t) for t in ids.stdout.split()] == ref.token_ids
     chat = run_cli("Say hi", *common, "--chat", "--no-stream", "--stop", "zzzz")
     assert chat.returncode == 0 and chat.stdout.strip()
+
+
+def test_cli_prediction_from_a_file_keeps_the_output(server, tmp_path):
+    prompt = "Hello, world"
+    ref = generate_text(prompt, url=server.grpc_url, **GREEDY)
+    (tmp_path / "predicted.txt").write_text(ref.text, encoding="utf-8")
+    common = ["--url", server.grpc_url, "--max-tokens", str(MAX_NEW), "--temperature", "0",
+              "--json-params", '{"ignore_eos": true}']
+    out = run_cli(prompt, *common, "--prediction", f"@{tmp_path / 'predicted.txt'}", "--stats")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ref.text + "\n"
+    meta = json.loads(out.stderr.split(" meta=", 1)[1].rsplit("]", 1)[0])
+    assert meta["accepted_prediction_tokens"] > 0
+    missing = run_cli(prompt, *common, "--prediction", f"@{tmp_path / 'absent.txt'}")
+    assert missing.returncode == 2 and "--prediction" in missing.stderr
 
 
 def test_cli_keeps_n_samples_apart(server, demo_model_path):
