@@ -36,6 +36,7 @@ from backend.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, 
 from backend.sampling_params import SamplingParams, load_model_defaults, parse_sampling_params
 from backend.scheduler import ScheduledSeq, Scheduler
 from backend.sequence import FinishReason, Sequence
+from backend.draft_model import DraftModelProposer
 from backend.predicted_outputs import DEFAULT_DRAFT_TOKENS, Prediction, PredictionProposer
 from backend.speculative import NgramProposer, speculates
 from backend.tokenizer import load_tokenizer
@@ -178,7 +179,14 @@ class LLMEngine:
         )
         self.sampler = Sampler(self.model.config.vocab_size)
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer: Any = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(spec)
+        elif spec is not None:
+            self.proposer = DraftModelProposer(
+                spec.model, spec.num_speculative_tokens, probe.num_blocks, config.block_size,
+                self.model.config.vocab_size, self.max_model_len, self.model.device, self.model.dtype, self.model.kv_dtype,
+            )
         self.predictions = PredictionProposer(spec.num_speculative_tokens if spec is not None else DEFAULT_DRAFT_TOKENS)
         self._num_predicting = 0  # tracked sequences whose request carries a prediction
         if self.model.device.type == "cpu":
@@ -753,8 +761,10 @@ class LLMEngine:
         running = self.scheduler.running
         spec = self.config.speculative_config
         # A large batch cannot hide verifying steps; a prediction was asked for, and drafts on.
-        ngram = self.proposer is not None and (spec.disable_by_batch_size is None
-                                               or len(running) <= spec.disable_by_batch_size)
+        speculating = self.proposer is not None and (spec.disable_by_batch_size is None
+                                                     or len(running) <= spec.disable_by_batch_size)
+        batched = isinstance(self.proposer, DraftModelProposer)
+        wanted: list[tuple[Sequence, int]] = []
         for seq in running:
             seq.draft_tokens = []
             seq.draft_predicted = False
@@ -767,8 +777,17 @@ class LLMEngine:
                 seq.draft_tokens = self.predictions.propose(seq.seq_id, seq.prediction, seq.token_ids,
                                                             seq.num_prompt_tokens, limit)
                 seq.draft_predicted = bool(seq.draft_tokens)
-            if ngram and not seq.draft_tokens:
+            if not speculating or seq.draft_tokens:
+                continue
+            if not batched:
                 seq.draft_tokens = self.proposer.propose(seq.seq_id, seq.token_ids, limit)
+            elif seq.prompt_embeds is None:  # the draft model reads token ids, not the embedded prompt
+                wanted.append((seq, limit))
+        if wanted:
+            drafts = self.proposer.propose_batch([(seq.seq_id, seq.token_ids, limit) for seq, limit in wanted],
+                                                 {seq.seq_id for seq in running})
+            for seq, _ in wanted:
+                seq.draft_tokens = drafts.get(seq.seq_id, [])
 
     def _jump_forward(self, tracked: _Tracked) -> list[int]:
         """The step's tokens for a sequence whose grammar accepted its newest (sampled) token:
@@ -1046,13 +1065,21 @@ class ModelRunnerSizing:
         self.max_model_len = config.max_model_len or ctx
         elem = torch.empty((), dtype=config.kv_torch_dtype()).element_size()
         bytes_per_block = 2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim * elem
+        weights_dirs = [model_path]
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            # The draft model's pool has as many blocks as the target's (backend/draft_model.py):
+            # a block of the budget holds both.
+            draft = ModelConfig.from_model_dir(spec.model)
+            bytes_per_block += 2 * draft.num_layers * config.block_size * draft.num_kv_heads * draft.head_dim * elem
+            weights_dirs.append(Path(spec.model))
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif config.kv_cache_memory_mb is not None:
             num_blocks = config.kv_cache_memory_mb * 2**20 // bytes_per_block
         elif config.device.startswith("cuda"):
             free, _ = torch.cuda.mem_get_info()
-            weights = sum(f.stat().st_size for f in weight_files(model_path))
+            weights = sum(f.stat().st_size for d in weights_dirs for f in weight_files(d))
             if model.quantization:  # FP8 weights are dequantized at load: up to model-dtype bytes each
                 weights *= torch.empty((), dtype=config.model_dtype()).element_size()
             num_blocks = int(max(free - weights * 1.2, 0) * config.gpu_memory_utilization) // bytes_per_block

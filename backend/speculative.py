@@ -28,12 +28,15 @@ from backend.sampling_params import SamplingParams
 
 
 class SpeculativeConfig(BaseModel):
-    """vLLM's --speculative-config, for the n-gram method."""
+    """vLLM's --speculative-config, for the n-gram and draft-model methods."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    method: Literal["ngram"]
+    # None with a `model`: the draft model's (vLLM's rule).
+    method: Optional[Literal["ngram", "draft_model"]] = None
     num_speculative_tokens: int = Field(ge=1, le=32)
+    # draft_model: a smaller model directory of the same vocabulary (backend/draft_model.py).
+    model: Optional[str] = None
     # The n-gram sizes matched, longest first. vLLM's rule for the ones not given: both 5, or
     # the one given for both.
     prompt_lookup_max: Optional[int] = Field(default=None, ge=1)
@@ -49,6 +52,19 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _lookup_sizes(self) -> "SpeculativeConfig":
+        if self.method is None:
+            if self.model is None:
+                raise ValueError('method is required: "ngram", or "draft_model" with a "model"')
+            self.method = "draft_model"
+        if self.method == "draft_model":
+            if self.model is None:
+                raise ValueError('the draft_model method needs a "model": the draft model\'s directory')
+            given = [n for n in ("prompt_lookup_max", "prompt_lookup_min") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{given[0]} applies to the ngram method, not draft_model")
+            return self
+        if self.model is not None:
+            raise ValueError('"model" applies to the draft_model method; ngram drafts from the sequence itself')
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
             self.prompt_lookup_max = self.prompt_lookup_min = 5
         elif self.prompt_lookup_min is None:

@@ -1,0 +1,132 @@
+"""Draft-model speculative decoding (vLLM's `{"method": "draft_model", "model": ...}`): a smaller
+model of the same vocabulary drafts k tokens greedily, and the target's step verifies them as it
+verifies any draft (backend/speculative.py), so the output is the target's own.
+
+The draft model keeps a paged KV cache of its own, with its own block tables: it shares nothing
+with the target's pool, scheduler or prefix cache, so it can never make the target preempt, and
+a draft pool that runs short only means fewer drafts. Each step, every sequence that drafts
+first catches the draft model up on the tokens it has not seen (the prompt, the first time;
+then the tokens the last step kept), in one batched forward pass, whose last row gives the first
+draft token; then k - 1 batched decode passes give the rest. Draft tokens the target keeps have
+their draft K/V already written, so the next catch-up starts after them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from backend.model_runner import ModelConfig, ModelRunner
+
+log = logging.getLogger(__name__)
+
+# Catch-up tokens per step at most: a long prompt is caught up over several steps (no drafts for
+# it until then), so no one step pays a whole batch's prompts through the draft model at once.
+CATCH_UP_PER_STEP = 2048
+
+
+@dataclass
+class _DraftSeq:
+    table: list[int] = field(default_factory=list)  # the draft pool's blocks
+    computed: int = 0  # tokens whose draft K/V are written
+    # The last draft: the sequence's length when it was made, and its length.
+    drafted_at: int = 0
+    drafted: int = 0
+
+
+class DraftModelProposer:
+    """Drafts from a smaller model (greedy), for a batch of decoding sequences at once."""
+
+    def __init__(self, model_path: str | Path, k: int, num_blocks: int, block_size: int, target_vocab: int,
+                 max_model_len: int, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        config = ModelConfig.from_model_dir(model_path)
+        if config.context_limit < max_model_len:
+            raise ValueError(f"the draft model's context ({config.context_limit}) is shorter than max_model_len "
+                             f"{max_model_len}: lower max_model_len or use a draft model of a longer context")
+        self.k = k
+        self.block_size = block_size
+        # A draft vocabulary padded past the target's never drafts the ids the target lacks.
+        self.vocab = min(config.vocab_size, target_vocab)
+        self.runner = ModelRunner(model_path, num_blocks, block_size, device=device, dtype=dtype, kv_dtype=kv_dtype)
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._seqs: dict[int, _DraftSeq] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def propose_batch(self, wanted: list[tuple[int, list[int], int]], running: set[int]) -> dict[int, list[int]]:
+        """Drafts for (seq_id, tokens, limit) of decoding sequences: up to min(k, limit) tokens
+        each, {} for one still catching up or without draft blocks. `running`: the seq ids that
+        still run; the draft state of the others is dropped when the pool runs short."""
+        chunks, ids, budget = [], [], CATCH_UP_PER_STEP
+        for seq_id, tokens, limit in wanted:
+            st = self._seqs.get(seq_id)
+            if st is None:
+                st = self._seqs[seq_id] = _DraftSeq()
+            n = len(tokens)
+            # Positions written: the catch-up's up to n - 1, then the fed draft tokens' up to n + m - 2.
+            m = min(self.k, limit)
+            if m <= 0 or not self._reserve(st, n + m - 1, running):
+                continue
+            take = min(n - st.computed, budget)
+            if take <= 0:
+                continue
+            budget -= take
+            done = st.computed + take == n
+            chunks.append((tokens[st.computed : st.computed + take], st.computed, st.table, done))
+            st.computed += take
+            if done:
+                st.drafted_at, st.drafted = n, m
+                ids.append((seq_id, st, m))
+        if not chunks:
+            return {}
+        drafts: dict[int, list[int]] = {}
+        with torch.inference_mode():
+            logits = self.runner.forward(self.runner.prepare(chunks))
+            if not ids:
+                return {}
+            last = logits[:, : self.vocab].argmax(dim=-1).tolist()
+            for (seq_id, _, _), token in zip(ids, last):
+                drafts[seq_id] = [token]
+            live = [(seq_id, st, m) for seq_id, st, m in ids if m > 1]
+            for step in range(1, self.k):
+                live = [(seq_id, st, m) for seq_id, st, m in live if len(drafts[seq_id]) < m]
+                if not live:
+                    break
+                batch = self.runner.prepare([([drafts[seq_id][-1]], st.drafted_at + step - 1, st.table, True)
+                                             for seq_id, st, _ in live])
+                tokens = self.runner.forward(batch)[:, : self.vocab].argmax(dim=-1).tolist()
+                for (seq_id, _, _), token in zip(live, tokens):
+                    drafts[seq_id].append(token)
+        return drafts
+
+    def _reserve(self, st: _DraftSeq, positions: int, running: set[int]) -> bool:
+        """Blocks for the sequence's first `positions` positions; False when the pool cannot
+        give them even after dropping the draft state of sequences that no longer run."""
+        need = -(-positions // self.block_size) - len(st.table)
+        if need > len(self._free):
+            for seq_id in [s for s in self._seqs if s not in running]:
+                self.forget(seq_id)
+        if need > len(self._free):
+            return False
+        for _ in range(max(need, 0)):
+            st.table.append(self._free.pop())
+        return True
+
+    def verified(self, seq_id: int, length: int, accepted: int) -> None:
+        """The sequence kept `accepted` tokens of its draft: those the draft model was fed (all
+        but its last) have their K/V written at the positions they now hold."""
+        st = self._seqs.get(seq_id)
+        if st is not None and st.drafted:
+            st.computed = st.drafted_at + min(accepted, st.drafted - 1)
+            st.drafted = 0
+
+    def forget(self, seq_id: int) -> None:
+        st = self._seqs.pop(seq_id, None)
+        if st is not None:
+            self._free.extend(reversed(st.table))

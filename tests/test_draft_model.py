@@ -1,0 +1,215 @@
+"""Draft-model speculative decoding: a smaller model drafts, the target verifies.
+
+The target's output must be the one decoding without drafts gives, for greedy and seeded sampling,
+whatever the draft model is: the target itself (its drafts hold unless penalties move the
+target's choice), the target cut to its first layers (a different model of the same vocabulary,
+as LayerSkip's self-speculation builds one), n samples, a pool tight enough to preempt, and long
+prompts caught up over several steps. Both pools must be free after each test.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
+
+from backend import draft_model
+from backend.draft_model import DraftModelProposer
+from backend.speculative import SpeculativeConfig
+from tests.test_speculative import _engine, _prompts
+
+GREEDY = {"temperature": 0.0, "repetition_penalty": 1.0, "ignore_eos": True, "max_new_tokens": 48}
+SEEDED = {"temperature": 0.8, "top_k": 40, "seed": 5, "ignore_eos": True, "max_new_tokens": 48}
+
+
+def truncated(src: Path, out: Path, layers: int, **config_changes) -> Path:
+    """`src` with only its first `layers` decoder layers (the same embeddings, final norm and head)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    cfg.update(config_changes)
+    (out / "config.json").write_text(json.dumps(cfg))
+    raw = load_file(str(out / "model.safetensors"))
+    keep = {k: v for k, v in raw.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def short_draft(demo_model_path, tmp_path_factory):
+    return truncated(demo_model_path, tmp_path_factory.mktemp("draft"), layers=2)
+
+
+def _draft(path, k: int = 4) -> dict:
+    return {"model": str(path), "num_speculative_tokens": k}
+
+
+def _all_free(eng) -> bool:
+    return (eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+            and eng.proposer.num_free_blocks == eng.block_manager.num_blocks)
+
+
+def test_the_config_follows_vllm():
+    cfg = SpeculativeConfig.model_validate('{"model": "/m", "num_speculative_tokens": 3}')
+    assert cfg.method == "draft_model" and cfg.model == "/m"
+    for bad, words in [({"method": "draft_model", "num_speculative_tokens": 3}, "needs a \"model\""),
+                       ({"num_speculative_tokens": 3}, "method is required"),
+                       ({"model": "/m", "num_speculative_tokens": 3, "prompt_lookup_min": 2}, "ngram method"),
+                       ({"method": "ngram", "model": "/m", "num_speculative_tokens": 3}, "draft_model method"),
+                       ({"model": "/m", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}, "Extra inputs")]:
+        with pytest.raises(ValidationError, match=words):
+            SpeculativeConfig.model_validate(bad)
+
+
+@pytest.mark.parametrize("raw", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("which", ["itself", "first_two_layers"])
+def test_outputs_equal_decoding_without_drafts(demo_model_path, short_draft, raw, which):
+    prompts = _prompts(5, seed=8)
+    eng = _engine(demo_model_path)
+    try:
+        base = eng.generate(prompts, eng.parse_params(raw))
+    finally:
+        eng.shutdown()
+    eng = _engine(demo_model_path, spec=_draft(demo_model_path if which == "itself" else short_draft))
+    try:
+        outs = eng.generate(prompts, eng.parse_params(raw))
+        assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in base]
+        assert [o.text for o in outs] == [o.text for o in base]
+        stats = eng.stats()
+        assert stats.spec_draft_tokens_total > 0
+        if which == "itself" and raw is GREEDY:  # its own greedy choice, up to batch-shape rounding
+            assert stats.spec_accepted_tokens_total >= 0.95 * stats.spec_draft_tokens_total
+            assert stats.num_steps <= 5 + 48 * 5 / 4
+        assert _all_free(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_n_samples_prefix_caching_and_preemption(demo_model_path, short_draft):
+    prompts = _prompts(4, seed=12)
+    raw = {**SEEDED, "n": 3, "max_new_tokens": 64}
+    kw = {"num_kv_blocks": 40, "max_model_len": 256, "enable_prefix_caching": True}
+    eng = _engine(demo_model_path, **kw)
+    try:
+        base = eng.generate(prompts, eng.parse_params(raw))
+    finally:
+        eng.shutdown()
+    eng = _engine(demo_model_path, spec=_draft(short_draft), **kw)
+    try:
+        outs = eng.generate(prompts, eng.parse_params(raw))
+        assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in base]
+        assert eng.scheduler.num_preemptions > 0 and eng.stats().spec_draft_tokens_total > 0
+        assert _all_free(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_a_long_prompt_is_caught_up_over_several_steps(demo_model_path, monkeypatch):
+    monkeypatch.setattr(draft_model, "CATCH_UP_PER_STEP", 16)
+    prompts = _prompts(3, seed=30)
+    eng = _engine(demo_model_path)
+    try:
+        base = eng.generate(prompts, eng.parse_params(GREEDY))
+    finally:
+        eng.shutdown()
+    eng = _engine(demo_model_path, spec=_draft(demo_model_path))
+    try:
+        outs = eng.generate(prompts, eng.parse_params(GREEDY))
+        assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in base]
+        stats = eng.stats()
+        assert stats.spec_accepted_tokens_total >= 0.9 * stats.spec_draft_tokens_total > 0
+        assert _all_free(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_an_aborted_request_frees_its_draft_blocks(demo_model_path, short_draft):
+    eng = _engine(demo_model_path, spec=_draft(short_draft))
+    try:
+        ids = [eng.add_request(p, eng.parse_params({**GREEDY, "max_new_tokens": 200}), lambda out: None)
+               for p in _prompts(3, seed=4)]
+        for _ in range(6):
+            eng.step()
+        assert eng.proposer.num_free_blocks < eng.block_manager.num_blocks
+        for rid in ids:
+            eng.abort(rid)
+        while eng.step():
+            pass
+        assert _all_free(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_a_short_draft_pool_drafts_less_and_gives_room_back(demo_model_path):
+    """The proposer alone: a sequence that does not fit gets no draft; the blocks of sequences
+    no longer running are taken back when the pool runs short."""
+    import torch
+
+    p = DraftModelProposer(demo_model_path, k=3, num_blocks=4, block_size=16, target_vocab=4096,
+                           max_model_len=1024, device=torch.device("cpu"), dtype=torch.float32, kv_dtype=torch.float32)
+    a, b = list(range(100, 140)), list(range(200, 230))
+    assert len(p.propose_batch([(0, a, 9)], running={0})[0]) == 3  # 42 positions: 3 blocks
+    assert p.num_free_blocks == 1
+    assert p.propose_batch([(1, b, 9)], running={0, 1}) == {}  # 32 positions need 2
+    assert len(p.propose_batch([(1, b, 9)], running={1})[1]) == 3  # sequence 0 left: its blocks return
+    p.forget(1)
+    assert p.num_free_blocks == 4
+
+
+def test_ids_past_the_targets_vocabulary_are_never_drafted(demo_model_path):
+    import torch
+
+    p = DraftModelProposer(demo_model_path, k=3, num_blocks=8, block_size=16, target_vocab=4000,
+                           max_model_len=1024, device=torch.device("cpu"), dtype=torch.float32, kv_dtype=torch.float32)
+
+    def forward(batch):  # the draft model's favourite is an id the target does not have
+        logits = torch.zeros(len(batch.logits_index), 4096)
+        logits[:, 4050] = 9.0
+        logits[:, 17] = 1.0
+        return logits
+
+    p.runner.forward = forward
+    assert p.propose_batch([(0, list(range(100, 120)), 9)], running={0}) == {0: [17, 17, 17]}
+
+
+def test_a_draft_model_must_cover_the_context_and_may_have_a_larger_vocabulary(demo_model_path, tmp_path):
+    short = truncated(demo_model_path, tmp_path / "short", layers=1, max_position_embeddings=256)
+    with pytest.raises(ValueError, match="context"):
+        _engine(demo_model_path, spec=_draft(short), max_model_len=512)
+    # A draft vocabulary padded past the target's (as between model sizes of one family): its
+    # extra ids are never drafted.
+    wide = truncated(demo_model_path, tmp_path / "wide", layers=2)
+    cfg = json.loads((wide / "config.json").read_text())
+    raw = load_file(str(wide / "model.safetensors"))
+    import torch
+
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in raw:
+            pad = torch.full((64, raw[name].shape[1]), 0.0)
+            if name == "lm_head.weight":
+                pad[:, 0] = 1e4  # huge logits for the padded ids (on hidden dim 0): they would win
+            raw[name] = torch.cat([raw[name], pad])
+    cfg["vocab_size"] += 64
+    (wide / "config.json").write_text(json.dumps(cfg))
+    save_file(raw, str(wide / "model.safetensors"))
+    prompts = _prompts(2, seed=3)
+    eng = _engine(demo_model_path)
+    try:
+        base = eng.generate(prompts, eng.parse_params(GREEDY))
+    finally:
+        eng.shutdown()
+    eng = _engine(demo_model_path, spec=_draft(wide))
+    try:
+        assert eng.proposer.vocab == eng.vocab_size
+        outs = eng.generate(prompts, eng.parse_params(GREEDY))
+        assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in base]
+        assert _all_free(eng)
+    finally:
+        eng.shutdown()
