@@ -1,7 +1,8 @@
-"""N-gram speculative decoding against decoding one token a step, on the same requests, in one run.
+"""Speculative decoding (n-gram, draft model) against decoding one token a step, on the same
+requests, in one run.
 
     python -m bench.spec_decode [--model-path models/demo] [--batch 1 8] [--repeats 3]
-                                [--device cpu] [--json out.json]
+                                [--workloads demo repeating json layerskip] [--device cpu] [--json out.json]
 
 Two engines on the same model, one with `speculative_config`, serve the same requests (greedy,
 `ignore_eos`, no penalties, so every request speculates) in alternating order, `--repeats` times,
@@ -22,6 +23,12 @@ What speculation gains depends on how often a sequence repeats itself, so two mo
 
 Real workloads that quote their input (code edits, RAG answers, summaries) land between the two,
 by their acceptance rate.
+
+* `layerskip` — the draft-model method: a random 38M-parameter Qwen2 target (hidden 512, 12
+  layers, `bench.make_random_model`) drafted by its own first layer (the same embeddings, final
+  norm and head: LayerSkip's self-speculation, built as a model directory of its own). How often
+  such an early exit agrees with the whole stack is a property of the weights; on this random
+  model it is about 70%.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import json
 import random
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -69,6 +78,32 @@ def repeating_model(src: Path, out: Path) -> Path:
     raw["model.norm.weight"] = torch.zeros_like(raw["model.norm.weight"])
     save_file(raw, str(weights))
     return out
+
+
+def first_layers(src: Path, out: Path, layers: int) -> Path:
+    """`src` with only its first `layers` decoder layers: a draft model of the same vocabulary
+    (the embeddings, final norm and head are `src`'s)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy2(f, out / f.name)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(cfg))
+    raw = load_file(str(src / "model.safetensors"))
+    save_file({k: v for k, v in raw.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers},
+              str(out / "model.safetensors"))
+    return out
+
+
+def layerskip_pair(tokenizer_from: Path, out: Path) -> tuple[Path, dict]:
+    """The `layerskip` workload's target and its speculative_config."""
+    target = out / "target"
+    subprocess.run([sys.executable, "-m", "bench.make_random_model", "--out", str(target), "--tokenizer-from",
+                    str(tokenizer_from), "--hidden", "512", "--layers", "12", "--heads", "8", "--kv-heads", "2",
+                    "--intermediate", "1536", "--max-position", "4096"], check=True, capture_output=True)
+    draft = first_layers(target, out / "draft", layers=1)
+    return target, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
 
 
 def serve(engine: LLMEngine, prompts: list[list[int]], batch: int, max_new: int,
@@ -132,7 +167,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                    help="the n-gram configurations the demo, repeating and json workloads run")
+    ap.add_argument("--workloads", nargs="+", default=["demo", "repeating", "json", "layerskip"],
+                    choices=["demo", "repeating", "json", "layerskip"])
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     rng = random.Random(0)
@@ -143,13 +181,23 @@ def main() -> None:
 
         tok = load_tokenizer(a.model_path)
         json_prompts = [tok(f"Record {i}: list the items as JSON.").input_ids for i in range(a.num_prompts)]
-        workloads = {"demo": (a.model_path, prompts, None, a.max_new),
-                     "repeating": (repeating_model(a.model_path, Path(tmp) / "repeating"), prompts, None, a.max_new),
-                     "json": (a.model_path, json_prompts, JSON_SAMPLING, 400)}
-        for model_name, (path, workload_prompts, sampling, max_new) in workloads.items():
-            for config in a.configs:
+        ngram = [(name, CONFIGS[name]) for name in a.configs]
+
+        def workload(name: str) -> tuple[Path, list[list[int]], Optional[dict], int, list[tuple[str, dict]]]:
+            if name == "repeating":
+                return repeating_model(a.model_path, Path(tmp) / "repeating"), prompts, None, a.max_new, ngram
+            if name == "json":
+                return a.model_path, json_prompts, JSON_SAMPLING, 400, ngram
+            if name == "layerskip":
+                target, spec = layerskip_pair(a.model_path, Path(tmp) / "layerskip")
+                return target, prompts, None, a.max_new, [("draft_first_layer_k4", spec)]
+            return a.model_path, prompts, None, a.max_new, ngram
+
+        for model_name in a.workloads:
+            path, workload_prompts, sampling, max_new, configs = workload(model_name)
+            for config, spec in configs:
                 for batch in a.batch:
-                    res = {"model": model_name, "config": config, **compare(path, CONFIGS[config], workload_prompts,
+                    res = {"model": model_name, "config": config, **compare(path, spec, workload_prompts,
                                                                              batch, max_new, a.repeats, a.device,
                                                                              sampling)}
                     results.append(res)

@@ -10,8 +10,6 @@ prompts caught up over several steps. Both pools must be free after each test.
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -20,31 +18,16 @@ from safetensors.torch import load_file, save_file
 from backend import draft_model
 from backend.draft_model import DraftModelProposer
 from backend.speculative import SpeculativeConfig
+from bench.spec_decode import first_layers
 from tests.test_speculative import _engine, _prompts
 
 GREEDY = {"temperature": 0.0, "repetition_penalty": 1.0, "ignore_eos": True, "max_new_tokens": 48}
 SEEDED = {"temperature": 0.8, "top_k": 40, "seed": 5, "ignore_eos": True, "max_new_tokens": 48}
 
 
-def truncated(src: Path, out: Path, layers: int, **config_changes) -> Path:
-    """`src` with only its first `layers` decoder layers (the same embeddings, final norm and head)."""
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file():
-            shutil.copy2(f, out / f.name)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["num_hidden_layers"] = layers
-    cfg.update(config_changes)
-    (out / "config.json").write_text(json.dumps(cfg))
-    raw = load_file(str(out / "model.safetensors"))
-    keep = {k: v for k, v in raw.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
-    save_file(keep, str(out / "model.safetensors"))
-    return out
-
-
 @pytest.fixture(scope="module")
 def short_draft(demo_model_path, tmp_path_factory):
-    return truncated(demo_model_path, tmp_path_factory.mktemp("draft"), layers=2)
+    return first_layers(demo_model_path, tmp_path_factory.mktemp("draft"), layers=2)
 
 
 def _draft(path, k: int = 4) -> dict:
@@ -180,12 +163,14 @@ def test_ids_past_the_targets_vocabulary_are_never_drafted(demo_model_path):
 
 
 def test_a_draft_model_must_cover_the_context_and_may_have_a_larger_vocabulary(demo_model_path, tmp_path):
-    short = truncated(demo_model_path, tmp_path / "short", layers=1, max_position_embeddings=256)
+    short = first_layers(demo_model_path, tmp_path / "short", layers=1)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 256}))
     with pytest.raises(ValueError, match="context"):
         _engine(demo_model_path, spec=_draft(short), max_model_len=512)
     # A draft vocabulary padded past the target's (as between model sizes of one family): its
     # extra ids are never drafted.
-    wide = truncated(demo_model_path, tmp_path / "wide", layers=2)
+    wide = first_layers(demo_model_path, tmp_path / "wide", layers=2)
     cfg = json.loads((wide / "config.json").read_text())
     raw = load_file(str(wide / "model.safetensors"))
     import torch

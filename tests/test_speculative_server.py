@@ -66,3 +66,41 @@ def test_streams_through_the_server_equal_decoding_one_token_at_a_time(server, r
     assert accepted >= 0.9 * 6 * 39 * 5 / 6
     steps = delta(after, before, "llm_engine_steps_total")
     assert steps < 6 * 40 / 3
+
+
+@pytest.fixture(scope="module")
+def draft_server(start_triton, demo_model_path, tmp_path_factory):
+    from bench.spec_decode import first_layers
+
+    draft = first_layers(demo_model_path, tmp_path_factory.mktemp("draft"), layers=2)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+    with start_triton(num_kv_blocks=128, max_model_len=512, name="draft",
+                      env={"LLM_SPECULATIVE_CONFIG": json.dumps(spec)}) as srv:
+        yield srv
+
+
+def test_a_draft_model_on_the_server_keeps_the_targets_output(draft_server, demo_model_path):
+    """vLLM's draft_model method set through the llm model's environment: the ensemble streams
+    the target's own text, greedy and seeded, and the draft counters move."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 4000) for _ in range(n)] for n in (12, 40)]
+    seeded = {"temperature": 0.9, "top_k": 50, "seed": 7, "ignore_eos": True}
+    eng = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", num_kv_blocks=128, max_model_len=512))
+    try:
+        want = {name: eng.generate(prompts, eng.parse_params({**raw, "max_new_tokens": 32}))
+                for name, raw in (("greedy", GREEDY), ("seeded", seeded))}
+    finally:
+        eng.shutdown()
+    client = TritonStreamClient(draft_server.grpc_url)
+    before = scrape(draft_server)
+    for name, raw in (("greedy", GREEDY), ("seeded", seeded)):
+        for prompt, ref in zip(prompts, want[name]):
+            chunks = list(client.stream_generate("ensemble", {
+                "input_ids": prompt, "max_tokens": 32, "stream": True, "sampling_parameters": json.dumps(raw)}))
+            ids = np.concatenate([np.asarray(c["output_ids"]).reshape(-1) for c in chunks]).tolist()
+            assert ids == ref.new_token_ids, name
+            assert "".join(c["text_output"] for c in chunks) == ref.text
+    deadline = time.monotonic() + 30
+    while delta(scrape(draft_server), before, "llm_spec_decode_num_draft_tokens_total") <= 0:
+        assert time.monotonic() < deadline, "no draft tokens counted"
+        time.sleep(0.2)
