@@ -32,9 +32,12 @@
 #              -> chunked_flat_probe.json. Against `chunked`: whether to turn flat_prefill_tokens on
 #              by default on CUDA (with the serving chunked section:
 #              SERVING_ARGS="--only chunked --engine-arg flat_prefill_tokens=128")
-#   spec       n-gram speculative decoding against one token a step, on the demo model and on its
-#              repeating variant (every draft holds), batch 1 and 8, outputs checked equal
+#   spec       speculative decoding against one token a step: n-gram on the demo model and on its
+#              repeating variant (every draft holds), and a draft model (a random 38M target drafted
+#              by its first layer), batch 1 and 8, outputs checked equal
 #              -> spec_decode.json (bench/spec_decode.py)
+#   predicted  Predicted Outputs (OpenAI's prediction) against none: the output itself, edited,
+#              half, unrelated; 8- and 16-token drafts -> predicted_outputs.json
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
@@ -193,7 +196,8 @@ run() {
                    tests/test_kernels.py tests/test_kernel_distribution.py)
   local engine_cmd=(env LLM_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider tests/test_engine.py
                     tests/test_engine_sampling.py tests/test_hidden_states.py tests/test_input_embeds.py
-                    tests/test_kv_cache_dtype.py tests/test_fp8_checkpoint.py tests/test_speculative.py)
+                    tests/test_kv_cache_dtype.py tests/test_fp8_checkpoint.py tests/test_speculative.py
+                    tests/test_predicted_outputs.py tests/test_draft_model.py)
   local make_cmd=("$py" -m bench.make_random_model --out /tmp/model-0.4b)
   for s in "${steps[@]}"; do
     case "$s" in
@@ -236,6 +240,8 @@ run() {
                       --json "$OUT/chunked_flat_probe.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
       spec) step spec "$py" -m bench.spec_decode --device cuda --json "$OUT/spec_decode.json" ;;
+      predicted) step predicted "$py" -m bench.predicted_outputs --device cuda --draft-tokens 8 16 \
+                   --json "$OUT/predicted_outputs.json" ;;
       serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" serving_bench ;;
       serving_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
                     SERVING_ARGS="--model-path /tmp/model-0.4b ${SERVING_0_4B_ARGS:---c1-requests 8 --alternating-rounds 0} ${SERVING_ARGS:-}" \
