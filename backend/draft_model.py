@@ -42,7 +42,10 @@ class DraftModelProposer:
     """Drafts from a smaller model (greedy), for a batch of decoding sequences at once."""
 
     def __init__(self, model_path: str | Path, k: int, num_blocks: int, block_size: int, target_vocab: int,
-                 max_model_len: int, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+                 max_model_len: int, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                 graph_batch: int = 0) -> None:
+        """`graph_batch` > 0 (CUDA): the draft's decode passes replay CUDA graphs of up to that
+        many sequences, as the target's decode steps do; its catch-up passes run eagerly."""
         config = ModelConfig.from_model_dir(model_path)
         if config.context_limit < max_model_len:
             raise ValueError(f"the draft model's context ({config.context_limit}) is shorter than max_model_len "
@@ -51,7 +54,12 @@ class DraftModelProposer:
         self.block_size = block_size
         # A draft vocabulary padded past the target's never drafts the ids the target lacks.
         self.vocab = min(config.vocab_size, target_vocab)
-        self.runner = ModelRunner(model_path, num_blocks, block_size, device=device, dtype=dtype, kv_dtype=kv_dtype)
+        self.runner = ModelRunner(model_path, num_blocks, block_size, device=device, dtype=dtype, kv_dtype=kv_dtype,
+                                  graph_batch=graph_batch)
+        if graph_batch:
+            problem = self.runner.enable_decode_graphs()
+            if problem:
+                log.warning("draft model: CUDA graphs off, its decode passes run eagerly: %s", problem)
         self._free = list(range(num_blocks - 1, -1, -1))
         self._seqs: dict[int, _DraftSeq] = {}
 

@@ -186,6 +186,7 @@ class LLMEngine:
             self.proposer = DraftModelProposer(
                 spec.model, spec.num_speculative_tokens, probe.num_blocks, config.block_size,
                 self.model.config.vocab_size, self.max_model_len, self.model.device, self.model.dtype, self.model.kv_dtype,
+                graph_batch=graph_batch,
             )
         self.predictions = PredictionProposer(spec.num_speculative_tokens if spec is not None else DEFAULT_DRAFT_TOKENS)
         self._num_predicting = 0  # tracked sequences whose request carries a prediction
@@ -340,6 +341,7 @@ class LLMEngine:
                 lora=adapter,
                 cache_salt=adapter.cache_salt if adapter is not None else None,
                 prediction=prediction,
+                speculates=self.proposer is not None or prediction is not None,
             )
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -681,6 +683,7 @@ class LLMEngine:
             return
         row = 0
         for item in sampling:
+            item.seq.num_token_steps += 1
             if item.draft:
                 self._take_verified(item, result, row)
                 row += 1 + len(item.draft)
@@ -708,11 +711,16 @@ class LLMEngine:
         predicted = seq.draft_predicted
         (self.predictions if predicted else self.proposer).verified(seq.seq_id, seq.num_tokens + accepted + 1, accepted)
         accepted_before, rejected_before = seq.prediction_accepted, seq.prediction_rejected
+        kept_before = seq.spec_accepted_tokens
+        seq.spec_verify_ct += 1
+        seq.spec_draft_tokens += len(draft)
         for j, token in enumerate(tokens[: accepted + 1]):
             if j:  # the draft token before this one was drawn: its K/V stand
                 seq.num_computed_tokens += 1
-            if predicted:  # as they stand should the sequence end with this token
-                kept = min(accepted, j + 1)
+            # The counts as they stand should the sequence end with this token.
+            kept = min(accepted, j + 1)
+            seq.spec_accepted_tokens = kept_before + kept
+            if predicted:
                 seq.prediction_accepted = accepted_before + kept
                 seq.prediction_rejected = rejected_before + len(draft) - kept
             if not self._take_token(seq, token, result.logprobs[row + j], result.errors.get(row + j)):

@@ -52,6 +52,8 @@ class RequestOutput:
     # discarded (None without a prediction).
     accepted_prediction_tokens: Optional[int] = None
     rejected_prediction_tokens: Optional[int] = None
+    # A speculating sequence's final output: SGLang's spec_* meta_info (backend.sequence.Sequence).
+    spec: Optional[dict[str, Any]] = None
     # SGLang-format logprob entries for new_token_ids ([logprob, token_id, text]) and friends,
     # and hidden_states entries (return_hidden_states): meta_info lists that grow per response.
     logprobs: Optional[dict[str, list]] = None
@@ -274,6 +276,7 @@ class OutputState:
             cached_tokens=seq.num_cached_tokens,
             accepted_prediction_tokens=seq.prediction_accepted if seq.params.prediction else None,
             rejected_prediction_tokens=seq.prediction_rejected if seq.params.prediction else None,
+            spec=spec_meta(seq) if final and seq.speculates else None,
             logprobs=logprobs,
         )
 
@@ -283,6 +286,18 @@ class OutputState:
         out.finish_reason = (seq.finish_reason or FinishReason.ABORT).value
         out.error = error
         return out
+
+
+def spec_meta(seq: Sequence) -> dict[str, Any]:
+    """SGLang's speculative meta_info for a sequence: its verifying steps, the draft tokens they
+    verified and kept, their ratio, and its output tokens per step that gave it tokens."""
+    return {
+        "spec_verify_ct": seq.spec_verify_ct,
+        "spec_draft_token_num": seq.spec_draft_tokens,
+        "spec_accept_token_num": seq.spec_accepted_tokens,
+        "spec_accept_rate": seq.spec_accepted_tokens / seq.spec_draft_tokens if seq.spec_draft_tokens else 0.0,
+        "spec_accept_length": seq.num_output_tokens / seq.num_token_steps if seq.num_token_steps else 0.0,
+    }
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> Optional[tuple[int, str]]:

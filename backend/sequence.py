@@ -75,6 +75,14 @@ class Sequence:
     draft_predicted: bool = False  # draft_tokens come from the prediction
     prediction_accepted: int = 0
     prediction_rejected: int = 0
+    # Speculative decoding, SGLang's per-request meta_info: whether this sequence may draft (the
+    # server speculates or its request has a prediction), its verifying steps, the draft tokens
+    # they verified and kept, and every step that gave it tokens (for tokens per step).
+    speculates: bool = False
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    num_token_steps: int = 0
     seed: int = 0  # effective seed: the request's, or one drawn for it
 
     def __post_init__(self) -> None:

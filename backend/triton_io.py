@@ -97,6 +97,8 @@ def llm_output_arrays(out: RequestOutput, params: SamplingParams) -> dict[str, n
     if out.accepted_prediction_tokens is not None:
         meta["accepted_prediction_tokens"] = out.accepted_prediction_tokens
         meta["rejected_prediction_tokens"] = out.rejected_prediction_tokens
+    if out.spec:
+        meta.update(out.spec)
     if out.logprobs:
         meta.update(out.logprobs)
     arrays = {

@@ -119,6 +119,13 @@ class EngineChunk:
         accepted, rejected = self.meta.get("accepted_prediction_tokens"), self.meta.get("rejected_prediction_tokens")
         return (accepted, rejected) if isinstance(accepted, int) and isinstance(rejected, int) else None
 
+    @property
+    def spec_meta(self) -> Optional[dict[str, Any]]:
+        """SGLang's spec_* meta_info of a speculating sample's final chunk (spec_verify_ct, ...)."""
+        if not self.meta_raw or "spec_verify_ct" not in self.meta_raw:
+            return None
+        return {k: v for k, v in self.meta.items() if k.startswith("spec_")}
+
     def raw_logprobs(self) -> dict[str, list]:
         """The SGLang-format logprob lists of this chunk's meta_info, keyed as SGLang names them
         (output_token_logprobs, output_top_logprobs, output_token_ids_logprobs, input_...)."""

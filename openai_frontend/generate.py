@@ -12,7 +12,9 @@ meta_info: id, finish_reason ({"type": "stop", "matched": ...} / {"type": "lengt
 return_logprob, the engine's SGLang-format logprob lists; with return_hidden_states,
 `hidden_states` (the prompt's final-norm rows as one entry, then one row per generated token
 fed back, as SGLang); with sampling_params.prediction (OpenAI's Predicted Outputs, an extension
-here), accepted_prediction_tokens and rejected_prediction_tokens.
+here), accepted_prediction_tokens and rejected_prediction_tokens; on a speculating server (or with
+a prediction), at a sample's end, SGLang's spec_verify_ct, spec_draft_token_num,
+spec_accept_token_num, spec_accept_rate and spec_accept_length (output tokens per step).
 
 Streaming, like SGLang: every event carries the cumulative `text` and `output_ids` and the
 `meta_info` so far (plus `index` for a batch or n > 1), then `data: [DONE]`. The cumulative
@@ -77,7 +79,7 @@ class _Out:
 
     __slots__ = ("rid", "text_json", "texts", "ids", "ids_json", "finish", "prompt_tokens", "completion_tokens",
                  "cached_tokens", "logprob", "lp_keys", "lps", "lps_json", "input_lps", "start", "hidden",
-                 "hidden_json", "prediction")
+                 "hidden_json", "prediction", "spec")
 
     def __init__(self, rid: str, lp_keys: tuple[str, ...], start: float, hidden: bool = False) -> None:
         self.rid = rid
@@ -102,6 +104,7 @@ class _Out:
         self.hidden: Optional[list] = [] if hidden else None
         self.hidden_json = ""
         self.prediction: Optional[tuple[int, int]] = None  # sampling_params.prediction: (accepted, rejected)
+        self.spec: Optional[dict[str, Any]] = None  # a speculating sample's spec_* meta_info, at its end
 
     def add(self, chunk: EngineChunk, encode: bool) -> None:
         self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
@@ -121,6 +124,7 @@ class _Out:
         if cached is not None:
             self.cached_tokens = cached
         self.prediction = chunk.prediction_tokens or self.prediction
+        self.spec = chunk.spec_meta or self.spec
         if chunk.finish_reason:
             self.finish = finish_reason_obj(chunk)
         if self.hidden is not None:
@@ -151,6 +155,8 @@ class _Out:
         }
         if self.prediction is not None:
             meta["accepted_prediction_tokens"], meta["rejected_prediction_tokens"] = self.prediction
+        if self.spec is not None:
+            meta.update(self.spec)
         if self.finish is not None:
             meta["e2e_latency"] = time.perf_counter() - self.start
         return meta

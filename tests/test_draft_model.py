@@ -65,7 +65,19 @@ def test_outputs_equal_decoding_without_drafts(demo_model_path, short_draft, raw
         outs = eng.generate(prompts, eng.parse_params(raw))
         assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in base]
         assert [o.text for o in outs] == [o.text for o in base]
+        assert all(o.spec is None for o in base)
         stats = eng.stats()
+        # SGLang's per-request spec_* meta_info adds up to the engine's counters.
+        assert sum(o.spec["spec_verify_ct"] for o in outs) == stats.spec_drafts_total
+        assert sum(o.spec["spec_draft_token_num"] for o in outs) == stats.spec_draft_tokens_total
+        for o in outs:
+            steps = o.spec["spec_verify_ct"]
+            kept = o.spec["spec_accept_token_num"]
+            assert 0 <= kept <= o.spec["spec_draft_token_num"]
+            assert o.spec["spec_accept_rate"] == pytest.approx(kept / o.spec["spec_draft_token_num"])
+            # Each verifying step gives its kept draft tokens and one more; every other step one.
+            plain = o.completion_tokens - kept - steps
+            assert o.spec["spec_accept_length"] == pytest.approx(o.completion_tokens / (steps + plain))
         assert stats.spec_draft_tokens_total > 0
         if which == "itself" and raw is GREEDY:  # its own greedy choice, up to batch-shape rounding
             assert stats.spec_accepted_tokens_total >= 0.95 * stats.spec_draft_tokens_total

@@ -1479,9 +1479,13 @@ def test_predicted_outputs_reach_the_engine_and_their_counts_the_usage(client, b
     fake.script = lambda req: text_chunks(["Hel", "lo"])
     assert client.chat.completions.create(model=MODEL, messages=MESSAGES).usage.completion_tokens_details is None
     # /generate (SGLang's API, prediction as an extension of its sampling_params) reports them in meta_info.
-    fake.script = lambda req: text_chunks(["Hel", "lo"], meta=metas(1, 0))
+    spec = {"spec_verify_ct": 1, "spec_draft_token_num": 1, "spec_accept_token_num": 1, "spec_accept_rate": 1.0,
+            "spec_accept_length": 2.0}
+    last = json.dumps({**json.loads(metas(1, 0)[1]), **spec})
+    fake.script = lambda req: text_chunks(["Hel", "lo"], meta=[metas(1, 0)[0], last])
     meta = httpx.post(base_url + "/generate", json={"text": "x", "sampling_params": {"prediction": "Hello"}}).json()["meta_info"]
     assert (meta["accepted_prediction_tokens"], meta["rejected_prediction_tokens"]) == (1, 0)
+    assert {k: meta[k] for k in spec} == spec  # SGLang's speculative meta_info, at the sample's end
 
 
 @pytest.mark.parametrize("prediction", [

@@ -142,6 +142,12 @@ def test_outputs_equal_decoding_without_a_prediction(demo_model_path, raw, spec)
             for o in outs:
                 assert o.accepted_prediction_tokens is not None and o.rejected_prediction_tokens is not None
                 assert o.accepted_prediction_tokens <= o.completion_tokens - 1
+                # SGLang's spec_* meta: every draft here is the prediction's, or with n-grams on, more.
+                assert o.spec["spec_accept_token_num"] >= o.accepted_prediction_tokens
+                assert o.spec["spec_draft_token_num"] >= o.accepted_prediction_tokens + o.rejected_prediction_tokens
+                if spec is None:
+                    assert o.spec["spec_accept_token_num"] == o.accepted_prediction_tokens
+                    assert o.spec["spec_draft_token_num"] == o.accepted_prediction_tokens + o.rejected_prediction_tokens
                 if name == "exact":  # every drafted token holds: k of each k + 1 come from it
                     k = eng.predictions.k
                     assert o.rejected_prediction_tokens == 0

@@ -100,6 +100,10 @@ def test_a_draft_model_on_the_server_keeps_the_targets_output(draft_server, demo
             ids = np.concatenate([np.asarray(c["output_ids"]).reshape(-1) for c in chunks]).tolist()
             assert ids == ref.new_token_ids, name
             assert "".join(c["text_output"] for c in chunks) == ref.text
+            # SGLang's per-request speculative meta_info, on the last response.
+            meta = json.loads(chunks[-1]["meta_info"][0] if isinstance(chunks[-1]["meta_info"], list)
+                              else chunks[-1]["meta_info"])
+            assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1.0
     deadline = time.monotonic() + 30
     while delta(scrape(draft_server), before, "llm_spec_decode_num_draft_tokens_total") <= 0:
         assert time.monotonic() < deadline, "no draft tokens counted"
