@@ -28,16 +28,16 @@ from backend.block_manager import BlockManager
 from backend.cancel_watch import CancelWatch
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
+from backend.draft_model import DraftModelProposer
 from backend.grammar import DraftMask
 from backend.model_runner import ModelConfig, ModelRunner, weight_files
 from backend.outputs import OutputState, RequestOutput, StopRegexTimeout
+from backend.predicted_outputs import DEFAULT_DRAFT_TOKENS, Prediction, PredictionProposer
 from backend.quantized_checkpoint import CALIBRATION_TEXT
 from backend.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, logprobs_at
 from backend.sampling_params import SamplingParams, load_model_defaults, parse_sampling_params
 from backend.scheduler import ScheduledSeq, Scheduler
 from backend.sequence import FinishReason, Sequence
-from backend.draft_model import DraftModelProposer
-from backend.predicted_outputs import DEFAULT_DRAFT_TOKENS, Prediction, PredictionProposer
 from backend.speculative import NgramProposer, speculates
 from backend.tokenizer import load_tokenizer
 from kernels import cpu_sampling
@@ -768,7 +768,8 @@ class LLMEngine:
         the sequence's own history when the server speculates (backend/speculative.py)."""
         running = self.scheduler.running
         spec = self.config.speculative_config
-        # A large batch cannot hide verifying steps; a prediction was asked for, and drafts on.
+        # disable_by_batch_size turns the server's own drafts off in a large batch, where
+        # verifying steps cost more than they save; a request's prediction drafts regardless.
         speculating = self.proposer is not None and (spec.disable_by_batch_size is None
                                                      or len(running) <= spec.disable_by_batch_size)
         batched = isinstance(self.proposer, DraftModelProposer)
