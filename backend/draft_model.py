@@ -2,6 +2,11 @@
 model of the same vocabulary drafts k tokens greedily, and the target's step verifies them as it
 verifies any draft (backend/speculative.py), so the output is the target's own.
 
+Draft tokens are drawn as the target would draw them from the draft model's logits: the engine's
+sampler, the request's sampling parameters and penalties, and the same noise (it depends only on
+the request's seed and the output position). Where the two models' distributions agree, the
+draw agrees too, so a good draft model's tokens hold at any temperature, not only greedy.
+
 The draft model keeps a paged KV cache of its own, with its own block tables: it shares nothing
 with the target's pool, scheduler or prefix cache, so it can never make the target preempt, and
 a draft pool that runs short only means fewer drafts. Each step, every sequence that drafts
@@ -16,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -27,6 +32,15 @@ log = logging.getLogger(__name__)
 # Catch-up tokens per step at most: a long prompt is caught up over several steps (no drafts for
 # it until then), so no one step pays a whole batch's prompts through the draft model at once.
 CATCH_UP_PER_STEP = 2048
+
+
+# How draft tokens are drawn: logits [R, target vocabulary] and, per row, (the index of its
+# sequence in propose_batch's `wanted`, the draft tokens before it) -> one token per row.
+Choose = Callable[[torch.Tensor, list[tuple[int, list[int]]]], list[int]]
+
+
+def greedy(logits: torch.Tensor, rows: list[tuple[int, list[int]]]) -> list[int]:
+    return logits.argmax(dim=-1).tolist()
 
 
 @dataclass
@@ -52,8 +66,10 @@ class DraftModelProposer:
                              f"{max_model_len}: lower max_model_len or use a draft model of a longer context")
         self.k = k
         self.block_size = block_size
-        # A draft vocabulary padded past the target's never drafts the ids the target lacks.
+        # A draft vocabulary padded past the target's never drafts the ids the target lacks; a
+        # smaller one never drafts the ids it lacks.
         self.vocab = min(config.vocab_size, target_vocab)
+        self.target_vocab = target_vocab
         self.runner = ModelRunner(model_path, num_blocks, block_size, device=device, dtype=dtype, kv_dtype=kv_dtype,
                                   graph_batch=graph_batch)
         if graph_batch:
@@ -67,12 +83,14 @@ class DraftModelProposer:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    def propose_batch(self, wanted: list[tuple[int, list[int], int]], running: set[int]) -> dict[int, list[int]]:
+    def propose_batch(self, wanted: list[tuple[int, list[int], int]], running: set[int],
+                      choose: Choose = greedy) -> dict[int, list[int]]:
         """Drafts for (seq_id, tokens, limit) of decoding sequences: up to min(k, limit) tokens
-        each, {} for one still catching up or without draft blocks. `running`: the seq ids that
-        still run; the draft state of the others is dropped when the pool runs short."""
+        each, none for one still catching up or without draft blocks. `running`: the seq ids
+        that still run; the draft state of the others is dropped when the pool runs short.
+        `choose` draws the tokens (greedy without the engine's sampler)."""
         chunks, ids, budget = [], [], CATCH_UP_PER_STEP
-        for seq_id, tokens, limit in wanted:
+        for i, (seq_id, tokens, limit) in enumerate(wanted):
             st = self._seqs.get(seq_id)
             if st is None:
                 st = self._seqs[seq_id] = _DraftSeq()
@@ -90,7 +108,7 @@ class DraftModelProposer:
             st.computed += take
             if done:
                 st.drafted_at, st.drafted = n, m
-                ids.append((seq_id, st, m))
+                ids.append((i, seq_id, st, m))
         if not chunks:
             return {}
         drafts: dict[int, list[int]] = {}
@@ -98,20 +116,26 @@ class DraftModelProposer:
             logits = self.runner.forward(self.runner.prepare(chunks))
             if not ids:
                 return {}
-            last = logits[:, : self.vocab].argmax(dim=-1).tolist()
-            for (seq_id, _, _), token in zip(ids, last):
+            for (_, seq_id, _, _), token in zip(ids, choose(self._target_logits(logits), [(i, []) for i, *_ in ids])):
                 drafts[seq_id] = [token]
-            live = [(seq_id, st, m) for seq_id, st, m in ids if m > 1]
+            live = [entry for entry in ids if entry[3] > 1]
             for step in range(1, self.k):
-                live = [(seq_id, st, m) for seq_id, st, m in live if len(drafts[seq_id]) < m]
+                live = [entry for entry in live if len(drafts[entry[1]]) < entry[3]]
                 if not live:
                     break
                 batch = self.runner.prepare([([drafts[seq_id][-1]], st.drafted_at + step - 1, st.table, True)
-                                             for seq_id, st, _ in live])
-                tokens = self.runner.forward(batch)[:, : self.vocab].argmax(dim=-1).tolist()
-                for (seq_id, _, _), token in zip(live, tokens):
+                                             for _, seq_id, st, _ in live])
+                logits = self._target_logits(self.runner.forward(batch))
+                for (_, seq_id, _, _), token in zip(live, choose(logits, [(i, list(drafts[seq_id])) for i, seq_id, *_ in live])):
                     drafts[seq_id].append(token)
         return drafts
+
+    def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft model's logits over the target's vocabulary (ids it lacks at -inf)."""
+        logits = logits[:, : self.vocab]
+        if self.vocab < self.target_vocab:
+            logits = torch.nn.functional.pad(logits, (0, self.target_vocab - self.vocab), value=float("-inf"))
+        return logits
 
     def _reserve(self, st: _DraftSeq, positions: int, running: set[int]) -> bool:
         """Blocks for the sequence's first `positions` positions; False when the pool cannot

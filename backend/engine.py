@@ -793,10 +793,28 @@ class LLMEngine:
             elif seq.prompt_embeds is None:  # the draft model reads token ids, not the embedded prompt
                 wanted.append((seq, limit))
         if wanted:
+            seqs = [seq for seq, _ in wanted]
             drafts = self.proposer.propose_batch([(seq.seq_id, seq.token_ids, limit) for seq, limit in wanted],
-                                                 {seq.seq_id for seq in running})
-            for seq, _ in wanted:
+                                                 {seq.seq_id for seq in running},
+                                                 lambda logits, rows: self._draw_drafts(seqs, logits, rows))
+            for seq in seqs:
                 seq.draft_tokens = drafts.get(seq.seq_id, [])
+
+    def _draw_drafts(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[tuple[int, list[int]]]) -> list[int]:
+        """Draft-model tokens drawn as the target draws its own (backend/draft_model.py): each row
+        is the one the verifying step will give that position (a grammar's mask as it stands
+        after the draft before it), so where the models agree, so do the draws. Without logprobs:
+        no one reads them."""
+        sampling_rows = []
+        for i, draft in rows:
+            row = self._sampling_row(seqs[i], len(draft), draft)
+            if draft and row.grammar is not None:
+                row.grammar = DraftMask(row.grammar.draft_masks(draft)[-1])
+            if row.params.return_logprob:
+                row.params = row.params.model_copy(update={"return_logprob": False, "top_logprobs_num": 0,
+                                                           "token_ids_logprob": None})
+            sampling_rows.append(row)
+        return self.sampler(logits, sampling_rows).token_ids
 
     def _jump_forward(self, tracked: _Tracked) -> list[int]:
         """The step's tokens for a sequence whose grammar accepted its newest (sampled) token:

@@ -29,6 +29,7 @@ by their acceptance rate.
   norm and head: LayerSkip's self-speculation, built as a model directory of its own). How often
   such an early exit agrees with the whole stack is a property of the weights; on this random
   model it is about 70%.
+* `layerskip_sampled` — the same, sampling at temperature 0.8 with top-k 40 and a seed.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ SAMPLING = {"temperature": 0.0, "repetition_penalty": 1.0, "ignore_eos": True}
 ITEMS = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                                           "label": {"enum": ["alpha", "beta", "gamma"]}, "ok": {"type": "boolean"}},
          "required": ["id", "label", "ok"], "additionalProperties": False}
+# Sampled (the same seed for every request): draft tokens are drawn as the target draws them,
+# with the same noise, so they hold as often as the two models' distributions agree.
+SAMPLED = {"temperature": 0.8, "top_k": 40, "seed": 1, "repetition_penalty": 1.0, "ignore_eos": True}
 JSON_SAMPLING = {"temperature": 0.0, "repetition_penalty": 1.0, "whitespace_pattern": "[ ]?",
                  "json_schema": json.dumps({"type": "array", "minItems": 6, "maxItems": 6, "items": ITEMS})}
 
@@ -169,8 +173,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                     help="the n-gram configurations the demo, repeating and json workloads run")
-    ap.add_argument("--workloads", nargs="+", default=["demo", "repeating", "json", "layerskip"],
-                    choices=["demo", "repeating", "json", "layerskip"])
+    ap.add_argument("--workloads", nargs="+", default=["demo", "repeating", "json", "layerskip", "layerskip_sampled"],
+                    choices=["demo", "repeating", "json", "layerskip", "layerskip_sampled"])
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     rng = random.Random(0)
@@ -182,15 +186,18 @@ def main() -> None:
         tok = load_tokenizer(a.model_path)
         json_prompts = [tok(f"Record {i}: list the items as JSON.").input_ids for i in range(a.num_prompts)]
         ngram = [(name, CONFIGS[name]) for name in a.configs]
+        pair: list = []  # the layerskip target and its speculative_config, made once
 
         def workload(name: str) -> tuple[Path, list[list[int]], Optional[dict], int, list[tuple[str, dict]]]:
             if name == "repeating":
                 return repeating_model(a.model_path, Path(tmp) / "repeating"), prompts, None, a.max_new, ngram
             if name == "json":
                 return a.model_path, json_prompts, JSON_SAMPLING, 400, ngram
-            if name == "layerskip":
-                target, spec = layerskip_pair(a.model_path, Path(tmp) / "layerskip")
-                return target, prompts, None, a.max_new, [("draft_first_layer_k4", spec)]
+            if name in ("layerskip", "layerskip_sampled"):
+                if not pair:
+                    pair.extend(layerskip_pair(a.model_path, Path(tmp) / "layerskip"))
+                sampling = SAMPLED if name == "layerskip_sampled" else None
+                return pair[0], prompts, sampling, a.max_new, [("draft_first_layer_k4", pair[1])]
             return a.model_path, prompts, None, a.max_new, ngram
 
         for model_name in a.workloads:

@@ -1,8 +1,8 @@
 """Draft-model speculative decoding: a smaller model drafts, the target verifies.
 
 The target's output must be the one decoding without drafts gives, for greedy and seeded sampling,
-whatever the draft model is: the target itself (its drafts hold unless penalties move the
-target's choice), the target cut to its first layers (a different model of the same vocabulary,
+whatever the draft model is: the target itself (drafts are drawn as the target draws, with its
+sampling parameters, penalties and noise, so they all hold), the target cut to its first layers (a different model of the same vocabulary,
 as LayerSkip's self-speculation builds one), n samples, a pool tight enough to preempt, and long
 prompts caught up over several steps. Both pools must be free after each test.
 """
@@ -19,10 +19,13 @@ from backend import draft_model
 from backend.draft_model import DraftModelProposer
 from backend.speculative import SpeculativeConfig
 from bench.spec_decode import first_layers
-from tests.test_speculative import _engine, _prompts
+from tests.test_speculative import GRAMMARS, _engine, _prompts
 
 GREEDY = {"temperature": 0.0, "repetition_penalty": 1.0, "ignore_eos": True, "max_new_tokens": 48}
 SEEDED = {"temperature": 0.8, "top_k": 40, "seed": 5, "ignore_eos": True, "max_new_tokens": 48}
+# The demo model's own defaults (temperature 0.7, top-k 20, top-p 0.8, repetition penalty 1.05),
+# with penalties on top.
+PENALIZED = {"seed": 9, "presence_penalty": 0.5, "frequency_penalty": 0.3, "ignore_eos": True, "max_new_tokens": 48}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def test_the_config_follows_vllm():
             SpeculativeConfig.model_validate(bad)
 
 
-@pytest.mark.parametrize("raw", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("raw", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalized"])
 @pytest.mark.parametrize("which", ["itself", "first_two_layers"])
 def test_outputs_equal_decoding_without_drafts(demo_model_path, short_draft, raw, which):
     prompts = _prompts(5, seed=8)
@@ -79,7 +82,7 @@ def test_outputs_equal_decoding_without_drafts(demo_model_path, short_draft, raw
             plain = o.completion_tokens - kept - steps
             assert o.spec["spec_accept_length"] == pytest.approx(o.completion_tokens / (steps + plain))
         assert stats.spec_draft_tokens_total > 0
-        if which == "itself" and raw is GREEDY:  # its own greedy choice, up to batch-shape rounding
+        if which == "itself":  # its own draw, at any temperature, up to batch-shape rounding
             assert stats.spec_accepted_tokens_total >= 0.95 * stats.spec_draft_tokens_total
             assert stats.num_steps <= 5 + 48 * 5 / 4
         assert _all_free(eng)
@@ -207,6 +210,30 @@ def test_a_draft_model_must_cover_the_context_and_may_have_a_larger_vocabulary(d
         assert eng.proposer.vocab == eng.vocab_size
         outs = eng.generate(prompts, eng.parse_params(GREEDY))
         assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in base]
+        assert _all_free(eng)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("grammar", GRAMMARS, ids=["regex", "json_schema"])
+def test_structured_output_with_a_draft_model(demo_model_path, grammar):
+    """The draft's first position is drawn under the grammar's mask as it stands; later ones
+    without (the matcher stands before the draft), and verification masks each as it should."""
+    prompts = _prompts(3, seed=17)
+    raw = {**SEEDED, **grammar, "max_new_tokens": 40}
+    eng = _engine(demo_model_path)
+    try:
+        base = eng.generate(prompts, eng.parse_params(raw))
+    finally:
+        eng.shutdown()
+    assert all(o.error is None for o in base)
+    eng = _engine(demo_model_path, spec=_draft(demo_model_path))
+    try:
+        outs = eng.generate(prompts, eng.parse_params(raw))
+        assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in base]
+        assert [o.finish_reason for o in outs] == [o.finish_reason for o in base]
+        stats = eng.stats()
+        assert stats.spec_accepted_tokens_total >= 0.9 * stats.spec_draft_tokens_total
         assert _all_free(eng)
     finally:
         eng.shutdown()
