@@ -12,7 +12,8 @@ with the target's pool, scheduler or prefix cache, so it can never make the targ
 a draft pool that runs short only means fewer drafts. Each step, every sequence that drafts
 first catches the draft model up on the tokens it has not seen (the prompt, the first time;
 then the tokens the last step kept), in one batched forward pass, whose last row gives the first
-draft token; then k - 1 batched decode passes give the rest. Draft tokens the target keeps have
+draft token; then k - 1 batched decode passes give the rest. A sequence whose draft was rejected
+outright drafts again only after a few more tokens, as with n-grams. Draft tokens the target keeps have
 their draft K/V already written, so the next catch-up starts after them.
 """
 
@@ -26,6 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from backend.model_runner import ModelConfig, ModelRunner
+from backend.speculative import BACKOFF_CAP, BACKOFF_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ class _DraftSeq:
     # The last draft: the sequence's length when it was made, and its length.
     drafted_at: int = 0
     drafted: int = 0
+    misses: int = 0  # drafts rejected outright in a row
+    resume_at: int = 0  # no drafts before the sequence is this long
 
 
 class DraftModelProposer:
@@ -95,6 +99,8 @@ class DraftModelProposer:
             if st is None:
                 st = self._seqs[seq_id] = _DraftSeq()
             n = len(tokens)
+            if n < st.resume_at:
+                continue
             # Positions written: the catch-up's up to n - 1, then the fed draft tokens' up to n + m - 2.
             m = min(self.k, limit)
             if m <= 0 or not self._reserve(st, n + m - 1, running):
@@ -157,6 +163,15 @@ class DraftModelProposer:
         if st is not None and st.drafted:
             st.computed = st.drafted_at + min(accepted, st.drafted - 1)
             st.drafted = 0
+            # As an n-gram draft (backend/speculative.py): after a draft rejected outright the
+            # next waits, 2, 4, ... up to 64 tokens, so a sequence the draft model reads badly
+            # (a flat target distribution it does not share, text it never saw) stops paying a
+            # verifying step for nothing each token.
+            if accepted:
+                st.misses = 0
+            else:
+                st.misses += 1
+                st.resume_at = length + min(BACKOFF_TOKENS**st.misses, BACKOFF_CAP)
 
     def forget(self, seq_id: int) -> None:
         st = self._seqs.pop(seq_id, None)

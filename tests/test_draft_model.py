@@ -161,6 +161,30 @@ def test_a_short_draft_pool_drafts_less_and_gives_room_back(demo_model_path):
     assert p.num_free_blocks == 4
 
 
+def test_a_draft_rejected_outright_backs_off_and_an_accepted_one_resets(demo_model_path):
+    import torch
+
+    p = DraftModelProposer(demo_model_path, k=3, num_blocks=16, block_size=16, target_vocab=4096,
+                           max_model_len=1024, device=torch.device("cpu"), dtype=torch.float32, kv_dtype=torch.float32)
+    tokens = list(range(100, 130))
+    assert len(p.propose_batch([(0, tokens, 9)], running={0})[0]) == 3
+    p.verified(0, len(tokens) + 1, accepted=0)  # rejected outright: the step's token, then two more
+    tokens.append(7)
+    assert p.propose_batch([(0, tokens, 9)], running={0}) == {}
+    tokens.append(8)
+    assert p.propose_batch([(0, tokens, 9)], running={0}) == {}
+    tokens.append(9)
+    assert len(p.propose_batch([(0, tokens, 9)], running={0})[0]) == 3  # caught up on all three
+    assert p._seqs[0].computed == len(tokens)
+    p.verified(0, len(tokens) + 1, accepted=0)  # again: the step's token, then four more
+    tokens += [0, 1, 2, 3, 4]
+    assert p.propose_batch([(0, tokens[:-1], 9)], running={0}) == {}
+    assert len(p.propose_batch([(0, tokens, 9)], running={0})[0]) == 3
+    p.verified(0, len(tokens) + 2, accepted=1)  # kept one: no wait
+    tokens += [5, 6]
+    assert len(p.propose_batch([(0, tokens, 9)], running={0})[0]) == 3
+
+
 def test_ids_past_the_targets_vocabulary_are_never_drafted(demo_model_path):
     import torch
 
