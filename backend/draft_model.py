@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from backend.model_runner import ModelConfig, ModelRunner
-from backend.speculative import BACKOFF_CAP, BACKOFF_TOKENS
+from backend.speculative import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,7 @@ class _DraftSeq:
     # The last draft: the sequence's length when it was made, and its length.
     drafted_at: int = 0
     drafted: int = 0
-    misses: int = 0  # drafts rejected outright in a row
-    resume_at: int = 0  # no drafts before the sequence is this long
+    backoff: Backoff = field(default_factory=Backoff)
 
 
 class DraftModelProposer:
@@ -99,7 +98,7 @@ class DraftModelProposer:
             if st is None:
                 st = self._seqs[seq_id] = _DraftSeq()
             n = len(tokens)
-            if n < st.resume_at:
+            if not st.backoff.ready(n):
                 continue
             # Positions written: the catch-up's up to n - 1, then the fed draft tokens' up to n + m - 2.
             m = min(self.k, limit)
@@ -167,11 +166,7 @@ class DraftModelProposer:
             # next waits, 2, 4, ... up to 64 tokens, so a sequence the draft model reads badly
             # (a flat target distribution it does not share, text it never saw) stops paying a
             # verifying step for nothing each token.
-            if accepted:
-                st.misses = 0
-            else:
-                st.misses += 1
-                st.resume_at = length + min(BACKOFF_TOKENS**st.misses, BACKOFF_CAP)
+            st.backoff.verified(length, accepted)
 
     def forget(self, seq_id: int) -> None:
         st = self._seqs.pop(seq_id, None)

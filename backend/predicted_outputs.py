@@ -15,10 +15,10 @@ the point where the two parted, as an edit rarely goes back, else at the latest 
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-from backend.speculative import BACKOFF_CAP, BACKOFF_TOKENS
+from backend.speculative import Backoff
 
 # Tail lengths the output is matched by to rejoin its prediction, longest first. Not one token:
 # while the output writes something new, its single tokens (a comma, a newline) recur in the
@@ -63,8 +63,7 @@ class _Follow:
     pos: Optional[int]  # the prediction index the next output token should match; None: parted
     seen: int  # the sequence's length when last followed
     floor: int = 0  # where the output last stood in the prediction
-    misses: int = 0  # drafts rejected outright in a row
-    resume_at: int = 0  # no drafts before the sequence is this long
+    backoff: Backoff = field(default_factory=Backoff)
 
 
 class PredictionProposer:
@@ -91,7 +90,7 @@ class PredictionProposer:
             else:  # parted here
                 f.floor, f.pos = f.pos, None
         f.seen = len(tokens)
-        if limit <= 0 or len(tokens) < f.resume_at:
+        if limit <= 0 or not f.backoff.ready(len(tokens)):
             return []
         if f.pos is None:
             f.pos = prediction.rejoin(tokens[max(num_prompt_tokens, len(tokens) - REJOIN_SIZES[0]) :], f.floor)
@@ -105,13 +104,8 @@ class PredictionProposer:
         tokens long. After a draft rejected outright the next waits, as an n-gram draft does
         (backend/speculative.py): a chance rejoin should not cost a verifying step each token."""
         f = self._follows.get(seq_id)
-        if f is None:
-            return
-        if accepted:
-            f.misses = 0
-            return
-        f.misses += 1
-        f.resume_at = length + min(BACKOFF_TOKENS**f.misses, BACKOFF_CAP)
+        if f is not None:
+            f.backoff.verified(length, accepted)
 
     def forget(self, seq_id: int) -> None:
         self._follows.pop(seq_id, None)

@@ -99,16 +99,38 @@ BACKOFF_CAP = 64
 INDEX_PER_CALL = 2048
 
 
+class Backoff:
+    """One sequence's wait after drafts rejected outright: BACKOFF_TOKENS more tokens after the
+    first, doubling with each further one in a row, up to BACKOFF_CAP; a kept token resets it.
+    Every proposer (n-grams, a prediction, a draft model) uses it."""
+
+    __slots__ = ("misses", "resume_at")
+
+    def __init__(self) -> None:
+        self.misses = 0  # drafts rejected outright in a row
+        self.resume_at = 0  # no drafts before the sequence is this long
+
+    def ready(self, length: int) -> bool:
+        return length >= self.resume_at
+
+    def verified(self, length: int, accepted: int) -> None:
+        """A draft was verified, `accepted` of its tokens kept; the sequence is now `length` long."""
+        if accepted:
+            self.misses = 0
+            return
+        self.misses += 1
+        self.resume_at = length + min(BACKOFF_TOKENS**self.misses, BACKOFF_CAP)
+
+
 class _History:
     """One sequence's n-grams -> where each last ended, over every position before its newest."""
 
-    __slots__ = ("ends", "indexed", "misses", "resume_at")
+    __slots__ = ("ends", "indexed", "backoff")
 
     def __init__(self) -> None:
         self.ends: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in `ends`
-        self.misses = 0  # drafts rejected outright in a row
-        self.resume_at = 0  # no drafts before the sequence is this long
+        self.backoff = Backoff()
 
 
 class NgramProposer:
@@ -129,7 +151,7 @@ class NgramProposer:
         if h is None:
             h = self._histories[seq_id] = _History()
         end = len(tokens)
-        if end < h.resume_at:
+        if not h.backoff.ready(end):
             return []
         # Index the n-grams ending at positions [indexed, end - 1): every one but the suffix
         # itself, whose own occurrence is no prediction. A later occurrence replaces an earlier
@@ -160,13 +182,8 @@ class NgramProposer:
         """A draft of the sequence was verified, `accepted` of its tokens kept; the sequence is now
         `length` tokens long. After a draft rejected outright, the next waits (BACKOFF_TOKENS)."""
         h = self._histories.get(seq_id)
-        if h is None:
-            return
-        if accepted:
-            h.misses = 0
-            return
-        h.misses += 1
-        h.resume_at = length + min(BACKOFF_TOKENS ** h.misses, BACKOFF_CAP)
+        if h is not None:
+            h.backoff.verified(length, accepted)
 
     def forget(self, seq_id: int) -> None:
         self._histories.pop(seq_id, None)

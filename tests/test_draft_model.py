@@ -37,6 +37,15 @@ def _draft(path, k: int = 4) -> dict:
     return {"model": str(path), "num_speculative_tokens": k}
 
 
+def _reference(path, prompts, raw: dict, **kw) -> list:
+    """The outputs of decoding one token a step, without drafts."""
+    eng = _engine(path, **kw)
+    try:
+        return eng.generate(prompts, eng.parse_params(raw))
+    finally:
+        eng.shutdown()
+
+
 def _all_free(eng) -> bool:
     return (eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
             and eng.proposer.num_free_blocks == eng.block_manager.num_blocks)
@@ -58,11 +67,7 @@ def test_the_config_follows_vllm():
 @pytest.mark.parametrize("which", ["itself", "first_two_layers"])
 def test_outputs_equal_decoding_without_drafts(demo_model_path, short_draft, raw, which):
     prompts = _prompts(5, seed=8)
-    eng = _engine(demo_model_path)
-    try:
-        base = eng.generate(prompts, eng.parse_params(raw))
-    finally:
-        eng.shutdown()
+    base = _reference(demo_model_path, prompts, raw)
     eng = _engine(demo_model_path, spec=_draft(demo_model_path if which == "itself" else short_draft))
     try:
         outs = eng.generate(prompts, eng.parse_params(raw))
@@ -94,11 +99,7 @@ def test_n_samples_prefix_caching_and_preemption(demo_model_path, short_draft):
     prompts = _prompts(4, seed=12)
     raw = {**SEEDED, "n": 3, "max_new_tokens": 64}
     kw = {"num_kv_blocks": 40, "max_model_len": 256, "enable_prefix_caching": True}
-    eng = _engine(demo_model_path, **kw)
-    try:
-        base = eng.generate(prompts, eng.parse_params(raw))
-    finally:
-        eng.shutdown()
+    base = _reference(demo_model_path, prompts, raw, **kw)
     eng = _engine(demo_model_path, spec=_draft(short_draft), **kw)
     try:
         outs = eng.generate(prompts, eng.parse_params(raw))
@@ -112,11 +113,7 @@ def test_n_samples_prefix_caching_and_preemption(demo_model_path, short_draft):
 def test_a_long_prompt_is_caught_up_over_several_steps(demo_model_path, monkeypatch):
     monkeypatch.setattr(draft_model, "CATCH_UP_PER_STEP", 16)
     prompts = _prompts(3, seed=30)
-    eng = _engine(demo_model_path)
-    try:
-        base = eng.generate(prompts, eng.parse_params(GREEDY))
-    finally:
-        eng.shutdown()
+    base = _reference(demo_model_path, prompts, GREEDY)
     eng = _engine(demo_model_path, spec=_draft(demo_model_path))
     try:
         outs = eng.generate(prompts, eng.parse_params(GREEDY))
@@ -224,11 +221,7 @@ def test_a_draft_model_must_cover_the_context_and_may_have_a_larger_vocabulary(d
     (wide / "config.json").write_text(json.dumps(cfg))
     save_file(raw, str(wide / "model.safetensors"))
     prompts = _prompts(2, seed=3)
-    eng = _engine(demo_model_path)
-    try:
-        base = eng.generate(prompts, eng.parse_params(GREEDY))
-    finally:
-        eng.shutdown()
+    base = _reference(demo_model_path, prompts, GREEDY)
     eng = _engine(demo_model_path, spec=_draft(wide))
     try:
         assert eng.proposer.vocab == eng.vocab_size
@@ -245,11 +238,7 @@ def test_structured_output_with_a_draft_model(demo_model_path, grammar):
     without (the matcher stands before the draft), and verification masks each as it should."""
     prompts = _prompts(3, seed=17)
     raw = {**SEEDED, **grammar, "max_new_tokens": 40}
-    eng = _engine(demo_model_path)
-    try:
-        base = eng.generate(prompts, eng.parse_params(raw))
-    finally:
-        eng.shutdown()
+    base = _reference(demo_model_path, prompts, raw)
     assert all(o.error is None for o in base)
     eng = _engine(demo_model_path, spec=_draft(demo_model_path))
     try:
