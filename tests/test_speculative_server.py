@@ -69,11 +69,10 @@ def test_streams_through_the_server_equal_decoding_one_token_at_a_time(server, r
 
 
 @pytest.fixture(scope="module")
-def draft_server(start_triton, demo_model_path, tmp_path_factory):
-    from bench.spec_decode import first_layers
-
-    draft = first_layers(demo_model_path, tmp_path_factory.mktemp("draft"), layers=2)
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+def draft_server(start_triton, demo_model_path):
+    # The target as its own draft: its drafts are drawn as it draws, so they hold (another draft
+    # model's outputs are checked in tests/test_draft_model.py).
+    spec = {"method": "draft_model", "model": str(demo_model_path), "num_speculative_tokens": 4}
     with start_triton(num_kv_blocks=128, max_model_len=512, name="draft",
                       env={"LLM_SPECULATIVE_CONFIG": json.dumps(spec)}) as srv:
         yield srv
@@ -103,7 +102,7 @@ def test_a_draft_model_on_the_server_keeps_the_targets_output(draft_server, demo
             # SGLang's per-request speculative meta_info, on the last response.
             meta = json.loads(chunks[-1]["meta_info"][0] if isinstance(chunks[-1]["meta_info"], list)
                               else chunks[-1]["meta_info"])
-            assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1.0
+            assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 3
     deadline = time.monotonic() + 30
     while delta(scrape(draft_server), before, "llm_spec_decode_num_draft_tokens_total") <= 0:
         assert time.monotonic() < deadline, "no draft tokens counted"
