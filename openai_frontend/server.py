@@ -373,13 +373,21 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info() -> Response:
-        """SGLang's: how this server runs. The frontend's settings (no secrets) and the engine's
-        effective configuration ("auto" resolved: KV blocks, context length, device, dtype)
-        with its counters."""
+        """SGLang's (both its names): how this server runs. The frontend's settings (no secrets)
+        and the engine's effective configuration ("auto" resolved: KV blocks, context length,
+        device, dtype) with its counters; and SGLang's `internal_states`, whose
+        `avg_spec_accept_length` (once drafts were verified: tokens per verifying step) SGLang's
+        benchmarks read."""
         frontend = {k: v for k, v in dataclasses.asdict(settings).items() if k != "api_key"}
         frontend["served_model_name"] = ctx.model_name
-        return json_response({"frontend": frontend, "engine": await ctx.client.engine_info()})
+        engine = await ctx.client.engine_info()
+        state: dict[str, Any] = {}
+        stats = engine.get("stats") or {}
+        if stats.get("spec_drafts_total"):
+            state["avg_spec_accept_length"] = 1 + stats["spec_accepted_tokens_total"] / stats["spec_drafts_total"]
+        return json_response({"frontend": frontend, "engine": engine, "internal_states": [state]})
 
     @app.get("/get_model_info")
     async def model_info() -> Response:

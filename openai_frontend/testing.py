@@ -59,6 +59,7 @@ class FakeLLMClient:
         self.ready = True
         self.adapters: dict[str, str] = {}  # what lora_update loads, name -> path
         self.aborts: list[tuple[Optional[str], bool]] = []  # abort_requests calls
+        self.stats: dict[str, Any] = {}  # the engine counters engine_info reports
 
     async def lora_update(self, command: dict[str, Any]) -> dict[str, str]:
         op, name = command.get("op"), command.get("name")
@@ -79,7 +80,7 @@ class FakeLLMClient:
         return 0
 
     async def engine_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"config": {"model_path": "fake"}, "stats": {}}
+        info: dict[str, Any] = {"config": {"model_path": "fake"}, "stats": dict(self.stats)}
         if self.eos_token_ids is not None:
             info["eos_token_ids"] = self.eos_token_ids
         return info

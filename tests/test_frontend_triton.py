@@ -767,6 +767,7 @@ def test_get_server_info_reports_the_effective_engine_config(triton, base_url):
     assert {k for k, v in cfg.items() if v is None} <= {"kv_cache_memory_mb", "logits_processor_pattern", "speculative_config"}, cfg
     assert frontend["served_model_name"] == MODEL and frontend["tool_call_parser"] == "qwen25"
     assert "api_key" not in frontend
+    assert info["internal_states"] == [{}]  # SGLang's; no speculative decoding on this server
 
 
 def test_an_abort_that_overtakes_its_request_still_aborts_it(triton):

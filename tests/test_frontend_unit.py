@@ -1488,6 +1488,15 @@ def test_predicted_outputs_reach_the_engine_and_their_counts_the_usage(client, b
     assert {k: meta[k] for k in spec} == spec  # SGLang's speculative meta_info, at the sample's end
 
 
+def test_server_info_reports_sglangs_average_accept_length(base_url, fake):
+    for path in ("/get_server_info", "/server_info"):
+        assert httpx.get(base_url + path).json()["internal_states"] == [{}]  # nothing verified yet
+    fake.stats = {"spec_drafts_total": 10, "spec_accepted_tokens_total": 25}
+    info = httpx.get(base_url + "/server_info").json()
+    assert info["internal_states"][0]["avg_spec_accept_length"] == 3.5  # 25 kept over 10 steps, + 1 each
+    assert info["engine"]["stats"]["spec_drafts_total"] == 10
+
+
 @pytest.mark.parametrize("prediction", [
     "Hello", {"type": "text", "content": "Hello"}, {"type": "content"}, {"type": "content", "content": 5},
     {"type": "content", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
