@@ -1,6 +1,6 @@
 """Draft-model speculative decoding (vLLM's `{"method": "draft_model", "model": ...}`): a smaller
-model of the same vocabulary drafts k tokens greedily, and the target's step verifies them as it
-verifies any draft (backend/speculative.py), so the output is the target's own.
+model of the same vocabulary drafts k tokens, and the target's step verifies them as it verifies
+any draft (backend/speculative.py), so the output is the target's own.
 
 Draft tokens are drawn as the target would draw them from the draft model's logits: the engine's
 sampler, the request's sampling parameters and penalties, and the same noise (it depends only on
@@ -12,9 +12,9 @@ with the target's pool, scheduler or prefix cache, so it can never make the targ
 a draft pool that runs short only means fewer drafts. Each step, every sequence that drafts
 first catches the draft model up on the tokens it has not seen (the prompt, the first time;
 then the tokens the last step kept), in one batched forward pass, whose last row gives the first
-draft token; then k - 1 batched decode passes give the rest. A sequence whose draft was rejected
-outright drafts again only after a few more tokens, as with n-grams. Draft tokens the target keeps have
-their draft K/V already written, so the next catch-up starts after them.
+draft token; then k - 1 batched decode passes give the rest. Draft tokens the target keeps have
+their draft K/V already written, so the next catch-up starts after them. A sequence whose draft
+was rejected outright drafts again only after a few more tokens, as with n-grams.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class _DraftSeq:
 
 
 class DraftModelProposer:
-    """Drafts from a smaller model (greedy), for a batch of decoding sequences at once."""
+    """Drafts from a smaller model, for a batch of decoding sequences at once."""
 
     def __init__(self, model_path: str | Path, k: int, num_blocks: int, block_size: int, target_vocab: int,
                  max_model_len: int, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -121,7 +121,8 @@ class DraftModelProposer:
             logits = self.runner.forward(self.runner.prepare(chunks))
             if not ids:
                 return {}
-            for (_, seq_id, _, _), token in zip(ids, choose(self._target_logits(logits), [(i, []) for i, *_ in ids])):
+            tokens = choose(self._target_logits(logits), [(i, []) for i, *_ in ids])
+            for (_, seq_id, _, _), token in zip(ids, tokens):
                 drafts[seq_id] = [token]
             live = [entry for entry in ids if entry[3] > 1]
             for step in range(1, self.k):
@@ -131,7 +132,8 @@ class DraftModelProposer:
                 batch = self.runner.prepare([([drafts[seq_id][-1]], st.drafted_at + step - 1, st.table, True)
                                              for _, seq_id, st, _ in live])
                 logits = self._target_logits(self.runner.forward(batch))
-                for (_, seq_id, _, _), token in zip(live, choose(logits, [(i, list(drafts[seq_id])) for i, seq_id, *_ in live])):
+                tokens = choose(logits, [(i, list(drafts[seq_id])) for i, seq_id, *_ in live])
+                for (_, seq_id, _, _), token in zip(live, tokens):
                     drafts[seq_id].append(token)
         return drafts
 
