@@ -50,7 +50,8 @@
 #              (SERVING_ARGS adds arguments). tritonserver comes from .whl/serving/ (see fetch)
 #   serving_0.4b  the same on the random 0.4B Qwen2 -> serving_bench_0.4b.json + .png (SERVING_0_4B_ARGS
 #              replaces its default "--c1-requests 8 --alternating-rounds 0"; SERVING_ARGS still adds)
-# DEMO_ARGS adds arguments to both engine_vs_hf runs (e.g. --skip-one-by-one --rounds 3).
+# DEMO_ARGS adds arguments to both engine_vs_hf runs (e.g. --skip-one-by-one --rounds 3); SPEC_ARGS and
+# PREDICTED_ARGS to the spec and predicted steps' benchmarks (e.g. --repeats 1 --num-prompts 8).
 #   checks     tests and engine side by side (both only check; the benchmarks run alone)
 # Each step is cut off after its limit (STEP_LIMIT_<step> seconds, defaults below) so that one
 # slow step cannot eat a lent GPU's minutes; the benchmarks print and save each figure as it lands.
@@ -150,7 +151,7 @@ PY
   du -sh .whl/serving
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [chunked]=90 [chunked_flat]=90 [spec]=120 [kvdtype]=170
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [chunked]=90 [chunked_flat]=90 [spec]=120 [predicted]=120 [kvdtype]=170
                   [serving]=300 [serving_0.4b]=200)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
@@ -239,9 +240,9 @@ run() {
       chunked_flat) step chunked_flat "$py" -m bench.chunked_probe --device cuda --caps 64 512 --flat-prefill-tokens 128 \
                       --json "$OUT/chunked_flat_probe.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
-      spec) step spec "$py" -m bench.spec_decode --device cuda --json "$OUT/spec_decode.json" ;;
+      spec) step spec "$py" -m bench.spec_decode --device cuda --json "$OUT/spec_decode.json" ${SPEC_ARGS:-} ;;
       predicted) step predicted "$py" -m bench.predicted_outputs --device cuda --draft-tokens 8 16 \
-                   --json "$OUT/predicted_outputs.json" ;;
+                   --json "$OUT/predicted_outputs.json" ${PREDICTED_ARGS:-} ;;
       serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" serving_bench ;;
       serving_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
                     SERVING_ARGS="--model-path /tmp/model-0.4b ${SERVING_0_4B_ARGS:---c1-requests 8 --alternating-rounds 0} ${SERVING_ARGS:-}" \

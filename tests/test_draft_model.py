@@ -19,6 +19,7 @@ from backend import draft_model
 from backend.draft_model import DraftModelProposer
 from backend.speculative import SpeculativeConfig
 from bench.spec_decode import first_layers
+from tests.test_engine import TEST_DEVICE
 from tests.test_speculative import GRAMMARS, _engine, _prompts
 
 GREEDY = {"temperature": 0.0, "repetition_penalty": 1.0, "ignore_eos": True, "max_new_tokens": 48}
@@ -250,3 +251,53 @@ def test_structured_output_with_a_draft_model(demo_model_path, grammar):
         assert _all_free(eng)
     finally:
         eng.shutdown()
+
+
+def test_the_drafts_decode_passes_replay_graphs(demo_model_path):
+    """The draft runner's decode graphs (on CUDA when the target's are on), with `eager_replay`
+    standing in for the capture: drafts are unchanged, so the target drafting itself keeps them
+    all, and the draft's one-token passes came from the graphs."""
+    import torch
+
+    from backend.decode_graphs import eager_replay
+    from backend.model_runner import ModelRunner
+
+    prompts = _prompts(5, seed=21)
+    base = _reference(demo_model_path, prompts, SEEDED)
+    eng = _engine(demo_model_path, spec=_draft(demo_model_path))
+    try:
+        runner = ModelRunner(demo_model_path, eng.block_manager.num_blocks, eng.config.block_size,
+                             device="cpu", dtype=torch.float32, graph_batch=8)
+        assert runner.enable_decode_graphs(capture=eager_replay) is None
+        eng.proposer.runner = runner
+        outs = eng.generate(prompts, eng.parse_params(SEEDED))
+        assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in base]
+        stats = eng.stats()
+        assert stats.spec_accepted_tokens_total >= 0.95 * stats.spec_draft_tokens_total > 0
+        assert runner.graphs is not None and runner.graphs.replays > 10
+        assert _all_free(eng)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="real CUDA graphs: LLM_TEST_DEVICE=cuda only")
+@pytest.mark.parametrize("raw", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_cuda_draft_graphs_keep_the_outputs(demo_model_path, short_draft, raw):
+    """On a GPU the engine captures the draft model's decode graphs beside the target's; the
+    outputs are those of decoding without drafts (on the same GPU), and the target drafting
+    itself keeps its drafts through the graphs."""
+    prompts = _prompts(6, seed=23)
+    kw = {"max_num_seqs": 16}
+    base = _reference(demo_model_path, prompts, raw, **kw)
+    for draft, least in ((demo_model_path, 0.95), (short_draft, 0.0)):
+        eng = _engine(demo_model_path, spec=_draft(draft), **kw)
+        try:
+            assert eng.model.graphs is not None and eng.proposer.runner.graphs is not None
+            outs = eng.generate(prompts, eng.parse_params(raw))
+            assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in base]
+            stats = eng.stats()
+            assert stats.spec_accepted_tokens_total >= least * stats.spec_draft_tokens_total
+            assert stats.spec_draft_tokens_total > 0 and eng.proposer.runner.graphs.replays > 10
+            assert _all_free(eng)
+        finally:
+            eng.shutdown()
