@@ -153,7 +153,7 @@ class LLMEngine:
             model_path, probe.num_blocks, config.block_size, device=device, dtype=config.model_dtype(),
             kv_dtype=config.kv_torch_dtype(), graph_batch=graph_batch,
         )
-        self.model.flat_tokens = config.flat_prefill_tokens
+        self.model.flat_tokens = config.flat_tokens()
         if config.calculate_kv_scales:
             ids = self.tokenizer.encode(CALIBRATION_TEXT, add_special_tokens=True)[: self.max_model_len]
             scales = self.model.calibrate_kv_scales(ids)
@@ -175,7 +175,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_cap(),
             prefill_context_unit=config.prefill_unit(), prefill_tokens_per_decode=config.prefill_per_decode(),
-            policy=config.scheduling_policy, flat_step_tokens=config.flat_prefill_tokens,
+            policy=config.scheduling_policy, flat_step_tokens=config.flat_tokens(),
         )
         self.sampler = Sampler(self.model.config.vocab_size)
         spec = config.speculative_config

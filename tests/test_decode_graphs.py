@@ -39,6 +39,16 @@ def test_config_flag():
     assert not EngineConfig(model_path="x", device="cuda", cuda_graphs=False).use_cuda_graphs()
 
 
+def test_flat_prefill_default_is_on_for_cuda_only():
+    assert EngineConfig(model_path="x", device="cuda").flat_tokens() == 128
+    assert EngineConfig(model_path="x", device="cpu").flat_tokens() == 0
+    assert EngineConfig(model_path="x", device="cuda", flat_prefill_tokens=0).flat_tokens() == 0
+    assert EngineConfig(model_path="x", device="cpu", flat_prefill_tokens=64).flat_tokens() == 64
+    assert engine_config_overrides({"flat_prefill_tokens": "auto"}, {}) == {}
+    assert engine_config_overrides({"flat_prefill_tokens": "auto"}, {"LLM_FLAT_PREFILL_TOKENS": "0"}) == {
+        "flat_prefill_tokens": 0}
+
+
 def _engine(path, graphs: bool) -> LLMEngine:
     eng = LLMEngine(EngineConfig(model_path=path, device="cpu", dtype="float32", num_kv_blocks=BLOCKS,
                                  block_size=BS, max_num_seqs=8, enable_prefix_caching=False))

@@ -267,7 +267,7 @@ def test_the_drafts_decode_passes_replay_graphs(demo_model_path):
     eng = _engine(demo_model_path, spec=_draft(demo_model_path))
     try:
         runner = ModelRunner(demo_model_path, eng.block_manager.num_blocks, eng.config.block_size,
-                             device="cpu", dtype=torch.float32, graph_batch=8)
+                             device=eng.model.device, dtype=torch.float32, graph_batch=8)
         assert runner.enable_decode_graphs(capture=eager_replay) is None
         eng.proposer.runner = runner
         outs = eng.generate(prompts, eng.parse_params(SEEDED))
