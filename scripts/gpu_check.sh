@@ -24,14 +24,12 @@
 #   prefill    one prefill at prompt lengths unseen and seen, SDPA's cuDNN backend off (the engine's
 #              CUDA setting) and on, profiled -> prefill_probe.json (bench/prefill_probe.py)
 #   chunked    where a chunked-prefill step's time goes: decode steps of 8 streams against the steps
-#              that also carry a chunk of a 3072-token prompt, at chunk caps 128/256/512, profiled
-#              -> chunked_probe.json (bench/chunked_probe.py)
-#   chunked_flat  the same with flat_prefill_tokens 128 at caps 64/512 (chunks then cut to 128 less
-#              the decodes): the steps that carry a chunk laid out as decode rows and replayed from
-#              the decode graphs (max_num_seqs 128 buckets) instead of run eagerly
-#              -> chunked_flat_probe.json. Against `chunked`: whether to turn flat_prefill_tokens on
-#              by default on CUDA (with the serving chunked section:
-#              SERVING_ARGS="--only chunked --engine-arg flat_prefill_tokens=128")
+#              that also carry a chunk of a 3072-token prompt, at chunk caps 128/256/512, flat steps
+#              off (eager mixed steps), profiled -> chunked_probe.json (bench/chunked_probe.py)
+#   chunked_flat  the same with flat_prefill_tokens 128 (the CUDA default since an H100 measured
+#              it: chunk steps 7.4 -> 1.9-2.3 ms) at caps 64/512 (chunks then cut to 128 less the
+#              decodes): the steps that carry a chunk laid out as decode rows and replayed from the
+#              decode graphs (max_num_seqs 128 buckets) -> chunked_flat_probe.json
 #   spec       speculative decoding against one token a step: n-gram on the demo model and on its
 #              repeating variant (every draft holds), and a draft model (a random 38M target drafted
 #              by its first layer), batch 1 and 8, outputs checked equal
