@@ -117,8 +117,13 @@ class DraftModelProposer:
         if not chunks:
             return {}
         drafts: dict[int, list[int]] = {}
+        # After its first pass a sequence catches up on a few tokens (those the target kept, and
+        # its own). With decode graphs, laid out as a decode step, as the target's verifying step
+        # is, so the pass replays a graph rather than running an eager prefill pass; on the CPU
+        # the prefill layout measured ~8% faster at batch 1 (a 1-layer draft of a 38M target).
+        flat = self.runner.graphs is not None and all(len(c[0]) <= self.k + 1 for c in chunks)
         with torch.inference_mode():
-            logits = self.runner.forward(self.runner.prepare(chunks))
+            logits = self.runner.forward(self.runner.prepare(chunks, flat=flat))
             if not ids:
                 return {}
             tokens = choose(self._target_logits(logits), [(i, []) for i, *_ in ids])

@@ -256,7 +256,8 @@ def test_structured_output_with_a_draft_model(demo_model_path, grammar):
 def test_the_drafts_decode_passes_replay_graphs(demo_model_path):
     """The draft runner's decode graphs (on CUDA when the target's are on), with `eager_replay`
     standing in for the capture: drafts are unchanged, so the target drafting itself keeps them
-    all, and the draft's one-token passes came from the graphs."""
+    all; the draft's one-token passes came from the graphs, and so did its catch-up passes after
+    each sequence's first (a few tokens each, laid out as a decode step)."""
     import torch
 
     from backend.decode_graphs import eager_replay
@@ -267,14 +268,28 @@ def test_the_drafts_decode_passes_replay_graphs(demo_model_path):
     eng = _engine(demo_model_path, spec=_draft(demo_model_path))
     try:
         runner = ModelRunner(demo_model_path, eng.block_manager.num_blocks, eng.config.block_size,
-                             device=eng.model.device, dtype=torch.float32, graph_batch=8)
+                             device=eng.model.device, dtype=torch.float32, graph_batch=32)
         assert runner.enable_decode_graphs(capture=eager_replay) is None
         eng.proposer.runner = runner
+        passes = {"general": 0, "all": 0}
+        prepare_general, forward = runner._prepare_general, runner.forward
+
+        def counted_general(*args, **kw):
+            passes["general"] += 1
+            return prepare_general(*args, **kw)
+
+        def counted_forward(batch):
+            passes["all"] += 1
+            return forward(batch)
+
+        runner._prepare_general, runner.forward = counted_general, counted_forward
         outs = eng.generate(prompts, eng.parse_params(SEEDED))
         assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in base]
         stats = eng.stats()
         assert stats.spec_accepted_tokens_total >= 0.95 * stats.spec_draft_tokens_total > 0
         assert runner.graphs is not None and runner.graphs.replays > 10
+        # Eager (general) passes: only the prompts' catch-ups.
+        assert passes["general"] <= len(prompts) and runner.graphs.replays == passes["all"] - passes["general"]
         assert _all_free(eng)
     finally:
         eng.shutdown()
