@@ -136,8 +136,10 @@ def compare(model: Path, spec: dict, prompts: list[list[int]], batch: int, max_n
 
     plain, spec_engine = engine(None), engine(spec)
     try:
-        serve(plain, prompts[:2], batch, 8, sampling)  # warm-up: allocator, kernels, grammar compile
-        serve(spec_engine, prompts[:2], batch, 8, sampling)
+        # Warm-up (allocator, grammar compile, and on a GPU the Triton kernels' compiles for this
+        # batch's shapes, verifying steps included): a batch of the prompts, 24 tokens each.
+        serve(plain, prompts[:batch], batch, 24, sampling)
+        serve(spec_engine, prompts[:batch], batch, 24, sampling)
         runs: dict[str, list[dict]] = {"off": [], "on": []}
         for r in range(repeats):
             order = [("off", plain), ("on", spec_engine)] if r % 2 == 0 else [("on", spec_engine), ("off", plain)]
