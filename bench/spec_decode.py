@@ -8,7 +8,8 @@ Two engines on the same model, one with `speculative_config`, serve the same req
 `ignore_eos`, no penalties, so every request speculates) in alternating order, `--repeats` times,
 at each `--batch` (requests served together; 1 is one at a time). The outputs must be equal token
 for token. Reported per setting: output tok/s of each, the median over the repeats of (time
-without) / (time with), the draft tokens accepted, and the tokens each verifying step yields.
+without) / (time with), the draft tokens accepted, the tokens each verifying step yields, and a
+step's mean time without and with drafts and how much of the latter went on drafting.
 
 What speculation gains depends on how often a sequence repeats itself, so two models run:
 
@@ -135,6 +136,17 @@ def compare(model: Path, spec: dict, prompts: list[list[int]], batch: int, max_n
                                       enable_prefix_caching=False, speculative_config=speculative))
 
     plain, spec_engine = engine(None), engine(spec)
+    # Time spent drafting (the proposer's passes and draws; on a GPU each ends in a host sync, so
+    # this is its wall time), apart from the verifying steps around it.
+    drafting = [0.0]
+    propose = spec_engine._propose
+
+    def timed_propose() -> None:
+        t = time.perf_counter()
+        propose()
+        drafting[0] += time.perf_counter() - t
+
+    spec_engine._propose = timed_propose
     try:
         # Warm-up (allocator, grammar compile, and on a GPU the Triton kernels' compiles for this
         # batch's shapes, verifying steps included): a batch of the prompts, 24 tokens each.
@@ -144,7 +156,9 @@ def compare(model: Path, spec: dict, prompts: list[list[int]], batch: int, max_n
         for r in range(repeats):
             order = [("off", plain), ("on", spec_engine)] if r % 2 == 0 else [("on", spec_engine), ("off", plain)]
             for name, eng in order:
+                drafting[0] = 0.0
                 runs[name].append(serve(eng, prompts, batch, max_new, sampling))
+                runs[name][-1]["drafting_s"] = drafting[0] if name == "on" else 0.0
     finally:
         plain.shutdown()
         spec_engine.shutdown()
@@ -162,6 +176,10 @@ def compare(model: Path, spec: dict, prompts: list[list[int]], batch: int, max_n
         "draft_tokens": on["draft_tokens"],
         "accepted_tokens": on["accepted_tokens"],
         "acceptance_rate": on["accepted_tokens"] / on["draft_tokens"] if on["draft_tokens"] else 0.0,
+        # Of the last run with drafts: its steps' mean time, and the part of it spent drafting.
+        "step_ms_on": 1e3 * on["seconds"] / on["steps"],
+        "drafting_ms_per_step": 1e3 * on["drafting_s"] / on["steps"],
+        "step_ms_off": 1e3 * runs["off"][-1]["seconds"] / runs["off"][-1]["steps"],
     }
 
 
@@ -213,7 +231,8 @@ def main() -> None:
                     print(f"{model_name:9s} {config:14s} batch {batch:3d}: speculation {res['speedup']:.2f}x "
                           f"(tok/s off {res['tok_s_off']} on {res['tok_s_on']}), steps {res['steps_off']} -> "
                           f"{res['steps_on']}, drafts accepted {res['accepted_tokens']}/{res['draft_tokens']} "
-                          f"({100 * res['acceptance_rate']:.0f}%), outputs equal: {res['outputs_equal']}", flush=True)
+                          f"({100 * res['acceptance_rate']:.0f}%), step {res['step_ms_off']:.2f} -> {res['step_ms_on']:.2f} ms "
+                          f"({res['drafting_ms_per_step']:.2f} drafting), outputs equal: {res['outputs_equal']}", flush=True)
     if not all(r["outputs_equal"] for r in results):
         raise SystemExit("speculation changed an output")
     if a.json:
