@@ -56,10 +56,10 @@ class EngineConfig(BaseModel):
     # step does: every token one query of the paged kernel, reading the cache in place up to its
     # own position (ModelRunner._prepare_flat); on CUDA that step replays a decode graph when its
     # token count fits one, instead of the eager mixed step. While streams decode, chunks are cut
-    # to fit beside them. 0: never. None: 128 on CUDA, where a 3072-token prompt arriving beside 8
-    # decoding streams took their chunk steps from 7.4 to 1.9-2.3 ms (6.0x to 2.1-2.3x a decode
-    # step) at the same time to first token (H100, docs/BENCHMARKS.md); 0 on the CPU, where it
-    # measured slower (each query reads its whole context).
+    # to fit beside them. 0: never. None: on CUDA with graphs, 128 (at most max_num_seqs, the
+    # largest graph): on an H100, 8 streams' ITL p99 while a 3072-token prompt arrived went from
+    # 3.5x to 1.5x its value without it, that prompt's TTFT from 49 to 78 ms (docs/BENCHMARKS.md).
+    # 0 on the CPU, where it measured slower (each query reads its whole context).
     flat_prefill_tokens: Optional[int] = Field(default=None, ge=0)
     max_model_len: Optional[int] = Field(default=None, ge=1)
     # vLLM's --speculative-config (a JSON object or its text): {"method": "ngram",
@@ -130,7 +130,8 @@ class EngineConfig(BaseModel):
     def flat_tokens(self) -> int:
         if self.flat_prefill_tokens is not None:
             return self.flat_prefill_tokens
-        return 128 if self.device.startswith("cuda") else 0
+        # A flat step pays by replaying a decode graph: up to what the largest one holds.
+        return min(128, self.max_num_seqs) if self.use_cuda_graphs() else 0
 
     def use_cuda_graphs(self) -> bool:
         return self.device.startswith("cuda") and self.cuda_graphs is not False

@@ -41,6 +41,9 @@ def test_config_flag():
 
 def test_flat_prefill_default_is_on_for_cuda_only():
     assert EngineConfig(model_path="x", device="cuda").flat_tokens() == 128
+    # Only as many tokens as the largest decode graph holds, and none without graphs.
+    assert EngineConfig(model_path="x", device="cuda", max_num_seqs=48).flat_tokens() == 48
+    assert EngineConfig(model_path="x", device="cuda", cuda_graphs=False).flat_tokens() == 0
     assert EngineConfig(model_path="x", device="cpu").flat_tokens() == 0
     assert EngineConfig(model_path="x", device="cuda", flat_prefill_tokens=0).flat_tokens() == 0
     assert EngineConfig(model_path="x", device="cpu", flat_prefill_tokens=64).flat_tokens() == 64
