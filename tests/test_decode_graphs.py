@@ -276,3 +276,63 @@ def test_decode_only_layout_equals_the_general_one(demo_model_path):
     # Anything else (a prompt chunk, a row that does not sample) takes the general layout.
     assert not runner.prepare(chunks[:-1] + [([1, 2], 3, [0], True)]).decode_only
     assert runner.prepare(chunks[:-1] + [([1], 3, [0], False)]).logits_index.shape[0] == len(chunks) - 1
+
+
+def test_the_cuda_defaults_flat_steps_keep_every_feature(demo_model_path):
+    """CUDA's default layout (flat steps of up to flat_prefill_tokens, replayed from decode
+    graphs) emulated on the CPU, where CI runs: with prefix caching hits, n samples seeded and
+    penalized, a grammar, top logprobs, and a pool tight enough to preempt, the same outputs as
+    the general layout run eagerly, and both pools free at the end."""
+    import json
+
+    def engine(flat: bool) -> LLMEngine:
+        eng = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", dtype="float32", num_kv_blocks=40,
+                                     block_size=BS, max_num_seqs=16, enable_prefix_caching=True, max_model_len=256,
+                                     max_num_batched_tokens=64, max_prefill_tokens_while_decoding=64,
+                                     flat_prefill_tokens=32 if flat else 0))
+        if flat:
+            eng.model = ModelRunner(demo_model_path, 40, BS, device="cpu", dtype=torch.float32, graph_batch=32)
+            eng.model.flat_tokens = 32
+            assert eng.model.enable_decode_graphs(capture=eager_replay) is None
+        return eng
+
+    rng = random.Random(19)
+    shared = [rng.randrange(100, 4000) for _ in range(40)]
+    prompts = [shared + [rng.randrange(100, 4000) for _ in range(rng.randint(3, 60))] for _ in range(6)]
+    schema = json.dumps({"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]})
+    raws = [
+        {"temperature": 0.8, "top_k": 40, "seed": 3, "n": 2, "presence_penalty": 0.5, "frequency_penalty": 0.3},
+        {"temperature": 0.0, "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0},
+        {"temperature": 0.7, "seed": 8, "json_schema": schema},
+        {"temperature": 0.9, "top_p": 0.8, "seed": 11, "repetition_penalty": 1.1},
+        {"temperature": 0.0, "n": 2},
+        {"temperature": 0.6, "min_p": 0.05, "seed": 4},
+    ]
+    runs = {}
+    for flat in (False, True):
+        eng = engine(flat)
+        layouts = []
+        prepare_flat = eng.model._prepare_flat
+        eng.model._prepare_flat = lambda chunks: layouts.append(len(chunks)) or prepare_flat(chunks)
+        try:
+            params = [eng.parse_params({**raw, "max_new_tokens": 48, "ignore_eos": "json_schema" not in raw})
+                      for raw in raws]
+            outs = eng.generate(prompts, params)
+            runs[flat] = outs, eng.scheduler.num_preemptions, eng.stats(), layouts
+            assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        finally:
+            eng.shutdown()
+    (want, preempted, plain_stats, _), (got, preempted_flat, stats, flat_layouts) = runs[False], runs[True]
+    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert all(o.error is None for o in got)
+    for a, b in zip(got, want):
+        if b.logprobs:
+            for key in ("input_token_logprobs", "output_token_logprobs"):
+                torch.testing.assert_close(torch.tensor([e[0] for e in a.logprobs[key][1:]]),
+                                           torch.tensor([e[0] for e in b.logprobs[key][1:]]))
+            assert [[t for _, t, _ in row] for row in a.logprobs["output_top_logprobs"]] == [
+                [t for _, t, _ in row] for row in b.logprobs["output_top_logprobs"]]
+    assert preempted > 0 and preempted_flat > 0
+    assert stats.prefix_cache_hits > 0 and plain_stats.prefix_cache_hits > 0
+    assert flat_layouts and eng.model.graphs.replays > 0
