@@ -519,6 +519,7 @@ class LLMEngine:
             max_prefill_tokens_while_decoding=self.config.prefill_cap(),
             prefill_context_unit=self.config.prefill_unit(),
             prefill_tokens_per_decode=self.config.prefill_per_decode(),
+            flat_prefill_tokens=self.config.flat_tokens(),
             cuda_graphs=self.model.graphs is not None,
             torch_threads=self.torch_threads,
         )

@@ -761,7 +761,8 @@ def test_get_server_info_reports_the_effective_engine_config(triton, base_url):
     assert engine["stats"]["open_requests"] >= 0
     # Every "auto" setting as resolved on this CPU host, the llm model's own included.
     assert (cfg["max_prefill_tokens_while_decoding"], cfg["prefill_context_unit"], cfg["prefill_tokens_per_decode"],
-            cfg["cuda_graphs"], cfg["max_responses_per_step"], cfg["stream_interval"]) == (96, 640, 6, False, 16, 1)
+            cfg["flat_prefill_tokens"], cfg["cuda_graphs"], cfg["max_responses_per_step"],
+            cfg["stream_interval"]) == (96, 640, 6, 0, False, 16, 1)
     assert cfg["torch_threads"] >= 1 and cfg["response_senders"] >= 1
     # Left unset on purpose only: the pool was sized in blocks, and no logits processors are allowed.
     assert {k for k, v in cfg.items() if v is None} <= {"kv_cache_memory_mb", "logits_processor_pattern", "speculative_config"}, cfg
