@@ -176,6 +176,7 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.prefill_cap(),
             prefill_context_unit=config.prefill_unit(), prefill_tokens_per_decode=config.prefill_per_decode(),
             policy=config.scheduling_policy, flat_step_tokens=config.flat_tokens(),
+            prefill_cap_queue_ratio=config.prefill_cap_queue_ratio,
         )
         self.sampler = Sampler(self.model.config.vocab_size)
         spec = config.speculative_config

@@ -66,6 +66,7 @@ class Scheduler:
         prefill_tokens_per_decode: int = 0,
         policy: Literal["fcfs", "priority"] = "fcfs",
         flat_step_tokens: int = 0,
+        prefill_cap_queue_ratio: float = 0.0,
     ) -> None:
         self.block_manager = block_manager
         self.by_priority = policy == "priority"
@@ -81,6 +82,9 @@ class Scheduler:
         # EngineConfig.flat_prefill_tokens: while streams decode, chunks are cut so the step stays
         # within it (a flat step, on CUDA a decode graph), where that leaves room for a chunk.
         self.flat_step_tokens = flat_step_tokens
+        # EngineConfig.prefill_cap_queue_ratio: the cap above is lifted while more than this many
+        # requests per running one wait. 0: never.
+        self.prefill_cap_queue_ratio = prefill_cap_queue_ratio
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -103,7 +107,11 @@ class Scheduler:
             self.running.sort(key=_priority_order)
 
         num_decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
-        decoding = num_decoding > 0
+        # In a burst more requests wait than run: their users wait for a first token, which is
+        # worth more than the streams' next one. The step then admits with its whole budget, as
+        # vLLM always does, until the batch has caught up with the queue.
+        queued = 0 < self.prefill_cap_queue_ratio * len(self.running) < len(self.waiting)
+        decoding = num_decoding > 0 and not queued
         cap = max(self.max_prefill_tokens_while_decoding, self.prefill_tokens_per_decode * num_decoding)
         if decoding and self.flat_step_tokens - num_decoding >= MIN_PREFILL_CHUNK:
             cap = min(cap, self.flat_step_tokens - num_decoding)

@@ -144,6 +144,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "max_prefill_tokens_while_decoding": int,
         "prefill_context_unit": int,
         "prefill_tokens_per_decode": int,
+        "prefill_cap_queue_ratio": float,
         "flat_prefill_tokens": int,
         "max_model_len": int,
         "speculative_config": str,  # JSON text, validated by EngineConfig

@@ -157,6 +157,38 @@ def test_prefill_cap_while_decoding_grows_with_the_decode_batch():
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_prefill_cap_is_lifted_while_more_requests_wait_than_run():
+    """A burst (more waiting than running) admits with the whole budget; a long prompt arriving
+    beside running streams, or a queue no deeper than the batch, stays capped; ratio 0: always."""
+    def first_step(ratio: float, num_decoders: int, num_waiting: int) -> tuple[int, int]:
+        bm = BlockManager(num_blocks=4096, block_size=16)
+        sched = Scheduler(bm, max_num_seqs=128, max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=96,
+                          prefill_context_unit=640, prefill_tokens_per_decode=6, prefill_cap_queue_ratio=ratio)
+        for _ in range(num_decoders):
+            d = _seq(4)
+            d.num_computed_tokens = 4
+            d.token_ids.append(9)
+            bm.allocate(d, 5)
+            sched.running.append(d)
+        for _ in range(num_waiting):
+            sched.add(_seq(300))
+        step = sched.schedule()
+        assert sum(1 for item in step if item.num_new_tokens == 1) == num_decoders  # every decode goes
+        prefill = sum(item.num_new_tokens for item in step if item.num_new_tokens > 1)
+        for item in step:
+            bm.free(item.seq)
+        assert bm.num_free_blocks == bm.num_blocks
+        return prefill, len(sched.waiting)
+
+    # 8 streams, 9 waiting: the whole budget (6 prompts of 300, a chunk of the 7th); 2 still wait.
+    assert first_step(1.0, 8, 9) == (2048 - 8, 2)
+    assert first_step(1.0, 8, 8) == (96, 7)  # no deeper than the batch: capped, one chunk
+    assert first_step(1.0, 8, 1) == (96, 0)  # a prompt arriving beside the streams: capped
+    assert first_step(2.0, 8, 16) == (96, 15)  # the ratio sets the depth
+    assert first_step(2.0, 8, 17)[0] == 2048 - 8
+    assert first_step(0.0, 8, 60) == (96, 59)  # 0: never lifted
+
+
 def test_scheduler_preempts_newest_when_pool_runs_dry():
     bm = BlockManager(num_blocks=4, block_size=4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
