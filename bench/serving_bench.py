@@ -48,16 +48,13 @@ import platform
 import random
 import signal
 import statistics
-import struct
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -68,6 +65,14 @@ import torch  # noqa: E402
 from client.perf.make_inputs import ids_entries, mixed_workload, usable_vocab, write  # noqa: E402
 from client.perf.run_perf_analyzer import percentile as pct  # noqa: E402
 from openai_frontend.__main__ import workers_arg  # noqa: E402
+from bench.load_clients import (  # noqa: E402,F401 (Rec, closed_loop: also the other benchmarks' imports)
+    ClientPool,
+    Rec,
+    Workload,
+    closed_loop,
+    openai_requester,
+    triton_requester,
+)
 
 SECTIONS = ("hf_one_by_one", "hf_static", "engine", "triton", "triton_llm", "frontend", "frontend_nonstream", "perf_analyzer",
             "alternating",
@@ -97,21 +102,6 @@ class CutOff(BaseException):
 def _cut_off(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not break the cleanup
     raise CutOff()
-
-
-@dataclass
-class Rec:
-    """One request as its client saw it (perf_counter seconds)."""
-
-    start: float = 0.0
-    end: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)  # arrivals of responses carrying tokens
-    tokens: int = 0
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    error: Optional[str] = None
-    cached_tokens: int = 0
-    reordered: int = 0  # responses that arrived out of generation order
 
 
 def metrics(recs: Sequence[Rec], wall: float, streaming: bool = True) -> dict[str, Any]:
@@ -147,41 +137,7 @@ def metrics(recs: Sequence[Rec], wall: float, streaming: bool = True) -> dict[st
     return out
 
 
-async def closed_loop(request: Callable[[int], Awaitable[Rec]], indices: Sequence[int], concurrency: int
-                      ) -> tuple[list[Rec], float]:
-    """`concurrency` clients, each sending its next request when the previous one ends."""
-    it = iter(indices)
-    recs: dict[int, Rec] = {}
-
-    async def client() -> None:
-        for i in it:
-            try:
-                recs[i] = await request(i)
-            except Exception as exc:  # keep measuring the others
-                recs[i] = Rec(start=time.perf_counter(), end=time.perf_counter(), error=f"{type(exc).__name__}: {exc}")
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(max(1, min(concurrency, len(indices))))))
-    wall = time.perf_counter() - t0
-    return [recs[i] for i in indices], wall
-
-
-# ====================================================================== workload
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    new_tokens: list[int]
-    temperature: float
-    seeds: list[int]
-
-    def sampling(self, i: int) -> dict[str, Any]:
-        p: dict[str, Any] = {"max_new_tokens": self.new_tokens[i], "temperature": self.temperature,
-                             "ignore_eos": True}
-        if self.temperature > 0:
-            p["seed"] = self.seeds[i]
-        return p
-
-
+# ====================================================================== device
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -240,9 +196,10 @@ def machine_busy_s() -> float:
 
 class CpuMeter:
     """Cores used during a measurement by: this process (client, and the engine when in-process),
-    the tritonserver tree, the frontend, and everything else on the machine (other load)."""
+    the tritonserver tree, the frontend, the client processes (--client-procs), and everything
+    else on the machine (other load)."""
 
-    def __init__(self, pids: dict[str, Optional[int]]) -> None:
+    def __init__(self, pids: dict[str, Union[None, int, list[int]]]) -> None:
         self.pids = pids
 
     def snapshot(self) -> dict[str, float]:
@@ -250,7 +207,7 @@ class CpuMeter:
         t = os.times()
         snap = {"bench_process": t.user + t.system, "machine": machine_busy_s(), "wall": time.perf_counter()}
         for name, pid in self.pids.items():
-            snap[name] = tree_cpu(pid, stats)
+            snap[name] = sum(tree_cpu(p, stats) for p in pid) if isinstance(pid, list) else tree_cpu(pid, stats)
         return snap
 
     @staticmethod
@@ -380,85 +337,6 @@ def engine_requester(engine, prompts: Sequence[Sequence[int]], sampling: Callabl
     return request
 
 
-# ====================================================================== tritonserver (ensemble)
-def _ids_from_raw(raw: bytes) -> list[int]:
-    return list(struct.unpack(f"<{len(raw) // 4}i", raw[: len(raw) // 4 * 4]))
-
-
-def triton_requester(url: str, wl: Workload, model: str = "ensemble"):
-    import numpy as np
-    import tritonclient.grpc.aio as grpc_aio
-    from tritonclient.grpc import InferInput
-
-    holder: dict[str, Any] = {}
-
-    def client():
-        if "c" not in holder:
-            holder["c"] = grpc_aio.InferenceServerClient(url)
-        return holder["c"]
-
-    def inputs(i: int) -> list:
-        ids = np.asarray(wl.prompts[i], dtype=np.int32)
-        t_ids = InferInput("input_ids", [int(ids.size)], "INT32")
-        t_ids.set_data_from_numpy(ids)
-        t_stream = InferInput("stream", [1], "BOOL")
-        t_stream.set_data_from_numpy(np.array([True]))
-        t_params = InferInput("sampling_parameters", [1], "BYTES")
-        t_params.set_data_from_numpy(np.array([json.dumps(wl.sampling(i)).encode()], dtype=np.object_))
-        return [t_ids, t_stream, t_params]
-
-    async def request(i: int) -> Rec:
-        rec = Rec()
-        done = asyncio.Event()
-        payload = {"model_name": model, "inputs": inputs(i), "request_id": uuid.uuid4().hex,
-                   "parameters": {"triton_enable_empty_final_response": True}}
-
-        async def requests():
-            yield payload
-            await done.wait()
-
-        idx = cidx = -1
-        pieces: list[tuple[int, list[int]]] = []  # (position of the first token, ids)
-        expected = 0
-        rec.start = time.perf_counter()
-        responses = client().stream_infer(requests())
-        try:
-            async for result, error in responses:
-                now = time.perf_counter()
-                if error is not None:
-                    rec.error = str(error)
-                    break
-                resp = result.get_response()
-                if resp.outputs:
-                    if idx < 0:
-                        names = [o.name for o in resp.outputs]
-                        idx, cidx = names.index("output_ids"), names.index("completion_tokens")
-                    new = _ids_from_raw(resp.raw_output_contents[idx])
-                    if new:
-                        rec.chunk_times.append(now)
-                        # completion_tokens is cumulative: where these tokens belong. The ensemble
-                        # may deliver responses out of order (postprocessing on several instances).
-                        begin = _ids_from_raw(resp.raw_output_contents[cidx])[0] - len(new)
-                        rec.reordered += begin != expected
-                        expected = max(expected, begin + len(new))
-                        pieces.append((begin, new))
-                final = resp.parameters.get("triton_final_response")
-                if final is not None and final.bool_param:
-                    break
-        finally:
-            done.set()
-        rec.end = time.perf_counter()
-        rec.ids = [t for _, ids in sorted(pieces, key=lambda p: p[0]) for t in ids]
-        rec.tokens = len(rec.ids)
-        return rec
-
-    async def close() -> None:
-        if "c" in holder:
-            await holder.pop("c").close()
-
-    return request, close
-
-
 # ====================================================================== OpenAI frontend
 class Frontend:
     def __init__(self, triton_url: str, model_path: Path, log_file: Path, name: str = "demo", workers: int = 1) -> None:
@@ -501,54 +379,6 @@ class Frontend:
         self.proc = None
         if getattr(self, "_log", None):
             self._log.close()
-
-
-def openai_requester(base_url: str, name: str, wl: Workload, stream: bool):
-    import httpx
-    from openai import AsyncOpenAI
-
-    holder: dict[str, Any] = {}
-
-    def client() -> AsyncOpenAI:
-        if "c" not in holder:
-            http = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=4096),
-                                     timeout=httpx.Timeout(1800.0))
-            holder["c"] = AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, http_client=http)
-        return holder["c"]
-
-    async def request(i: int) -> Rec:
-        rec = Rec()
-        extra: dict[str, Any] = {"ignore_eos": True}
-        kwargs: dict[str, Any] = dict(model=name, prompt=list(wl.prompts[i]), max_tokens=wl.new_tokens[i],
-                                      temperature=wl.temperature, extra_body=extra)
-        if wl.temperature > 0:
-            kwargs["seed"] = wl.seeds[i]
-        rec.start = time.perf_counter()
-        if stream:
-            texts = []
-            resp = await client().completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
-            async for chunk in resp:
-                now = time.perf_counter()
-                if chunk.choices:
-                    c = chunk.choices[0]
-                    if c.text or not c.finish_reason:
-                        rec.chunk_times.append(now)
-                    texts.append(c.text or "")
-                if chunk.usage is not None:
-                    rec.tokens = chunk.usage.completion_tokens
-            rec.text = "".join(texts)
-        else:
-            resp = await client().completions.create(stream=False, **kwargs)
-            rec.tokens = resp.usage.completion_tokens
-            rec.text = resp.choices[0].text
-        rec.end = time.perf_counter()
-        return rec
-
-    async def close() -> None:
-        if "c" in holder:
-            await holder.pop("c").close()
-
-    return request, close
 
 
 def div(x: Optional[float], y: Optional[float]) -> Optional[float]:
@@ -662,7 +492,8 @@ class Bench:
         self.indices = list(range(args.num_requests))
         self.reference_ids: Optional[list[list[int]]] = None  # engine at the first level
         self.reference_texts: Optional[list[str]] = None  # and the text it released
-        self.pids: dict[str, Optional[int]] = {}  # tritonserver / frontend, for CPU accounting
+        # tritonserver / frontend / the client processes, for CPU accounting
+        self.pids: dict[str, Union[None, int, list[int]]] = {}
         from backend.gc_freeze import freeze_startup_heap
 
         # As every served process does after start-up, so the engine alone runs as it does there.
@@ -852,13 +683,13 @@ class Bench:
 
     async def _warm(self, request: Callable[[int], Awaitable[Rec]], n: int = 2) -> None:
         # Short warm-up requests of the workload's own prompts (allocator, kernels, connections).
-        await closed_loop(lambda i: request(i), list(range(min(n, len(self.indices)))), n)
+        await closed_loop(request, list(range(min(n, len(self.indices)))), n)
         if self.args.device.startswith("cuda"):
             # On a GPU the step's kernels compile for each new shape on first use (a batch size,
             # a flat step's rows): the whole workload once at the top level, so the first level
             # measured does not pay for them (an H100's engine ran 5696 tok/s at c=64 in the
             # sweep and 8697 after it, warmed up on 2 requests).
-            await closed_loop(lambda i: request(i), self.indices, max(self.args.concurrency))
+            await closed_loop(request, self.indices, max(self.args.concurrency))
 
     def main_prefix_override(self) -> dict[str, Any]:
         mode = self.args.main_prefix_caching
@@ -1004,17 +835,33 @@ class Bench:
         closers = []
         for system, model in (("triton", "ensemble"), ("triton_llm", "llm")):
             if system in paths:
-                requesters[system], close = triton_requester(srv.grpc_url, self.wl, model=model)
+                requesters[system], close = self.requester("triton_requester", srv.grpc_url, self.wl, model)
                 closers.append(close)
         fe: Optional[Frontend] = None
         if "frontend" in paths or "frontend_nonstream" in paths:
             fe = Frontend(srv.grpc_url, self.args.model_path, frontend_log, workers=self.args.frontend_workers).start()
             for system, stream in (("frontend", True), ("frontend_nonstream", False)):
                 if system in paths:
-                    requesters[system], close = openai_requester(f"http://127.0.0.1:{fe.port}/v1", fe.name,
-                                                                  self.wl, stream)
+                    requesters[system], close = self.requester("openai_requester", f"http://127.0.0.1:{fe.port}/v1",
+                                                                fe.name, self.wl, stream)
                     closers.append(close)
         return requesters, closers, fe
+
+    def requester(self, factory: str, *args: Any) -> tuple[Any, Callable[[], Awaitable[None]]]:
+        """A server path's requester (bench.load_clients.<factory>(*args)) and its close function: in
+        this process, or a ClientPool of --client-procs processes counted as "clients" in CPU use."""
+        procs = self.args.client_procs
+        if procs < 2:
+            return {"triton_requester": triton_requester, "openai_requester": openai_requester}[factory](*args)
+        pool = ClientPool(f"bench.load_clients:{factory}", args, procs)
+        clients = self.pids.setdefault("clients", [])
+        clients.extend(pool.pids)
+
+        async def close() -> None:
+            pool.close()
+            self.pids["clients"] = [p for p in self.pids.get("clients", []) if p not in pool.pids]
+
+        return pool, close
 
     def run_servers(self, run_dir: Path) -> None:
         if not any(self.want(s) for s in (*SERVER_PATHS, "perf_analyzer")):
@@ -1352,6 +1199,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--frontend-workers", type=workers_arg, default="auto",
                     help="the frontend's server processes (its --workers): each takes a share of the requests' "
                          "HTTP, validation and gRPC work, ~1.3 ms of CPU a request on 2 cores (default: the frontend's auto)")
+    ap.add_argument("--client-procs", type=workers_arg, default="auto",
+                    help="client processes for the server paths, each with its share of the requests and the "
+                         "concurrency (default auto, as --frontend-workers: 1 below 8 cores, up to 4): one Python "
+                         "process parsing 64 OpenAI SDK streams used 0.91 of a core on an H100 host")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="EngineConfig field for the engine in this process and, as LLM_KEY, for tritonserver "
                          "(e.g. max_num_seqs=256); repeatable")
@@ -1437,7 +1288,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                      "total_prompt_tokens": sum(map(len, wl.prompts)), "total_output_tokens": sum(wl.new_tokens),
                      "temperature": args.temperature, "ignore_eos": True, "seed": args.seed,
                      "main_prefix_caching": args.main_prefix_caching, "engine_args": args.engine_args,
-                     "frontend_workers": args.frontend_workers},
+                     "frontend_workers": args.frontend_workers, "client_procs": args.client_procs},
         "sections": sorted(args.sections),
     })
     log(f"workload: {args.num_requests} requests, {results['workload']['total_prompt_tokens']} prompt / "
