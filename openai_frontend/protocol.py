@@ -91,7 +91,8 @@ class StreamOptions(_Strict):
 
 
 class FunctionDefinition(_Strict):
-    name: str
+    # A call to a nameless function could not be told from text: the parsers need a name.
+    name: str = Field(min_length=1)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
@@ -127,6 +128,13 @@ class ChatMessage(_Open):
         if v not in ("system", "developer", "user", "assistant", "tool", "function"):
             raise ValueError(f"unknown message role '{v}'")
         return v
+
+    @model_validator(mode="after")
+    def _content_where_required(self) -> "ChatMessage":
+        # OpenAI: only an assistant message (its tool calls say what it did) may leave it out.
+        if self.content is None and self.role in ("system", "developer", "user", "tool"):
+            raise ValueError(f"a '{self.role}' message needs 'content'")
+        return self
 
 
 StopType = Optional[Union[str, list[str]]]

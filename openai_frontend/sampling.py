@@ -139,7 +139,16 @@ def _check_completion(req: CompletionRequest) -> None:
 
 def constraint_from_request(req: AnyRequest) -> Optional[tuple[str, Any]]:
     """The structured-output constraint the request asks for: (key, value) or None."""
-    found: list[tuple[str, str, Any]] = []  # (param, key, value)
+    found = _constraints(req)
+    if len(found) > 1:
+        names = ", ".join(p for p, _, _ in found)
+        raise bad_request(f"only one structured-output constraint may be given, got: {names}", param=found[1][0])
+    return (found[0][1], found[0][2]) if found else None
+
+
+def _constraints(req: AnyRequest) -> list[tuple[str, str, Any]]:
+    """Every structured-output constraint the request gives: (its parameter, the engine's key, value)."""
+    found: list[tuple[str, str, Any]] = []
     rf = req.response_format
     if rf is not None:
         kind = rf.get("type")
@@ -175,10 +184,7 @@ def constraint_from_request(req: AnyRequest) -> Optional[tuple[str, Any]]:
         found.append(("ebnf", "ebnf", req.ebnf))
     if req.structural_tag is not None:
         found.append(("structural_tag", "structural_tag", _dumps(req.structural_tag)))
-    if len(found) > 1:
-        names = ", ".join(p for p, _, _ in found)
-        raise bad_request(f"only one structured-output constraint may be given, got: {names}", param=found[1][0])
-    return (found[0][1], found[0][2]) if found else None
+    return found
 
 
 def adapter_for(req: AnyRequest, adapters: tuple[str, ...]) -> Optional[str]:
@@ -195,7 +201,6 @@ _OPENAI_NAMES = {
     "min_new_tokens": "min_tokens",
     "no_stop_trim": "include_stop_str_in_output",
     "top_logprobs_num": "top_logprobs",
-    "json_schema": "response_format",
     "whitespace_pattern": "guided_whitespace_pattern",
 }
 
@@ -208,6 +213,12 @@ def openai_param(exc: APIError, req: AnyRequest) -> APIError:
         return model_not_found(req.model)
     if exc.param == "max_new_tokens":
         exc.param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        exc.message = exc.message.replace("max_new_tokens", exc.param)
+    elif exc.param in CONSTRAINT_KEYS:
+        # The engine names the constraint by its kind; the request gave it under one of several
+        # names (response_format, guided_json, json_schema, ...).
+        given = _constraints(req)
+        exc.param = given[0][0] if given else exc.param
     elif exc.param in _OPENAI_NAMES:
         exc.param = _OPENAI_NAMES[exc.param]
     elif (exc.param is None and exc.message == "the prompt is empty") or exc.param == "input_ids":

@@ -340,7 +340,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         await ctx.refresh_adapters(model_id)
         if model_id in ctx.adapter_names():
             return json_response(adapter_card(model_id))
-        if model_id != ctx.model_name:
+        if model_id not in ctx.settings.model_aliases:  # the names requests may give it
             raise model_not_found(model_id)
         return json_response(model_card(await ctx.max_model_len()))
 

@@ -144,7 +144,12 @@ class ToolCallStreamer:
                 self.calls[k].arguments += args
                 if k > 0 and not self.parallel:
                     continue
-                deltas.append({"index": k, "function": {"arguments": args}})
+                if deltas and deltas[-1]["index"] == k:
+                    # One entry per call per chunk, as OpenAI streams them: a client that reads
+                    # one entry for an index would otherwise lose this fragment.
+                    deltas[-1]["function"]["arguments"] += args
+                else:
+                    deltas.append({"index": k, "function": {"arguments": args}})
         return deltas
 
 

@@ -63,6 +63,8 @@ def test_models(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    # The Triton model's name is one a request may give too (Context.check_model): the same card.
+    assert client.models.retrieve("ensemble").id == MODEL
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("other")
     assert err.value.body["code"] == "model_not_found"
@@ -801,6 +803,8 @@ def _reassemble(stream) -> tuple[str, dict[int, dict], list]:
     for chunk in stream:
         for c in chunk.choices:
             content += c.delta.content or ""
+            indices = [d.index for d in c.delta.tool_calls or []]
+            assert len(indices) == len(set(indices)), "two entries for one call in a chunk (OpenAI sends one)"
             for d in c.delta.tool_calls or []:
                 call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
                 if d.id:
@@ -1045,6 +1049,23 @@ def test_build_inputs():
     with pytest.raises(APIError):
         build_inputs(EngineRequest({}))
     assert np  # keep the import used
+
+
+def test_nameless_functions_and_messages_without_content_are_refused(client, fake):
+    nameless = {"type": "function", "function": {"name": "", "parameters": {"type": "object"}}}
+    for kwargs in ({"tools": [nameless], "tool_choice": "required"},
+                   {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ""}}}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+        assert "name" in _error(err)["message"]
+    for role in ("user", "system", "developer", "tool"):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=[*MESSAGES, {"role": role}])
+        assert f"a '{role}' message needs 'content'" in _error(err)["message"]
+    assert not fake.requests
+    # An assistant message may leave it out (its tool calls, or nothing yet, say what it did).
+    client.chat.completions.create(model=MODEL, messages=[*MESSAGES, {"role": "assistant"}, *MESSAGES])
+    assert len(fake.requests) == 1
 
 
 def test_stream_options_require_stream(client):

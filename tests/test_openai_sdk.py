@@ -898,3 +898,13 @@ def test_context_limits_and_param_names_as_vllm(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=max_len)
     assert err.value.body["param"] == "max_completion_tokens" and "at most" in err.value.body["message"]
+    assert err.value.body["message"].startswith("max_completion_tokens must be")  # the client's word, not max_new_tokens
+    # A constraint the engine refuses is named as the request gave it, whichever of the names.
+    for extra, param in (({"guided_regex": "[0-9"}, "guided_regex"), ({"regex": "[0-9"}, "regex"),
+                         ({"guided_grammar": "root ::= "}, "guided_grammar"),
+                         ({"guided_json": {"type": "nope"}}, "guided_json"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+                          "response_format")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)
+        assert err.value.body["param"] == param, (extra, err.value.body)
