@@ -712,7 +712,6 @@ class LLMEngine:
             per_position[position] += 1
         predicted = seq.draft_predicted
         (self.predictions if predicted else self.proposer).verified(seq.seq_id, seq.num_tokens + accepted + 1, accepted)
-        accepted_before, rejected_before = seq.prediction_accepted, seq.prediction_rejected
         kept_before = seq.spec_accepted_tokens
         seq.spec_verify_ct += 1
         seq.spec_draft_tokens += len(draft)
@@ -720,11 +719,7 @@ class LLMEngine:
             if j:  # the draft token before this one was drawn: its K/V stand
                 seq.num_computed_tokens += 1
             # The counts as they stand should the sequence end with this token.
-            kept = min(accepted, j + 1)
-            seq.spec_accepted_tokens = kept_before + kept
-            if predicted:
-                seq.prediction_accepted = accepted_before + kept
-                seq.prediction_rejected = rejected_before + len(draft) - kept
+            seq.spec_accepted_tokens = kept_before + min(accepted, j + 1)
             if not self._take_token(seq, token, result.logprobs[row + j], result.errors.get(row + j)):
                 return
         self.block_manager.register_full_blocks(seq)
@@ -752,6 +747,10 @@ class LLMEngine:
                 new_tokens = self._jump_forward(tracked)
         if lp is not None:
             tracked.state.add_logprobs(self._logprob_entries("output", [lp], seq.params))
+        if seq.prediction is not None:  # OpenAI's counts, as they stand should the output end here
+            seq.prediction_accepted = self.predictions.taken(seq.seq_id, seq.prediction, seq.token_ids,
+                                                             seq.num_prompt_tokens)
+            seq.prediction_rejected = len(seq.prediction.tokens) - seq.prediction_accepted
         try:
             out = tracked.state.on_tokens(seq, new_tokens, grammar_done=grammar_done)
         except StopRegexTimeout as exc:

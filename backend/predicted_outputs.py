@@ -46,9 +46,10 @@ class Prediction:
         self._array = np.asarray(tokens, dtype=np.int64)
         self._vocab = frozenset(tokens)
 
-    def rejoin(self, output: list[int], floor: int) -> Optional[int]:
-        """The prediction position after the output's tail (its last 3 or 2 tokens, longest
-        first), nearest at or after `floor`, else the latest before it; None when none occurs."""
+    def rejoin(self, output: list[int], floor: int) -> Optional[tuple[int, int]]:
+        """(the prediction position after the output's tail, the tail's length): its last 3 or 2
+        tokens, longest first, nearest at or after `floor`, else the latest before it; None when
+        none occurs."""
         if len(output) < REJOIN_SIZES[-1] or not all(t in self._vocab for t in output[-REJOIN_SIZES[-1] :]):
             return None
         p = self._array
@@ -62,7 +63,7 @@ class Prediction:
             ends = np.flatnonzero(match) + n
             if len(ends):
                 i = int(np.searchsorted(ends, floor))
-                return int(ends[i] if i < len(ends) else ends[-1])
+                return int(ends[i] if i < len(ends) else ends[-1]), n
         return None
 
 
@@ -74,6 +75,8 @@ class _Follow:
     seen: int  # the sequence's length when last followed
     floor: int = 0  # where the output last stood in the prediction
     backoff: Backoff = field(default_factory=Backoff)
+    taken: int = 0  # output tokens that continued the prediction where the output stood in it
+    parted: int = 0  # the index of the output token where it last left the prediction
 
 
 class PredictionProposer:
@@ -88,6 +91,27 @@ class PredictionProposer:
         """Up to min(k, limit) prediction tokens to follow the sequence's newest one; [] while
         the output stands nowhere in the prediction, or at its end. `tokens` (prompt and output)
         only grows between calls for one sequence."""
+        f = self._follow(seq_id, prediction, tokens, num_prompt_tokens)
+        if limit <= 0 or not f.backoff.ready(len(tokens)):
+            return []
+        if f.pos is None:
+            found = prediction.rejoin(tokens[max(num_prompt_tokens, len(tokens) - REJOIN_SIZES[0]) :], f.floor)
+            if found is None:
+                return []
+            f.pos, tail = found
+            f.floor = f.pos
+            f.taken += min(tail, len(tokens) - f.parted)  # the tail's tokens from where it parted on
+        return prediction.tokens[f.pos : f.pos + min(self.k, limit)]
+
+    def taken(self, seq_id: int, prediction: Prediction, tokens: list[int], num_prompt_tokens: int) -> int:
+        """The prediction's tokens the output has taken so far: OpenAI's
+        accepted_prediction_tokens (the rest of the prediction is its rejected ones). Each
+        output token that continued the prediction where the output stood in it counts, drafted
+        or drawn, and so does the tail by which the output rejoined it after an edit."""
+        return min(self._follow(seq_id, prediction, tokens, num_prompt_tokens).taken, len(prediction.tokens))
+
+    def _follow(self, seq_id: int, prediction: Prediction, tokens: list[int], num_prompt_tokens: int) -> _Follow:
+        """The sequence's place in its prediction, moved along the tokens added since last time."""
         f = self._follows.get(seq_id)
         if f is None:
             f = self._follows[seq_id] = _Follow(pos=0, seen=num_prompt_tokens)
@@ -97,17 +121,11 @@ class PredictionProposer:
                 continue
             if f.pos < len(predicted) and predicted[f.pos] == tokens[i]:
                 f.pos += 1
+                f.taken += 1
             else:  # parted here
-                f.floor, f.pos = f.pos, None
+                f.floor, f.pos, f.parted = f.pos, None, i
         f.seen = len(tokens)
-        if limit <= 0 or not f.backoff.ready(len(tokens)):
-            return []
-        if f.pos is None:
-            f.pos = prediction.rejoin(tokens[max(num_prompt_tokens, len(tokens) - REJOIN_SIZES[0]) :], f.floor)
-            if f.pos is None:
-                return []
-            f.floor = f.pos
-        return predicted[f.pos : f.pos + min(self.k, limit)]
+        return f
 
     def verified(self, seq_id: int, length: int, accepted: int) -> None:
         """A draft was verified and `accepted` of its tokens kept; the sequence is now `length`

@@ -68,9 +68,9 @@ class Sequence:
     # Speculative decoding: tokens proposed to follow this decoding sequence's newest one, which
     # the next step verifies (backend/speculative.py); set before each step, [] for none.
     draft_tokens: list[int] = field(default_factory=list)
-    # Predicted Outputs (backend/predicted_outputs.py): the request's Prediction, and its draft
-    # tokens this sequence kept and those its steps verified and discarded (OpenAI's
-    # accepted_prediction_tokens / rejected_prediction_tokens).
+    # Predicted Outputs (backend/predicted_outputs.py): the request's Prediction, the prediction's
+    # tokens the output took and the rest of them (OpenAI's accepted_prediction_tokens /
+    # rejected_prediction_tokens: PredictionProposer.taken).
     prediction: Any = None
     draft_predicted: bool = False  # draft_tokens come from the prediction
     prediction_accepted: int = 0

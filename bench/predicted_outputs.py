@@ -80,6 +80,9 @@ def serve(engine: LLMEngine, prompts: list[list[int]], batch: int, max_new: int,
     return {"seconds": elapsed, "tok_s": tokens / elapsed, "steps": engine.stats().num_steps - before.num_steps,
             "accepted": sum(o.accepted_prediction_tokens or 0 for o in outs),
             "rejected": sum(o.rejected_prediction_tokens or 0 for o in outs),
+            # the drafts' own counts (SGLang's spec_* meta): tokens verified, and kept
+            "drafted": sum((o.spec or {}).get("spec_draft_token_num", 0) for o in outs),
+            "kept": sum((o.spec or {}).get("spec_accept_token_num", 0) for o in outs),
             "ids": [o.new_token_ids for o in outs]}
 
 
@@ -124,11 +127,13 @@ def main() -> None:
                         "speedup": statistics.median(x["seconds"] / y["seconds"] for x, y in zip(runs["off"], runs["on"])),
                         "steps_off": runs["off"][-1]["steps"], "steps_on": on["steps"],
                         "accepted_prediction_tokens": on["accepted"], "rejected_prediction_tokens": on["rejected"],
+                        "draft_tokens_kept": on["kept"], "draft_tokens_thrown_away": on["drafted"] - on["kept"],
                     }
                     results.append(res)
                     print(f"{kind:9s} k={k:2d} batch {batch:3d}: {res['speedup']:.2f}x (tok/s without "
                           f"{res['tok_s_off']} with {res['tok_s_on']}), steps {res['steps_off']} -> {res['steps_on']}, "
                           f"prediction tokens accepted {on['accepted']} rejected {on['rejected']}, "
+                          f"draft tokens kept {on['kept']} thrown away {on['drafted'] - on['kept']}, "
                           f"outputs equal: {res['outputs_equal']}", flush=True)
     finally:
         engine.shutdown()

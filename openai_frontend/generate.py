@@ -12,7 +12,8 @@ meta_info: id, finish_reason ({"type": "stop", "matched": ...} / {"type": "lengt
 return_logprob, the engine's SGLang-format logprob lists; with return_hidden_states,
 `hidden_states` (the prompt's final-norm rows as one entry, then one row per generated token
 fed back, as SGLang); with sampling_params.prediction (OpenAI's Predicted Outputs, an extension
-here), accepted_prediction_tokens and rejected_prediction_tokens; on a speculating server (or with
+here), accepted_prediction_tokens and rejected_prediction_tokens (OpenAI's: the prediction's
+tokens the output took, and the rest of it); on a speculating server (or with
 a prediction), at a sample's end, SGLang's spec_verify_ct, spec_draft_token_num,
 spec_accept_token_num, spec_accept_rate and spec_accept_length (output tokens per step).
 

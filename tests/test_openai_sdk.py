@@ -376,7 +376,13 @@ def test_return_hidden_states_as_sglang_openai(client):
 
 def test_predicted_outputs_keep_the_output_and_report_what_they_saved(client):
     """OpenAI's Predicted Outputs: the reply is the one without a prediction, streaming or not,
-    and usage says how many of the prediction's tokens it kept."""
+    and usage says how many of the prediction's tokens it took (accepted) and did not (rejected)."""
+    base = str(client.base_url).removesuffix("/v1/").removesuffix("/v1")
+
+    def num_tokens(text: str) -> int:
+        return httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False}
+                          ).json()["count"]
+
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=48, **GREEDY)
     plain = client.chat.completions.create(**kwargs)
     text = plain.choices[0].message.content
@@ -385,8 +391,8 @@ def test_predicted_outputs_keep_the_output_and_report_what_they_saved(client):
     assert r.choices[0].message.content == text
     assert r.usage.completion_tokens == plain.usage.completion_tokens
     details = r.usage.completion_tokens_details
-    assert 0 < details.accepted_prediction_tokens < r.usage.completion_tokens
-    assert details.rejected_prediction_tokens >= 0
+    assert 0 < details.accepted_prediction_tokens <= r.usage.completion_tokens
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == num_tokens(text)
     texts, _, usage, _ = _stream_chat(client, prediction={"type": "content", "content": text},
                                       stream_options={"include_usage": True}, **kwargs)
     assert texts == {0: text}
@@ -394,6 +400,8 @@ def test_predicted_outputs_keep_the_output_and_report_what_they_saved(client):
     # An unrelated prediction costs nothing but the drafts it never makes.
     r = client.chat.completions.create(prediction={"type": "content", "content": "Nothing like it " * 20}, **kwargs)
     assert r.choices[0].message.content == text
+    details = r.usage.completion_tokens_details  # none of it taken: all of it rejected
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, num_tokens("Nothing like it " * 20))
 
 
 def test_stop_strings_and_stop_token_ids(client):

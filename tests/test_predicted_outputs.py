@@ -51,6 +51,26 @@ def test_a_parted_output_drafts_again_where_its_tail_rejoins_the_prediction():
     assert q.propose(1, pred, [10, 11, 15, 16], 0, limit=9) == [17]
 
 
+def test_taken_counts_the_prediction_tokens_the_output_took_once_each():
+    """OpenAI's accepted_prediction_tokens: output tokens that continued the prediction, and the
+    tail that rejoined it after an edit, without the tail's tokens taken before the edit."""
+    pred = Prediction([1, 2, 3, 4, 5, 6, 7, 8, 4, 5, 9, 10, 11])
+    p = PredictionProposer(k=2)
+    prompt = [50, 51]
+    out = list(prompt)
+    for token in [1, 2, 3, 4, 5, 9, 10, 11, 60]:
+        out.append(token)
+        taken = p.taken(0, pred, out, len(prompt))
+        p.propose(0, pred, out, len(prompt), limit=9)
+    # 1..5 followed, 9 parted (the prediction goes on with 6); the tail "4 5 9" rejoins it at 9,
+    # whose 4 and 5 were taken already; 10 and 11 followed; 60 is not the prediction's.
+    assert taken == p.taken(0, pred, out, len(prompt)) == 5 + 1 + 2
+    # Nothing of an unrelated prediction; never more than the prediction holds.
+    q = PredictionProposer(k=2)
+    assert q.taken(1, Prediction([7, 8]), [50, 1, 2, 3], 1) == 0
+    assert q.taken(2, Prediction([1, 2]), [50, 1, 2, 1, 2], 1) == 2
+
+
 def test_a_rejoin_prefers_the_nearest_occurrence_after_where_the_output_parted():
     # "5 6" occurs three times; the output parted after position 4, so the occurrence ending at 8
     # is taken, not the first (ending at 2) nor the last (ending at 12).
@@ -139,21 +159,23 @@ def test_outputs_equal_decoding_without_a_prediction(demo_model_path, raw, spec)
             outs, steps[name] = _generate_with(eng, prompts, raw, predictions)
             assert [o.new_token_ids for o in outs] == exact, name
             assert [o.text for o in outs] == [o.text for o in base], name
-            for o in outs:
-                assert o.accepted_prediction_tokens is not None and o.rejected_prediction_tokens is not None
-                assert o.accepted_prediction_tokens <= o.completion_tokens - 1
-                # SGLang's spec_* meta: every draft here is the prediction's, or with n-grams on, more.
-                assert o.spec["spec_accept_token_num"] >= o.accepted_prediction_tokens
-                assert o.spec["spec_draft_token_num"] >= o.accepted_prediction_tokens + o.rejected_prediction_tokens
-                if spec is None:
-                    assert o.spec["spec_accept_token_num"] == o.accepted_prediction_tokens
-                    assert o.spec["spec_draft_token_num"] == o.accepted_prediction_tokens + o.rejected_prediction_tokens
-                if name == "exact":  # every drafted token holds: k of each k + 1 come from it
+            for o, prediction in zip(outs, predictions):
+                # OpenAI's counts: the prediction's tokens the output took, and the rest of them.
+                taken, rest = o.accepted_prediction_tokens, o.rejected_prediction_tokens
+                assert taken + rest == len(prediction) and 0 <= taken <= o.completion_tokens
+                if spec is None:  # SGLang's spec_* meta counts the drafts: all the prediction's here
+                    assert o.spec["spec_accept_token_num"] <= taken
+                if name == "exact":  # the prediction is the output: all of it taken
+                    assert (taken, rest) == (o.completion_tokens, 0)
+                    # and every draft held: k of each k + 1 tokens came from one
                     k = eng.predictions.k
-                    assert o.rejected_prediction_tokens == 0
-                    assert o.accepted_prediction_tokens >= (o.completion_tokens - 1) * k // (k + 1) - k
+                    assert o.spec["spec_accept_token_num"] >= (o.completion_tokens - 1) * k // (k + 1) - k
+                if name == "edited":
+                    # 7 output tokens are not the prediction's and 9 of its are not the output's
+                    # (_edited), give or take a chance match where the output rejoins it.
+                    assert o.completion_tokens - 9 <= taken <= o.completion_tokens - 5 and rest >= 7
                 if name == "unrelated":
-                    assert (o.accepted_prediction_tokens, o.rejected_prediction_tokens) == (0, 0)
+                    assert (taken, rest) == (0, len(prediction))
             assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
         # k=8 (or the n-gram config's 4) tokens a verifying step: the exact prediction takes a
         # fraction of the steps; an edited one still saves.
@@ -165,7 +187,8 @@ def test_outputs_equal_decoding_without_a_prediction(demo_model_path, raw, spec)
 
 def test_counts_stop_where_the_output_stops_inside_an_accepted_run(demo_model_path):
     """A stop token, a stop string or max_new_tokens inside a run of accepted draft tokens: the
-    tokens after it were verified, not kept, and count as rejected."""
+    output took the prediction up to there, and the rest of it counts as rejected (OpenAI's
+    counts); SGLang's spec_* meta counts the drafts verified past it as drafted, not kept."""
     prompts = _prompts(3, seed=9)
     eng = _engine(demo_model_path)
     try:
@@ -189,12 +212,14 @@ def test_counts_stop_where_the_output_stops_inside_an_accepted_run(demo_model_pa
                     stats = eng.stats()
                     out = got[0]
                     assert out.new_token_ids == want.new_token_ids and out.text == want.text
+                    assert (out.accepted_prediction_tokens, out.rejected_prediction_tokens) == (
+                        out.completion_tokens, len(ids) - out.completion_tokens)
                     drafted = stats.spec_draft_tokens_total - stats0.spec_draft_tokens_total
-                    assert out.accepted_prediction_tokens + out.rejected_prediction_tokens == drafted
+                    assert out.spec["spec_draft_token_num"] == drafted
                     # Every kept token but the first (prefill's) and one a verifying step came
-                    # from the prediction or a draw.
+                    # from a draft.
                     verifies = stats.spec_drafts_total - stats0.spec_drafts_total
-                    assert out.completion_tokens - 1 - verifies <= out.accepted_prediction_tokens <= out.completion_tokens - 1
+                    assert out.completion_tokens - 1 - verifies <= out.spec["spec_accept_token_num"] <= out.completion_tokens - 1
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     finally:
         eng.shutdown()
@@ -208,7 +233,10 @@ def test_n_samples_follow_the_prediction_each_and_report_their_own(demo_model_pa
         base = eng.generate([prompt], eng.parse_params(raw))
         got, _ = _generate_with(eng, [prompt], raw, [base[1].new_token_ids])
         assert [o.new_token_ids for o in got] == [o.new_token_ids for o in base]
-        assert got[1].rejected_prediction_tokens == 0 and got[1].accepted_prediction_tokens > 40
+        assert (got[1].accepted_prediction_tokens, got[1].rejected_prediction_tokens) == (got[1].completion_tokens, 0)
+        for other in (got[0], got[2]):  # the other samples took less of it: the rest is rejected
+            assert other.accepted_prediction_tokens + other.rejected_prediction_tokens == got[1].completion_tokens
+            assert other.accepted_prediction_tokens < other.completion_tokens
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     finally:
         eng.shutdown()
