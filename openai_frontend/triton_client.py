@@ -246,7 +246,8 @@ def _clean(message: str) -> str:
 # "unsupported parameter 'x'", "invalid sampling parameter x: ...", "x must be ...",
 # "x: ...", "priority 3 needs ...", "logits processor 'm.f' ..." -> x,
 # "LoRA adapter 'a' is not loaded" -> lora_path (the engine's name for it), "stop_token_ids token ids
-# must ..." -> stop_token_ids, "invalid regex: ..." -> regex, a prompt token out of range -> input_ids
+# must ..." -> stop_token_ids, "invalid regex: ..." -> regex, "chat_template_kwargs may not set ..." ->
+# chat_template_kwargs, a prompt token out of range -> input_ids
 _PARAM_RE = re.compile(
     r"parameter '([A-Za-z_][A-Za-z0-9_]*)'"
     r"|invalid sampling parameter ([A-Za-z_][A-Za-z0-9_]*)"
@@ -257,7 +258,8 @@ _PARAM_RE = re.compile(
     r"|^logits (processor) '"
     r"|^LoRA (adapter) '"
     r"|^([a-z_][a-z0-9_]*) token ids must "
-    r"|^invalid (json_schema|regex|ebnf|structural_tag)\b"
+    r"|^invalid (json_schema|regex|ebnf|structural_tag|whitespace_pattern)\b"
+    r"|^([a-z_][a-z0-9_]*) may not "
     r"|^(input_ids) out of range"
     r"|^prompt token (id) \d+ is out of range"
     r"|^Duplicate request (ID) detected"

@@ -967,6 +967,8 @@ def test_error_mapping():
                            ("logit_bias token ids must be < the vocabulary size 4096", "logit_bias"),
                            ("invalid json_schema: 'type' must be a string", "json_schema"),
                            ("invalid regex: unbalanced parenthesis", "regex"),
+                           ("invalid whitespace_pattern: nothing to repeat", "whitespace_pattern"),
+                           ("chat_template_kwargs may not set messages", "chat_template_kwargs"),
                            ("input_ids out of range [0, 4096): [99999]", "input_ids"),
                            ("prompt token id 99999 is out of range [0, 4096)", "input_ids")):
         assert map_stream_error(message).param == param, message

@@ -911,6 +911,8 @@ def test_context_limits_and_param_names_as_vllm(client):
     for extra, param in (({"guided_regex": "[0-9"}, "guided_regex"), ({"regex": "[0-9"}, "regex"),
                          ({"guided_grammar": "root ::= "}, "guided_grammar"),
                          ({"guided_json": {"type": "nope"}}, "guided_json"),
+                         ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "x+"}, "guided_whitespace_pattern"),
+                         ({"chat_template_kwargs": {"messages": "x"}}, "chat_template_kwargs"),
                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
                           "response_format")):
         with pytest.raises(openai.BadRequestError) as err:
