@@ -118,16 +118,21 @@ def test_prefill_cap_while_decoding_weighs_tokens_by_context():
     assert [s.num_new_tokens for s in plain.schedule()] == [1, 128]
 
 
-def _step_beside_decoders(sched: Scheduler, num_decoders: int) -> tuple[int, int]:
-    """One step of `sched` with `num_decoders` sequences decoding and a 3000-token prompt
-    waiting: (the prompt's chunk, the step's tokens). Every block is freed afterwards."""
-    bm = sched.block_manager
+def _add_decoders(sched: Scheduler, num_decoders: int) -> None:
+    """`num_decoders` running sequences, each with one token to decode."""
     for _ in range(num_decoders):
         d = _seq(4)
         d.num_computed_tokens = 4
         d.token_ids.append(9)
-        bm.allocate(d, 5)
+        sched.block_manager.allocate(d, 5)
         sched.running.append(d)
+
+
+def _step_beside_decoders(sched: Scheduler, num_decoders: int) -> tuple[int, int]:
+    """One step of `sched` with `num_decoders` sequences decoding and a 3000-token prompt
+    waiting: (the prompt's chunk, the step's tokens). Every block is freed afterwards."""
+    bm = sched.block_manager
+    _add_decoders(sched, num_decoders)
     long = _seq(3000)
     sched.add(long)
     step = sched.schedule()
@@ -164,12 +169,7 @@ def test_prefill_cap_is_lifted_while_more_requests_wait_than_run():
         bm = BlockManager(num_blocks=4096, block_size=16)
         sched = Scheduler(bm, max_num_seqs=128, max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=96,
                           prefill_context_unit=640, prefill_tokens_per_decode=6, prefill_cap_queue_ratio=ratio)
-        for _ in range(num_decoders):
-            d = _seq(4)
-            d.num_computed_tokens = 4
-            d.token_ids.append(9)
-            bm.allocate(d, 5)
-            sched.running.append(d)
+        _add_decoders(sched, num_decoders)
         for _ in range(num_waiting):
             sched.add(_seq(300))
         step = sched.schedule()
