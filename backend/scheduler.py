@@ -109,8 +109,10 @@ class Scheduler:
         num_decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
         # In a burst more requests wait than run: their users wait for a first token, which is
         # worth more than the streams' next one. The step then admits with its whole budget, as
-        # vLLM always does, until the batch has caught up with the queue.
-        queued = 0 < self.prefill_cap_queue_ratio * len(self.running) < len(self.waiting)
+        # vLLM always does, until the batch has caught up with the queue. Not with every seat
+        # taken: none of them could be admitted, and the streams would pay for nothing.
+        queued = (0 < self.prefill_cap_queue_ratio * len(self.running) < len(self.waiting)
+                  and len(self.running) < self.max_num_seqs)
         decoding = num_decoding > 0 and not queued
         cap = max(self.max_prefill_tokens_while_decoding, self.prefill_tokens_per_decode * num_decoding)
         if decoding and self.flat_step_tokens - num_decoding >= MIN_PREFILL_CHUNK:

@@ -165,9 +165,9 @@ def test_prefill_cap_while_decoding_grows_with_the_decode_batch():
 def test_prefill_cap_is_lifted_while_more_requests_wait_than_run():
     """A burst (more waiting than running) admits with the whole budget; a long prompt arriving
     beside running streams, or a queue no deeper than the batch, stays capped; ratio 0: always."""
-    def first_step(ratio: float, num_decoders: int, num_waiting: int) -> tuple[int, int]:
+    def first_step(ratio: float, num_decoders: int, num_waiting: int, max_num_seqs: int = 128) -> tuple[int, int]:
         bm = BlockManager(num_blocks=4096, block_size=16)
-        sched = Scheduler(bm, max_num_seqs=128, max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=96,
+        sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=96,
                           prefill_context_unit=640, prefill_tokens_per_decode=6, prefill_cap_queue_ratio=ratio)
         _add_decoders(sched, num_decoders)
         for _ in range(num_waiting):
@@ -187,6 +187,19 @@ def test_prefill_cap_is_lifted_while_more_requests_wait_than_run():
     assert first_step(2.0, 8, 16) == (96, 15)  # the ratio sets the depth
     assert first_step(2.0, 8, 17)[0] == 2048 - 8
     assert first_step(0.0, 8, 60) == (96, 59)  # 0: never lifted
+    assert first_step(1.0, 8, 60, max_num_seqs=9) == (300, 59)  # a seat left: lifted, one comes in
+    # Every seat taken: no one waiting can come in, so a running prompt's chunk stays capped.
+    bm = BlockManager(num_blocks=4096, block_size=16)
+    sched = Scheduler(bm, max_num_seqs=9, max_num_batched_tokens=2048, max_prefill_tokens_while_decoding=96,
+                      prefill_tokens_per_decode=6, prefill_cap_queue_ratio=1.0)
+    _add_decoders(sched, 8)
+    long = _seq(3000)
+    long.num_computed_tokens = 16
+    bm.allocate(long, 16)
+    sched.running.append(long)
+    for _ in range(60):
+        sched.add(_seq(300))
+    assert [item.num_new_tokens for item in sched.schedule() if item.seq is long] == [96]
 
 
 def test_scheduler_preempts_newest_when_pool_runs_dry():
