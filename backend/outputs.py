@@ -158,8 +158,10 @@ class OutputState:
         """Feed the step's tokens (already appended to seq); returns the output to send, if any."""
         params = seq.params
         last = new_ids[-1]
+        # A grammar ends on the model's EOS even under ignore_eos: it is then the stop matched,
+        # as SGLang reports a finished grammar (matched: its last token).
         stop_token = seq.finish_reason is None and (
-            last in params.stop_token_ids or (last in self.eos_ids and not params.ignore_eos)
+            last in params.stop_token_ids or (last in self.eos_ids and (not params.ignore_eos or grammar_done))
         )
         # As SGLang: a matched stop token ends the text before it (unless no_stop_trim); it
         # stays in the output ids and counts as a completion token.

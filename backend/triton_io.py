@@ -73,6 +73,8 @@ def parse_llm_inputs(arrays: dict[str, np.ndarray]) -> tuple[list[int], dict[str
         if tensor in arrays:
             raw[name] = _scalar(arrays[tensor], tensor)
     if "stop_words" in arrays:
+        # Empty strings pad a batch's lists to one length: skipped, as TensorRT-LLM's
+        # preprocessing (to_word_list_format) skips them.
         words = [w for w in (_text(x, "stop_words") for x in arrays["stop_words"].reshape(-1)) if w]
         if words:
             raw["stop"] = words

@@ -559,7 +559,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", nargs="+", default=None, metavar="STR", help="stop strings")
+    # One string per --stop: nargs="+" would take a prompt given after it as a stop string.
+    p.add_argument("--stop", action="append", default=None, metavar="STR", help="a stop string (repeatable)")
     p.add_argument("-n", "--n", type=int, default=None, metavar="N",
                    help="samples of the prompt (SGLang's n; also accepted in --json-params); see below for the output")
     p.add_argument("--prediction", default=None, metavar="TEXT|@FILE",
@@ -637,6 +638,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prompt = None
     elif prompt is None or prompt == "-":
         prompt = sys.stdin.read()
+    if prompt == "" and not args.chat:  # the server would say a prompt is missing
+        print("error: the prompt is empty", file=sys.stderr)
+        return 2
     from tritonclient.utils import InferenceServerException
 
     prediction = args.prediction

@@ -275,6 +275,13 @@ def _param(msg: str) -> Optional[str]:
     return _PARAM_ALIASES.get(name, name)
 
 
+def _overloaded(msg: str) -> APIError:
+    """A 503 for the engine's overload refusal, which says so itself (and to retry later)."""
+    if not msg.lower().startswith("the server is overloaded"):
+        msg = f"The server is overloaded, retry later: {msg}"
+    return unavailable(msg[:1].upper() + msg[1:], code="overloaded")
+
+
 def map_stream_error(message: str) -> APIError:
     """An error the server sent inside the stream (the model's or the ensemble's).
 
@@ -282,7 +289,7 @@ def map_stream_error(message: str) -> APIError:
     msg = _clean(message)
     low = msg.lower()
     if "overloaded" in low:
-        return unavailable(f"The server is overloaded, retry later: {msg}", code="overloaded")
+        return _overloaded(msg)
     if "unknown model" in low or "is not ready" in low or ("model" in low and "not found" in low):
         return unavailable(f"Triton model unavailable: {msg}")
     if "internal error" in low or "stub process" in low or ("model instance" in low and "crash" in low):
@@ -311,7 +318,7 @@ def map_rpc_error(err: grpc.RpcError) -> APIError:
     details = (err.details() if hasattr(err, "details") else None) or str(err)
     if _connection_lost(code.name if code else "", details):
         if "overloaded" in details.lower():
-            return unavailable(f"The server is overloaded, retry later: {_clean(details)}", code="overloaded")
+            return _overloaded(_clean(details))
         return unavailable(f"Triton server unavailable: {details}")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         msg = _clean(details)

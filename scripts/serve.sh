@@ -9,13 +9,17 @@
 #                    [--kv-cache-dtype auto|bfloat16|fp8|...] [--speculative-config JSON]
 # Every other engine setting: env LLM_<NAME> (README, "Engine settings").
 set -euo pipefail
+CALLER=$PWD
+# A path the caller gave, relative to the caller's directory (this script works from the repo's).
+abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$CALLER/$1" ;; esac; }
 cd "$(dirname "$0")/.."
-MODEL_PATH=${LLM_MODEL_PATH:-models/demo}
+MODEL_PATH=models/demo
+[ -z "${LLM_MODEL_PATH:-}" ] || MODEL_PATH=$(abspath "$LLM_MODEL_PATH")
 HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002 FRONTEND_PORT=9000 FRONTEND=1 FRONTEND_WORKERS=auto
 TOOL_CALL_PARSER=${TOOL_CALL_PARSER:-qwen25} API_KEY=${OPENAI_FRONTEND_API_KEY:-} REASONING_PARSER= RUNTIME_LORA=
 while [ $# -gt 0 ]; do
   case "$1" in
-    --model-path) MODEL_PATH=$2; shift 2 ;;
+    --model-path) MODEL_PATH=$(abspath "$2"); shift 2 ;;
     --http-port) HTTP_PORT=$2; shift 2 ;;
     --grpc-port) GRPC_PORT=$2; shift 2 ;;
     --metrics-port) METRICS_PORT=$2; shift 2 ;;
@@ -24,22 +28,32 @@ while [ $# -gt 0 ]; do
     --no-frontend) FRONTEND=0; shift ;;
     --tool-call-parser) TOOL_CALL_PARSER=$2; shift 2 ;;
     --api-key) API_KEY=$2; shift 2 ;;
-    --chat-template) export LLM_CHAT_TEMPLATE="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
+    --chat-template) LLM_CHAT_TEMPLATE=$(abspath "$2"); export LLM_CHAT_TEMPLATE; shift 2 ;;
     --trust-request-chat-template) export LLM_TRUST_REQUEST_CHAT_TEMPLATE=1; shift ;;
     --logits-processor-pattern) export LLM_LOGITS_PROCESSOR_PATTERN=$2; shift 2 ;;
     --reasoning-parser) REASONING_PARSER=$2; shift 2 ;;
-    --lora-modules) export LLM_LORA_MODULES=$2; shift 2 ;;
+    --lora-modules)
+      mods=()
+      for item in ${2//,/ }; do
+        case "$item" in *=*) mods+=("${item%%=*}=$(abspath "${item#*=}")") ;; *) mods+=("$item") ;; esac
+      done
+      LLM_LORA_MODULES=$(IFS=,; printf '%s' "${mods[*]}"); export LLM_LORA_MODULES; shift 2 ;;
     --allow-runtime-lora-updating) RUNTIME_LORA=1; shift ;;
     --kv-cache-dtype) export LLM_KV_CACHE_DTYPE=$2; shift 2 ;;
     --speculative-config) export LLM_SPECULATIVE_CONFIG=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
+if [ "$MODEL_PATH" != "models/demo" ] && [ ! -d "$MODEL_PATH" ]; then
+  echo "serve.sh: no model directory at $MODEL_PATH" >&2  # rather than the config's default model
+  exit 2
+fi
 scripts/setup.sh
 if [ "$MODEL_PATH" = "models/demo" ] && [ ! -f models/demo/config.json ]; then
   .venv/bin/python -m backend.demo_model --out models/demo
 fi
-export LLM_MODEL_PATH="$(cd "$MODEL_PATH" && pwd)"
+LLM_MODEL_PATH=$(cd "$MODEL_PATH" && pwd)
+export LLM_MODEL_PATH
 # shellcheck source=scripts/env.sh
 . scripts/env.sh
 pids=()

@@ -332,6 +332,18 @@ def test_cli_reports_server_errors(server):
     assert "no_such_parameter" in bad.stderr
 
 
+def test_stop_takes_one_string_and_leaves_the_prompt(monkeypatch, capsys):
+    made = []
+    monkeypatch.setattr(cli, "TritonStreamClient", lambda *a, **k: made.append(FakeStreamClient()) or made[-1])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin"))
+    assert cli.main(["--stop", "xyz", "--stop", "abc", "Hello"]) == 0
+    values = made[-1].values
+    assert values["text_input"] == "Hello"  # not a third stop string, nor stdin
+    assert json.loads(values["sampling_parameters"])["stop"] == ["xyz", "abc"]
+    capsys.readouterr()
+    assert cli.main([""]) == 2 and "the prompt is empty" in capsys.readouterr().err
+
+
 def test_system_needs_chat(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["hi", "--system", "be brief"])

@@ -1402,6 +1402,10 @@ def test_overload_and_unavailable_are_503_with_retry_after(client, base_url, fak
 
     err = map_stream_error("in ensemble 'ensemble', engine overloaded: 1024 requests are waiting")
     assert err.status_code == 503 and err.code == "overloaded" and err.headers["Retry-After"]
+    assert err.message == "The server is overloaded, retry later: engine overloaded: 1024 requests are waiting"
+    # The engine's own refusal says it already: not twice.
+    own = map_stream_error("in ensemble 'ensemble', the server is overloaded: 3 sequences are already waiting; retry later")
+    assert own.message == "The server is overloaded: 3 sequences are already waiting; retry later"
     fake.script = lambda req: err
     for stream in (False, True):
         r = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "stream": stream})

@@ -214,6 +214,23 @@ def test_forced_tokens_save_steps_and_outputs_satisfy_the_constraint(demo_model_
         plain.shutdown()
 
 
+@pytest.mark.parametrize("jump", [True, False], ids=["jump_forward", "plain"])
+def test_a_grammar_ends_on_its_eos_alike_with_ignore_eos(demo_model_path, engine, jump):
+    eng = engine if jump else make_engine(demo_model_path, enable_jump_forward=False)
+    try:
+        raw = {"temperature": 0, "max_new_tokens": 64, "regex": r"(yes|no)-[0-9]{3}"}
+        prompts = _prompts(eng, 2)
+        plain = eng.generate(prompts, eng.parse_params(raw))
+        ignoring = eng.generate(prompts, eng.parse_params({**raw, "ignore_eos": True}))
+        for a, b in zip(plain, ignoring):
+            assert a.new_token_ids == b.new_token_ids and a.new_token_ids[-1] in eng.eos_ids
+            assert (b.finish_reason, b.stop_reason, b.matched_eos, b.text) == ("stop", a.new_token_ids[-1], True, a.text)
+            assert re.fullmatch(r"(yes|no)-[0-9]{3}", b.text)
+    finally:
+        if not jump:
+            eng.shutdown()
+
+
 def test_json_schema_with_jump_forward_validates(engine):
     params = [engine.parse_params({**T1, "seed": i, "max_new_tokens": 400, "json_schema": json.dumps(SCHEMA)})
               for i in range(4)]

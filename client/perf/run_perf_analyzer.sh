@@ -10,8 +10,10 @@
 #       -f OUT/perf_cC.csv --verbose-csv --profile-export-file OUT/profile_cC.json ...
 # and writes OUT/perf_analyzer.csv (all levels) and OUT/summary.json (tok/s, TTFT, ITL per level).
 # See client/perf/run_perf_analyzer.py for the details.
+# Relative paths (--input-data, --out, the default perf_results/) are the caller's: it runs from
+# the caller's directory, with the repository on PYTHONPATH.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PYTHON:-.venv/bin/python}
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+PY=${PYTHON:-$REPO/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-exec "$PY" -m client.perf.run_perf_analyzer --install "$@"
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m client.perf.run_perf_analyzer --install "$@"

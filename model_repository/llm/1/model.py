@@ -1,6 +1,7 @@
 """Triton adapter for the engine: tensors in, engine requests; engine outputs, responses out."""
 
 import functools
+import gc
 import json
 import os
 import sys
@@ -214,3 +215,7 @@ class TritonPythonModel:
     def finalize(self):
         self.engine.shutdown()
         self._outbox.close()
+        # Collect reference cycles now, while the stub's shared memory is alive: an exception kept
+        # in one holds its frames, and their InferenceRequests, and was seen freed by the
+        # interpreter's last collection after the shared memory was gone (a segfault on the way out).
+        gc.collect()
