@@ -286,9 +286,9 @@ class GenerateRequest(_Body):
     logprob_start_len: Optional[Union[int, list[int]]] = None
     top_logprobs_num: Optional[Union[int, list[int]]] = None
     token_ids_logprob: Optional[Union[list[TokenId], list[list[TokenId]]]] = None
-    return_text_in_logprobs: bool = False
+    return_text_in_logprobs: NullableFalse = False
     return_hidden_states: Optional[Union[bool, list[bool]]] = False
-    stream: bool = False
+    stream: NullableFalse = False  # SGLang's dataclass takes null as its default
     lora_path: Optional[Any] = None
     custom_logit_processor: Optional[Any] = None
     # The prompt as embeddings: [num_tokens][hidden_size], or a batch of those.

@@ -724,8 +724,8 @@ def test_generate_streaming_as_sglang_example_reads_it(base_url, fake):
 
 def test_generate_non_streaming_and_batch(base_url, fake):
     fake.script = lambda req: text_chunks(["A", "B"], finish="stop", stop_reason="</s>")
-    r = httpx.post(base_url + "/generate", json={"input_ids": [1, 2, 3], "rid": "r1"}).json()
-    assert r["text"] == "AB" and r["output_ids"] == [100, 101]
+    r = httpx.post(base_url + "/generate", json={"input_ids": [1, 2, 3], "rid": "r1", "stream": None}).json()
+    assert r["text"] == "AB" and r["output_ids"] == [100, 101]  # null stream: SGLang's default, false
     assert r["meta_info"]["id"] == "r1"
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": "</s>"}
     assert fake.requests[0].input_ids == [1, 2, 3]
