@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -29,7 +30,17 @@ def test_serve_exits_with_an_error_when_tritonserver_cannot_load_the_models(demo
 
 
 def test_serve_refuses_a_model_path_that_is_not_there(tmp_path):
-    # It served the config's default model instead, without a word.
-    proc = subprocess.run([str(REPO / "scripts/serve.sh"), "--model-path", "nowhere"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and f"no model directory at {tmp_path}/nowhere" in proc.stderr
+    # It served the config's default model instead, without a word. (Free ports, and its own
+    # process group killed at the end: a regression must not leave a server behind.)
+    ports = [str(free_port()) for _ in range(4)]
+    proc = subprocess.Popen([str(REPO / "scripts/serve.sh"), "--model-path", "nowhere", "--http-port", ports[0],
+                             "--grpc-port", ports[1], "--metrics-port", ports[2], "--frontend-port", ports[3]],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 2 and f"no model directory at {tmp_path}/nowhere" in stderr
