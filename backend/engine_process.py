@@ -102,12 +102,14 @@ class EngineProxy:
 
     `on_step(stats)` runs on the proxy's reader thread after each step's outputs were handed to
     their callbacks (the model ticks its outbox and publishes metrics there), as LLMEngine calls
-    its `on_step` from the step loop.
+    its `on_step` from the step loop. `on_gone(reason)` runs there once when the child died
+    unasked, after every open request was failed: nothing restarts it.
     """
 
     def __init__(self, config: EngineConfig, on_step: Optional[Callable[[EngineStats], None]] = None,
                  start_timeout_s: float = 600.0) -> None:
         self.on_step = on_step
+        self.on_gone: Optional[Callable[[str], None]] = None
         parent, child = socket.socketpair()
         env = dict(os.environ)
         # The child is a plain python: it honours PYTHONPATH, which the stub's isolated
@@ -267,6 +269,8 @@ class EngineProxy:
         except Exception:
             log.exception("the engine proxy's reader failed")
         self._fail_all("the engine process has stopped" if not self._closed else "the server is shutting down")
+        if not self._closed and self.on_gone is not None:
+            self.on_gone("the engine process has stopped")
 
     def _deliver(self, request_id: str, out: RequestOutput) -> None:
         with self._lock:
@@ -292,6 +296,9 @@ class EngineProxy:
             callbacks, self._callbacks = self._callbacks, {}
         for fut in calls.values():
             fut.set_exception(EngineProcessError(reason))
+        # The server's fault, not the request's: clients see a 500 (or a 503 while shutting down),
+        # as a request sent after it does, not a 400 that says not to retry.
+        ended = reason if self._closed else f"internal error: {reason}"
         # Its pool went with it: nothing runs, nothing is held (what the metrics show from now).
         s = self._stats
         self._stats = dataclasses.replace(s, num_running=0, num_waiting=0, num_free_kv_blocks=s.num_kv_blocks,
@@ -301,7 +308,7 @@ class EngineProxy:
                 try:
                     callback(RequestOutput(request_id=request_id, new_token_ids=[], window_ids=[], window_start=0,
                                            prefix_len=0, text="", prompt_tokens=0, completion_tokens=0,
-                                           finish_reason=FinishReason.ABORT.value, error=reason, index=index))
+                                           finish_reason=FinishReason.ABORT.value, error=ended, index=index))
                 except Exception:
                     log.exception("output callback failed for %s", request_id)
         if self.on_step is not None and not self._closed:

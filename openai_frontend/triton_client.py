@@ -290,7 +290,8 @@ def map_stream_error(message: str) -> APIError:
     low = msg.lower()
     if "overloaded" in low:
         return _overloaded(msg)
-    if "unknown model" in low or "is not ready" in low or ("model" in low and "not found" in low):
+    if ("unknown model" in low or "is not ready" in low or "shutting down" in low
+            or ("model" in low and "not found" in low)):
         return unavailable(f"Triton model unavailable: {msg}")
     if "internal error" in low or "stub process" in low or ("model instance" in low and "crash" in low):
         return APIError(500, msg)

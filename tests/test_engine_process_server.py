@@ -66,21 +66,22 @@ def test_engine_info_reports_the_separate_process(server, client):
     assert len(_engine_children(server)) == 1
 
 
-def test_a_killed_engine_process_fails_requests_clearly_and_the_server_stays_up(server, client):
-    # Last in this module: the llm model has no engine afterwards.
+def test_a_killed_engine_process_fails_requests_clearly_and_stops_the_server(server, client):
+    # Last in this module: the server stops. Nothing would restart the engine; a server left
+    # ready without one passed every health check (vLLM's server exits when its engine dies).
     [pid] = _engine_children(server)
     stream = client.stream_generate("llm", {"input_ids": [11, 12, 13], "max_tokens": 900, "stream": True,
                                             "sampling_parameters": GREEDY})
     next(stream)  # the request is running
     os.kill(pid, signal.SIGKILL)
-    with pytest.raises(Exception, match="engine process has stopped"):
+    # "internal error": the frontend answers 500, not a 400 that tells the client not to retry.
+    with pytest.raises(Exception, match="internal error: the engine process has stopped"):
         for _ in stream:
             pass
-    with pytest.raises(Exception, match="engine process has stopped"):
-        list(client.stream_generate("llm", {"input_ids": [1, 2], "max_tokens": 2, "stream": True,
-                                            "sampling_parameters": GREEDY}))
-    assert InferenceServerClient(server.grpc_url).is_server_live()
-    deadline = time.monotonic() + 10
-    while _engine_children(server):
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    # The stub exits after a grace period for those error responses, and its watcher stops the
+    # server, so that its supervisor (serve.sh, the Docker entrypoint) starts a working one.
+    deadline = time.monotonic() + 30
+    while server.process.poll() is None:
+        assert time.monotonic() < deadline, "tritonserver still running without its engine"
+        time.sleep(0.2)
+    assert not _engine_children(server)

@@ -982,6 +982,9 @@ def test_error_mapping():
         assert map_stream_error(str(err.value)).param == param, str(err.value)
     assert map_stream_error("Request for unknown model: 'ensemble' is not found").status_code == 503
     assert map_stream_error("internal error: boom").status_code == 500
+    # A request running when the engine process died, and one cut by shutdown: the server's
+    assert map_stream_error("internal error: the engine process has stopped").status_code == 500
+    assert map_stream_error("the server is shutting down").status_code == 503
     # preprocessing's message for an empty prompt names the ensemble's tensors: not passed on
     from tritonclient.utils import InferenceServerException
 

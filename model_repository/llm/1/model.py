@@ -5,6 +5,7 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -88,6 +89,7 @@ class TritonPythonModel:
             raise ValueError(f'engine_process must be "in_stub" or "separate", not {engine_process!r}')
         if engine_process == "separate":
             self.engine = EngineProxy(config)
+            self.engine.on_gone = self._engine_gone
             self._control = self.engine.control
         else:
             self.engine = LLMEngine(config)
@@ -211,6 +213,14 @@ class TritonPythonModel:
             self._last_publish = now
             self._published_idle = idle
             self._metrics.update(stats, self._outbox.stats())
+
+    def _engine_gone(self, reason: str) -> None:
+        """The engine's child process died: nothing restarts it, so this stub goes too, once the
+        requests' error responses had a moment to leave. The stub's watcher (exit_with_server)
+        then stops tritonserver, and its supervisor starts a working one, as vLLM's server exits
+        when its engine dies. Ready and serving nothing, it would pass every health check."""
+        pb_utils.Logger.log_error(f"llm: {reason}; exiting, so that the server is restarted")
+        threading.Timer(2.0, os._exit, args=(1,)).start()
 
     def finalize(self):
         self.engine.shutdown()
