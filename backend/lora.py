@@ -127,7 +127,11 @@ def load_adapter(name: str, path: str | Path, config: Any, device: torch.device,
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     edges: dict[str, dict[str, torch.Tensor]] = {}  # embed_tokens / lm_head -> {"A", "B"}
     for f in files:
-        for key, tensor in load_file(str(f)).items():
+        try:
+            tensors = load_file(str(f))
+        except Exception as exc:  # safetensors' own errors: a corrupt file is the adapter's fault
+            raise LoraError(f"LoRA adapter '{name}': cannot read {f.name}: {exc}") from None
+        for key, tensor in tensors.items():
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 # NaN weights make NaN logits: every token garbage, or a crashed sampler.
                 raise LoraError(f"LoRA adapter '{name}': tensor {key!r} holds NaN or infinite values")

@@ -186,6 +186,12 @@ def test_adapter_errors_are_clear(engine, demo_model_path, tmp_path):
     save_file(tensors, str(nan / "adapter_model.safetensors"))
     with pytest.raises(LoraError, match=f"tensor '{re.escape(first)}' holds NaN or infinite values"):
         engine.model.load_lora("nan", nan)
+    # A corrupt weights file is the adapter's fault (a 400 on load_lora_adapter), not an internal error.
+    corrupt = tmp_path / "corrupt"
+    make_adapter(demo_model_path, corrupt, seed=3)
+    (corrupt / "adapter_model.safetensors").write_text("garbage")
+    with pytest.raises(LoraError, match="LoRA adapter 'corrupt': cannot read adapter_model.safetensors"):
+        engine.model.load_lora("corrupt", corrupt)
     # Per-module rank / alpha: refused by name, not loaded with the adapter's own for every module.
     for key, value in (("alpha_pattern", {"q_proj": 16}), ("rank_pattern", {"q_proj": 8})):
         pattern = tmp_path / key
