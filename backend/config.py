@@ -55,8 +55,9 @@ class EngineConfig(BaseModel):
     # The caps above are lifted while more than this many requests per running one wait: in a
     # burst the step admits with its whole token budget (vLLM's policy) until the batch has
     # caught up with the queue (or every seat is taken). Users waiting for a first token then
-    # outnumber the streams the caps protect. 64 requests at once on 2 CPU cores: TTFT p50 ~520 -> ~270 ms, ITL p99 ~10 ->
-    # ~12 ms. A long prompt arriving beside running streams (one waits) is still capped. 0: never.
+    # outnumber the streams the caps protect. 64 requests at once on 2 CPU cores: TTFT p50 ~500 ->
+    # ~250 ms, ITL p99 +10-40%. A long prompt arriving beside running streams (one waits) is still
+    # capped. 0: never.
     prefill_cap_queue_ratio: float = Field(default=1.0, ge=0)
     # A step whose prefill chunks and decodes come to at most this many tokens runs as a decode
     # step does: every token one query of the paged kernel, reading the cache in place up to its

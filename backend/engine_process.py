@@ -268,9 +268,10 @@ class EngineProxy:
             pass
         except Exception:
             log.exception("the engine proxy's reader failed")
-        self._fail_all("the engine process has stopped" if not self._closed else "the server is shutting down")
+        reason = "the server is shutting down" if self._closed else "the engine process has stopped"
+        self._fail_all(reason)
         if not self._closed and self.on_gone is not None:
-            self.on_gone("the engine process has stopped")
+            self.on_gone(reason)
 
     def _deliver(self, request_id: str, out: RequestOutput) -> None:
         with self._lock:
