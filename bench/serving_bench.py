@@ -65,14 +65,8 @@ import torch  # noqa: E402
 from client.perf.make_inputs import ids_entries, mixed_workload, usable_vocab, write  # noqa: E402
 from client.perf.run_perf_analyzer import percentile as pct  # noqa: E402
 from openai_frontend.__main__ import workers_arg  # noqa: E402
-from bench.load_clients import (  # noqa: E402,F401 (Rec, closed_loop: also the other benchmarks' imports)
-    ClientPool,
-    Rec,
-    Workload,
-    closed_loop,
-    openai_requester,
-    triton_requester,
-)
+from bench import load_clients  # noqa: E402
+from bench.load_clients import ClientPool, Rec, Workload, closed_loop  # noqa: E402 (also the other benchmarks')
 
 SECTIONS = ("hf_one_by_one", "hf_static", "engine", "triton", "triton_llm", "frontend", "frontend_nonstream", "perf_analyzer",
             "alternating",
@@ -852,8 +846,8 @@ class Bench:
         this process, or a ClientPool of --client-procs processes counted as "clients" in CPU use."""
         procs = self.args.client_procs
         if procs < 2:
-            return {"triton_requester": triton_requester, "openai_requester": openai_requester}[factory](*args)
-        pool = ClientPool(f"bench.load_clients:{factory}", args, procs)
+            return getattr(load_clients, factory)(*args)
+        pool = ClientPool(f"{load_clients.__name__}:{factory}", args, procs)
         clients = self.pids.setdefault("clients", [])
         clients.extend(pool.pids)
 
