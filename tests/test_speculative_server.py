@@ -47,17 +47,21 @@ def test_streams_through_the_server_equal_decoding_one_token_at_a_time(server, r
         text = "".join(c["text_output"] for c in client.stream_generate("ensemble", {
             "input_ids": prompt, "max_tokens": 40, "stream": True, "sampling_parameters": json.dumps(GREEDY)}))
         assert text == ref.text
-    deadline = time.monotonic() + 30
-    while True:  # the counters are published after the step, beside the responses
+    # The counters are published after the step, beside the responses, one increment at a time, so
+    # a scrape can land between two of them: read until two scrapes in a row agree.
+    deadline, last = time.monotonic() + 30, None
+    while True:
         after = scrape(server)
         accepted = delta(after, before, "llm_spec_decode_num_accepted_tokens_total")
-        if accepted >= 0.9 * 6 * 39 * 5 / 6 or time.monotonic() > deadline:
+        drafted = delta(after, before, "llm_spec_decode_num_draft_tokens_total")
+        drafts = delta(after, before, "llm_spec_decode_num_drafts_total")
+        per_position = [delta(after, before, "llm_spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+                        for i in range(5)]
+        now = (accepted, drafted, drafts, per_position)
+        if (now == last and accepted >= 0.9 * 6 * 39 * 5 / 6) or time.monotonic() > deadline:
             break
+        last = now
         time.sleep(0.2)
-    drafted = delta(after, before, "llm_spec_decode_num_draft_tokens_total")
-    drafts = delta(after, before, "llm_spec_decode_num_drafts_total")
-    per_position = [delta(after, before, "llm_spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
-                    for i in range(5)]
     assert sum(per_position) == accepted and per_position[0] == drafts
     assert 0 < drafts and accepted / drafts + 1 > 4  # most verifying steps yield 6 tokens
     # Every draft holds on this model: of each request's 39 tokens after the first, 5 of 6 come
