@@ -310,9 +310,14 @@ def _response_format(fmt: Any) -> dict[str, Any]:
     )
 
 
-# vLLM's names for the same constraints (its OpenAI server extras).
-def _map_vllm_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+# vLLM's names for the same constraints (its OpenAI server extras), and SGLang's newer
+# sampling_seed for seed.
+def _map_aliases(raw: dict[str, Any]) -> dict[str, Any]:
     out = dict(raw)
+    if (v := out.pop("sampling_seed", None)) is not None:
+        if out.get("seed") is not None and out["seed"] != v:
+            raise SamplingParamsError("seed and sampling_seed differ: give one of them")
+        out["seed"] = v
     mapped: dict[str, Any] = {}
     if (v := out.pop("guided_json", None)) is not None:
         mapped["json_schema"] = v
@@ -362,7 +367,7 @@ def parse_sampling_params(raw: dict[str, Any], defaults: Optional[dict[str, Any]
     Raises SamplingParamsError naming the offending parameter.
     """
     merged: dict[str, Any] = dict(defaults or {})
-    for key, value in _map_vllm_aliases(raw).items():
+    for key, value in _map_aliases(raw).items():
         if value is None and key != "max_new_tokens":  # an explicit null limit: the whole context
             continue
         if key in UNSUPPORTED:

@@ -60,3 +60,13 @@ def test_edge_values_mean_what_sglang_and_vllm_mean():
     assert parse_sampling_params({}).max_new_tokens == 128
     with pytest.raises(SamplingParamsError, match="min_new_tokens must be at most max_new_tokens=4"):
         parse_sampling_params({"max_new_tokens": 4, "min_new_tokens": 5})
+
+
+def test_sglang_sampling_seed_is_the_seed():
+    # SGLang's newer name for the per-request seed; refused as unknown before.
+    assert parse_sampling_params({"sampling_seed": 7}).seed == 7
+    assert parse_sampling_params({"sampling_seed": 7, "seed": 7}).seed == 7
+    with pytest.raises(SamplingParamsError, match="sampling_seed"):
+        parse_sampling_params({"sampling_seed": 7, "seed": 8})
+    with pytest.raises(SamplingParamsError, match="seed"):
+        parse_sampling_params({"sampling_seed": -1})
