@@ -189,7 +189,8 @@ class LLMMetrics:
             "Drafts whose token at this position (0 first) was kept (speculative decoding)", counter=True)
         self._accepted_metrics: dict[int, Any] = {}
         self._sent_accepted: list[int] = []
-        self._finished_family = self._family("request_finished_total", "Requests finished, by finish reason", counter=True)
+        self._finished_family = self._family(
+            "request_finished_total", "Requests finished (an n > 1 request once), by finish reason", counter=True)
         self._finished_metrics = {r: self._finished_family.Metric(labels={"finish_reason": r}) for r in FINISH_REASONS}
         self.finished: dict[str, int] = {r: 0 for r in FINISH_REASONS}
         self._sent_finished: dict[str, int] = dict(self.finished)
