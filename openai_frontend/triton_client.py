@@ -397,6 +397,9 @@ class TritonLLMClient:
         # The Triton request id of every stream in flight, by the request id the client knows
         # (SGLang's /abort_request names the latter).
         self._streams: dict[str, set[str]] = {}
+        # The names client-named requests in flight go by: the request's, and with n > 1 its
+        # samples' `<rid>_<i>` (SGLang names them so, and refuses a second request under any).
+        self._claimed: set[str] = set()
         self.out_of_order_responses = 0  # see _out_of_order
 
     def _get(self) -> grpcclient_aio.InferenceServerClient:
@@ -424,9 +427,14 @@ class TritonLLMClient:
         Closing the iterator before the end (or cancelling the task consuming it) cancels the
         gRPC stream, which cancels the request in Triton.
         """
-        if request.client_named and request.request_id in self._streams:
-            # Checked and registered below with no await between: atomic on the event loop.
-            raise APIError(400, f"Duplicate request ID detected: {request.request_id}", param="rid")
+        claims: set[str] = set()
+        if request.client_named:
+            rid = request.request_id or ""
+            claims = {rid} | ({f"{rid}_{i}" for i in range(request.n)} if request.n > 1 else set())
+            taken = sorted(claims & self._claimed) or ([rid] if rid in self._streams else [])
+            if taken:
+                raise APIError(400, f"Duplicate request ID detected: {taken[0]}", param="rid")
+            # Claimed below with the stream, with no await between: atomic on the event loop.
         inputs = build_inputs(request)
         # Unique per stream (client-supplied ids may repeat), traceable to the client's id, and
         # abortable by it from any process sharing this frontend id (abort_requests). A name the
@@ -454,6 +462,7 @@ class TritonLLMClient:
             raise unavailable(f"Triton server unavailable: {exc.message()}") from None
         streams = self._streams.setdefault(request.request_id, set())
         streams.add(request_id)
+        self._claimed |= claims
         decode = ResponseDecoder()
         multi = request.n > 1
         seen = [0] * request.n  # completion_tokens so far, per sample: must never go down
@@ -486,6 +495,7 @@ class TritonLLMClient:
             raise map_rpc_error(exc) from None
         finally:
             done.set()
+            self._claimed -= claims
             streams.discard(request_id)
             if not streams and self._streams.get(request.request_id) is streams:
                 del self._streams[request.request_id]

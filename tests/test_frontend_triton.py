@@ -669,20 +669,25 @@ def test_abort_request_ends_streams_with_finish_reason_abort(triton, base_url):
     bodies = {
         "single": {"text": "tell me", "stream": True, "rid": "abort-me", "sampling_params": long},
         "batch": {"text": ["one", "two"], "stream": True, "rid": "abort-batch", "sampling_params": long},
+        # n > 1: SGLang names the samples <rid>_<i>, and refuses a request under one of them.
+        "samples": {"text": "tell me", "stream": True, "rid": "abort-n", "sampling_params": {**long, "n": 2}},
     }
+    agains = {"single": "abort-me", "batch": "abort-batch_1", "samples": "abort-n_1"}
     for name, body in bodies.items():
         started, out = threading.Event(), []
         t = threading.Thread(target=_stream_until_aborted, args=(base_url + "/generate", body, started, out))
         t.start()
         assert started.wait(30)
-        again = {"text": "again", "rid": "abort-me" if name == "single" else "abort-batch_1",
-                 "sampling_params": {"max_new_tokens": 2}}
+        again = {"text": "again", "rid": agains[name], "sampling_params": {"max_new_tokens": 2}}
         dup = httpx.post(base_url + "/generate", json=again)
         assert dup.status_code == 400, dup.text
         assert dup.json()["error"]["message"] == f"Duplicate request ID detected: {again['rid']}"
         assert dup.json()["error"]["param"] == "rid"
+        if name == "batch":  # the other way round: samples named as the batch's running prompts
+            dup = httpx.post(base_url + "/generate", json={**again, "rid": "abort-batch", "sampling_params": {"n": 2}})
+            assert dup.status_code == 400 and dup.json()["error"]["message"].endswith("abort-batch_0"), dup.text
         r = httpx.post(base_url + "/abort_request", json={"rid": body["rid"]})
-        assert r.status_code == 200 and r.json() == {"aborted": 1 if name == "single" else 2}, r.text
+        assert r.status_code == 200 and r.json() == {"aborted": 2 if name == "batch" else 1}, r.text
         t.join(30)
         assert not t.is_alive() and out, name
         r = httpx.post(base_url + "/generate", json=again)
