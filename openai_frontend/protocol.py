@@ -97,6 +97,15 @@ class FunctionDefinition(_Strict):
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        # A call's arguments are a JSON object (OpenAI refuses other schemas): the parsers read
+        # nothing else as arguments, so a forced call under another schema would come back as text.
+        if v is not None and "type" in v and v["type"] != "object":
+            raise ValueError(f"a function's parameters must be a JSON Schema of type 'object', got type {v['type']!r}")
+        return v
+
 
 class ChatTool(_Strict):
     type: Literal["function"] = "function"
@@ -125,7 +134,12 @@ class ChatMessage(_Open):
     @field_validator("role")
     @classmethod
     def _known_role(cls, v: str) -> str:
-        if v not in ("system", "developer", "user", "assistant", "tool", "function"):
+        if v == "function":
+            # OpenAI's deprecated role (with `functions`, refused too): chat templates render only
+            # `tool` messages, so its content would be dropped from the prompt unseen.
+            raise ValueError("the deprecated 'function' role is not supported: send a function's result "
+                             "as a 'tool' message with its tool_call_id")
+        if v not in ("system", "developer", "user", "assistant", "tool"):
             raise ValueError(f"unknown message role '{v}'")
         return v
 

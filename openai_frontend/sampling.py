@@ -218,7 +218,12 @@ def openai_param(exc: APIError, req: AnyRequest) -> APIError:
         # The engine names the constraint by its kind; the request gave it under one of several
         # names (response_format, guided_json, json_schema, ...).
         given = _constraints(req)
-        exc.param = given[0][0] if given else exc.param
+        if given:
+            exc.param = given[0][0]
+        elif getattr(req, "tools", None) and getattr(req, "tool_choice", None) not in (None, "none", "auto"):
+            # tool_choice required or named: the constraint is built from the tools' parameters.
+            exc.message = exc.message.replace(f"invalid {exc.param}:", "invalid tools (a function's parameters):", 1)
+            exc.param = "tools"
     elif exc.param in _OPENAI_NAMES:
         exc.param = _OPENAI_NAMES[exc.param]
     elif (exc.param is None and exc.message == "the prompt is empty") or exc.param == "input_ids":

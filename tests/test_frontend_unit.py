@@ -1073,6 +1073,44 @@ def test_nameless_functions_and_messages_without_content_are_refused(client, fak
     assert len(fake.requests) == 1
 
 
+def test_tools_must_take_an_object_and_the_function_role_is_refused(client, fake):
+    # QA: a forced call under a string or array schema came back as text (the parsers read only an
+    # object as arguments), and a 'function' message was accepted and left out of the prompt.
+    for schema in ({"type": "string", "maxLength": 5}, {"type": "array", "items": {"type": "integer"}}):
+        tool = {"type": "function", "function": {"name": "a", "parameters": schema}}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool], tool_choice="required")
+        assert "type 'object'" in _error(err)["message"] and _error(err)["param"].startswith("tools"), _error(err)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[*MESSAGES, {"role": "function", "name": "a", "content": "1"}])
+    assert "'function' role" in _error(err)["message"]
+    assert not fake.requests
+    # No type (or an object's) is a schema of an object.
+    for schema in ({}, {"properties": {"x": {"type": "integer"}}}, {"type": "object"}):
+        tool = {"type": "function", "function": {"name": "a", "parameters": schema}}
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool], tool_choice="required")
+    assert len(fake.requests) == 3
+
+
+def test_a_bad_schema_in_forced_tools_is_named_as_the_tools(client, fake):
+    # QA: the engine's grammar error named json_schema / structural_tag, which this client never sent.
+    script, fake.script = fake.script, lambda req: APIError(400, "invalid structural_tag: dangling $ref",
+                                                            param="structural_tag")
+    try:
+        tool = {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool], tool_choice="required")
+        assert _error(err)["param"] == "tools"
+        assert _error(err)["message"] == "invalid tools (a function's parameters): dangling $ref"
+        # The same error from a response_format keeps that name.
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool], tool_choice="none",
+                                           response_format={"type": "json_object"})
+        assert _error(err)["param"] == "response_format"
+    finally:
+        fake.script = script
+
+
 def test_stream_options_require_stream(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, stream_options={"include_usage": True})
