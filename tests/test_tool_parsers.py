@@ -209,8 +209,11 @@ case("qwen25", '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>', 
 case("qwen25", '<tool_call>{"city": "Paris"}</tool_call>', '<tool_call>{"city": "Paris"}</tool_call>', [])
 case("qwen25", '<tool_call>{"name": "get_time", "x": NaN, "arguments": {}}</tool_call>',
      '<tool_call>{"name": "get_time", "x": NaN, "arguments": {}}</tool_call>', [])
-# truncated before anything was streamed: text; a valid call hidden in the garbage is still found
-case("qwen25", '<tool_call>\n{"name": "get_weather", "argu', '<tool_call>\n{"name": "get_weather", "argu', [])
+# The output ended inside a call before its name was written (max_tokens, a stop): the markup is
+# neither text nor a call (test_cut_call_with_its_name_is_a_call_when_streamed: with the name).
+for _cut in ("<tool_call>", "<tool_call>\n", "<tool_call>\n{", '<tool_call>\n{"na', '<tool_call>\n{"name": "get_wea'):
+    case("qwen25", "Sure. " + _cut, "Sure.", [])
+# a valid call hidden in the garbage is still found
 case("qwen25", "<tool_call>oops " + qwen(*w()), "<tool_call>oops", [("get_weather", canon(ARGS["simple"]))])
 # missing closing tag at the end is fine; text right after the object ends the block
 case("qwen25", '<tool_call>\n{"name": "get_time", "arguments": {}}\n', "", [("get_time", "{}")])
@@ -228,12 +231,13 @@ case("llama3", "  \n" + llama(w(), tag=False), "", [("get_weather", canon(ARGS["
 case("llama3", llama(w(), ("get_time", ARGS["multiline"]), tag=False) + " ;", "",
      [("get_weather", canon(ARGS["simple"])), ("get_time", canon(ARGS["multiline"]))])
 # The output cut inside the markup after a complete call (max_tokens): the fragment is neither
-# the call's nor text, so it is dropped; a cut *call* stays text (see _BAD_CONTINUATION).
+# the call's nor text, so it is dropped; so is a next call cut before its name; a call malformed
+# before it could stream stays text (see _BAD_CONTINUATION).
 for _cut in ("\n</tool_", "\n</", "\n<", "\n", "</tool_call"):
     case("qwen25", qwen(*w())[: -len("\n</tool_call>")] + _cut, "", [("get_weather", canon(ARGS["simple"]))])
-case("qwen25", qwen(*w()) + "\n<tool_call>\n", "<tool_call>\n", [("get_weather", canon(ARGS["simple"]))])
-case("qwen25", qwen(*w()) + ' <tool_call>\n{"name": "get_ti', '<tool_call>\n{"name": "get_ti',
-     [("get_weather", canon(ARGS["simple"]))])
+case("qwen25", qwen(*w()) + "\n<tool_call>\n", "", [("get_weather", canon(ARGS["simple"]))])
+case("qwen25", qwen(*w()) + ' <tool_call>\n{"name": "get_ti', "", [("get_weather", canon(ARGS["simple"]))])
+case("llama3", llama(w(), tag=False) + '; {"name": "get_ti', "", [("get_weather", canon(ARGS["simple"]))])
 for _cut in (", ", ",", " "):
     case("mistral", mistral(w())[:-1] + _cut, "", [("get_weather", canon(ARGS["simple"]))])
 for _cut in ("\n```", "\n``", CALL_END[:3], "\n" + CALL_BEGIN[:2], CALLS_END[:4]):
@@ -557,8 +561,9 @@ def test_normal_text_is_not_held_back_needlessly():
     assert p.parse_streaming_increment("\n\n", TOOLS).normal_text == ""  # whitespace waits for what follows
     assert p.parse_streaming_increment("<tool_ca", TOOLS).normal_text == ""
     assert p.parse_streaming_increment("ll>", TOOLS).normal_text == ""
-    assert p.finish().normal_text == "\n\n<tool_call>"  # no object followed: it was text after all
-
+    # The output ended right after the trigger: a call cut short, neither text nor a call (and the
+    # whitespace touching it goes with it).
+    assert p.finish().normal_text == ""
 
 
 def test_pythonic_holds_only_candidates():
@@ -573,11 +578,25 @@ def test_truncated_streamed_call_stays_a_call_in_every_chunking():
     """Once a name was streamed it cannot be taken back: a stream cut inside the arguments keeps the
     partial call, in any chunking (the frontend's non-streaming answer is the one-chunk stream);
     SGLang's whole-text parse (``detect_and_parse``, kept for /parse_function_call) sees that it is
-    truncated and returns text."""
+    truncated and drops it, as it drops any call the output ended inside."""
     text = 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
     for chunks in (list(text), [text], [text[:30], text[30:]]):
         assert run_stream("qwen25", chunks) == ("Hi", [("get_weather", '{"city": "Par')])
-    assert parse_whole("qwen25", text) == (text, [])
+    assert parse_whole("qwen25", text) == ("Hi", [])
+
+
+@pytest.mark.parametrize("text", ['<tool_call>\n{"name": "get_weather"', '<tool_call>\n{"name": "get_weather", "argu',
+                                  '<tool_call>\n{"name": "get_weather", "arguments": "{\\"ci'])
+def test_cut_call_with_its_name_is_a_call_when_streamed(text):
+    """QA: a call cut after its name, before its arguments object began, put its markup in the
+    content. A stream now ends it as a call with no arguments written, as SGLang and vLLM stream
+    a name once it is known, in every chunking; an unknown name is dropped with its markup."""
+    for chunks in chunkings("Hi " + text, 7, 4):
+        assert run_stream("qwen25", chunks) == ("Hi", [("get_weather", "")]), chunks
+        assert run_stream("qwen25", chunks, tools=TOOLS[1:]) == ("Hi", [])
+    assert parse_whole("qwen25", "Hi " + text) == ("Hi", [])
+    after = qwen(*w()) + "\n" + text  # after a complete call (QA's tool_choice required case)
+    assert run_stream("qwen25", [after]) == ("", [("get_weather", canon(ARGS["simple"])), ("get_weather", "")])
 
 
 # Arguments that break after the call's name and the start of its arguments went out: where the

@@ -15,10 +15,13 @@ anywhere) produce the same result:
   does. ``tools=None`` means "do not filter".
 * Markup that does not form a valid call (bad JSON, missing name, truncated, ...) is *normal text*,
   never an exception. Parsing resumes right after the format's trigger token, so a valid region
-  nested in the garbage is still found (identically in both modes). One exception: where the
-  output ends inside the markup that follows a region's complete call (``</tool_``, a dangling
-  separator, a cut close), the fragment is dropped, since a max_tokens cut there leaves neither
-  text nor a call (the JSON formats, ``JsonToolCallParser._cut_markup``).
+  nested in the garbage is still found (identically in both modes). The exceptions are cuts: where
+  the output ends inside the markup that follows a region's complete call (``</tool_``, a dangling
+  separator, a cut close), or inside a call (its trigger, its object) with no error in what came,
+  the fragment is dropped, since a max_tokens or stop cut there leaves neither text nor a call.
+  A stream ends a cut call whose name was written in full as a call, with the arguments written
+  (none, if its arguments object had not begun); ``detect_and_parse`` drops it (the JSON
+  formats: ``JsonToolCallParser._cut_markup``, ``_cut_call``).
 * ``normal_text`` is the text outside regions joined by ``join_segments``: whitespace touching a
   region is dropped (SGLang strips the text before a call), except that the whitespace in front of
   a group of regions is kept when more text follows it, so ``"A\\n<call/>\\nB"`` gives ``"A\\nB"``.

@@ -7,7 +7,9 @@ deepseekv3). A format is declared with a few *patterns* instead of its own state
 ``OBJECT`` is a wrapper ``{"name": ..., "arguments"|"parameters": {...}}``, or, with ``args_only``,
 the arguments object itself (the name comes from a ``call_prefix`` capture). Optional parts are
 all-or-nothing. A region is the longest prefix of well-formed calls: if call k > 1 is malformed the
-region ends after call k - 1 and the rest is text; if the first one is, the trigger is text.
+region ends after call k - 1 and the rest is text; if the first one is, the trigger is text. A call
+the end of the output cuts short (no error before the end) is not text: it is dropped (see
+``_cut_call`` for what a stream keeps of it).
 
 Patterns are tuples of: ``WS`` (JSON whitespace, greedy), a literal string, or ``Until(term)``
 (captures everything up to the first ``term``). The non-streaming parser runs them as regular
@@ -102,6 +104,16 @@ def match_prefix(pattern: Pattern, buf: str, final: bool) -> tuple[str, int, lis
 # -- interpreting a complete call object (shared by both modes: it is the *definition*) ----------
 
 
+def object_cut(text: str, p: int) -> bool:
+    """Whether the JSON value at ``text[p]`` is cut short by the end of ``text`` (no error in it)."""
+    canon = JsonCanonicalizer()
+    try:
+        canon.feed(text[p:], 0)
+    except ValueError:
+        return False
+    return not canon.done
+
+
 def interpret_wrapper(value: Any) -> Optional[tuple[str, Any]]:
     """(name, arguments dict) for a valid call wrapper, else None. First occurrence of a key wins."""
     if not isinstance(value, JsonObject):
@@ -162,6 +174,15 @@ class _ObjectStream:
         self._args_member = args_member
         text = self.canon.text()
         return decode_json(text[name_member.start:name_member.end])
+
+    def cut_name(self) -> Optional[str]:
+        """The call's name, if written in full, of an object the output ended inside."""
+        if self.args_only:
+            return self.fixed_name
+        m = next((m for m in self.canon.members if m.key == "name"), None)
+        if m is None or m.end < 0 or m.first != '"':
+            return None
+        return decode_json(self.canon.text()[m.start:m.end])
 
     def fragment(self) -> str:
         """Canonical argument text produced since the last call."""
@@ -257,17 +278,19 @@ class JsonToolCallParser(BaseToolParser):
         if not bare:
             m = self._re_open.match(text, p)
             if m is None:
-                return None
+                return (len(text), []) if match_prefix(self.open, text[p:], final=False)[0] == NEED_MORE else None
             p = m.end()
         m = self._re_first.match(text, p)
         if m is not None:
             obj = self._complete_object(text, m.end(), m.groups(), names)
             if obj is None:
-                return None
+                return (len(text), []) if object_cut(text, m.end()) else None
             p = obj[0]
             found += obj[1]
         elif self.allow_empty and self._re_close.match(text, p):
             return self._re_close.match(text, p).end(), []
+        elif any(match_prefix(pattern, text[p:], final=False)[0] == NEED_MORE for _, pattern in self._first_alts):
+            return len(text), []
         else:
             return None
         while True:
@@ -281,6 +304,8 @@ class JsonToolCallParser(BaseToolParser):
                     p = obj[0]
                     found += obj[1]
                     continue
+                if object_cut(text, m.end()):
+                    p = len(text)
                 break  # the region ends after the last good call
             if self._re_close is not None and (m := self._re_close.match(text, p)):
                 return m.end(), found
@@ -401,6 +426,8 @@ class JsonToolCallParser(BaseToolParser):
         if status == NEED_MORE:
             return False
         if status == FAILED:
+            if final and match_prefix(self.open, self._buf, final=False)[0] == NEED_MORE:
+                return self._cut_call(None)
             return self._rollback()
         self._consume(end)
         self._state = _FIRST
@@ -433,6 +460,8 @@ class JsonToolCallParser(BaseToolParser):
             self._consume(end, keep=False)
             self._confirm()
             self._end_region()
+        elif final and self._alternatives(self._first_alts, final=False) is None:
+            return self._cut_call(None)
         else:
             return self._rollback()
         return True
@@ -449,7 +478,7 @@ class JsonToolCallParser(BaseToolParser):
         if obj.canon.done:
             return self._object_done()
         if final:
-            return self._object_failed()
+            return self._object_failed() if obj.committed else self._cut_call(obj)
         return False
 
     def _try_commit(self, emit: bool = True) -> None:
@@ -513,6 +542,18 @@ class JsonToolCallParser(BaseToolParser):
         self._raw = []  # the region may end here now
         self._state = _SUFFIX
         return True
+
+    def _cut_call(self, obj: Optional[_ObjectStream]) -> bool:
+        """The output ended inside a call's markup before the call could stream (a max_tokens or
+        stop cut): the markup is not text. A name written in full (and allowed) makes it a call
+        with no arguments written, as SGLang and vLLM stream a name once it is known."""
+        name = obj.cut_name() if obj is not None else None
+        self._confirm()
+        if name is not None and self._allowed(name):
+            self._start_call(name)
+        self._buf = ""
+        self._end_region()
+        return False
 
     def _object_failed(self) -> bool:
         if not self._obj.committed:
