@@ -54,8 +54,26 @@ def _text(value: Any, name: str = "input") -> str:
     return str(value)
 
 
-def parse_llm_inputs(arrays: dict[str, np.ndarray]) -> tuple[list[int], dict[str, Any], bool]:
-    """(prompt ids, raw sampling parameters, stream) from the llm model's input tensors."""
+def request_parameters(text: str) -> dict[str, Any]:
+    """The sampling parameters a request carries as Triton request parameters (the generate
+    endpoint's JSON keys that are not inputs, gRPC's `parameters`; an ensemble forwards them to
+    its steps). Triton's own (`triton_*`) are left to Triton."""
+    if not text:
+        return {}
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    if not isinstance(params, dict):
+        return {}
+    return {k: v for k, v in params.items() if not k.startswith("triton_")}
+
+
+def parse_llm_inputs(arrays: dict[str, np.ndarray], parameters: str = "") -> tuple[list[int], dict[str, Any], bool]:
+    """(prompt ids, raw sampling parameters, stream) from the llm model's input tensors and its
+    request parameters (`parameters`, the JSON of `request.parameters()`): a request parameter is
+    a sampling parameter, as if given in sampling_parameters, so an unknown one is refused, not
+    ignored."""
     if "input_ids" not in arrays and "input_embeds" not in arrays:
         raise SamplingParamsError("input 'input_ids' (or 'input_embeds') is required")
     ids = arrays["input_ids"].reshape(-1).astype(np.int64).tolist() if "input_ids" in arrays else []
@@ -69,6 +87,12 @@ def parse_llm_inputs(arrays: dict[str, np.ndarray]) -> tuple[list[int], dict[str
                 raise SamplingParamsError(f"sampling_parameters is not valid JSON: {exc}") from None
             if not isinstance(raw, dict):
                 raise SamplingParamsError("sampling_parameters must be a JSON object")
+    extra = request_parameters(parameters)
+    twice = sorted(k for k in extra if k in raw)
+    if twice:
+        raise SamplingParamsError(
+            f"{', '.join(twice)} given both as a request parameter and in sampling_parameters: give it once")
+    raw.update(extra)
     for tensor, name in SCALAR_INPUTS.items():
         if tensor in arrays:
             raw[name] = _scalar(arrays[tensor], tensor)

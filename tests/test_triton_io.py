@@ -65,3 +65,28 @@ def test_a_control_input_comes_alone_and_a_false_switch_is_no_control():
     with pytest.raises(SamplingParamsError, match="stream must be true or false"):
         parse_llm_inputs({"input_ids": ids, "sampling_parameters": raw})
     assert parse_llm_inputs({"input_ids": ids, "sampling_parameters": np.array([b'{"stream": true}'], dtype=object)})[2]
+
+
+def test_request_parameters_are_sampling_parameters():
+    # QA: the generate endpoint's keys that are no inputs (and gRPC `parameters`) arrive as request
+    # parameters; they were ignored, so max_new_tokens gave the default length and a typo passed.
+    import json
+
+    import numpy as np
+    import pytest
+
+    from backend.sampling_params import SamplingParamsError
+    from backend.triton_io import parse_llm_inputs
+
+    ids = np.array([1, 2], dtype=np.int32)
+    params = json.dumps({"max_new_tokens": 4, "temperature": 0, "triton_enable_empty_final_response": True})
+    _, raw, stream = parse_llm_inputs({"input_ids": ids}, params)
+    assert raw == {"max_new_tokens": 4, "temperature": 0} and not stream
+    # The tensors still win over any other source, as over sampling_parameters.
+    _, raw, _ = parse_llm_inputs({"input_ids": ids, "temperature": np.array([0.5], dtype=np.float32)}, params)
+    assert raw["temperature"] == 0.5
+    sp = np.array([b'{"max_new_tokens": 8}'], dtype=object)
+    with pytest.raises(SamplingParamsError, match="max_new_tokens given both as a request parameter"):
+        parse_llm_inputs({"input_ids": ids, "sampling_parameters": sp}, params)
+    assert parse_llm_inputs({"input_ids": ids}, "")[1] == {}
+    assert parse_llm_inputs({"input_ids": ids}, "{}")[1] == {}

@@ -219,6 +219,22 @@ def test_http_generate_and_generate_stream(server, hf):
     assert events[-1]["finish_reason"] == "length" and events[-1]["completion_tokens"] == MAX_NEW
 
 
+def test_generate_keys_that_are_no_inputs_are_sampling_parameters(server):
+    # QA: Triton makes such keys request parameters, which the ensemble forwards to its steps; the
+    # llm model ignored them (max_new_tokens gave the default length, a typo passed unnoticed).
+    body = {"text_input": "request parameters", "max_new_tokens": 3, "ignore_eos": True}
+    for model in ("ensemble", "llm"):
+        if model == "llm":
+            body = {"input_ids": [11, 12, 13], "max_new_tokens": 3, "ignore_eos": True}
+        status, raw = _http(server, f"/v2/models/{model}/generate", body)
+        assert status == 200, raw
+        assert json.loads(raw)["completion_tokens"] == 3, raw
+        status, raw = _http(server, f"/v2/models/{model}/generate", {**body, "temprature": 0})
+        assert status == 400 and b"unknown sampling parameter(s): temprature" in raw, raw
+        status, raw = _http(server, f"/v2/models/{model}/generate", {**body, "end_id": 2, "beam_width": 2})
+        assert status == 400 and b"beam_width, end_id" in raw, raw
+
+
 def test_cancelled_stream_frees_its_blocks(server, client, hf):
     tok, _ = hf
     stream = client.stream_generate("llm", {

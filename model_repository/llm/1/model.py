@@ -146,7 +146,7 @@ class TritonPythonModel:
                     guarded.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
                                  final=True)
                     continue
-                prompt_ids, raw, stream = parse_llm_inputs(arrays)
+                prompt_ids, raw, stream = parse_llm_inputs(arrays, request.parameters())
                 params = self.engine.parse_params(raw)
                 triton_id = request.request_id() or ""
                 responder = StreamResponder(
