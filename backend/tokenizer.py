@@ -267,6 +267,11 @@ def encode_prompt(
     `add_special_tokens` says (vLLM ignores it for token prompts too).
     """
     given = [name for name, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids)) if _present(v)]
+    empty = [name for name, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids))
+             if v is not None and not _present(v)]
+    if not given and empty:
+        # Sent, but empty (vLLM: "prompt cannot be empty"); not "nothing sent".
+        raise ValueError(f"the prompt is empty ({' and '.join(empty)} given empty)")
     if len(given) != 1:
         raise ValueError(
             "exactly one of text_input, messages, input_ids, input_embeds is required"

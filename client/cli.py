@@ -38,6 +38,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -612,6 +613,15 @@ def _log_warnings_to_stderr() -> None:
         logger.setLevel(logging.WARNING)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a supervisor): ended as Ctrl-C ends the CLI, the request
+    cancelled and aborted, or the engine would generate on to its limit."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     _log_warnings_to_stderr()
@@ -683,22 +693,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         **sampling_options,
     )
     try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread (a caller's own): its signals are its own
+        previous = None
+    try:
         try:
             for piece in pieces:
                 samples.setdefault(piece.index, GenerateResult(index=piece.index)).add(piece)
                 writer.feed(piece)
         finally:
             pieces.close()  # a Ctrl-C here, not in the stream, cancels and aborts the request too
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if writer.multi:
             writer.close()  # what the samples generated so far, each in its block
-        print("\n[interrupted: request cancelled]", file=sys.stderr)
-        return 130
+        terminated = isinstance(exc, _Terminated)
+        print(f"\n[{'terminated' if terminated else 'interrupted'}: request cancelled]", file=sys.stderr)
+        return 143 if terminated else 130
     except (InferenceServerException, ValueError, RuntimeError, OSError) as exc:
         if writer.multi:
             writer.close()
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     writer.close()
     report()
     return 0

@@ -228,8 +228,8 @@ def _is_final(response: Any) -> bool:
 
 
 
-# preprocessing's words for an empty prompt (it takes one for a missing input), in the ensemble's
-# tensor names; the frontend's clients sent a prompt, messages or text.
+# preprocessing's words for a missing or empty prompt, in the ensemble's tensor names; the
+# frontend's clients sent a prompt, messages or text.
 _NO_PROMPT = "exactly one of text_input, messages, input_ids, input_embeds is required"
 _EMPTY_PROMPT = "the prompt is empty"
 
@@ -240,7 +240,8 @@ def _clean(message: str) -> str:
         _, sep, rest = message.partition(", ")
         if sep:
             message = rest
-    return _EMPTY_PROMPT if message == _NO_PROMPT else message
+    # "the prompt is empty (text_input given empty)": the tensor is not the client's name for it
+    return _EMPTY_PROMPT if message == _NO_PROMPT or message.startswith(_EMPTY_PROMPT) else message
 
 
 # "unsupported parameter 'x'", "invalid sampling parameter x: ...", "x must be ...",

@@ -449,7 +449,9 @@ def _sigint_as_at_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_cli_interrupt_aborts_the_ensemble_request(server):
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_cli_interrupt_aborts_the_ensemble_request(server, sig, code, said):
+    # SIGTERM too (QA: `kill`, `timeout` and supervisors send it; the request ran on to its limit).
     before = _finished(server)
     proc = subprocess.Popen([sys.executable, "-m", "client", "x", "--url", server.grpc_url, "--max-tokens", str(LONG),
                              "--json-params", '{"ignore_eos": true}'], cwd=REPO_ROOT, stdout=subprocess.PIPE,
@@ -457,13 +459,13 @@ def test_cli_interrupt_aborts_the_ensemble_request(server):
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 60)  # text is streaming: the request runs
         assert ready and os.read(proc.stdout.fileno(), 1), proc.stderr.read()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130 and "[interrupted: request cancelled]" in err.decode(), err.decode()
+    assert proc.returncode == code and f"[{said}: request cancelled]" in err.decode(), err.decode()
     assert "Traceback" not in err.decode()
     _assert_engine_aborted(server, before)
 

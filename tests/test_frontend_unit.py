@@ -992,7 +992,8 @@ def test_error_mapping():
 
     for err in (map_stream_error("in ensemble 'ensemble', exactly one of text_input, messages, input_ids, input_embeds is required"),
                 map_infer_error(InferenceServerException(
-                    "exactly one of text_input, messages, input_ids, input_embeds is required", status="StatusCode.INVALID_ARGUMENT"))):
+                    "exactly one of text_input, messages, input_ids, input_embeds is required", status="StatusCode.INVALID_ARGUMENT")),
+                map_stream_error("in ensemble 'ensemble', the prompt is empty (text_input given empty)")):
         assert (err.status_code, err.message) == (400, "the prompt is empty")
 
 

@@ -186,6 +186,11 @@ def test_encode_prompt_sources(tok):
     assert encode_prompt(tok, text="", messages=None, input_ids=[9]) == [9]
     with pytest.raises(ValueError, match="exactly one of text_input, messages, input_ids, input_embeds is required$"):
         encode_prompt(tok)
+    # Sent but empty is said so (QA: it read as if no prompt had been sent).
+    with pytest.raises(ValueError, match=r"^the prompt is empty \(text_input given empty\)$"):
+        encode_prompt(tok, text="")
+    with pytest.raises(ValueError, match=r"^the prompt is empty \(input_ids given empty\)$"):
+        encode_prompt(tok, input_ids=np.array([], dtype=np.int32))
     with pytest.raises(ValueError, match=r"\(got text_input, input_ids\)"):
         encode_prompt(tok, text="a", input_ids=[1])
     with pytest.raises(ValueError, match="out of range"):

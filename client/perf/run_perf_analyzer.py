@@ -296,7 +296,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = sweep(args.model, args.url, args.input_data, args.concurrency, out, args.request_count,
                     args.metrics_url, extra=args.extra)
     print_summary(summary)
-    print(f"report: {out / 'perf_analyzer.csv'}  summary: {out / 'summary.json'}")
+    # The merged CSV exists only when some level measured; the summary always (errors included).
+    report = f"report: {summary['csv']}  " if "csv" in summary else "no report (every level failed)  "
+    print(f"{report}summary: {out / 'summary.json'}")
     return 0 if all("error" not in lv for lv in summary["levels"].values()) else 1
 
 
