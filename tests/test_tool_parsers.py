@@ -238,6 +238,9 @@ for _cut in ("\n</tool_", "\n</", "\n<", "\n", "</tool_call"):
 case("qwen25", qwen(*w()) + "\n<tool_call>\n", "", [("get_weather", canon(ARGS["simple"]))])
 case("qwen25", qwen(*w()) + ' <tool_call>\n{"name": "get_ti', "", [("get_weather", canon(ARGS["simple"]))])
 case("llama3", llama(w(), tag=False) + '; {"name": "get_ti', "", [("get_weather", canon(ARGS["simple"]))])
+# llama3's bare object: JSON text cut short is text, unless a name made it a call.
+case("llama3", '{"answer": [1, 2', '{"answer": [1, 2', [])
+case("llama3", '<|python_tag|>{"answer": [1, 2', "", [])
 for _cut in (", ", ",", " "):
     case("mistral", mistral(w())[:-1] + _cut, "", [("get_weather", canon(ARGS["simple"]))])
 for _cut in ("\n```", "\n``", CALL_END[:3], "\n" + CALL_BEGIN[:2], CALLS_END[:4]):
@@ -597,6 +600,9 @@ def test_cut_call_with_its_name_is_a_call_when_streamed(text):
     assert parse_whole("qwen25", "Hi " + text) == ("Hi", [])
     after = qwen(*w()) + "\n" + text  # after a complete call (QA's tool_choice required case)
     assert run_stream("qwen25", [after]) == ("", [("get_weather", canon(ARGS["simple"])), ("get_weather", "")])
+    bare = '{"name": "get_time", "param'  # llama3's bare object: the name makes it a call
+    assert run_stream("llama3", list(bare)) == run_stream("llama3", [bare]) == ("", [("get_time", "")])
+    assert parse_whole("llama3", bare) == ("", [])
 
 
 # Arguments that break after the call's name and the start of its arguments went out: where the

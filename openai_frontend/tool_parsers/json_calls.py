@@ -104,14 +104,17 @@ def match_prefix(pattern: Pattern, buf: str, final: bool) -> tuple[str, int, lis
 # -- interpreting a complete call object (shared by both modes: it is the *definition*) ----------
 
 
-def object_cut(text: str, p: int) -> bool:
-    """Whether the JSON value at ``text[p]`` is cut short by the end of ``text`` (no error in it)."""
+def object_cut(text: str, p: int) -> tuple[bool, bool]:
+    """Whether the JSON value at ``text[p]`` is cut short by the end of ``text`` (no error in it),
+    and whether a "name" member was written in full before the cut."""
     canon = JsonCanonicalizer()
     try:
         canon.feed(text[p:], 0)
     except ValueError:
-        return False
-    return not canon.done
+        return False, False
+    if canon.done:
+        return False, False
+    return True, any(m.key == "name" and m.end >= 0 and m.first == '"' for m in canon.members)
 
 
 def interpret_wrapper(value: Any) -> Optional[tuple[str, Any]]:
@@ -284,7 +287,9 @@ class JsonToolCallParser(BaseToolParser):
         if m is not None:
             obj = self._complete_object(text, m.end(), m.groups(), names)
             if obj is None:
-                return (len(text), []) if object_cut(text, m.end()) else None
+                cut, named = object_cut(text, m.end())
+                # A bare object (llama3) cut before a name is JSON text cut short, not a call.
+                return (len(text), []) if cut and (named or not bare) else None
             p = obj[0]
             found += obj[1]
         elif self.allow_empty and self._re_close.match(text, p):
@@ -304,7 +309,7 @@ class JsonToolCallParser(BaseToolParser):
                     p = obj[0]
                     found += obj[1]
                     continue
-                if object_cut(text, m.end()):
+                if object_cut(text, m.end())[0]:
                     p = len(text)
                 break  # the region ends after the last good call
             if self._re_close is not None and (m := self._re_close.match(text, p)):
@@ -548,6 +553,8 @@ class JsonToolCallParser(BaseToolParser):
         stop cut): the markup is not text. A name written in full (and allowed) makes it a call
         with no arguments written, as SGLang and vLLM stream a name once it is known."""
         name = obj.cut_name() if obj is not None else None
+        if name is None and self._trigger_len == 0 and not self._confirmed:
+            return self._rollback()  # a bare object (llama3) cut before a name: JSON text cut short
         self._confirm()
         if name is not None and self._allowed(name):
             self._start_call(name)
