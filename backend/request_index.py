@@ -38,6 +38,9 @@ def client_of(triton_id: str) -> Optional[tuple[str, str]]:
 
 
 NAMED_SUFFIX = "rid-"
+# After NAMED_SUFFIX (if both): prompt i of a batch named `<id>_<i>` or `<id>-<i>` by the frontend;
+# only such a request answers an abort for `<id>` (a request its client named `job_1` is not job's).
+BATCH_ITEM_SUFFIX = "b-"
 
 
 class DuplicateRequestId(ValueError):
@@ -53,12 +56,18 @@ def named_client(triton_id: str) -> Optional[tuple[str, str]]:
     return c if c is not None and triton_id.rpartition(".")[2].startswith(NAMED_SUFFIX) else None
 
 
-def names_client(rid: str, client_id: str) -> bool:
-    """Whether an abort for `rid` takes the request of `client_id`: the request itself, or prompt
-    i of the batch request `rid`, whose ids are `<rid>_<i>` on /generate (SGLang's naming) and
-    `<rid>-<i>` on /v1/completions."""
+def is_batch_item(triton_id: str) -> bool:
+    return triton_id.rpartition(".")[2].removeprefix(NAMED_SUFFIX).startswith(BATCH_ITEM_SUFFIX)
+
+
+def names_client(rid: str, client_id: str, batch_item: bool = True) -> bool:
+    """Whether an abort for `rid` takes the request of `client_id`: the request itself, or, when
+    it is a batch item, prompt i of the batch request `rid`, whose ids are `<rid>_<i>` on
+    /generate (SGLang's naming) and `<rid>-<i>` on /v1/completions."""
     if client_id == rid:
         return True
+    if not batch_item:
+        return False
     tail = client_id[len(rid) + 1 :]
     return bool(rid) and client_id.startswith(rid) and client_id[len(rid) : len(rid) + 1] in ("_", "-") and tail.isdigit()
 
@@ -124,7 +133,8 @@ class TritonRequestIndex:
         names_client, when given): how many Triton requests, and their engine requests."""
         with self._lock:
             taken = [t for t in self._engine_ids
-                     if (c := client_of(t)) is not None and c[1] == frontend and (rid is None or names_client(rid, c[0]))]
+                     if (c := client_of(t)) is not None and c[1] == frontend
+                     and (rid is None or names_client(rid, c[0], is_batch_item(t)))]
             engine_ids: set[str] = set()
             for triton_id in taken:
                 engine_ids |= self._engine_ids.pop(triton_id)

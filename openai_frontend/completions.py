@@ -90,7 +90,7 @@ class CompletionHandler:
         requests = []
         for p, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
-            common = dict(sampling_params=sp, request_id=rid, n=samples, stream=req.stream)
+            common = dict(sampling_params=sp, request_id=rid, n=samples, stream=req.stream, batch_item=len(prompts) > 1)
             if isinstance(prompt, str):
                 requests.append(EngineRequest(text_input=prompt, add_special_tokens=None if req.add_special_tokens else False,
                                               **common))

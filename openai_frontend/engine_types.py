@@ -39,6 +39,9 @@ class EngineRequest:
     # The client chose request_id (SGLang's rid): while a request runs under it, another one is
     # refused, as SGLang's tokenizer manager refuses it (an abort by rid must name one request).
     client_named: bool = False
+    # Prompt i of a batch whose one id names it `<id>_<i>` (/generate) or `<id>-<i>`
+    # (/v1/completions): an abort for `<id>` takes it. Another request a client named so is not.
+    batch_item: bool = False
     n: int = 1
     stream: bool = True
 

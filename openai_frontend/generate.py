@@ -249,7 +249,9 @@ class GenerateHandler:
             check_custom_logit_processor(sp.get("custom_logit_processor"), settings)
             for key in _LOGPROB_KEYS:
                 value = getattr(req, key)
-                if key == "token_ids_logprob" and value and not isinstance(value[0], list):
+                if key == "token_ids_logprob" and not value:
+                    value = None  # SGLang's: an empty list asks for none
+                elif key == "token_ids_logprob" and not isinstance(value[0], list):
                     pass  # one list of ids for every prompt
                 else:
                     value = _pick(value, p, b, key)
@@ -276,7 +278,8 @@ class GenerateHandler:
             rid = _pick(req.rid, p, b, "rid") if isinstance(req.rid, list) else request_id
             if b > 1 and not isinstance(req.rid, list):
                 rid = f"{rid}_{p}"
-            common = dict(sampling_params=sp, request_id=rid, n=n, stream=req.stream, client_named=req.rid is not None)
+            common = dict(sampling_params=sp, request_id=rid, n=n, stream=req.stream, client_named=req.rid is not None,
+                          batch_item=b > 1 and not isinstance(req.rid, list))
             if isinstance(prompt, str):
                 requests.append(EngineRequest(text_input=prompt, **common))
             elif embedded:

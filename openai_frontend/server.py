@@ -212,13 +212,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     return (f"Invalid value for '{param}': {msg}" if param else msg), param
 
 
-def _request_id(request: Request, *body_ids: Optional[str]) -> str:
-    """The client's X-Request-Id header, else the body's id, else the generated one (vLLM's order)."""
+def _request_id(request: Request, *body_ids: Optional[str], body_first: bool = False) -> str:
+    """The client's X-Request-Id header, else the body's id, else the generated one (vLLM's
+    order); `body_first` (/generate): the body's id before the header, as SGLang's rid names the
+    request, its abort and its duplicate check."""
     state = request.scope.get("state", {})
-    if not state.get("request_id_from_client"):
+    from_header = bool(state.get("request_id_from_client"))
+    if body_first or not from_header:
         for rid in body_ids:
             if rid:
-                if rid.isascii() and rid.isprintable() and len(rid) <= 256:
+                if not from_header and rid.isascii() and rid.isprintable() and len(rid) <= 256:
                     state["request_id"] = rid  # echoed in the response header
                 return rid
     return state.get("request_id") or uuid.uuid4().hex
@@ -421,7 +424,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         # One string rid names the request as the body's request_id does on the OpenAI routes (a
         # batch's list of rids names its prompts one by one).
         rid = body.rid if isinstance(body.rid, str) else None
-        return await cancel_on_disconnect(request, generate(body, _request_id(request, rid)))
+        return await cancel_on_disconnect(request, generate(body, _request_id(request, rid, body_first=True)))
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> Response:

@@ -207,12 +207,15 @@ def _decode_generic(response: Any) -> EngineChunk:
 # The mark on the Triton id of a request whose client named it: the llm model runs such a name
 # once at a time per frontend id (backend/request_index.py, NAMED_SUFFIX, the same string).
 NAMED_SUFFIX = "rid-"
+# The mark (after NAMED_SUFFIX, if both) of a batch item (EngineRequest.batch_item): only such an
+# id answers an abort for its batch's id (BATCH_ITEM_SUFFIX in backend/request_index.py).
+BATCH_ITEM_SUFFIX = "b-"
 
 
 def _batch_item_of(client_id: str, rid: Optional[str]) -> bool:
-    """Whether `client_id` is prompt i of the batch request `rid` (its streams are `<rid>_<i>` on
-    /generate, as SGLang names them, and `<rid>-<i>` on /v1/completions). The llm model applies
-    the same rule to `abort_client` (backend/request_index.py, names_client)."""
+    """Whether `client_id`, a batch item's, is prompt i of the batch request `rid` (its streams
+    are `<rid>_<i>` on /generate, as SGLang names them, and `<rid>-<i>` on /v1/completions). The
+    llm model applies the same rule to `abort_client` (backend/request_index.py, names_client)."""
     return (bool(rid) and client_id[len(rid) : len(rid) + 1] in ("_", "-") and client_id.startswith(rid)
             and client_id[len(rid) + 1 :].isdigit())
 
@@ -248,7 +251,8 @@ def _clean(message: str) -> str:
 # "x: ...", "priority 3 needs ...", "logits processor 'm.f' ..." -> x,
 # "LoRA adapter 'a' is not loaded" -> lora_path (the engine's name for it), "stop_token_ids token ids
 # must ..." -> stop_token_ids, "invalid regex: ..." -> regex, "chat_template_kwargs may not set ..." ->
-# chat_template_kwargs, a prompt token out of range -> input_ids
+# chat_template_kwargs, a prompt token out of range or a prompt past the context -> input_ids,
+# "logprob_start_len 3 must be ..." -> logprob_start_len
 _PARAM_RE = re.compile(
     r"parameter '([A-Za-z_][A-Za-z0-9_]*)'"
     r"|invalid sampling parameter ([A-Za-z_][A-Za-z0-9_]*)"
@@ -256,6 +260,8 @@ _PARAM_RE = re.compile(
     r"|^([a-z_][a-z0-9_]*) must "
     r"|^([a-z_][a-z0-9_]*): "
     r"|^(priority) -?\d"
+    r"|^([a-z_][a-z0-9_]*) -?\d+ must "
+    r"|^the prompt has \d+ tokens, but the context (is)"
     r"|^logits (processor) '"
     r"|^LoRA (adapter) '"
     r"|^([a-z_][a-z0-9_]*) token ids must "
@@ -265,7 +271,8 @@ _PARAM_RE = re.compile(
     r"|^prompt token (id) \d+ is out of range"
     r"|^Duplicate request (ID) detected"
 )
-_PARAM_ALIASES = {"processor": "logits_processors", "adapter": "lora_path", "id": "input_ids", "ID": "rid"}
+_PARAM_ALIASES = {"processor": "logits_processors", "adapter": "lora_path", "id": "input_ids", "ID": "rid",
+                  "is": "input_ids"}
 
 
 def _param(msg: str) -> Optional[str]:
@@ -401,6 +408,8 @@ class TritonLLMClient:
         # The names client-named requests in flight go by: the request's, and with n > 1 its
         # samples' `<rid>_<i>` (SGLang names them so, and refuses a second request under any).
         self._claimed: set[str] = set()
+        # How many of the streams under a client id are batch items (EngineRequest.batch_item).
+        self._batch_items: dict[str, int] = {}
         self.out_of_order_responses = 0  # see _out_of_order
 
     def _get(self) -> grpcclient_aio.InferenceServerClient:
@@ -441,7 +450,7 @@ class TritonLLMClient:
         # abortable by it from any process sharing this frontend id (abort_requests). A name the
         # client chose is marked (NAMED_SUFFIX): the llm model then refuses a second one while it
         # runs, sent by another of this frontend's processes (backend/request_index.py).
-        mark = NAMED_SUFFIX if request.client_named else ""
+        mark = (NAMED_SUFFIX if request.client_named else "") + (BATCH_ITEM_SUFFIX if request.batch_item else "")
         request_id = f"{request.request_id or 'anon'}@{self.frontend_id}.{mark}{uuid.uuid4().hex[:8]}"
         done = asyncio.Event()
         payload = {
@@ -464,6 +473,8 @@ class TritonLLMClient:
         streams = self._streams.setdefault(request.request_id, set())
         streams.add(request_id)
         self._claimed |= claims
+        if request.batch_item:
+            self._batch_items[request.request_id] = self._batch_items.get(request.request_id, 0) + 1
         decode = ResponseDecoder()
         multi = request.n > 1
         seen = [0] * request.n  # completion_tokens so far, per sample: must never go down
@@ -497,6 +508,10 @@ class TritonLLMClient:
         finally:
             done.set()
             self._claimed -= claims
+            if request.batch_item:
+                left = self._batch_items.pop(request.request_id) - 1
+                if left:
+                    self._batch_items[request.request_id] = left
             streams.discard(request_id)
             if not streams and self._streams.get(request.request_id) is streams:
                 del self._streams[request.request_id]
@@ -522,7 +537,7 @@ class TritonLLMClient:
         targets = [
             triton_id
             for client_id, ids in self._streams.items()
-            if abort_all or client_id == rid or _batch_item_of(client_id, rid)
+            if abort_all or client_id == rid or (client_id in self._batch_items and _batch_item_of(client_id, rid))
             for triton_id in ids
         ]
         await asyncio.gather(*(self._abort(triton_id) for triton_id in targets))

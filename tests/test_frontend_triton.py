@@ -695,6 +695,20 @@ def test_abort_request_ends_streams_with_finish_reason_abort(triton, base_url):
         finals = [e["meta_info"] for e in out[0] if e["meta_info"].get("finish_reason")]
         assert finals and all(m["finish_reason"]["type"] == "abort" for m in finals), finals
         assert all(0 < m["completion_tokens"] < 1000 for m in finals)
+    # A request its client named like a batch item is not one (QA: aborting "job" took "job_1").
+    threads = {}
+    for rid in ("job", "job_1"):
+        started, out = threading.Event(), []
+        body = {"text": "tell me", "stream": True, "rid": rid, "sampling_params": long}
+        threads[rid] = (threading.Thread(target=_stream_until_aborted, args=(base_url + "/generate", body, started, out)),
+                        started, out)
+        threads[rid][0].start()
+        assert started.wait(30)
+    for rid in ("job", "job_1"):
+        r = httpx.post(base_url + "/abort_request", json={"rid": rid})
+        assert r.status_code == 200 and r.json() == {"aborted": 1}, (rid, r.text)
+        threads[rid][0].join(30)
+        assert not threads[rid][0].is_alive() and threads[rid][2], rid
     # abort_all, over OpenAI chat streams
     body = {"model": MODEL, "messages": MESSAGES, "stream": True, "ignore_eos": True}
     threads, outs = [], []

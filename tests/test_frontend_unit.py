@@ -963,6 +963,9 @@ def test_error_mapping():
     assert e.param == "n"
     assert map_stream_error("invalid sampling parameter top_p: must be in (0, 1]").param == "top_p"
     assert map_stream_error("LoRA adapter 'x' is not loaded; loaded adapters: none").param == "lora_path"
+    # QA: these named no parameter.
+    assert map_stream_error("logprob_start_len 3 must be less than the prompt length 3").param == "logprob_start_len"
+    assert map_stream_error("the prompt has 800 tokens, but the context is 768 tokens").param == "input_ids"
     for message, param in (("stop_token_ids token ids must be < the vocabulary size 4096", "stop_token_ids"),
                            ("logit_bias token ids must be < the vocabulary size 4096", "logit_bias"),
                            ("invalid json_schema: 'type' must be a string", "json_schema"),
@@ -1761,8 +1764,9 @@ def test_generate_ids_and_logprob_keys_as_sglang(base_url, fake):
     assert [o["meta_info"]["id"] for o in r.json()] == ["X_0_0", "X_0_1", "X_1_0", "X_1_1"]
     r = httpx.post(base_url + "/generate", json={"text": "x", "rid": "Y", "sampling_params": {"n": 2}})
     assert [o["meta_info"]["id"] for o in r.json()] == ["Y_0", "Y_1"]
-    # One rid follows the request-id rule of every route: the X-Request-Id header, else the rid,
-    # and the one used is echoed.
+    # One rid names the request, as SGLang's does: before an X-Request-Id header (QA: the header
+    # won, so an abort or a duplicate check by the rid missed the request); the one used is echoed
+    # when the client gave no header.
     r = httpx.post(base_url + "/generate", json={"text": "x", "rid": "g77"})
     assert r.json()["meta_info"]["id"] == "g77" and r.headers["x-request-id"] == "g77"
     # A rid the client chose is its request's alone while it runs (the client refuses a second,
@@ -1771,7 +1775,13 @@ def test_generate_ids_and_logprob_keys_as_sglang(base_url, fake):
     httpx.post(base_url + "/generate", json={"text": "x"})
     assert not fake.requests[-1].client_named
     r = httpx.post(base_url + "/generate", json={"text": "x", "rid": "g78"}, headers={"X-Request-Id": "hdr1"})
-    assert r.json()["meta_info"]["id"] == "hdr1" and r.headers["x-request-id"] == "hdr1"
+    assert r.json()["meta_info"]["id"] == "g78" and r.headers["x-request-id"] == "hdr1"
+    assert fake.requests[-1].request_id == "g78" and fake.requests[-1].client_named
+    r = httpx.post(base_url + "/generate", json={"text": "x"}, headers={"X-Request-Id": "hdr2"})
+    assert r.json()["meta_info"]["id"] == "hdr2"
+    # An empty token_ids_logprob asks for none, as SGLang reads it (QA: "0 entries for 1 prompts").
+    r = httpx.post(base_url + "/generate", json={"text": "x", "return_logprob": True, "token_ids_logprob": []})
+    assert r.status_code == 200 and "token_ids_logprob" not in fake.requests[-1].sampling_params, r.text
     r = httpx.post(base_url + "/generate", json={"text": ["x", "y", "z"], "rid": ["a", "b", "a"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "rid" and "'a' is given twice" in r.text
     # return_logprob: the token lists always (input ones too), the top ones only with top_logprobs_num.

@@ -47,21 +47,23 @@ def test_client_ids_parse_from_the_right():
 
 def test_an_abort_names_a_request_and_its_batch_items():
     assert names_client("R", "R") and names_client("R", "R_0") and names_client("R", "R-12")
+    # QA: a request its client named R_1 is not R's batch item; an abort for R left it alone.
+    assert names_client("R", "R", batch_item=False) and not names_client("R", "R_1", batch_item=False)
     for client_id in ("R_x", "R_", "RR_0", "R0", "S", "R_0_1"):
         assert not names_client("R", client_id), client_id
 
 
 def test_abort_client_takes_a_frontends_running_requests_by_rid_or_all():
     index = TritonRequestIndex()
-    running = {"R@fe.1": "e1", "R_0@fe.2": "e2", "R-1@fe.3": "e3", "S@fe.4": "e4",
-               "R@other.5": "e5", "R.plain": "e6"}
+    running = {"R@fe.1": "e1", "R_0@fe.b-2": "e2", "R-1@fe.rid-b-3": "e3", "S@fe.4": "e4",
+               "R@other.5": "e5", "R.plain": "e6", "R_1@fe.rid-8": "e8"}
     for triton_id, engine_id in running.items():
         index.add(triton_id, engine_id)
     index.add("R@fe.1", "e1b")  # n > 1: one Triton request, two engine requests
     assert index.abort_client("fe", "R") == (3, {"e1", "e1b", "e2", "e3"})
     assert index.abort_client("fe", "R") == (0, set())  # taken once; nothing is remembered
     index.add("R@fe.7", "e7")
-    assert index.abort_client("fe", None) == (2, {"e4", "e7"})  # every request of that frontend
+    assert index.abort_client("fe", None) == (3, {"e4", "e7", "e8"})  # every request of that frontend
     assert len(index) == 2  # the other frontend's and the plain id's stay
     assert index.abort("R@other.5") == {"e5"} and index.abort("R.plain") == {"e6"}
 
