@@ -49,6 +49,9 @@ def _check_unsupported(req: GenerateRequest, ctx: Context) -> None:
         raise unsupported("return_routed_experts", "no MoE models")
     if req.routed_experts_start_len:
         raise unsupported("routed_experts_start_len", "no MoE models")
+    if req.priority is not None:
+        raise unsupported("priority", "give sampling_params.priority, vLLM's order: lower runs first "
+                          "(on a server with scheduling_policy priority)")
     processor = req.custom_logit_processor
     check_custom_logit_processor(any(processor) if isinstance(processor, list) else processor, ctx.settings)
 

@@ -313,6 +313,9 @@ class GenerateRequest(_Body):
     video_data: Optional[Any] = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # SGLang's top-level priority (its order: higher first, by default): refused with a pointer
+    # to the sampling parameter, which has vLLM's order (lower first).
+    priority: Optional[int] = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ PARSE_FUNCTION_CALL_FIELDS = ["text", "tool_call_parser", "tools"]
 # other endpoint, the reasoning switches). They are held to the same rule, so that every field
 # the frontend accepts is covered (test_every_accepted_field_is_covered).
 BEYOND_SEEDS = {
-    "generate": ["video_data"],
+    "generate": ["video_data", "priority"],
     "chat": ["allowed_token_ids", "regex", "ebnf", "json_schema", "no_stop_trim", "rid", "lora_path",
              "return_hidden_states", "separate_reasoning", "stream_reasoning", "include_reasoning"],
     "completions": ["request_id", "regex", "ebnf", "json_schema", "structural_tag", "no_stop_trim", "rid",
@@ -562,6 +562,8 @@ GENERATE_CASES: dict[str, Case] = {
                                    return_hidden_states=True),
     "return_routed_experts": refused(return_routed_experts=True),
     "routed_experts_start_len": refused(routed_experts_start_len=4),
+    # Newer SGLang's top-level priority (not in the seeds): refused, pointing at sampling_params.
+    "priority": refused(priority=1),
 }
 
 GENERATE_SAMPLING_CASES: dict[str, Case] = {

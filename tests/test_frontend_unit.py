@@ -1779,6 +1779,9 @@ def test_generate_ids_and_logprob_keys_as_sglang(base_url, fake):
     assert fake.requests[-1].request_id == "g78" and fake.requests[-1].client_named
     r = httpx.post(base_url + "/generate", json={"text": "x"}, headers={"X-Request-Id": "hdr2"})
     assert r.json()["meta_info"]["id"] == "hdr2"
+    # SGLang's top-level priority (higher first there) points at the sampling parameter.
+    r = httpx.post(base_url + "/generate", json={"text": "x", "priority": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority" and "sampling_params.priority" in r.text
     # An empty token_ids_logprob asks for none, as SGLang reads it (QA: "0 entries for 1 prompts").
     r = httpx.post(base_url + "/generate", json={"text": "x", "return_logprob": True, "token_ids_logprob": []})
     assert r.status_code == 200 and "token_ids_logprob" not in fake.requests[-1].sampling_params, r.text
