@@ -261,7 +261,7 @@ _PARAM_RE = re.compile(
     r"|^([a-z_][a-z0-9_]*): "
     r"|^(priority) -?\d"
     r"|^([a-z_][a-z0-9_]*) -?\d+ must "
-    r"|^the prompt has \d+ tokens, but the context (is)"
+    r"|^the (prompt) has \d+ tokens, but the context is"
     r"|^logits (processor) '"
     r"|^LoRA (adapter) '"
     r"|^([a-z_][a-z0-9_]*) token ids must "
@@ -272,7 +272,7 @@ _PARAM_RE = re.compile(
     r"|^Duplicate request (ID) detected"
 )
 _PARAM_ALIASES = {"processor": "logits_processors", "adapter": "lora_path", "id": "input_ids", "ID": "rid",
-                  "is": "input_ids"}
+                  "prompt": "input_ids"}
 
 
 def _param(msg: str) -> Optional[str]:
