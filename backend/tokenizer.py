@@ -266,9 +266,9 @@ def encode_prompt(
     text or ids they are refused, not dropped. Ids are taken as given, whatever
     `add_special_tokens` says (vLLM ignores it for token prompts too).
     """
-    given = [name for name, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids)) if _present(v)]
-    empty = [name for name, v in (("text_input", text), ("messages", messages), ("input_ids", input_ids))
-             if v is not None and not _present(v)]
+    sources = (("text_input", text), ("messages", messages), ("input_ids", input_ids))
+    given = [name for name, v in sources if _present(v)]
+    empty = [name for name, v in sources if v is not None and not _present(v)]
     if not given and empty:
         # Sent, but empty (vLLM: "prompt cannot be empty"); not "nothing sent".
         raise ValueError(f"the prompt is empty ({' and '.join(empty)} given empty)")

@@ -88,9 +88,10 @@ class CompletionHandler:
         if samples > req.n:
             sp = with_sampled_logprobs(sp)
         requests = []
+        batch = len(prompts) > 1
         for p, prompt in enumerate(prompts):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{p}"
-            common = dict(sampling_params=sp, request_id=rid, n=samples, stream=req.stream, batch_item=len(prompts) > 1)
+            rid = f"{request_id}-{p}" if batch else request_id
+            common = dict(sampling_params=sp, request_id=rid, n=samples, stream=req.stream, batch_item=batch)
             if isinstance(prompt, str):
                 requests.append(EngineRequest(text_input=prompt, add_special_tokens=None if req.add_special_tokens else False,
                                               **common))

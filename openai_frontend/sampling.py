@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 from openai_frontend.errors import APIError, bad_request, model_not_found, unsupported
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.settings import Settings
+from openai_frontend.tools import forces_call
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 256
@@ -220,8 +221,8 @@ def openai_param(exc: APIError, req: AnyRequest) -> APIError:
         given = _constraints(req)
         if given:
             exc.param = given[0][0]
-        elif getattr(req, "tools", None) and getattr(req, "tool_choice", None) not in (None, "none", "auto"):
-            # tool_choice required or named: the constraint is built from the tools' parameters.
+        elif getattr(req, "tools", None) and forces_call(getattr(req, "tool_choice", None)):
+            # The constraint is built from the tools' parameters.
             exc.message = exc.message.replace(f"invalid {exc.param}:", "invalid tools (a function's parameters):", 1)
             exc.param = "tools"
     elif exc.param in _OPENAI_NAMES:

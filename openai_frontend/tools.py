@@ -254,6 +254,11 @@ class ToolPlan:
     parallel: bool
 
 
+def forces_call(tool_choice: Any) -> bool:
+    """Whether `tool_choice` (required, or a named function) constrains generation to calls."""
+    return tool_choice not in (None, "none", "auto")
+
+
 def plan_tools(
     tools: Optional[Sequence[ChatTool]],
     tool_choice: Any,
@@ -262,7 +267,7 @@ def plan_tools(
 ) -> ToolPlan:
     parallel = parallel_tool_calls is not False
     if not tools:
-        if tool_choice not in (None, "none", "auto"):
+        if forces_call(tool_choice):
             raise bad_request("tool_choice requires tools", param="tool_choice")
         return ToolPlan(None, None, None, [], parallel)
     as_dicts = tools_as_dicts(tools)
