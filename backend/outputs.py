@@ -166,56 +166,79 @@ class OutputState:
         # As SGLang: a matched stop token ends the text before it (unless no_stop_trim); it
         # stays in the output ids and counts as a completion token.
         self.hidden_tokens = 1 if stop_token and not params.no_stop_trim else 0
-        delta = self.detok.push(new_ids[: len(new_ids) - self.hidden_tokens] if self.hidden_tokens else new_ids)
-        if seq.finish_reason is None:
-            if stop_token:
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, last
-                seq.matched_eos = last not in params.stop_token_ids
-            elif grammar_done:
-                seq.finish_reason = FinishReason.STOP
-            elif seq.num_output_tokens >= seq.max_new_tokens:
-                seq.finish_reason = FinishReason.LENGTH
-        if seq.finish_reason is None and not self.pending and not self.stops and not self.stop_regexes:
+        ids = new_ids[: len(new_ids) - self.hidden_tokens] if self.hidden_tokens else new_ids
+        total = seq.num_tokens - self.hidden_tokens
+        if self.stops or self.stop_regexes:
+            return self._on_tokens_watched(seq, new_ids, ids, stop_token, grammar_done)
+        delta = self.detok.push(ids)
+        self._end_by_tokens(seq, stop_token, grammar_done)
+        if seq.finish_reason is None and not self.pending:
             # Most tokens of most requests: nothing held back, nothing to match, not the end.
             # What _release(seq, 1) would return for this one step, without the bookkeeping.
             return self._output(seq, list(new_ids), seq.token_ids[delta.window_start : delta.read_offset],
                                 delta.window_start, delta.prefix_len, delta.text)
-        total = seq.num_tokens - self.hidden_tokens
         self.pending.append(
             _Step(delta.text, list(delta.window_ids), total - len(delta.window_ids), delta.prefix_len, delta.read_offset)
         )
         self.pending_new_ids.extend(new_ids)
+        return self._release(seq, len(self.pending), final=seq.finish_reason is not None)
+
+    def _end_by_tokens(self, seq: Sequence, stop_token: bool, grammar_done: bool) -> None:
         if seq.finish_reason is not None:
+            return
+        if stop_token:
+            last = seq.token_ids[-1]
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, last
+            seq.matched_eos = last not in seq.params.stop_token_ids
+        elif grammar_done:
+            seq.finish_reason = FinishReason.STOP
+        elif seq.num_output_tokens >= seq.max_new_tokens:
+            seq.finish_reason = FinishReason.LENGTH
+
+    def _on_tokens_watched(self, seq: Sequence, new_ids: list[int], ids: list[int], stop_token: bool,
+                           grammar_done: bool) -> RequestOutput:
+        """on_tokens with stop strings or regexes to match.
+
+        As vLLM: a stop counts only where it ends in the text of a token after the first
+        min_new_tokens. A step of several tokens (drafts, jump-forward) is pushed one token at a
+        time, so it ends the text where the same tokens one step each would have.
+        """
+        params = seq.params
+        before = seq.num_output_tokens - len(new_ids)  # output tokens before this step
+        base = seq.num_tokens - len(new_ids)
+        hit: Optional[tuple[int, str]] = None
+        partial_at: Optional[int] = None
+        for j, t in enumerate(ids):
+            d = self.detok.push([t])
+            end = base + j + 1
+            self.pending.append(_Step(d.text, list(d.window_ids), end - len(d.window_ids), d.prefix_len, d.read_offset))
+            if hit is None:
+                # Text under min_new_tokens is searched for nothing, only for what to hold back.
+                hit, partial_at = self._search(len(d.text) if before + j + 1 > params.min_new_tokens else 0)
+        if not ids:  # only a hidden stop token: nothing new to search, the hold stands as it was
+            hit, partial_at = self._search(0)
+        self.pending_new_ids.extend(new_ids)
+        if hit is None:
+            self._end_by_tokens(seq, stop_token, grammar_done)
+        if seq.finish_reason is not None or hit is not None:
             # Ending: text held back for half a character comes out now (as U+FFFD), and the stop
             # strings must see it too (it could complete one).
             flushed = self.detok.finish()
             if flushed:
                 self.pending[-1] = replace(self.pending[-1], text=self.pending[-1].text + flushed)
-
-        trim = 0
-        partial_at: Optional[int] = None
-        # As vLLM: stop strings count only once min_new_tokens are out (text before is released
-        # as it comes; a stop may still begin in it and end in the new text).
-        matching = bool(self.stops or self.stop_regexes) and seq.num_output_tokens >= params.min_new_tokens
-        if matching:
-            pending_text = "".join(s.text for s in self.pending)
-            hay = self.released_tail + pending_text
-            hit = _find_stop(hay, self.stops, start=max(0, len(self.released_tail) - self.max_stop_len + 1))
-            if self.stop_regexes:
-                rx_hit, partial_at = _find_stop_regex(hay, self.stop_regexes, len(self.released_tail))
-                if rx_hit is not None and (hit is None or rx_hit[0] < hit[0]):
-                    hit = rx_hit
-            if hit is not None:
-                pos, stop = hit
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
-                keep = pos - len(self.released_tail) + (len(stop) if params.no_stop_trim else 0)
-                trim = len(pending_text) - max(keep, 0)
-
+                if hit is None and seq.num_output_tokens > params.min_new_tokens:
+                    hit, _ = self._search(len(flushed))
+        if hit is not None:
+            pos, stop = hit
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+            seq.matched_eos = False
+            pending_len = sum(len(s.text) for s in self.pending)
+            keep = pos - len(self.released_tail) + (len(stop) if params.no_stop_trim else 0)
+            return self._release(seq, len(self.pending), trim=pending_len - max(keep, 0), final=True)
         if seq.finish_reason is not None:
-            return self._release(seq, len(self.pending), trim=trim, final=True)
-        if not matching:
-            return self._release(seq, len(self.pending))
-        # Hold back steps whose text could still grow into a stop string.
+            return self._release(seq, len(self.pending), final=True)
+        # Hold back steps whose text could still grow into a stop string, under min_new_tokens
+        # too: a stop may begin there and end after, and its start must still be trimmable.
         pending_text = "".join(s.text for s in self.pending)
         hay = self.released_tail + pending_text
         hold = _longest_stop_prefix_suffix(hay, self.stops)
@@ -229,6 +252,20 @@ class OutputState:
             acc += len(step.text)
             n += 1
         return self._release(seq, n)
+
+    def _search(self, fresh: int) -> tuple[Optional[tuple[int, str]], Optional[int]]:
+        """(the earliest stop match ending in the last `fresh` characters, as (pos, stop) in
+        released_tail + pending text; where a stop regex match still in progress begins)."""
+        hay = self.released_tail + "".join(s.text for s in self.pending)
+        # The text before the fresh part was searched when it came (or came too early to count).
+        fresh_from = len(hay) - fresh
+        hit = _find_stop(hay, self.stops, fresh_from)
+        partial_at: Optional[int] = None
+        if self.stop_regexes:
+            rx_hit, partial_at = _find_stop_regex(hay, self.stop_regexes, fresh_from)
+            if rx_hit is not None and (hit is None or rx_hit[0] < hit[0]):
+                hit = rx_hit
+        return hit, partial_at
 
     def _release(self, seq: Sequence, n: int, trim: int = 0, final: bool = False) -> RequestOutput:
         steps, self.pending = self.pending[:n], self.pending[n:]
@@ -302,21 +339,22 @@ def spec_meta(seq: Sequence) -> dict[str, Any]:
     }
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> Optional[tuple[int, str]]:
+def _find_stop(text: str, stops: list[str], fresh_from: int) -> Optional[tuple[int, str]]:
+    """The earliest match that ends after text[:fresh_from], as (pos, stop)."""
     best: Optional[tuple[int, str]] = None
     for s in stops:
-        pos = text.find(s, start)
+        pos = text.find(s, max(0, fresh_from - len(s) + 1))
         if pos != -1 and (best is None or pos < best[0]):
             best = (pos, s)
     return best
 
 
-def _find_stop_regex(text: str, patterns: list[Any], released: int) -> tuple[Optional[tuple[int, str]], Optional[int]]:
+def _find_stop_regex(text: str, patterns: list[Any], fresh_from: int) -> tuple[Optional[tuple[int, str]], Optional[int]]:
     """(earliest complete match as (pos, matched text), start of a match still in progress).
 
     A partial match (the `regex` module's partial=True) reaching the end of the text means the
     next tokens may complete it: that text is held back, as for a prefix of a stop string.
-    Matches wholly inside already released text were checked before and are skipped.
+    Matches ending inside text[:fresh_from] were checked before (or may not count) and are skipped.
     """
     best: Optional[tuple[int, str]] = None
     partial: Optional[int] = None
@@ -330,7 +368,7 @@ def _find_stop_regex(text: str, patterns: list[Any], released: int) -> tuple[Opt
                 if m.partial:
                     partial = m.start() if partial is None else min(partial, m.start())
                     break
-                if m.end() > released and m.end() > m.start():
+                if m.end() > fresh_from and m.end() > m.start():
                     if best is None or m.start() < best[0]:
                         best = (m.start(), m.group(0))
                     break

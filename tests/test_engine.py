@@ -283,15 +283,15 @@ def test_stop_strings_are_matched_on_text_and_trimmed(engine):
     assert out.text == text[: text.index(stop)]
     (kept,) = engine.generate([prompt], greedy(engine, stop=[stop], no_stop_trim=True))
     assert kept.text == text[: text.index(stop) + len(stop)]
-    # As vLLM: stop strings count only from min_new_tokens on; a match must end in the text of
-    # the tokens from there.
+    # As vLLM v1: stop strings count only after min_new_tokens; a match must end in the text of
+    # the tokens after those.
     stop = text[1]
     m = 12
-    before = len(engine.tokenizer.decode(ref.new_token_ids[: m - 1]))
+    before = len(engine.tokenizer.decode(ref.new_token_ids[:m]))
     assert text.index(stop) < before  # the first match is too early
     (late,) = engine.generate([prompt], greedy(engine, stop=[stop], min_new_tokens=m))
     j = text.find(stop, before - len(stop) + 1)
-    assert late.new_token_ids[: m - 1] == ref.new_token_ids[: m - 1] and len(late.new_token_ids) >= m
+    assert late.new_token_ids[:m] == ref.new_token_ids[:m] and len(late.new_token_ids) > m
     assert late.text == (text[:j] if j >= 0 else text), (late.text, text, before)
 
 
