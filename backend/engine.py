@@ -336,7 +336,8 @@ class LLMEngine:
                 prefix_cacheable=cacheable,
                 prompt_embeds=embeds,
                 index=index,
-                seed=(base_seed + index * 0x9E3779B97F4A7C15) % 2**63,
+                # As vLLM: sample i of seed s draws as a request with seed s + i (int64, wrapping).
+                seed=(base_seed + index + 2**63) % 2**64 - 2**63,
                 # Siblings wait for the first one's prefill only to find its blocks cached.
                 wait_for=children[0].seq if children and cacheable and self.config.enable_prefix_caching else None,
                 lora=adapter,

@@ -187,8 +187,8 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:  # any int64, as vLLM and OpenAI
+            raise ValueError(f"seed must be a 64-bit signed integer, in [-2**63, 2**63), got {self.seed}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]

@@ -17,6 +17,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine import LLMEngine, RequestError, default_torch_threads
 from backend.outputs import RequestOutput
+from backend.sampling_params import SamplingParamsError
 
 MAX_NEW = 24
 
@@ -301,6 +302,22 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     alone = engine.generate([prompts[0]], params)[0].new_token_ids
     together = engine.generate(prompts, params)[0].new_token_ids
     assert alone == together
+
+
+def test_sample_i_of_a_seeded_request_draws_as_seed_plus_i(engine):
+    """As vLLM (ParentRequest: child seed = seed + index): sample i of `n` with seed s equals the
+    request alone with seed s + i; any int64 seed works, wrapping at the ends as int64 does."""
+    prompt = _prompts(engine, 1, seed=8)[0]
+    base = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}
+    for seed in (1234, -1, 2**63 - 2):
+        samples = engine.generate([prompt], engine.parse_params({**base, "seed": seed, "n": 3}))
+        for i, sample in enumerate(samples):
+            alone_seed = (seed + i + 2**63) % 2**64 - 2**63
+            (alone,) = engine.generate([prompt], engine.parse_params({**base, "seed": alone_seed}))
+            assert sample.new_token_ids == alone.new_token_ids, (seed, i)
+        assert len({tuple(s.new_token_ids) for s in samples}) == 3
+    with pytest.raises(SamplingParamsError, match="64-bit"):
+        engine.parse_params({**base, "seed": 2**63})
 
 
 def _collect(results: dict, key, out: RequestOutput) -> None:

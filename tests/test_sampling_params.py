@@ -68,5 +68,6 @@ def test_sglang_sampling_seed_is_the_seed():
     assert parse_sampling_params({"sampling_seed": 7, "seed": 7}).seed == 7
     with pytest.raises(SamplingParamsError, match="sampling_seed"):
         parse_sampling_params({"sampling_seed": 7, "seed": 8})
+    assert parse_sampling_params({"sampling_seed": -1}).seed == -1  # any int64, as vLLM
     with pytest.raises(SamplingParamsError, match="seed"):
-        parse_sampling_params({"sampling_seed": -1})
+        parse_sampling_params({"sampling_seed": 2**63})
