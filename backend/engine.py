@@ -606,7 +606,7 @@ class LLMEngine:
         except Exception as exc:  # a failed step must not kill the loop or leak blocks
             log.exception("engine step failed")
             for item in scheduled:
-                self._end(item.seq.request_id, FinishReason.ABORT, error=f"engine step failed: {exc}")
+                self._end(item.seq.request_id, FinishReason.ABORT, error=f"internal error: engine step failed: {exc}")
         self._step_seconds += time.perf_counter() - wall0
         self._step_cpu_seconds += time.thread_time() - cpu0
         self._num_steps += 1
@@ -741,7 +741,7 @@ class LLMEngine:
         new_tokens = [token]
         if tracked.grammar is not None:
             if not tracked.grammar.accept(token):
-                self._end(seq.request_id, FinishReason.ABORT, error=f"the grammar rejected token {token}")
+                self._end(seq.request_id, FinishReason.ABORT, error=f"internal error: the grammar rejected token {token}")
                 return False
             grammar_done = tracked.grammar.is_terminated
             if self.config.enable_jump_forward and not grammar_done:
