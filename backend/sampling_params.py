@@ -358,6 +358,13 @@ def load_model_defaults(model_path: Union[str, Path]) -> dict[str, Any]:
         defaults["temperature"] = 0.0
     if defaults.get("top_k") == 0:  # HF's "off"
         defaults["top_k"] = -1
+    try:
+        parse_sampling_params({}, defaults)
+    except SamplingParamsError as exc:
+        # Refused at load: served, it would fail every request with an error that blames the
+        # request for a value its client never sent.
+        raise ValueError(f"{path}: a sampling default is invalid ({exc}); fix the file, or start the "
+                         "engine with sampling_defaults=openai to ignore it") from None
     return defaults
 
 

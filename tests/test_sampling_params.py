@@ -1,6 +1,8 @@
+import json
+
 import pytest
 
-from backend.sampling_params import SamplingParamsError, parse_sampling_params
+from backend.sampling_params import SamplingParamsError, load_model_defaults, parse_sampling_params
 
 
 @pytest.mark.parametrize(
@@ -71,3 +73,14 @@ def test_sglang_sampling_seed_is_the_seed():
     assert parse_sampling_params({"sampling_seed": -1}).seed == -1  # any int64, as vLLM
     with pytest.raises(SamplingParamsError, match="seed"):
         parse_sampling_params({"sampling_seed": 2**63})
+
+
+def test_generation_config_defaults_are_checked_at_load(tmp_path):
+    """A bad sampling default in generation_config.json stops the engine at load, naming the file
+    and the key, instead of failing every request with a 400 about a value no client sent."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 0}))
+    assert load_model_defaults(tmp_path) == {"temperature": 0.7, "top_p": 0.8, "top_k": -1}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_p": 1.5}))
+    with pytest.raises(ValueError, match=r"generation_config.json: a sampling default is invalid .*top_p"):
+        load_model_defaults(tmp_path)
