@@ -241,8 +241,12 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     else:
         max_tokens, param = req.max_tokens, "max_tokens"
-    if max_tokens is not None and max_tokens < 0:
-        raise bad_request(f"{param} must be >= 0, got {max_tokens}", param=param)
+    if max_tokens is not None and max_tokens < 1:
+        # As vLLM (and OpenAI): a completion with echo may ask for no tokens, to score its prompt.
+        scoring = max_tokens == 0 and not isinstance(req, ChatCompletionRequest) and req.echo
+        if not scoring:
+            also = "" if isinstance(req, ChatCompletionRequest) else " (0 only with echo, to score the prompt)"
+            raise bad_request(f"{param} must be at least 1{also}, got {max_tokens}", param=param)
     # None: up to the end of the context, as vLLM (the engine's own default would be 128).
     sp["max_new_tokens"] = max_tokens
     if req.temperature is not None:

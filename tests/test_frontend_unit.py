@@ -1723,6 +1723,18 @@ def test_sampling_edge_values_are_sent_or_refused(base_url, fake):
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     r = post("/v1/completions", {"prompt": "x", "max_tokens": None})
     assert r.status_code == 200 and fake.requests[-1].sampling_params["max_new_tokens"] is None
+    # As vLLM and OpenAI: no tokens asked for is a 400, but for a completion echoing (scoring) its prompt.
+    for path, body, param in (("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+                              ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0},
+                               "max_completion_tokens"),
+                              ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0, "echo": True},
+                               "max_tokens"),
+                              ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens")):
+        r = post(path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert "must be at least 1" in r.json()["error"]["message"]
+    r = post("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": True})
+    assert r.status_code == 200 and fake.requests[-1].sampling_params["max_new_tokens"] == 0
     # OpenAI's nullable fields: null is the default.
     r = post("/v1/chat/completions", {"messages": MESSAGES, "n": None, "stream": None, "logprobs": None})
     assert r.status_code == 200 and len(r.json()["choices"]) == 1
