@@ -224,6 +224,9 @@ class GenerateHandler:
             raise bad_request("input_embeds: every row needs the same number (the model's hidden size) of values",
                               param="input_embeds")
         b = len(prompts)
+        max_samples = settings.max_n * 4
+        if b > max_samples:
+            raise bad_request(f"too many prompts in one request: {b}, at most {max_samples}", param=given[0])
         if isinstance(req.sampling_params, list) and len(req.sampling_params) != b:
             raise bad_request(f"sampling_params has {len(req.sampling_params)} entries for {b} prompts", param="sampling_params")
         if isinstance(req.rid, list) and len(set(req.rid)) != len(req.rid):
@@ -243,8 +246,9 @@ class GenerateHandler:
             if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > settings.max_n:
                 raise bad_request(f"sampling_params.n must be an integer in [1, {settings.max_n}]", param="n")
             total += n
-            if total > settings.max_n * 4:
-                raise bad_request(f"too many samples in one request ({total})", param="sampling_params")
+            if total > max_samples:
+                raise bad_request(f"too many samples in one request: the prompts times their n come to more than "
+                                  f"{max_samples}", param="n")
             multi = multi or n > 1
             if "stream" in sp:  # the engine would take it for the request's own
                 raise bad_request("stream is a /generate argument, not a sampling parameter", param="stream")

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Optional
 # Every route of server.py (tests/test_frontend_unit.py checks).
 ENDPOINTS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/generate", "/parse_function_call", "/separate_reasoning",
-    "/v1/models", "/health", "/health_generate", "/get_model_info", "/get_server_info", "/server_info", "/metrics",
+    "/v1/models", "/health", "/ping", "/health_generate", "/get_model_info", "/get_server_info", "/server_info", "/metrics",
     "/openapi.json", "/tokenize", "/detokenize", "/abort_request", "/flush_cache", "/reset_prefix_cache",
     "/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
 })

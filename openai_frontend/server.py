@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -209,7 +210,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
             return "The request body is missing: send a JSON object", None
         return f"Missing required parameter: '{param}'", param
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-    return (f"Invalid value for '{param}': {msg}" if param else msg), param
+    if param is None and (m := _UNICODE_AT.match(msg)):
+        param = m.group(1)  # a body-wide check (protocol._Body) names the field in its words only
+    return (f"Invalid value for '{param}': {msg}" if loc else msg), param
+
+
+_UNICODE_AT = re.compile(r"invalid Unicode at ([A-Za-z_][\w.\[\]]*):")
 
 
 def _request_id(request: Request, *body_ids: Optional[str], body_first: bool = False) -> str:
@@ -304,7 +310,8 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"Unknown route: {request.method} {request.url.path}"
-        err = APIError(exc.status_code, message)
+        # The size check of a body sent without a length (chunked) names it as the up-front one does.
+        err = APIError(exc.status_code, message, param="body" if isinstance(exc, BodyTooLarge) else None)
         return json_response(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -348,6 +355,8 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         return json_response(model_card(await ctx.max_model_len()))
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's (SageMaker's) name for the same check
+    @app.post("/ping")
     async def health() -> Response:
         if await ctx.client.is_ready():
             return Response(status_code=200)

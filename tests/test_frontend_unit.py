@@ -72,11 +72,13 @@ def test_models(client):
 
 def test_health(base_url, fake):
     assert httpx.get(base_url + "/health").status_code == 200
+    assert httpx.get(base_url + "/ping").status_code == 200 and httpx.post(base_url + "/ping").status_code == 200
     fake.ready = False
     try:
         r = httpx.get(base_url + "/health")
         assert r.status_code == 503
         assert r.json()["error"]["type"]
+        assert httpx.get(base_url + "/ping").status_code == 503
     finally:
         fake.ready = True
 
@@ -590,6 +592,8 @@ def test_lone_surrogates_are_400_on_every_endpoint(base_url, fake):
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and "surrogate" in err["message"], err
+        assert err["param"] == {"/v1/chat/completions": "messages[0].content", "/v1/completions": "stop[0]",
+                                "/generate": "rid", "/tokenize": "prompt"}[path], err
     assert "messages[0].content" in httpx.post(base_url + "/v1/chat/completions", content=bodies[
         "/v1/chat/completions"].encode(), headers={"content-type": "application/json"}).json()["error"]["message"]
     # A proper pair is one character and goes through.
@@ -679,6 +683,7 @@ def test_api_key_401():
             bad.models.list()
         assert httpx.post(url + "/generate", json={"text": "x"}).status_code == 401
         assert httpx.get(url + "/health").status_code == 200  # health stays open
+        assert httpx.get(url + "/ping").status_code == 200
         good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
         assert good.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message.content
         assert fake.requests and len(fake.requests) == 1
@@ -1467,6 +1472,7 @@ def test_request_body_size_limit_is_413():
         big = {"model": MODEL, "prompt": "x" * 2000}
         r = httpx.post(url + "/v1/completions", json=big)
         assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+        assert r.json()["error"]["param"] == "body"
 
         def chunks():  # no content-length: counted while reading
             yield b'{"model": "demo-model", "prompt": "'
@@ -1476,6 +1482,7 @@ def test_request_body_size_limit_is_413():
 
         r = httpx.post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413 and "too large" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "body"
         assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 200
         assert not fake.requests[:-1]
 
@@ -1739,6 +1746,17 @@ def test_sampling_edge_values_are_sent_or_refused(base_url, fake):
     r = post("/v1/chat/completions", {"messages": MESSAGES, "n": None, "stream": None, "logprobs": None})
     assert r.status_code == 200 and len(r.json()["choices"]) == 1
     assert post("/v1/completions", {"prompt": "x", "echo": None, "n": None}).status_code == 200
+
+
+def test_a_generate_batch_over_the_sample_limit_says_the_limit_and_names_its_field(base_url, fake):
+    n = len(fake.requests)
+    r = httpx.post(base_url + "/generate", json={"text": ["hi"] * 5000, "sampling_params": {"max_new_tokens": 1}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "text" and err["message"].endswith("5000, at most 256"), err
+    r = httpx.post(base_url + "/generate", json={"input_ids": [[1, 2]] * 100, "sampling_params": {"n": 3}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "n" and "more than 256" in err["message"], err
+    assert len(fake.requests) == n
 
 
 def test_stop_reason_and_continuous_usage_as_vllm(base_url, client, fake):
