@@ -56,6 +56,7 @@ from openai_frontend.protocol import (
     UnloadLoraAdapterRequest,
     TokenizeRequest,
 )
+from openai_frontend import request_context
 from openai_frontend.reasoning import get_reasoning_format, split_reasoning
 from openai_frontend.sampling import openai_param
 from openai_frontend.settings import Settings
@@ -105,6 +106,7 @@ class FrontDoorMiddleware:
             state["request_id_from_client"] = True
         rid_header = (b"x-request-id", request_id)
         state["request_id"] = request_id.decode("latin-1")
+        request_context.bind(state)
         path = scope["path"]
         endpoint = endpoint_label(path)
         metrics = self.metrics
@@ -238,7 +240,8 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> R
     the response starts. Once a stream has started, SSEResponse does the same."""
     disconnected, response = await run_until_disconnect(request.receive, work)
     if disconnected:
-        log.info("client disconnected before the response started; request cancelled")
+        log.info("client disconnected before the response started; request %s cancelled",
+                 request_context.request_id())
         return Response(status_code=499)
     return response
 
@@ -293,6 +296,9 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         headers = exc.headers
         if headers and "Retry-After" in headers:
             headers = {**headers, "Retry-After": str(settings.retry_after_s)}
+        if exc.status_code >= 500:  # the server's side (Triton unreachable, an engine failure): once a request
+            log.warning("%s %s: %d %s (request %s)", request.method, request.url.path, exc.status_code, exc.message,
+                        request_context.request_id())
         return json_response(exc.body(), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -316,7 +322,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
+        log.exception("unhandled error on %s (request %s)", request.url.path, request_context.request_id())
         return json_response(APIError(500, f"Internal server error: {exc}").body(), status_code=500)
 
     # -- models and health -------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from openai_frontend import request_context
 from openai_frontend.common import error_event
 from openai_frontend.engine_types import EngineChunk, EngineClient, EngineRequest
 from openai_frontend.errors import APIError
@@ -141,9 +142,12 @@ async def sse_events(stream: StartedStream, events: AsyncIterator[bytes]) -> Asy
         async for event in events:
             yield event
     except APIError as exc:
+        if exc.status_code >= 500:
+            log.warning("stream ended by an error: %d %s (request %s)", exc.status_code, exc.message,
+                        request_context.request_id())
         yield error_event(exc)
     except Exception as exc:
-        log.exception("error while streaming")
+        log.exception("error while streaming (request %s)", request_context.request_id())
         yield error_event(APIError(500, f"Internal server error: {exc}"))
     finally:
         try:

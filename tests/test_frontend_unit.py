@@ -672,6 +672,35 @@ def test_error_triton_unreachable_is_503():
         assert httpx.get(url + "/health").status_code == 503
 
 
+def test_server_side_errors_are_logged_once_with_the_request_id(base_url, fake, caplog):
+    caplog.set_level("INFO", logger="openai_frontend")
+    fake.script = lambda req: APIError(500, "internal error: engine step failed: boom")
+    for stream, rid in ((False, "qa-req-1"), (True, "qa-req-2")):
+        r = httpx.post(base_url + "/v1/completions", headers={"x-request-id": rid},
+                       json={"model": MODEL, "prompt": "x", "stream": stream})
+        assert r.status_code == 500 or "boom" in r.text
+        lines = [rec.getMessage() for rec in caplog.records if rid in rec.getMessage()]
+        assert len(lines) == 1 and "boom" in lines[0] and "500" in lines[0], lines
+    # Mid-stream, after the 200 went out: logged where the error event is written.
+    fake.script = lambda req: [*text_chunks(["a"])[:1], APIError(500, "internal error: engine step failed: bang")]
+    r = httpx.post(base_url + "/v1/completions", headers={"x-request-id": "qa-req-5"},
+                   json={"model": MODEL, "prompt": "x", "stream": True})
+    assert r.status_code == 200 and "bang" in r.text
+    lines = [rec.getMessage() for rec in caplog.records if "qa-req-5" in rec.getMessage()]
+    assert len(lines) == 1 and "bang" in lines[0], lines
+    fake.script = lambda req: APIError(400, "bad top_p")  # the client's side: not the server's log's business
+    httpx.post(base_url + "/v1/completions", headers={"x-request-id": "qa-req-3"}, json={"model": MODEL, "prompt": "x"})
+    assert not [rec for rec in caplog.records if "qa-req-3" in rec.getMessage()]
+    from openai_frontend.testing import free_port
+
+    app = create_app(Settings(triton_url=f"127.0.0.1:{free_port()}", model_name=MODEL))
+    with serve_in_thread(app) as url:  # Triton unreachable: the 503s say so in the log too
+        r = httpx.post(url + "/v1/completions", headers={"x-request-id": "qa-req-4"}, json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503
+    lines = [rec.getMessage() for rec in caplog.records if "qa-req-4" in rec.getMessage()]
+    assert len(lines) == 1 and "503" in lines[0], lines
+
+
 def test_api_key_401():
     fake = FakeLLMClient()
     with serve_in_thread(create_app(Settings(model_name=MODEL, api_key="s3cret"), client=fake)) as url:
