@@ -90,6 +90,10 @@ class EngineConfig(BaseModel):
     # whose qualified name this regex matches (re.match). None: no processors at all.
     logits_processor_pattern: Optional[str] = None
     sampling_defaults: Literal["model", "openai"] = "model"
+    # Which distribution output logprobs describe: "processed" (SGLang's: after logit_bias,
+    # penalties, grammar and temperature, before top-k/top-p/min-p) or "raw_logprobs" (vLLM's
+    # default --logprobs-mode: the model's own). Prompt logprobs are the model's either way.
+    logprobs_mode: Literal["processed", "raw_logprobs"] = "processed"
     # CPU threads for the step loop's torch ops. None: one on CUDA, torch's default on the CPU
     # (engine.default_torch_threads).
     torch_threads: Optional[int] = Field(default=None, ge=1)

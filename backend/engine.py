@@ -178,7 +178,7 @@ class LLMEngine:
             policy=config.scheduling_policy, flat_step_tokens=config.flat_tokens(),
             prefill_cap_queue_ratio=config.prefill_cap_queue_ratio,
         )
-        self.sampler = Sampler(self.model.config.vocab_size)
+        self.sampler = Sampler(self.model.config.vocab_size, config.logprobs_mode)
         spec = config.speculative_config
         self.proposer: Any = None
         if spec is not None and spec.method == "ngram":

@@ -1,7 +1,8 @@
 """Logits -> next tokens (and their logprobs), one row per sequence, each row with its own parameters.
 
 Order of the per-row transforms: logit_bias and allowed_token_ids, vLLM's logits_processors, penalties, min_new_tokens
-suppression, grammar bitmask, custom logit processor, temperature, [logprobs are taken here],
+suppression, grammar bitmask, custom logit processor, temperature, [logprobs are taken here, unless
+the engine's logprobs_mode is raw_logprobs: then before all of these],
 top-k / top-p / min-p, draw. The grammar mask comes before the top-k/top-p filters so a filter
 never keeps only forbidden tokens.
 
@@ -214,9 +215,12 @@ class TokenCounts:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, logprobs_mode: str = "processed") -> None:
         self.vocab_size = vocab_size
         self.token_counts = TokenCounts(vocab_size)
+        # "processed" (SGLang's): logprobs of the distribution the token is drawn from, before
+        # top-k/top-p/min-p. "raw_logprobs" (vLLM's default): the model's own, before anything.
+        self.raw_logprobs = logprobs_mode == "raw_logprobs"
 
     def release(self, seq_id: int) -> None:
         """The sequence is finished: drop its penalty counts."""
@@ -313,6 +317,8 @@ class Sampler:
                 return SamplerOutput(tokens, [None] * B)
 
         logits = logits.float().contiguous()
+        want_lp = [i for i, r in enumerate(rows) if r.params.return_logprob]
+        raw_lp = kernels.log_softmax(logits[want_lp], use_triton=use_triton) if want_lp and self.raw_logprobs else None
         if any(r.params.restricts_tokens for r in rows):
             _restrict_tokens(logits, rows)
         errors: dict[int, str] = {}
@@ -396,8 +402,9 @@ class Sampler:
             logits = logits.contiguous()
             logits = kernels.apply_temperature(logits, temps, use_triton=use_triton, out=logits)
 
-        want_lp = [i for i, r in enumerate(rows) if r.params.return_logprob]
-        logprobs = kernels.log_softmax(logits[want_lp], use_triton=use_triton) if want_lp else None
+        logprobs = raw_lp
+        if want_lp and raw_lp is None:
+            logprobs = kernels.log_softmax(logits[want_lp], use_triton=use_triton)
 
         if any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows if not r.params.greedy):
             logits = kernels.top_k_top_p_min_p(

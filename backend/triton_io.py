@@ -176,6 +176,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "speculative_config": str,  # JSON text, validated by EngineConfig
         "scheduling_policy": str,
         "sampling_defaults": str,
+        "logprobs_mode": str,
         "seed": int,
         "max_waiting_requests": int,
         "enable_prefix_caching": _flag,

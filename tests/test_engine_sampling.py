@@ -156,6 +156,34 @@ def test_logit_bias_and_allowed_token_ids_are_validated(engine):
             engine.add_request([1, 2, 3], engine.parse_params(raw), lambda out: None)
 
 
+@pytest.mark.parametrize("mode", ["processed", "raw_logprobs"])
+def test_logprobs_mode_picks_the_distribution_reported(demo_model_path, hf_model, mode):
+    """processed (SGLang's): the drawn-from distribution, after penalties, logit_bias and
+    temperature; raw_logprobs (vLLM's default): the model's own, whatever the request asks."""
+    eng = make_engine(demo_model_path, logprobs_mode=mode)
+    try:
+        prompt = _prompt(20, 4)
+        p = eng.parse_params({"temperature": 0.5, "seed": 3, "max_new_tokens": 5, "ignore_eos": True,
+                              "repetition_penalty": 1.3, "logit_bias": {"7": 5.0}, "return_logprob": True,
+                              "top_logprobs_num": 2})
+        (out,) = eng.generate([prompt], [p])
+    finally:
+        eng.shutdown()
+    ids = list(prompt)
+    with torch.inference_mode():
+        for (lp, tok, _), top in zip(out.logprobs["output_token_logprobs"], out.logprobs["output_top_logprobs"]):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+            if mode == "processed":
+                seen = torch.zeros_like(logits, dtype=torch.bool)
+                seen[ids] = True
+                logits[7] += 5.0
+                logits = torch.where(seen, torch.where(logits > 0, logits / 1.3, logits * 1.3), logits) / 0.5
+            want = torch.log_softmax(logits, -1)
+            assert math.isclose(lp, float(want[tok]), abs_tol=1e-4), (mode, lp, float(want[tok]))
+            assert [t for _, t, _ in top] == want.topk(2).indices.tolist()
+            ids.append(tok)
+
+
 def test_output_and_prompt_logprobs_match_hf(engine, hf_model):
     prompt = _prompt(30, 3)
     p = engine.parse_params({
