@@ -62,12 +62,23 @@ class ModelConfig:
     # config.json's quantization_config: FP8 checkpoints load (backend/quantized_checkpoint.py).
     quantization: Optional[dict[str, Any]] = None
 
+    # config.json's keys that the engine read from transformers' defaults, because config.json
+    # leaves them out (a load error names them: a shape mismatch often comes from one).
+    defaulted: frozenset[str] = frozenset()
+
     @classmethod
     def from_model_dir(cls, model_path: str | Path) -> "ModelConfig":
         cfg = json.loads((Path(model_path) / "config.json").read_text())
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        # A key config.json leaves out means what transformers' config class for the model type
+        # makes of it (Qwen3's head_dim 128, Qwen2's 32 KV heads, Mistral's 4096-token window,
+        # each type's max_position_embeddings), not a guess of our own.
+        defaults = _transformers_defaults(cfg, model_type)
+        default_theta = defaults.pop("rope_theta", 10000.0)
+        defaulted = frozenset(k for k in _DEFAULTED_KEYS if k not in cfg)
+        cfg = {**defaults, **cfg}
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         num_heads = cfg["num_attention_heads"]
@@ -77,9 +88,18 @@ class ModelConfig:
         window, sliding = _sliding_window(cfg, model_type)
         quantization = cfg.get("quantization_config") or None
         check_quantization(quantization)
-        attention_bias = cfg.get("attention_bias", model_type == "qwen2")
+        # As transformers' modeling code reads them: Llama's attention_bias biases q, k, v and o,
+        # its mlp_bias the MLP; Qwen2 biases q, k, v (its config has no such key: an explicit
+        # false drops them); Mistral and Qwen2/3 MLPs never have biases, nor Mistral's attention.
+        attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2")) and model_type != "mistral"
         if model_type == "qwen3" and attention_bias:
             raise ValueError("attention_bias is not supported for qwen3 models")
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        if num_heads % num_kv_heads:
+            heads, kv_heads = (_defaulted_note(k, defaulted) for k in ("num_attention_heads", "num_key_value_heads"))
+            raise ValueError(f"num_attention_heads {num_heads}{heads} is not a multiple of num_key_value_heads "
+                             f"{num_kv_heads}{kv_heads} in {Path(model_path) / 'config.json'}")
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -87,23 +107,31 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta") or default_theta,
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v biases; Llama-style configs say so explicitly.
+            max_position_embeddings=cfg["max_position_embeddings"],
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
             attention_bias=attention_bias,
             qk_norm=model_type == "qwen3",
             hidden_act=act,
-            o_bias=attention_bias and model_type in ("llama", "mistral"),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            o_bias=attention_bias and model_type == "llama",
+            mlp_bias=bool(cfg.get("mlp_bias", False)) and model_type == "llama",
             sliding_window=window,
             sliding_layers=sliding,
             quantization=quantization,
+            defaulted=defaulted,
         )
+
+    def describe(self, *fields: str) -> str:
+        """'num_attention_heads 4 x head_dim 128': config.json's fields as the engine read them,
+        each taken from transformers' defaults marked so."""
+        values = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                  "num_hidden_layers": self.num_layers}
+        return " x ".join(f"{f} {values[f] if f in values else getattr(self, f)}{_defaulted_note(f, self.defaulted)}"
+                          for f in fields)
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
@@ -137,6 +165,43 @@ class ModelConfig:
             base = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
             return max(self.max_position_embeddings, int(base * factor))
         return self.max_position_embeddings
+
+
+# The config.json keys the engine reads whose absence transformers' config classes fill in, and
+# the keys those defaults derive from (head_dim from hidden_size / num_attention_heads, the
+# number of KV heads from num_attention_heads, Qwen's window from use_sliding_window).
+_DEFAULTED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+                   "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
+                   "max_window_layers")
+_DERIVED_FROM = ("hidden_size", "num_attention_heads", "use_sliding_window")
+
+
+def _transformers_defaults(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """What transformers' config class for `model_type` gives the keys in _DEFAULTED_KEYS that
+    config.json leaves out (an explicit null is not left out), derived from the keys it does give
+    as the class derives them; "rope_theta": the class's default theta. A key the class does not
+    have (Qwen2's head_dim, Mistral's attention_bias) is left to the caller, which reads it as
+    transformers' modeling code does."""
+    missing = [k for k in _DEFAULTED_KEYS if k not in cfg]
+    rope = cfg.get("rope_parameters") or {}
+    if not missing and (cfg.get("rope_theta") or rope.get("rope_theta")):
+        return {}
+    from transformers import AutoConfig  # a runtime dependency already (backend/tokenizer.py)
+
+    given = {k: cfg[k] for k in _DERIVED_FROM if cfg.get(k) is not None}
+    try:
+        hf = AutoConfig.for_model(model_type, **given)
+    except Exception as exc:
+        raise ValueError(f"config.json leaves out {', '.join(missing)}, and transformers' {model_type} config refuses "
+                         f"what it gives for the defaults ({', '.join(given)}): {exc}") from None
+    out = {k: getattr(hf, k) for k in missing if hasattr(hf, k)}
+    out["rope_theta"] = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or 10000.0
+    return out
+
+
+def _defaulted_note(key: str, defaulted: frozenset[str]) -> str:
+    return " (not in config.json: transformers' default)" if key in defaulted else ""
 
 
 def _sliding_window(cfg: dict[str, Any], model_type: str) -> tuple[Optional[int], tuple[bool, ...]]:
@@ -506,37 +571,74 @@ class ModelRunner:
         dequantize_weights(raw, c.quantization)
         self.checkpoint_kv_scales = take_kv_scales(raw, c.num_layers)
 
-        def take(name: str) -> torch.Tensor:
+        # Every tensor's shape is checked against what config.json implies, before any fusing: a
+        # config that says something else than the checkpoint (or leaves out a key whose
+        # transformers default does not fit it) is refused here, naming the weight and the
+        # fields, rather than failing every request once the server is up.
+        d = c.describe
+        hidden, q_rows, kv_rows = d("hidden_size"), d("num_attention_heads", "head_dim"), d("num_key_value_heads", "head_dim")
+        shapes: dict[str, tuple[tuple[int, ...], str]] = {
+            "embed": ((c.vocab_size, c.hidden_size), f"{d('vocab_size')}, {hidden}"),
+            "norm": ((c.hidden_size,), hidden),
+            "q_proj": ((c.num_heads * c.head_dim, c.hidden_size), f"{q_rows}, {hidden}"),
+            "kv_proj": ((c.num_kv_heads * c.head_dim, c.hidden_size), f"{kv_rows}, {hidden}"),
+            "o_proj": ((c.hidden_size, c.num_heads * c.head_dim), f"{hidden}, {q_rows}"),
+            "q_bias": ((c.num_heads * c.head_dim,), q_rows),
+            "kv_bias": ((c.num_kv_heads * c.head_dim,), kv_rows),
+            "gate_up": ((c.intermediate_size, c.hidden_size), f"{d('intermediate_size')}, {hidden}"),
+            "down": ((c.hidden_size, c.intermediate_size), f"{hidden}, {d('intermediate_size')}"),
+            "inter_bias": ((c.intermediate_size,), d("intermediate_size")),
+            "head_norm": ((c.head_dim,), d("head_dim")),
+        }
+
+        def take(name: str, kind: str) -> torch.Tensor:
             try:
-                return raw.pop(name).to(device=self.device, dtype=self.dtype)
+                t = raw.pop(name)
             except KeyError:
                 raise ValueError(f"weight '{name}' missing from {path}") from None
+            shape, why = shapes[kind]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} has shape {list(t.shape)} in the checkpoint, but {path / 'config.json'} "
+                                 f"implies {list(shape)} ({why})")
+            return t.to(device=self.device, dtype=self.dtype)
 
-        self.embed = take("model.embed_tokens.weight")
-        self.final_norm = take("model.norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in raw else take("lm_head.weight")
+        self.embed = take("model.embed_tokens.weight", "embed")
+        self.final_norm = take("model.norm.weight", "norm")
+        head = raw.get("lm_head.weight")
+        if c.tie_word_embeddings and head is not None:
+            # vLLM ties the head to the embeddings whenever the config says so; transformers 5
+            # loads the checkpoint's lm_head.weight over the tie. Say which one runs.
+            if tuple(head.shape) != tuple(self.embed.shape) or not torch.equal(
+                    head.to(device=self.device, dtype=self.dtype), self.embed):
+                log.warning("%s: config.json has tie_word_embeddings true, but the checkpoint's lm_head.weight differs "
+                            "from model.embed_tokens.weight; the embeddings are used as the output head (as vLLM "
+                            "does; transformers 5 uses lm_head.weight)", path)
+        self.lm_head = self.embed if c.tie_word_embeddings or head is None else take("lm_head.weight", "embed")
         self.layers: list[dict[str, torch.Tensor]] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             # q, k, v and gate, up are fused so each becomes one matmul.
             layer = {
-                "in_norm": take(p + "input_layernorm.weight"),
-                "post_norm": take(p + "post_attention_layernorm.weight"),
-                "qkv": torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                "o": take(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                "down": take(p + "mlp.down_proj.weight"),
+                "in_norm": take(p + "input_layernorm.weight", "norm"),
+                "post_norm": take(p + "post_attention_layernorm.weight", "norm"),
+                "qkv": torch.cat([take(p + f"self_attn.{n}_proj.weight", "q_proj" if n == "q" else "kv_proj")
+                                  for n in "qkv"]),
+                "o": take(p + "self_attn.o_proj.weight", "o_proj"),
+                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight", "gate_up"), take(p + "mlp.up_proj.weight", "gate_up")]),
+                "down": take(p + "mlp.down_proj.weight", "down"),
             }
             if c.attention_bias:
-                layer["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                layer["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias", "q_bias" if n == "q" else "kv_bias")
+                                               for n in "qkv"])
             if c.o_bias:
-                layer["o_bias"] = take(p + "self_attn.o_proj.bias")
+                layer["o_bias"] = take(p + "self_attn.o_proj.bias", "norm")
             if c.mlp_bias:
-                layer["gate_up_bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
-                layer["down_bias"] = take(p + "mlp.down_proj.bias")
+                layer["gate_up_bias"] = torch.cat([take(p + "mlp.gate_proj.bias", "inter_bias"),
+                                                   take(p + "mlp.up_proj.bias", "inter_bias")])
+                layer["down_bias"] = take(p + "mlp.down_proj.bias", "norm")
             if c.qk_norm:
-                layer["q_norm"] = take(p + "self_attn.q_norm.weight")
-                layer["k_norm"] = take(p + "self_attn.k_norm.weight")
+                layer["q_norm"] = take(p + "self_attn.q_norm.weight", "head_norm")
+                layer["k_norm"] = take(p + "self_attn.k_norm.weight", "head_norm")
             self.layers.append(layer)
         raw.pop("lm_head.weight", None)
         leftovers = [k for k in raw if "rotary_emb" not in k]
