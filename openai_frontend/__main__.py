@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import logging
 import os
@@ -54,15 +55,36 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="accept SGLang custom_logit_processor (client code run by the engine; the engine "
                         "must allow it too: LLM_ENABLE_CUSTOM_LOGIT_PROCESSOR=1). Off: such requests get 400")
     p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503 responses")
-    p.add_argument("--graceful-shutdown-timeout", type=float, default=None,
-                   help="on SIGTERM/SIGINT, stop accepting and let in-flight requests and streams finish, "
-                        "for at most this many seconds (default: no limit)")
+    p.add_argument("--graceful-shutdown-timeout", type=shutdown_timeout_arg, default=DEFAULT_GRACEFUL_SHUTDOWN_S,
+                   help="on SIGTERM/SIGINT, stop accepting and let in-flight requests and streams finish for at "
+                        f"most this many seconds (default {DEFAULT_GRACEFUL_SHUTDOWN_S:g}); then the rest are "
+                        "cancelled: their streams are aborted on --abort-model (KV freed) and their connections "
+                        "closed. 'none': no limit (a stream that never ends then keeps the frontend, and a "
+                        "tritonserver waiting on its gRPC stream, from exiting). A second SIGINT cancels at once (aborts then best effort)")
     p.add_argument("--workers", type=workers_arg, default="auto",
                    help="server processes (each with its own event loop and gRPC channel) sharing the port; "
                         "auto (default): one per four CPUs, from one to four")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
     return p.parse_args(argv)
+
+
+# Long enough for most streams to end, short enough to stop well within tritonserver's default
+# 30 s exit timeout (scripts/serve.sh stops the frontend first, then tritonserver).
+DEFAULT_GRACEFUL_SHUTDOWN_S = 10.0
+
+
+def shutdown_timeout_arg(value: str) -> Optional[float]:
+    """--graceful-shutdown-timeout: seconds (0 or more), or none (no limit)."""
+    if value.lower() == "none":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or none, not {value!r}") from None
+    if not seconds >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError("must be 0 or more (none: no limit)")
+    return seconds
 
 
 def workers_arg(value: str) -> int:
@@ -100,6 +122,30 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         enable_custom_logit_processor=args.enable_custom_logit_processor,
         retry_after_s=args.retry_after,
     )
+
+
+class CancelledAtShutdown(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" traceback for each request it cancels when
+    --graceful-shutdown-timeout runs out (uvicorn cancels tasks at no other time); it has already
+    said "Cancel N running task(s), timeout graceful shutdown exceeded" once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[0] if record.exc_info else None
+        return not (exc is not None and issubclass(exc, asyncio.CancelledError)
+                    and record.getMessage().strip() == "Exception in ASGI application")
+
+
+def log_config() -> dict:
+    """uvicorn's logging configuration with CancelledAtShutdown on its error log (a configuration,
+    not a filter added here: --workers processes configure their logging from it)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["cancelled_at_shutdown"] = {"()": "openai_frontend.__main__.CancelledAtShutdown"}
+    config["loggers"]["uvicorn.error"].setdefault("filters", []).append("cancelled_at_shutdown")
+    return config
 
 
 FRONTEND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # no '@' or '.': Triton ids are parsed on them
@@ -142,6 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+        log_config=log_config(),
         # uvicorn's C HTTP parser and event loop, when installed, cut the per-chunk cost of
         # streaming by about a quarter
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",

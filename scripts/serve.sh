@@ -7,6 +7,11 @@
 #                    [--logits-processor-pattern REGEX] [--reasoning-parser NAME]
 #                    [--lora-modules name=path,name2=path2] [--allow-runtime-lora-updating]
 #                    [--kv-cache-dtype auto|bfloat16|fp8|...] [--speculative-config JSON]
+#                    [--graceful-shutdown-timeout 10]
+# Stopping it (SIGTERM, SIGINT, Ctrl-C) stops the frontend first, which lets in-flight requests and
+# streams finish for up to --graceful-shutdown-timeout seconds, then cancels the rest (aborted in
+# the engine, their connections closed); then tritonserver (which gives requests made to it
+# directly as long). A second Ctrl-C or signal cancels the frontend's streams at once.
 # Every other engine setting: env LLM_<NAME> (README, "Engine settings").
 set -euo pipefail
 CALLER=$PWD
@@ -17,6 +22,7 @@ MODEL_PATH=models/demo
 [ -z "${LLM_MODEL_PATH:-}" ] || MODEL_PATH=$(abspath "$LLM_MODEL_PATH")
 HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002 FRONTEND_PORT=9000 FRONTEND=1 FRONTEND_WORKERS=auto
 TOOL_CALL_PARSER=${TOOL_CALL_PARSER:-qwen25} API_KEY=${OPENAI_FRONTEND_API_KEY:-} REASONING_PARSER= RUNTIME_LORA=
+SHUTDOWN_TIMEOUT=10
 while [ $# -gt 0 ]; do
   case "$1" in
     --model-path) MODEL_PATH=$(abspath "$2"); shift 2 ;;
@@ -41,9 +47,13 @@ while [ $# -gt 0 ]; do
     --allow-runtime-lora-updating) RUNTIME_LORA=1; shift ;;
     --kv-cache-dtype) export LLM_KV_CACHE_DTYPE=$2; shift 2 ;;
     --speculative-config) export LLM_SPECULATIVE_CONFIG=$2; shift 2 ;;
+    --graceful-shutdown-timeout) SHUTDOWN_TIMEOUT=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
+case "$SHUTDOWN_TIMEOUT" in
+  ''|*[!0-9]*) echo "serve.sh: --graceful-shutdown-timeout takes whole seconds, not '$SHUTDOWN_TIMEOUT'" >&2; exit 2 ;;
+esac
 if [ "$MODEL_PATH" != "models/demo" ] && [ ! -d "$MODEL_PATH" ]; then
   echo "serve.sh: no model directory at $MODEL_PATH" >&2  # rather than the config's default model
   exit 2
@@ -56,11 +66,75 @@ LLM_MODEL_PATH=$(cd "$MODEL_PATH" && pwd)
 export LLM_MODEL_PATH
 # shellcheck source=scripts/env.sh
 . scripts/env.sh
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait; }
-trap cleanup EXIT INT TERM
-tritonserver --model-repository="$PWD/model_repository" --backend-directory="$TRITON_HOME/backends" \
-  --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" --metrics-port="$METRICS_PORT" &
+pids=() TRITON_PID= FRONTEND_PID= STOPPING=
+# A child that has exited stays visible to kill -0 until it is reaped: read its state instead.
+alive() {
+  local state
+  [ -n "$1" ] && state=$(awk '/^State:/ {print $2}' "/proc/$1/status" 2>/dev/null) && [ -n "$state" ] && [ "$state" != Z ]
+}
+# Wait for a child to exit; a trapped signal (stop_now) interrupts `wait`, so wait again.
+reap() {
+  while alive "$1"; do wait "$1" 2>/dev/null || true; done
+  wait "$1" 2>/dev/null || true
+}
+# The frontend first, then tritonserver: a tritonserver told to stop at the same time stops passing
+# the ensemble's responses on, and cannot exit while the frontend holds their gRPC streams, which
+# froze in-flight streams until their clients gave up. The frontend's graceful shutdown is bounded
+# (--graceful-shutdown-timeout): streams still running then are cancelled and aborted in the engine.
+cleanup() {
+  [ -z "$STOPPING" ] || return 0
+  STOPPING=1
+  trap stop_now INT TERM
+  if alive "$FRONTEND_PID"; then
+    kill -TERM "$FRONTEND_PID" 2>/dev/null || true
+    reap "$FRONTEND_PID"
+  fi
+  if alive "$TRITON_PID"; then
+    local stubs stub
+    stubs=$(pgrep -P "$TRITON_PID" -f triton_python_backend_stub || true)
+    kill -TERM "$TRITON_PID" 2>/dev/null || true
+    reap "$TRITON_PID"
+    # A tritonserver 2.51 that reaches its exit timeout with requests in flight crashes, and can
+    # leave a stub behind (with the model's memory): give them 3 s, then SIGKILL.
+    for _ in $(seq 15); do
+      for stub in $stubs; do alive "$stub" && break; stub=; done
+      [ -n "${stub:-}" ] || break
+      sleep 0.2
+    done
+    for stub in $stubs; do
+      if alive "$stub" && grep -q triton_python_backend_stub "/proc/$stub/cmdline" 2>/dev/null; then
+        echo "serve.sh: a Python backend stub (pid $stub) outlived tritonserver: SIGKILL" >&2
+        kill -KILL "$stub" 2>/dev/null || true
+      fi
+    done
+  fi
+  wait || true
+}
+# A second Ctrl-C or signal while the frontend stops: a second SIGINT makes uvicorn cancel its
+# streams at once (its --workers' too; it still sends their aborts), and tritonserver is stopped
+# next as usual (not alongside: it would refuse those aborts and wait for the requests). A third:
+# SIGKILL. While tritonserver stops, its exit timeout (the same seconds) bounds it.
+FORCED=0
+stop_now() {
+  alive "$FRONTEND_PID" || return 0
+  FORCED=$((FORCED + 1))
+  local sig=INT
+  [ "$FORCED" -eq 1 ] || sig=KILL
+  pkill "-$sig" -P "$FRONTEND_PID" 2>/dev/null || true
+  kill "-$sig" "$FRONTEND_PID" 2>/dev/null || true
+}
+trap 'rc=$?; cleanup; exit $rc' EXIT
+trap 'cleanup; exit 130' INT
+trap 'cleanup; exit 143' TERM
+# tritonserver with SIGINT blocked: Ctrl-C signals the whole process group, and tritonserver must
+# wait for the frontend (cleanup stops it with SIGTERM). Its exit timeout bounds its wait for
+# requests made to it directly, or left in flight by a forced stop.
+.venv/bin/python -c 'import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+os.execvp(sys.argv[1], sys.argv[1:])' tritonserver --model-repository="$PWD/model_repository" \
+  --backend-directory="$TRITON_HOME/backends" --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" \
+  --metrics-port="$METRICS_PORT" --exit-timeout-secs="$SHUTDOWN_TIMEOUT" &
+TRITON_PID=$!
 pids+=($!)
 if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
   until curl -sf "localhost:$HTTP_PORT/v2/health/ready" >/dev/null; do
@@ -77,7 +151,8 @@ if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
   OPENAI_FRONTEND_API_KEY="$API_KEY" .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" \
     --port "$FRONTEND_PORT" --workers "$FRONTEND_WORKERS" --tokenizer-path "$LLM_MODEL_PATH" --tool-call-parser "$TOOL_CALL_PARSER" \
     ${REASONING_PARSER:+--reasoning-parser "$REASONING_PARSER"} ${LLM_LORA_MODULES:+--lora-modules "$LLM_LORA_MODULES"} \
-    ${RUNTIME_LORA:+--allow-runtime-lora-updating} &
+    ${RUNTIME_LORA:+--allow-runtime-lora-updating} --graceful-shutdown-timeout "$SHUTDOWN_TIMEOUT" &
+  FRONTEND_PID=$!
   pids+=($!)
 fi
 wait -n "${pids[@]}"

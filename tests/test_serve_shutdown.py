@@ -1,0 +1,125 @@
+"""Stopping scripts/serve.sh with streams in flight, on the real stack (tritonserver + frontend).
+
+Ctrl-C (SIGINT to the whole process group) used to reach tritonserver and the frontend at once:
+the shutting-down ensemble stopped passing responses on, tritonserver could not exit while the
+frontend held the gRPC streams, and the frontend waited for those streams without limit, so the
+clients got nothing more until their own read timeouts ended it (minutes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from openai_frontend.testing import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _group(pgid: int) -> list[str]:
+    """The live processes of a process group (zombies are their parents' business)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(f"{stat.parent.name} {(stat.parent / 'cmdline').read_bytes()[:100]!r}")
+    return found
+
+
+def _stream(url: str, max_tokens: int, started: threading.Event, out: dict) -> None:
+    body = {"model": "demo", "prompt": "x", "stream": True, "max_tokens": max_tokens, "ignore_eos": True}
+    out["lines"] = lines = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+        out["end"] = "complete"
+    except httpx.HTTPError as exc:
+        out["end"] = repr(exc)
+    out["at"] = time.monotonic()
+    started.set()
+
+
+def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo_model_path, tmp_path):
+    # Ctrl-C with --frontend-workers 2 (a uvicorn supervisor) and two streams in flight: the one
+    # that can finish within --graceful-shutdown-timeout gets all of it; the other is cancelled at
+    # the timeout (its connection closed, its request aborted in the engine, so tritonserver then
+    # has nothing in flight), and every process is gone soon after.
+    ports = [free_port() for _ in range(4)]
+    grace = 4
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(REPO / "scripts/serve.sh"), "--model-path", str(demo_model_path), "--http-port", str(ports[0]),
+             "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--frontend-port", str(ports[3]),
+             "--frontend-workers", "2", "--graceful-shutdown-timeout", str(grace)],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{ports[3]}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the stack did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        streams = []
+        for max_tokens in (150, 3500):
+            started, result = threading.Event(), {}
+            thread = threading.Thread(target=_stream, args=(url, max_tokens, started, result), daemon=True)
+            thread.start()
+            streams.append((thread, started, result))
+        for _, started, _ in streams:
+            assert started.wait(60)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        rc = proc.wait(timeout=grace + 30)
+        stopped = time.monotonic() - t0
+        for thread, _, _ in streams:
+            thread.join(10)
+            assert not thread.is_alive(), "a stream is still open after serve.sh exited"
+        text = log.read_text()
+        short, long = (result for _, _, result in streams)
+        # Drained: every token, then [DONE].
+        assert short["end"] == "complete" and short["lines"][-1] == "data: [DONE]", short
+        chunks = [json.loads(line[6:]) for line in short["lines"] if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # Cancelled at the timeout: the connection closes mid-stream (no silent freeze).
+        assert long["end"] != "complete" and "data: [DONE]" not in long["lines"], long["end"]
+        assert grace - 1 < long["at"] - t0 < grace + 10, (long["at"] - t0, text[-3000:])
+        assert rc == 130 and stopped < grace + 20, (rc, stopped, text[-3000:])
+        # The frontend stopped first and aborted what it cancelled: tritonserver found nothing in
+        # flight (rather than waiting its exit timeout out, and crashing).
+        assert "Found 0 model versions that have in-flight inferences" in text, text[-3000:]
+        assert "Exit timeout expired" not in text and "outlived tritonserver" not in text
+        deadline = time.monotonic() + 10
+        while _group(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _group(proc.pid), _group(proc.pid)
+        for port in ports:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", port))  # nobody holds it any more
+    finally:
+        if proc.poll() is None or _group(proc.pid):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
