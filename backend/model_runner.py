@@ -232,11 +232,24 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> tuple[Optional[int]
 def weight_files(path: Path) -> list[Path]:
     """The model's safetensors files: the shards its index names, else model*.safetensors, else
     any. Mistral's repos carry consolidated.safetensors (the same weights under its own names)
-    beside the shards."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    return sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+    beside the shards. Without safetensors, PyTorch's pytorch_model*.bin (older checkpoints,
+    which vLLM loads too), the same way."""
+    for index_name, pattern in (("model.safetensors.index.json", "model*.safetensors"),
+                                ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+        index = path / index_name
+        if index.exists():
+            return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        files = sorted(path.glob(pattern)) or (sorted(path.glob("*.safetensors")) if pattern.endswith("safetensors") else [])
+        if files:
+            return files
+    return []
+
+
+def load_weight_file(file: Path) -> dict[str, torch.Tensor]:
+    if file.suffix == ".bin":
+        # weights_only: a pickle may run code on load; tensors (and the containers around them) only.
+        return torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+    return load_file(str(file))
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -563,10 +576,10 @@ class ModelRunner:
     def _load_weights(self, path: Path) -> None:
         files = weight_files(path)
         if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+            raise FileNotFoundError(f"no weights in {path}: neither *.safetensors nor pytorch_model*.bin")
         raw: dict[str, torch.Tensor] = {}
         for f in files:
-            raw.update(load_file(str(f)))
+            raw.update(load_weight_file(f))
         c = self.config
         dequantize_weights(raw, c.quantization)
         self.checkpoint_kv_scales = take_kv_scales(raw, c.num_layers)

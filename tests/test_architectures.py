@@ -257,3 +257,35 @@ def test_an_unsupported_rope_scaling_is_refused_by_name(demo_model_path, tmp_pat
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
     with pytest.raises(ValueError, match="unsupported rope scaling type 'dynamic'.*yarn"):
         LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", num_kv_blocks=64, max_model_len=256))
+
+
+def test_pytorch_bin_checkpoints_load_as_safetensors_do(demo_model_path, tmp_path):
+    """Older repos ship pytorch_model.bin (sharded with pytorch_model.bin.index.json); vLLM loads
+    them, so does the engine (weights_only: tensors, never code), with the same outputs."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    hf = _build("llama", Path(demo_model_path), tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(state)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for shard, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, tmp_path / shard)
+    (tmp_path / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64,
+                                    block_size=16, sampling_defaults="openai"))
+    try:
+        prompts = [[5, 17, 300, 42, 9]]
+        outs = engine.generate(prompts, engine.parse_params({"temperature": 0, "max_new_tokens": MAX_NEW,
+                                                             "ignore_eos": True}))
+        _assert_hf_greedy(hf, prompts, outs, MAX_NEW)
+    finally:
+        engine.shutdown()
+    for f in list(tmp_path.glob("pytorch_model*")):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="neither \\*.safetensors nor pytorch_model\\*.bin"):
+        LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64))
