@@ -208,15 +208,15 @@ class OutputState:
         base = seq.num_tokens - len(new_ids)
         hit: Optional[tuple[int, str]] = None
         partial_at: Optional[int] = None
-        for j, t in enumerate(ids):
-            d = self.detok.push([t])
-            end = base + j + 1
+        # Only a hidden stop token: one empty push still makes the step that text held back for
+        # half a character can be flushed into.
+        for j, push in enumerate([[t] for t in ids] or [[]]):
+            d = self.detok.push(push)
+            end = base + j + len(push)
             self.pending.append(_Step(d.text, list(d.window_ids), end - len(d.window_ids), d.prefix_len, d.read_offset))
             if hit is None:
                 # Text under min_new_tokens is searched for nothing, only for what to hold back.
                 hit, partial_at = self._search(len(d.text) if before + j + 1 > params.min_new_tokens else 0)
-        if not ids:  # only a hidden stop token: nothing new to search, the hold stands as it was
-            hit, partial_at = self._search(0)
         self.pending_new_ids.extend(new_ids)
         if hit is None:
             self._end_by_tokens(seq, stop_token, grammar_done)

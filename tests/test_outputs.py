@@ -127,3 +127,24 @@ def test_random_steps_release_exactly_vllms_text(tok, pieces, no_stop_trim):
             assert (text, out.finish_reason, out.stop_reason) == (want, "stop", stop), \
                 (trial, ids, stops, min_new, steps)
             assert seq.num_output_tokens >= k
+
+
+def test_a_stop_token_alone_after_half_a_character_flushes_it_as_without_stops(tok):
+    """The step of a hidden stop token alone pushes no text; the half character held back before
+    it is flushed into that step, watched for stop strings or not."""
+    half = next(i for i in range(tok.vocab_size) if i not in tok.all_special_ids and tok.decode([i]).endswith("\ufffd"))
+    eos = 4093
+    texts = []
+    for stops in ([], ["zz"]):
+        params = SamplingParams(max_new_tokens=8, stop=stops)
+        prompt = tok("a prompt").input_ids
+        seq = Sequence(request_id="r", token_ids=list(prompt), params=params, max_new_tokens=8)
+        state = OutputState(detok=IncrementalDetokenizer(tok, prompt), stops=stops, eos_ids=frozenset({eos}))
+        text = ""
+        for step in ([half], [eos]):
+            seq.token_ids.extend(step)
+            out = state.on_tokens(seq, step)
+            text += out.text
+        assert out.finish_reason == "stop" and out.stop_reason == eos
+        texts.append(text)
+    assert texts[0] == texts[1] and texts[0].endswith("\ufffd")
