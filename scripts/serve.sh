@@ -148,7 +148,11 @@ if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
     fi
     sleep 1
   done
-  OPENAI_FRONTEND_API_KEY="$API_KEY" .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" \
+  # In a session of its own, as tritonserver ignores SIGINT: Ctrl-C reaches only this script, whose
+  # trap stops the frontend (SIGTERM: drain, then cancel) and then tritonserver. A frontend that
+  # took the group's SIGINT itself and exited 0 made bash treat the Ctrl-C as handled (its "wait
+  # and cooperative exit"): the trap did not run and serve.sh exited 0.
+  OPENAI_FRONTEND_API_KEY="$API_KEY" setsid .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" \
     --port "$FRONTEND_PORT" --workers "$FRONTEND_WORKERS" --tokenizer-path "$LLM_MODEL_PATH" --tool-call-parser "$TOOL_CALL_PARSER" \
     ${REASONING_PARSER:+--reasoning-parser "$REASONING_PARSER"} ${LLM_LORA_MODULES:+--lora-modules "$LLM_LORA_MODULES"} \
     ${RUNTIME_LORA:+--allow-runtime-lora-updating} --graceful-shutdown-timeout "$SHUTDOWN_TIMEOUT" &
