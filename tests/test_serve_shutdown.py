@@ -66,6 +66,10 @@ def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo
              "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--frontend-port", str(ports[3]),
              "--frontend-workers", "2", "--graceful-shutdown-timeout", str(grace)],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            # As from a terminal: a suite started in the background (`cmd &` in a script) runs
+            # with SIGINT ignored, which its children inherit, and a shell cannot trap a signal
+            # ignored at its start.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     url = f"http://127.0.0.1:{ports[3]}"
     try:
@@ -123,3 +127,5 @@ def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo
             except ProcessLookupError:
                 pass
             proc.wait()
+            # The frontend runs in a session of its own (serve.sh): not in the group above.
+            subprocess.run(["pkill", "-KILL", "-f", f"openai_frontend --triton-url localhost:{ports[1]} "], check=False)
