@@ -307,8 +307,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
 def test_a_failed_step_ends_its_requests_as_the_servers_fault(engine, monkeypatch):
     """A step that raises (a model directory whose shapes the config does not describe, CUDA out
     of memory) fails the requests in it with "internal error: ...", which the frontend answers
-    with 500 (map_stream_error), not a 400 that tells the client its request was wrong; their
-    blocks are freed and the engine goes on."""
+    with 500 (map_stream_error, tests/test_frontend_unit.py: the engine tests also run on a GPU
+    host without the frontend's packages), not a 400 that tells the client its request was
+    wrong; their blocks are freed and the engine goes on."""
     prompt = _prompts(engine, 1, seed=9)[0]
 
     def boom(scheduled):
@@ -317,9 +318,6 @@ def test_a_failed_step_ends_its_requests_as_the_servers_fault(engine, monkeypatc
     monkeypatch.setattr(engine, "_run", boom)
     (out,) = engine.generate([prompt], greedy(engine))
     assert out.error.startswith("internal error: engine step failed: shape") and out.error_code == "internal"
-    from openai_frontend.triton_client import map_stream_error
-
-    assert map_stream_error(out.error).status_code == 500
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     monkeypatch.undo()
     (ok,) = engine.generate([prompt], greedy(engine))

@@ -1019,6 +1019,8 @@ def test_error_mapping():
         assert map_stream_error(str(err.value)).param == param, str(err.value)
     assert map_stream_error("Request for unknown model: 'ensemble' is not found").status_code == 503
     assert map_stream_error("internal error: boom").status_code == 500
+    # the engine's own message for a step that raised (tests/test_engine.py)
+    assert map_stream_error("internal error: engine step failed: shape '[-1, 32, 16]' is invalid").status_code == 500
     # A request running when the engine process died, and one cut by shutdown: the server's
     assert map_stream_error("internal error: the engine process has stopped").status_code == 500
     assert map_stream_error("the server is shutting down").status_code == 503
