@@ -36,6 +36,9 @@
 #              -> spec_decode.json (bench/spec_decode.py)
 #   predicted  Predicted Outputs (OpenAI's prediction) against none: the output itself, edited,
 #              half, unrelated; 8- and 16-token drafts -> predicted_outputs.json
+#   decode     where a decode step's time goes on the 0.4B model: step and forward pass from the decode
+#              graphs and eagerly at batch 1/8/64 over 1k contexts, the eager steps' kernels profiled
+#              -> decode_probe_0.4b.json (bench/decode_probe.py)
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
@@ -149,7 +152,7 @@ PY
   du -sh .whl/serving
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [chunked]=90 [chunked_flat]=90 [spec]=120 [predicted]=120 [kvdtype]=170
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [decode]=120 [chunked]=90 [chunked_flat]=90 [spec]=120 [predicted]=120 [kvdtype]=170
                   [serving]=300 [serving_0.4b]=200)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
@@ -214,6 +217,9 @@ run() {
       0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
             step 0.4b "$py" -m bench.engine_vs_hf --device cuda --model-path /tmp/model-0.4b --num-requests 64 \
               --skip-one-by-one --json "$OUT/engine_vs_hf_0.4b.json" ${DEMO_ARGS:-} ;;
+      decode) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
+              step decode "$py" -m bench.decode_probe --device cuda --model-path /tmp/model-0.4b \
+                --json "$OUT/decode_probe_0.4b.json" ;;
       kvdtype) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
                step kvdtype "$py" -m bench.kv_cache_dtype --device cuda --model-path /tmp/model-0.4b \
                  --memory-mb "${KV_MB:-48}" --max-model-len 1024 --rounds 2 --dtypes bfloat16 fp8 fp8_e5m2 --baseline bfloat16 \
