@@ -544,6 +544,24 @@ class ModelRunner:
             self.decode_attention = "gather" if fp8 and old_gpu else "triton"
         else:
             self.decode_attention = "cpu" if cpu_attention.load() is not None else "gather"
+        # The Triton kernel's splits per context (kernels/paged_attention.py, flash-decoding):
+        # LLM_DECODE_SPLITS "auto" (enough programs for the GPU's SMs) or a number. 1, one
+        # program per (sequence, KV head), stays the default until a GPU has measured the
+        # others (bench/decode_probe.py --splits).
+        self.decode_splits = os.environ.get("LLM_DECODE_SPLITS", "1")
+        if self.decode_splits != "auto" and not (self.decode_splits.isdigit() and int(self.decode_splits) >= 1):
+            raise ValueError(f"LLM_DECODE_SPLITS must be 'auto' or a number of at least 1, not {self.decode_splits!r}")
+
+    def _splits(self, num_seqs: int, table_blocks: int) -> int:
+        """Decode attention's splits per context for a group (static under a CUDA graph: the
+        graph's tables have a fixed width)."""
+        if self.decode_attention != "triton" or self.decode_splits == "1":
+            return 1
+        if self.decode_splits == "auto":
+            from kernels import paged_attention
+
+            return paged_attention.auto_splits(num_seqs, self.config.num_kv_heads, table_blocks, self.device)
+        return int(self.decode_splits)
 
     @property
     def rope_positions(self) -> int:
@@ -999,6 +1017,7 @@ class ModelRunner:
                     out = kernels.paged_decode_attention(
                         q.contiguous() if attn is None else q[g.token_index], self.k_cache[li], self.v_cache[li],
                         g.block_tables, g.context_lens, self.block_size, scale, window=self.windows[li],
+                        splits=self._splits(g.num_seqs, g.block_tables.shape[1]),
                         use_triton=self.decode_attention == "triton",
                     ).reshape(g.num_seqs, q_size)
                     if attn is None:

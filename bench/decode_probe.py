@@ -7,8 +7,9 @@ The engine is stepped by hand (no loop thread). Per batch size, `--batches` sequ
 `--context`-token prompts are prefilled, then `--steps` decode steps are timed: the whole step
 (scheduling, the forward pass, sampling, outputs) and the forward pass alone, with the device
 synchronized around each. That runs once with the decode graphs (the CUDA default) and once
-eagerly (`cuda_graphs=False`); the eager pass is also profiled (torch.profiler), listing its
-kernels (or, on the CPU, its operators) by their own time, summed over the profiled steps.
+eagerly (`cuda_graphs=False`), for each `--splits` value (LLM_DECODE_SPLITS: the paged decode
+kernel's programs per context, 1 or `auto`); the eager pass is also profiled (torch.profiler),
+listing its kernels (or, on the CPU, its operators) by their own time over the profiled steps.
 
 What it answers: on an H100 the 0.4B model (24 layers) decoded at ~9 ms a step at batch 1 and
 64 alike, where reading its 0.8 GB of weights takes ~0.3 ms. If the graph's forward pass is
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -129,16 +131,24 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile-steps", type=int, default=5, help="eager decode steps profiled per batch size")
     ap.add_argument("--kv-cache-memory-mb", type=int, default=4096)
+    ap.add_argument("--splits", nargs="+", default=None,
+                    help="LLM_DECODE_SPLITS values to compare (the Triton kernel's splits per context; default "
+                         "1 and auto on CUDA, 1 elsewhere)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    a.splits = a.splits or (["1", "auto"] if a.device.startswith("cuda") else ["1"])
     cuda = a.device.startswith("cuda")
     results: dict[str, Any] = {"device": a.device, "model": str(a.model_path), "context": a.context,
                                "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
                                "runs": {}}
-    for graphs in ([True, False] if cuda else [False]):
-        results["runs"]["graphs" if graphs else "eager"] = probe(a, graphs)
-        if cuda:
-            torch.cuda.empty_cache()
+    for splits in a.splits:
+        # Read by the model runner when the engine is built (the decode graphs capture it).
+        os.environ["LLM_DECODE_SPLITS"] = splits
+        for graphs in ([True, False] if cuda else [False]):
+            print(f"-- {'decode graphs' if graphs else 'eager'}, LLM_DECODE_SPLITS={splits}", flush=True)
+            results["runs"][f"{'graphs' if graphs else 'eager'}_splits_{splits}"] = probe(a, graphs)
+            if cuda:
+                torch.cuda.empty_cache()
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
 

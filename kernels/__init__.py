@@ -238,11 +238,14 @@ def paged_decode_attention(
     scale: float,
     *,
     window: int = 0,
+    splits: int = 1,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged KV cache: q [B, H, d], caches [kvh, slots, d],
     block_tables [B, max_blocks], context_lens [B] -> [B, H, d]. `window` > 0: sliding-window
-    attention (Mistral's), the last `window` keys of each context only.
+    attention (Mistral's), the last `window` keys of each context only. `splits` > 1 (the
+    Triton kernel only; paged_attention.auto_splits chooses): each context in that many parts
+    run side by side, merged after.
 
     The Triton kernel (paged_attention.py) when Triton is chosen; otherwise, for CPU tensors,
     the C++ kernel (csrc/paged_attention_cpu.cpp) when it is built, else the torch reference."""
@@ -254,7 +257,7 @@ def paged_decode_attention(
 
         if q.is_cuda == triton_ops.interpreted():
             raise RuntimeError("paged_decode_attention: Triton mode does not match the tensor's device (TRITON_INTERPRET)")
-        return paged_attention.paged_decode_attention(*args)
+        return paged_attention.paged_decode_attention(*args, splits=splits)
     if not q.is_cuda:
         from . import cpu_attention
 

@@ -5,6 +5,11 @@ A decode step has one query token per sequence. Gathering each sequence's blocks
 blocks in place through the block table instead, with an online softmax, one program per
 (sequence, KV head) covering the G query heads that share that KV head (GQA).
 
+A batch of a few sequences is then a few programs on a GPU of 132 SMs, each walking its whole
+context alone. With `splits` > 1 each context is cut into parts run as programs of their own,
+whose partial softmaxes a second kernel merges (flash-decoding; vLLM's paged attention v2 does
+the same by 512-token partitions).
+
 Cache layout (backend/model_runner.py): k_cache / v_cache [kvh, num_slots, d], slot = block *
 block_size + offset. Import only after deciding on TRITON_INTERPRET (see triton_ops.py).
 """
@@ -18,13 +23,19 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, tables_ptr, lens_ptr, scale,
+    blocks_per_split,
     stride_qb, stride_qh, stride_kh, stride_ks, stride_tb, stride_ob, stride_oh,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-    WINDOW: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    BLOCK: tl.constexpr, WINDOW: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    """One program per (sequence, KV head, split). SPLITS == 1: the whole context, normalized
+    into out. Else split `sp` covers blocks [sp * blocks_per_split, (sp + 1) * blocks_per_split)
+    and leaves its running max, sum and unnormalized output in the partial buffers, which
+    _combine_splits_kernel merges (flash-decoding: a short batch keeps more of the GPU busy)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    sp = tl.program_id(2)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, DP)
     offs_s = tl.arange(0, BLOCK)
@@ -46,7 +57,13 @@ def _paged_decode_kernel(
     first = 0
     if WINDOW > 0:
         first = tl.maximum(ctx - WINDOW, 0)
-    for i in range(first // BLOCK, num_blocks):
+    lo = first // BLOCK
+    hi = num_blocks
+    if SPLITS > 1:
+        lo = tl.maximum(lo, sp * blocks_per_split)
+        hi = tl.minimum(hi, (sp + 1) * blocks_per_split)
+    # Every block in [lo, hi) holds at least one visible key, so m_new is finite from the first.
+    for i in range(lo, hi):
         block = tl.load(tables_ptr + b.to(tl.int64) * stride_tb + i).to(tl.int64)
         pos = i * BLOCK + offs_s
         valid = (pos < ctx) & (pos >= first)
@@ -62,11 +79,62 @@ def _paged_decode_kernel(
         v = tl.load(v_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :],
-    )
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :],
+        )
+    else:
+        # Partials [B, H, SPLITS] and [B, H, SPLITS, DP], float32; an empty split leaves m = -inf, l = 0.
+        row = (b.to(tl.int64) * H + heads) * SPLITS + sp
+        tl.store(part_m_ptr + row, m_i, mask=gmask)
+        tl.store(part_l_ptr + row, l_i, mask=gmask)
+        tl.store(part_o_ptr + row[:, None] * DP + offs_d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_m_ptr, part_l_ptr, part_o_ptr, out_ptr, stride_ob, stride_oh,
+    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+):
+    """One program per (sequence, query head): the splits' partial softmaxes rescaled to their
+    common max and summed."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, DP)
+    smask = offs_s < SPLITS
+    row = (b.to(tl.int64) * H + h) * SPLITS + offs_s
+    m = tl.load(part_m_ptr + row, mask=smask, other=float("-inf"))
+    l = tl.load(part_l_ptr + row, mask=smask, other=0.0)
+    m_max = tl.max(m, axis=0)  # finite: every context has a visible key
+    w = tl.exp(m - m_max)  # 0 for empty splits (m = -inf)
+    o = tl.load(part_o_ptr + row[:, None] * DP + offs_d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < D)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def auto_splits(num_seqs: int, kv_heads: int, table_blocks: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head) for a batch that would leave most of the GPU idle: enough
+    programs for about two per SM, each split at least MIN_SPLIT_BLOCKS blocks of the table
+    (the table's width is static under a CUDA graph, so this is too). 1 on the CPU."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    programs = max(num_seqs * kv_heads, 1)
+    want = -(-2 * _SM_COUNT[index] // programs)
+    return max(1, min(want, table_blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS))
+
+
+MIN_SPLIT_BLOCKS = 4
+MAX_SPLITS = 64
 
 
 def paged_decode_attention(
@@ -78,14 +146,18 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     window: int = 0,
+    splits: int = 1,
 ) -> torch.Tensor:
     """q [B, H, d]; k/v_cache [kvh, slots, d]; block_tables [B, max_blocks] int32; context_lens
     [B] int32 (keys 0..len-1 are visible, only len-window.. with a sliding `window` > 0; the
-    current token's K/V already written) -> [B, H, d]."""
+    current token's K/V already written) -> [B, H, d]. `splits` > 1 cuts each context's table
+    into that many parts, run as separate programs and merged after (auto_splits chooses)."""
     B, H, D = q.shape
     kvh = k_cache.shape[0]
     if block_size & (block_size - 1) or H % kvh or k_cache.stride(2) != 1:
         raise ValueError("paged_decode_attention needs a power-of-two block size, H % kvh == 0, contiguous head dim")
+    if splits < 1:
+        raise ValueError(f"splits must be at least 1, not {splits}")
     G = H // kvh
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -93,11 +165,25 @@ def paged_decode_attention(
         return out
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    _paged_decode_kernel[(B, kvh)](
-        q, k_cache, v_cache, out, tables, lens, float(scale),
+    splits = max(1, min(splits, tables.shape[1]))
+    per_split = -(-tables.shape[1] // splits)
+    DP = triton.next_power_of_2(D)
+    if splits > 1:
+        part_m = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_o = torch.empty((B, H, splits, DP), dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_o = out  # unused
+    _paged_decode_kernel[(B, kvh, splits)](
+        q, k_cache, v_cache, out, part_m, part_l, part_o, tables, lens, float(scale), per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
         out.stride(0), out.stride(1),
-        G=G, GP=triton.next_power_of_2(G), D=D, DP=triton.next_power_of_2(D), BLOCK=block_size,
-        WINDOW=int(window),
+        H=H, G=G, GP=triton.next_power_of_2(G), D=D, DP=DP, BLOCK=block_size,
+        WINDOW=int(window), SPLITS=splits,
     )
+    if splits > 1:
+        _combine_splits_kernel[(B, H)](
+            part_m, part_l, part_o, out, out.stride(0), out.stride(1),
+            H=H, D=D, DP=DP, SPLITS=splits, SP=triton.next_power_of_2(splits),
+        )
     return out

@@ -37,8 +37,9 @@
 #   predicted  Predicted Outputs (OpenAI's prediction) against none: the output itself, edited,
 #              half, unrelated; 8- and 16-token drafts -> predicted_outputs.json
 #   decode     where a decode step's time goes on the 0.4B model: step and forward pass from the decode
-#              graphs and eagerly at batch 1/8/64 over 1k contexts, the eager steps' kernels profiled
-#              -> decode_probe_0.4b.json (bench/decode_probe.py)
+#              graphs and eagerly at batch 1/8/64 over 1k contexts, the eager steps' kernels profiled,
+#              with LLM_DECODE_SPLITS 1 and auto (the paged kernel's flash-decoding splits, off by
+#              default until this measures them) -> decode_probe_0.4b.json (bench/decode_probe.py)
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
@@ -152,7 +153,7 @@ PY
   du -sh .whl/serving
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [decode]=120 [chunked]=90 [chunked_flat]=90 [spec]=120 [predicted]=120 [kvdtype]=170
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [decode]=150 [chunked]=90 [chunked_flat]=90 [spec]=120 [predicted]=120 [kvdtype]=170
                   [serving]=300 [serving_0.4b]=200)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going

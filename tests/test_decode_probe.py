@@ -14,7 +14,7 @@ def test_decode_probe_times_and_profiles_eager_steps(demo_model_path, tmp_path):
                     "--batches", "1", "3", "--context", "40", "--steps", "3", "--warmup", "1", "--profile-steps", "1",
                     "--kv-cache-memory-mb", "64", "--json", str(out)], cwd=REPO, check=True, capture_output=True,
                    timeout=240)
-    run = json.loads(out.read_text())["runs"]["eager"]
+    run = json.loads(out.read_text())["runs"]["eager_splits_1"]
     assert run["cuda_graphs"] is False
     for batch in ("1", "3"):
         row = run[batch]

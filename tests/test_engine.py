@@ -96,19 +96,27 @@ def test_step_time_counters(engine):
     assert cpu <= wall + 1e-3 * steps
 
 
-@pytest.mark.parametrize("decode_attention", ["triton", "cpu", "gather"])
-def test_decode_attention_paths_equal_hf_generate(demo_model_path, hf_model, decode_attention):
+@pytest.mark.parametrize("decode_attention", ["triton", "triton/3", "triton/auto", "cpu", "gather"])
+def test_decode_attention_paths_equal_hf_generate(demo_model_path, hf_model, decode_attention, monkeypatch):
     """Every decode-attention path gives HF's greedy tokens on prompts of mixed lengths: the
     Triton kernel reading the paged cache in place (the CUDA path, here in Triton's
-    interpreter), the C++ CPU kernel doing the same, and the gathered padded batch."""
+    interpreter), with each context split in 3 or as many parts as the GPU wants
+    (LLM_DECODE_SPLITS; CUDA graphs capture them on a GPU), the C++ CPU kernel doing the same,
+    and the gathered padded batch."""
     import kernels.triton_ops as ops
 
-    if decode_attention == "triton" and ops.interpreted() == (TEST_DEVICE == "cuda"):
+    path, _, splits = decode_attention.partition("/")
+    if path == "triton" and ops.interpreted() == (TEST_DEVICE == "cuda"):
         pytest.skip("Triton mode does not match the device")
-    if decode_attention != "triton" and TEST_DEVICE != "cpu":
+    if path != "triton" and TEST_DEVICE != "cpu":
         pytest.skip("CPU paths")
+    if splits == "auto" and TEST_DEVICE == "cpu":
+        pytest.skip("auto is one split off a GPU")
+    monkeypatch.setenv("LLM_DECODE_SPLITS", splits or "1")  # read at build: the graphs capture it
     eng = make_engine(demo_model_path, num_kv_blocks=128, block_size=16, max_num_batched_tokens=256, max_model_len=512)
-    eng.model.decode_attention = decode_attention
+    eng.model.decode_attention = path
+    if splits == "3":
+        assert eng.model._splits(4, 32) == 3
     try:
         prompts = _prompts(eng, 4, seed=7)
         outs = eng.generate(prompts, greedy(eng, max_new_tokens=6))

@@ -176,3 +176,31 @@ def test_sliding_window_sees_the_last_keys_only(window, use_triton):
     if window < int(lens.max()):
         assert not torch.allclose(got, ref.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.17))
 
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7, 64])
+@pytest.mark.parametrize("window", [0, 21])
+def test_split_contexts_merge_to_the_same_attention(splits, window):
+    # Contexts of 1 to 5 blocks cut into more parts than some have blocks: empty parts, parts
+    # wholly outside a sliding window, and a table narrower than `splits` (clamped) all merge.
+    B, H, kvh, D, bs = 6, 14, 2, 64, 8
+    q, kc, vc, tables, lens = _case(B, H, kvh, D, bs, num_blocks=64, seed=splits * 7 + window)
+    scale = D ** -0.5
+    got = kernels.paged_decode_attention(q, kc, vc, tables, lens, bs, scale, window=window, splits=splits,
+                                         use_triton=True)
+    want = _contiguous_attention(q, kc, vc, tables, lens, bs, scale, window=window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_auto_splits_fill_the_gpu_only_where_a_batch_leaves_it_idle(monkeypatch):
+    from kernels import paged_attention
+
+    monkeypatch.setitem(paged_attention._SM_COUNT, 0, 132)  # an H100's
+    cuda = torch.device("cuda", 0)
+    assert paged_attention.auto_splits(1, 2, 256, cuda) == 64  # 2 programs: capped at MAX_SPLITS
+    assert paged_attention.auto_splits(1, 2, 64, cuda) == 16  # at least 4 blocks a split
+    assert paged_attention.auto_splits(8, 2, 256, cuda) == 17  # ceil(264 / 16)
+    assert paged_attention.auto_splits(64, 2, 256, cuda) == 3
+    assert paged_attention.auto_splits(256, 2, 256, cuda) == 1
+    assert paged_attention.auto_splits(1, 2, 3, cuda) == 1  # too short to cut
+    assert paged_attention.auto_splits(1, 2, 256, torch.device("cpu")) == 1
