@@ -146,7 +146,7 @@ class LLMMetrics:
             for name, desc in {
                 "num_requests_running": "Sequences in the running batch",
                 "num_requests_waiting": "Sequences waiting to be scheduled",
-                "kv_blocks_total": "KV cache blocks in the pool",
+                "kv_blocks_capacity": "KV cache blocks in the pool",
                 "kv_blocks_used": "KV cache blocks held by sequences",
                 "kv_blocks_cached": "KV cache blocks holding reusable prefix-cache content",
                 "prefix_cache_hit_rate": "Prompt tokens found in the prefix cache / prompt tokens looked up (lifetime)",
@@ -219,7 +219,7 @@ class LLMMetrics:
         gauges = {
             "num_requests_running": s.num_running,
             "num_requests_waiting": s.num_waiting,
-            "kv_blocks_total": s.num_kv_blocks,
+            "kv_blocks_capacity": s.num_kv_blocks,
             "kv_blocks_used": s.num_kv_blocks - s.num_free_kv_blocks,
             "kv_blocks_cached": getattr(s, "num_cached_kv_blocks", 0),
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,

@@ -193,7 +193,7 @@ def test_engine_stats_published_as_deltas(new_metrics):
     assert fake_value("llm_prefix_cache_hits_total") == 40
     assert fake_value("llm_prefix_cache_hit_rate") == pytest.approx(0.5)
     assert fake_value("llm_kv_blocks_used") == 0
-    assert fake_value("llm_kv_blocks_total") == 10
+    assert fake_value("llm_kv_blocks_capacity") == 10
     assert fake_value("llm_kv_blocks_cached") == 2
     assert fake_value("llm_num_requests_running") == 0
     assert fake_value("llm_engine_steps_total") == 12
@@ -237,7 +237,7 @@ def _run(client, ids, max_tokens, stream=True, **params):
 def test_known_traffic_counts(server, client):
     rng = random.Random(7)
     before = scrape(server)
-    assert value(before, "llm_kv_blocks_total") == 128
+    assert value(before, "llm_kv_blocks_capacity") == 128
 
     # Three streamed requests to length; prompts under one block (16) so nothing is cached.
     prompts = [_ids(rng, n) for n in (10, 12, 14)]
@@ -353,3 +353,16 @@ def test_rejected_requests_are_counted_apart(server, client):
     for r in ("stop", "length", "abort", "error"):
         assert delta(after, before, "llm_request_finished_total", finish_reason=r) == 0
     assert delta(after, before, "llm_time_to_first_token_seconds_count") == 0
+
+
+def test_only_counters_end_in_total(new_metrics):
+    # Prometheus' naming rule (promtool lints it): `_total` marks a counter; a gauge named so
+    # reads as one to OpenMetrics parsers (the pool's size was llm_kv_blocks_total). The
+    # histograms are published as counter families of their own parts (_bucket, _sum, _count).
+    new_metrics()
+    assert _FakeFamily.registry
+    for name, family in _FakeFamily.registry.items():
+        if family.kind == _FakeFamily.COUNTER:
+            assert name.endswith(("_total", "_bucket", "_sum", "_count")), name
+        else:
+            assert not name.endswith("_total"), name
