@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -28,6 +29,16 @@ SCALAR_INPUTS: dict[str, str] = {
 }
 LLM_INPUTS = ("input_ids", "input_embeds", "stream", "stop_words", "sampling_parameters", "abort_request_id",
               "abort_client", "lora_update", "reset_prefix_cache", "engine_info", *SCALAR_INPUTS)
+
+
+def named_as_sent(message: str, arrays: Mapping[str, Any]) -> str:
+    """An error message about a request, each sampling parameter that came from a scalar input
+    tensor of another name (max_tokens, random_seed) named as that tensor: the name the client
+    sent, as the frontend names max_tokens on its OpenAI routes and max_new_tokens on /generate."""
+    for tensor, name in SCALAR_INPUTS.items():
+        if tensor != name and tensor in arrays:
+            message = re.sub(rf"\b{name}\b", tensor, message)
+    return message
 
 
 def _scalar(arr: np.ndarray, name: str = "input") -> Any:

@@ -1,4 +1,5 @@
-"""backend/triton_io.py: how the llm model reads its settings (config.pbtxt parameter, env LLM_<NAME>)."""
+"""backend/triton_io.py: how the llm model reads its settings (config.pbtxt parameter, env LLM_<NAME>),
+and names parameters in its errors."""
 
 from backend.triton_io import engine_config_overrides, llm_setting
 
@@ -90,3 +91,15 @@ def test_request_parameters_are_sampling_parameters():
         parse_llm_inputs({"input_ids": ids, "sampling_parameters": sp}, params)
     assert parse_llm_inputs({"input_ids": ids}, "")[1] == {}
     assert parse_llm_inputs({"input_ids": ids}, "{}")[1] == {}
+
+
+def test_errors_name_the_scalar_tensor_the_client_sent():
+    from backend.triton_io import named_as_sent
+
+    arrays = {"max_tokens": [9], "random_seed": [1]}  # only the names matter
+    assert named_as_sent("max_new_tokens must be at most 5: ...; got 9", arrays) == "max_tokens must be at most 5: ...; got 9"
+    assert named_as_sent("seed must be an integer", arrays) == "random_seed must be an integer"
+    # min_new_tokens is not max_new_tokens; without the tensor, the parameter's own name stays.
+    assert named_as_sent("min_new_tokens must be at most max_new_tokens=9", arrays) == (
+        "min_new_tokens must be at most max_tokens=9")
+    assert named_as_sent("max_new_tokens must be at most 5", {}) == "max_new_tokens must be at most 5"

@@ -283,7 +283,7 @@ def test_streams_ending_while_cancellation_is_polled_keep_the_server_up(server, 
     "values, reason",
     [
         ({"input_ids": np.zeros(0, dtype=np.int32)}, "empty"),
-        ({"input_ids": [1, 2, 3], "max_tokens": -1}, "max_new_tokens"),
+        ({"input_ids": [1, 2, 3], "max_tokens": -1}, "max_tokens"),
         ({"input_ids": [5] * 1100}, "context"),
         ({"input_ids": [1, 2, 3], "sampling_parameters": '{"top_p": 0}'}, "top_p"),
         ({"input_ids": [1, 2, 3], "sampling_parameters": '{"lora_path": "x"}'}, "LoRA"),
@@ -295,6 +295,18 @@ def test_bad_requests_get_clear_errors_and_server_keeps_serving(client, values, 
         list(client.stream_generate("llm", values, timeout=60))
     ok = client.generate("llm", {"input_ids": [1, 2, 3], "max_tokens": 4, "sampling_parameters": GREEDY})
     assert len(ok["output_ids"]) == 4
+
+
+@pytest.mark.parametrize("model, prompt", [("llm", {"input_ids": [5] * 1000}), ("ensemble", {"input_ids": [5] * 1000})])
+def test_errors_name_the_input_tensor_the_client_sent(client, model, prompt):
+    """The max_tokens tensor sets SGLang's max_new_tokens; an error about it names the tensor,
+    not the parameter the client never wrote (random_seed likewise: test_triton_io)."""
+    with pytest.raises(InferenceServerException) as err:
+        list(client.stream_generate(model, {**prompt, "max_tokens": 500}, timeout=60))
+    assert "max_tokens must be at most" in str(err.value) and "max_new_tokens" not in str(err.value), str(err.value)
+    # Given in sampling_parameters, the parameter keeps its own name.
+    with pytest.raises(InferenceServerException, match="max_new_tokens must be at most"):
+        list(client.stream_generate(model, {**prompt, "sampling_parameters": '{"max_new_tokens": 500}'}, timeout=60))
 
 
 def test_ensemble_bad_input_is_an_error(client):

@@ -32,6 +32,7 @@ from backend.triton_io import (  # noqa: E402
     llm_output_arrays,
     llm_setting,
     meta_array,
+    named_as_sent,
     parse_abort_client,
     parse_abort_request_id,
     parse_llm_inputs,
@@ -128,6 +129,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             guarded = GuardedSender(request.get_response_sender(), FINAL, self._open)
+            arrays: dict = {}
             try:
                 arrays = input_arrays(request, LLM_INPUTS)
                 kind = control_input(arrays)
@@ -173,7 +175,7 @@ class TritonPythonModel:
                     self.engine.abort(engine_id)
             except (RequestError, SamplingParamsError, DuplicateRequestId) as exc:
                 self._metrics.rejected("invalid_argument")
-                error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+                error = pb_utils.TritonError(named_as_sent(str(exc), arrays), pb_utils.TritonError.INVALID_ARG)
                 guarded.send(pb_utils.InferenceResponse(error=error), final=True)
             except EngineOverloaded as exc:
                 self._metrics.rejected("overloaded")
