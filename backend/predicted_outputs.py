@@ -8,8 +8,11 @@ and a good prediction only makes it take fewer steps.
 
 Alignment. While each new output token is the prediction's next one, the next draft is what
 follows in the prediction. Where the output leaves it (an edit), drafting stops until the
-output's last few tokens occur in the prediction again: at the earliest occurrence at or after
-the point where the two parted, as an edit rarely goes back, else at the latest before it.
+output's last few tokens, written since it parted, occur in the prediction again: at the
+earliest occurrence at or after the point where the two parted, as an edit rarely goes back,
+else at the latest before it. A tail reaching back past the parting would let the token before
+it and one chance neighbour rejoin anywhere the pair recurs. The follower moves token by token,
+so where it parts and rejoins depends on the output alone, not on the steps it came in.
 """
 
 from __future__ import annotations
@@ -92,15 +95,8 @@ class PredictionProposer:
         the output stands nowhere in the prediction, or at its end. `tokens` (prompt and output)
         only grows between calls for one sequence."""
         f = self._follow(seq_id, prediction, tokens, num_prompt_tokens)
-        if limit <= 0 or not f.backoff.ready(len(tokens)):
+        if limit <= 0 or f.pos is None or not f.backoff.ready(len(tokens)):
             return []
-        if f.pos is None:
-            found = prediction.rejoin(tokens[max(num_prompt_tokens, len(tokens) - REJOIN_SIZES[0]) :], f.floor)
-            if found is None:
-                return []
-            f.pos, tail = found
-            f.floor = f.pos
-            f.taken += min(tail, len(tokens) - f.parted)  # the tail's tokens from where it parted on
         return prediction.tokens[f.pos : f.pos + min(self.k, limit)]
 
     def taken(self, seq_id: int, prediction: Prediction, tokens: list[int], num_prompt_tokens: int) -> int:
@@ -111,19 +107,26 @@ class PredictionProposer:
         return min(self._follow(seq_id, prediction, tokens, num_prompt_tokens).taken, len(prediction.tokens))
 
     def _follow(self, seq_id: int, prediction: Prediction, tokens: list[int], num_prompt_tokens: int) -> _Follow:
-        """The sequence's place in its prediction, moved along the tokens added since last time."""
+        """The sequence's place in its prediction, moved along the tokens added since last time,
+        one at a time: where it parts and rejoins depends on the tokens alone, not on the steps
+        they came in or on which steps could draft (none while KV blocks run short), so neither
+        do the drafts after nor accepted_prediction_tokens."""
         f = self._follows.get(seq_id)
         if f is None:
             f = self._follows[seq_id] = _Follow(pos=0, seen=num_prompt_tokens)
         predicted = prediction.tokens
         for i in range(f.seen, len(tokens)):
-            if f.pos is None:
-                continue
-            if f.pos < len(predicted) and predicted[f.pos] == tokens[i]:
-                f.pos += 1
-                f.taken += 1
-            else:  # parted here
-                f.floor, f.pos, f.parted = f.pos, None, i
+            if f.pos is not None:
+                if f.pos < len(predicted) and predicted[f.pos] == tokens[i]:
+                    f.pos += 1
+                    f.taken += 1
+                    continue
+                f.floor, f.pos, f.parted = f.pos, None, i  # parted here
+            found = prediction.rejoin(tokens[max(f.parted, i + 1 - REJOIN_SIZES[0]) : i + 1], f.floor)
+            if found is not None:
+                f.pos, tail = found
+                f.floor = f.pos
+                f.taken += tail  # all written since it parted (the tail never reaches back past that)
         f.seen = len(tokens)
         return f
 

@@ -112,6 +112,28 @@ def test_a_rejected_draft_backs_off_and_an_accepted_one_resets():
     assert p.propose(0, pred, [100], 0, limit=99) == [101, 102, 103, 104]  # a new sequence
 
 
+def test_where_the_output_rejoins_does_not_depend_on_when_drafts_could_be_made():
+    """Under KV pressure a step drafts nothing (limit 0), and a verified draft adds several
+    tokens at once: the follower must come out at the same place and the same
+    accepted_prediction_tokens whatever steps the tokens came in (a QA run: 366 alone, 367-368
+    beside other requests, the same output)."""
+    rng = random.Random(3)
+    base = [rng.randrange(10, 60) for _ in range(300)]
+    pred = Prediction(base[:120] + [900, 901, 902] + base[120:200] + base[205:])
+    prompt = [1, 2, 3]
+    results = set()
+    for trial in range(20):
+        p = PredictionProposer(k=4)
+        out = list(prompt)
+        pick = random.Random(trial)
+        while len(out) < len(prompt) + len(base):
+            n = pick.choice([1, 1, 1, 2, 5])
+            out += base[len(out) - len(prompt) : len(out) - len(prompt) + n]
+            p.propose(0, pred, out, len(prompt), limit=pick.choice([0, 0, 9]))
+        results.add((p.taken(0, pred, out, len(prompt)), tuple(p.propose(0, pred, out, len(prompt), limit=9))))
+    assert len(results) == 1, results
+
+
 # ---------------------------------------------------------------------------------- engine
 def _edited(ids: list[int], seed: int) -> list[int]:
     """The output with a substitution, a deletion and an insertion."""
