@@ -21,7 +21,6 @@ import json
 import pstats
 import random
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.sampling_params import SamplingParams
+from bench.hand_stepped import HandStepped
 
 
 def main() -> None:
@@ -50,31 +50,10 @@ def main() -> None:
                                     kv_cache_memory_mb=2048, flat_prefill_tokens=a.flat_prefill_tokens))
     rng = random.Random(0)
     vocab = engine.vocab_size
-    cuda = a.device.startswith("cuda")
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    forward_ms: list[float] = []
-    model_forward = engine.model.forward
-
-    def timed_forward(batch: Any) -> torch.Tensor:
-        sync()
-        t = time.perf_counter()
-        out = model_forward(batch)
-        sync()
-        forward_ms.append(1e3 * (time.perf_counter() - t))
-        return out
-
-    engine.model.forward = timed_forward  # type: ignore[method-assign]
-
-    def step() -> float:
-        sync()
-        t = time.perf_counter()
-        engine.step()
-        sync()
-        return 1e3 * (time.perf_counter() - t)
+    stepped = HandStepped(engine)
+    cuda = stepped.cuda
+    forward_ms = stepped.forward_ms
+    step = stepped.step
 
     decode = SamplingParams(max_new_tokens=2048, temperature=0.0, ignore_eos=True)
     results: dict[str, Any] = {"device": a.device, "model": str(a.model_path), "streams": a.streams,

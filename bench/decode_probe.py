@@ -24,7 +24,6 @@ import json
 import os
 import random
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.sampling_params import SamplingParams
+from bench.hand_stepped import HandStepped
 
 
 def probe(a: argparse.Namespace, graphs: bool) -> dict[str, Any]:
@@ -43,29 +43,8 @@ def probe(a: argparse.Namespace, graphs: bool) -> dict[str, Any]:
     rng = random.Random(0)
     vocab = engine.vocab_size
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    forward_ms: list[float] = []
-    model_forward = engine.model.forward
-
-    def timed_forward(batch: Any) -> torch.Tensor:
-        sync()
-        t = time.perf_counter()
-        out = model_forward(batch)
-        sync()
-        forward_ms.append(1e3 * (time.perf_counter() - t))
-        return out
-
-    engine.model.forward = timed_forward  # type: ignore[method-assign]
-
-    def step() -> float:
-        sync()
-        t = time.perf_counter()
-        engine.step()
-        sync()
-        return 1e3 * (time.perf_counter() - t)
+    stepped = HandStepped(engine)
+    forward_ms, step = stepped.forward_ms, stepped.step
 
     rows: dict[str, Any] = {"cuda_graphs": engine.model.graphs is not None}
     try:
