@@ -226,12 +226,14 @@ class ChatHandler:
                     message["reasoning_content"] = reasoning
             finish = c.finish or "stop"
             if plan.parser_name:
-                normal, calls = parse_as_streamed(get_parser(plan.parser_name), text, plan.tools)
+                normal, calls = parse_as_streamed(get_parser(plan.parser_name), text, plan.tools, plan.forced)
                 if not plan.parallel:
                     calls = calls[:1]
                 # What the stream sent as content, calls or not: a call to a function that is
                 # not in `tools` is dropped there (as SGLang's parsers drop it), so here too.
-                message["content"] = (normal or None) if calls else normal
+                # A forced tool_choice constrains the output to calls: no text of it is the
+                # model's answer (OpenAI returns null there).
+                message["content"] = None if plan.forced else (normal or None) if calls else normal
                 if calls:
                     message["tool_calls"] = [
                         {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
@@ -272,8 +274,8 @@ class ChatHandler:
         head = f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},"model":{dumps(model)},"choices":[{{"index":'
         fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser)
         choices = [
-            _Choice(ToolCallStreamer(get_parser(plan.parser_name), plan.tools, plan.parallel) if plan.parser_name else None,
-                    fmt, req.return_hidden_states)
+            _Choice(ToolCallStreamer(get_parser(plan.parser_name), plan.tools, plan.parallel, plan.forced)
+                    if plan.parser_name else None, fmt, req.return_hidden_states)
             for _ in range(n)
         ]
         # The first engine chunk is already here: the role chunks can report the prompt's size.
@@ -289,7 +291,9 @@ class ChatHandler:
             return (f'{head}{i},"delta":{delta},"logprobs":{logprobs},"finish_reason":{f},'
                     f'"stop_reason":{stop_reason}{tail}}}\n\n')
 
-        yield "".join(event(i, '{"role":"assistant","content":""}') for i in range(n)).encode()
+        # A forced tool_choice's content is null (as the non-streaming answer's), not even "".
+        role = '{"role":"assistant","content":' + ("null" if plan.forced else '""') + "}"
+        yield "".join(event(i, role) for i in range(n)).encode()
         async for i, chunk in stream:
             c = choices[i]
             c.completion_tokens = chunk.completion_tokens
@@ -335,15 +339,17 @@ class ChatHandler:
             if finish == "stop" and c.tools is not None and c.tools.has_calls:
                 finish = "tool_calls"
             # One event per kind of delta; the token logprobs ride on the first, the finish
-            # reason on the last.
+            # reason on the last. Under a forced tool_choice not even an empty content delta
+            # carries the logprobs (content is null there): the calls' delta does, or an empty one.
+            forced = c.tools is not None and c.tools.forced
             items: list[str] = []
             if thought:
                 items.append('{"reasoning_content":' + dumps(thought) + "}")
-            if text or (logprobs != "null" and not thought):
+            if text or (logprobs != "null" and not thought and not forced):
                 items.append('{"content":' + dumps(text) + "}")
             if deltas:
                 items.append('{"tool_calls":' + dumps(deltas) + "}")
-            if not items and finish:
+            if not items and (finish or logprobs != "null"):
                 items.append("{}")
             stop_reason = dumps(chunk.openai_stop_reason) if finish else "null"
             for k, item in enumerate(items):

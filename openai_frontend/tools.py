@@ -11,14 +11,16 @@ qwen25/hermes, llama3, pythonic, mistral, deepseekv3). On top of them:
   `openai_frontend.json_array_calls.JsonArrayToolParser`.
 * `ToolCallStreamer` turns a parser's streaming items into OpenAI `delta.tool_calls` entries: the
   first entry of a call carries id, type and function.name; later ones carry argument fragments.
+  Under a forced tool_choice (`ToolPlan.forced`) it gives no text: content is null, as OpenAI's.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 from openai_frontend.errors import APIError, bad_request
 from openai_frontend.json_array_calls import JsonArrayToolParser
@@ -74,7 +76,9 @@ def parse_complete(parser: Any, text: str, tools: list[dict[str, Any]]) -> tuple
     return result.normal_text or "", calls
 
 
-def parse_as_streamed(parser: Any, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[ParsedCall]]:
+def parse_as_streamed(
+    parser: Any, text: str, tools: list[dict[str, Any]], forced: bool = False,
+) -> tuple[str, list[ParsedCall]]:
     """Non-streaming parse of a whole output: exactly what a stream of it ends with.
 
     A stream sends a call's name as soon as it is complete and its arguments as they come, and
@@ -85,19 +89,25 @@ def parse_as_streamed(parser: Any, text: str, tools: list[dict[str, Any]]) -> tu
     differ exactly there. Running the streaming parser over the whole text as one chunk makes
     the modes agree by construction; for well-formed output it equals ``parse_complete``.
     """
-    streamer = ToolCallStreamer(parser, tools)
+    streamer = ToolCallStreamer(parser, tools, forced=forced)
     normal, _ = streamer.feed(text)
     tail, _ = streamer.finish()
     return normal + tail, streamer.calls
 
 
 class ToolCallStreamer:
-    """Per-choice streaming state: parser items -> OpenAI tool_call deltas (dicts)."""
+    """Per-choice streaming state: parser items -> OpenAI tool_call deltas (dicts).
 
-    def __init__(self, parser: Any, tools: list[dict[str, Any]], parallel: bool = True) -> None:
+    `forced`: the constraint allows nothing but calls, so whatever the parser gives as text is the
+    constrained markup cut short (max_tokens or a stop inside it, e.g. a trailing `<tool_`), never
+    the model's words; it is dropped, in both modes alike."""
+
+    def __init__(self, parser: Any, tools: list[dict[str, Any]], parallel: bool = True,
+                 forced: bool = False) -> None:
         self.parser = parser
         self.tools = tools
         self.parallel = parallel
+        self.forced = forced
         self.calls: list[ParsedCall] = []
         self._by_tool_index: dict[int, int] = {}
 
@@ -107,7 +117,7 @@ class ToolCallStreamer:
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         result = self.parser.parse_streaming_increment(text, self.tools)
-        return result.normal_text or "", self._deltas(result.calls)
+        return self._text(result.normal_text), self._deltas(result.calls)
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """Whatever the parser still holds at the end of the stream (if it can flush)."""
@@ -117,7 +127,10 @@ class ToolCallStreamer:
         result = flush()
         if result is None:
             return "", []
-        return result.normal_text or "", self._deltas(result.calls)
+        return self._text(result.normal_text), self._deltas(result.calls)
+
+    def _text(self, normal: Optional[str]) -> str:
+        return "" if self.forced else normal or ""
 
     def _deltas(self, items: Sequence[Any]) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
@@ -163,38 +176,71 @@ class ToolCallStreamer:
 # ---------------------------------------------------------------------------------------------
 
 
-def _hoist_defs(schemas: list[dict[str, Any]]) -> dict[str, Any]:
-    defs: dict[str, Any] = {}
-    for schema in schemas:
-        for key, value in (schema.get("$defs") or {}).items():
-            if key in defs and defs[key] != value:
-                raise bad_request(f"tools define conflicting $defs entries named '{key}'", param="tools")
-            defs[key] = value
-    return defs
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})
+# Keywords whose values map names to schemas: the names are not keywords.
+_SCHEMA_MAPS = frozenset({"$defs", "definitions", "dependentSchemas", "patternProperties", "properties"})
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _rebased(node: Any, base: str) -> Any:
+    """A copy of a function's parameters schema for the place ``base`` (a local JSON pointer) in
+    a wrapping schema: every local ``$ref`` ("#", "#/...") is resolved against the wrapping
+    document, so it must name the same node there. Other refs (another document, an anchor) are
+    left for the grammar compiler to refuse, as before."""
+    if isinstance(node, list):
+        return [_rebased(v, base) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(v, base) for name, v in value.items()}
+        else:
+            out[key] = _rebased(value, base)
+    return out
+
+
+def _defs_key(name: str, taken: Collection[str]) -> str:
+    """A `$defs` key for a function's parameters: its name when that needs no JSON-pointer
+    escaping (xgrammar resolves none), made unique."""
+    base = name if _PLAIN_KEY.fullmatch(name) else "function"
+    key, n = base, 1
+    while key in taken:
+        n += 1
+        key = f"{base}_{n}"
+    return key
 
 
 def json_array_schema(tools: Sequence[ChatTool], single: bool) -> dict[str, Any]:
-    """SGLang's json_schema for required / named tool_choice."""
-    items = [
-        {
+    """SGLang's json_schema for required / named tool_choice.
+
+    Each function's parameters go under the wrapper's `$defs`, their local refs rebased there: a
+    "#" inside them (a recursive schema) means that function's parameters, not the array."""
+    defs: dict[str, Any] = {}
+    items = []
+    for tool in tools:
+        key = _defs_key(tool.function.name, defs)
+        defs[key] = _rebased(_parameters(tool), f"#/$defs/{key}")
+        items.append({
             "type": "object",
             "properties": {
-                "name": {"type": "string", "enum": [t.function.name]},
-                "parameters": _parameters(t),
+                "name": {"type": "string", "enum": [tool.function.name]},
+                "parameters": {"$ref": f"#/$defs/{key}"},
             },
             "required": ["name", "parameters"],
-        }
-        for t in tools
-    ]
+        })
     schema: dict[str, Any] = {"type": "array", "minItems": 1}
     # Every branch is an object already; xgrammar enforces no keyword beside anyOf (grammar.py
     # refuses one there), so the branches stand alone.
     schema["items"] = items[0] if len(items) == 1 else {"anyOf": items}
     if single:
         schema["maxItems"] = 1
-    defs = _hoist_defs([_parameters(t) for t in tools])
-    if defs:
-        schema["$defs"] = defs
+    schema["$defs"] = defs
     return schema
 
 
@@ -252,6 +298,7 @@ class ToolPlan:
     template_tools: Optional[list[dict[str, Any]]]  # tools given to the chat template
     tools: list[dict[str, Any]]  # tools given to the parser
     parallel: bool
+    forced: bool = False  # tool_choice required or a named function: the output is calls only
 
 
 def forces_call(tool_choice: Any) -> bool:
@@ -292,6 +339,8 @@ def plan_tools(
     if configured_parser:
         tag = structural_tag(get_parser(configured_parser), selected, single, parallel)
         if tag is not None:
-            return ToolPlan(configured_parser, ("structural_tag", json.dumps(tag, ensure_ascii=False)), as_dicts, as_dicts, parallel)
+            constraint = ("structural_tag", json.dumps(tag, ensure_ascii=False))
+            return ToolPlan(configured_parser, constraint, as_dicts, as_dicts, parallel, forced=True)
     schema = json_array_schema(selected, single or not parallel)
-    return ToolPlan(JSON_ARRAY, ("json_schema", json.dumps(schema, ensure_ascii=False)), as_dicts, as_dicts, parallel)
+    constraint = ("json_schema", json.dumps(schema, ensure_ascii=False))
+    return ToolPlan(JSON_ARRAY, constraint, as_dicts, as_dicts, parallel, forced=True)

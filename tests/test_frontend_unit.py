@@ -523,6 +523,29 @@ def test_error_for_a_value_no_union_branch_takes(client):
         assert (body["message"], body["param"]) == (message, param), prompt
 
 
+def test_error_for_a_malformed_object_tool_choice_names_what_is_wrong(client, fake):
+    # QA: {"type": "function"} got the string branch's "Input should be 'none', 'auto' or
+    # 'required'". An object is judged by the object branch: what it lacks, or, for an object of
+    # another kind, every accepted form.
+    forms = ("Invalid value for 'tool_choice': expected one of: \"none\", \"auto\", \"required\", "
+             '{"type": "function", "function": {"name": ...}}')
+    for choice, message, param in (
+        ({"type": "function"}, "Missing required parameter: 'tool_choice.function'", "tool_choice.function"),
+        ({"type": "function", "function": {}}, "Missing required parameter: 'tool_choice.function.name'",
+         "tool_choice.function.name"),
+        ({"type": "function", "function": {"name": "get_weather"}, "x": 1},
+         "Unrecognized request argument supplied: tool_choice.x", "tool_choice.x"),
+        ({"type": "tool", "name": "get_weather"}, forms, "tool_choice"),
+        ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, forms, "tool_choice"),
+        ("sometimes", "Invalid value for 'tool_choice': Input should be 'none', 'auto' or 'required'", "tool_choice"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice=choice)
+        body = _error(err)
+        assert (body["message"], body["param"]) == (message, param), choice
+    assert not fake.requests
+
+
 def test_error_unsupported_parameter_named(client, fake):
     for kwargs, name in [
         ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern"),
@@ -1249,6 +1272,36 @@ def test_tool_call_plain_text_and_parallel_false(qwen):
     assert [c["name"] for c in calls.values()] == ["get_weather"]
 
 
+def test_forced_tool_choice_content_is_null_and_never_streamed(qwen):
+    # QA: tool_choice required and max_tokens cut the output inside a second call's trigger;
+    # "<tool_" came back as content. The constraint allows nothing but calls: content is null, and
+    # no content delta is streamed (not even an empty one carrying logprobs).
+    client, qfake, _ = qwen
+    pieces = _pieces(QWEN_CALL + "\n<tool_", 6)
+    metas = [json.dumps({"output_token_logprobs": [[-0.5, 100 + i, None]]}) for i in range(len(pieces))]
+    qfake.script = lambda req: text_chunks(pieces, finish="length", meta=metas)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        kwargs = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=choice, logprobs=True)
+        r = client.chat.completions.create(**kwargs)
+        msg = r.choices[0].message
+        assert msg.content is None and r.choices[0].finish_reason == "length", choice
+        assert [t.function.name for t in msg.tool_calls] == ["get_weather"]
+        assert len(r.choices[0].logprobs.content) == len(pieces)
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert all(c.choices[0].delta.content is None for c in chunks), choice
+        assert sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices[0].logprobs) == len(pieces)
+        content, calls, finishes = _reassemble(chunks)
+        assert (content, finishes) == ("", ["length"])
+        assert [(calls[k]["name"], calls[k]["arguments"]) for k in sorted(calls)] == [
+            (t.function.name, t.function.arguments) for t in msg.tool_calls]
+    # Under auto the same tail may be text (a trailing "<"): it stays content in both modes.
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME])
+    content, _, _ = _reassemble(client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME],
+                                                               stream=True))
+    assert r.choices[0].message.content == content == "<tool_"
+
+
 def test_tool_choice_required_uses_structural_tag_in_model_format(qwen):
     client, qfake, _ = qwen
     qfake.script = lambda req: text_chunks(_pieces(QWEN_CALL, 6))
@@ -1312,6 +1365,64 @@ def test_tool_constraints_compile_and_accept_the_parsed_format():
             assert not accepts(grammar, first[parser_name] + " and some text"), parser_name
         _, calls = parse_complete(get_parser(parser_name), both, plan.tools)
         assert [c.name for c in calls] == ["get_weather", "get_time"], parser_name
+
+
+RECURSIVE = {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                             "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+             "required": ["v", "child"], "additionalProperties": False}
+PROPERTY_REF = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 5},
+                                                "b": {"$ref": "#/properties/a"}},
+                "required": ["a", "b"], "additionalProperties": False}
+DEFINITIONS_REF = {"type": "object", "definitions": {"d": {"type": "string", "enum": ["p", "q"]}},
+                   "properties": {"a": {"$ref": "#/definitions/d"}, "e": {"enum": [{"$ref": "#"}]}},
+                   "required": ["a"], "additionalProperties": False}
+
+
+def test_local_refs_in_forced_tools_keep_their_target_in_the_json_array_schema(demo_model_path):
+    # QA: wrapped in the JSON-array schema (no model-format parser), a tool's "$ref": "#" meant
+    # the wrapping array (a silently wrong constraint), and "#/properties/a" or "#/definitions/d"
+    # were refused by the compiler. Compiled here as the engine compiles them.
+    pytest.importorskip("xgrammar")
+    from backend.grammar import GrammarCompiler, GrammarError
+    from backend.tokenizer import load_tokenizer
+    from openai_frontend.protocol import ChatTool
+    from openai_frontend.tools import plan_tools
+
+    def tool(name: str, parameters: dict) -> ChatTool:
+        return ChatTool.model_validate({"type": "function", "function": {"name": name, "parameters": parameters}})
+
+    tokenizer = load_tokenizer(demo_model_path)
+    compiler = GrammarCompiler(tokenizer, 4096)
+
+    def feeds(compiled, text: str) -> bool:
+        state = compiler.matcher(compiled)
+        return all(state.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+    try:
+        tools = [tool("rec", RECURSIVE), tool("prop", PROPERTY_REF), tool("defs", DEFINITIONS_REF)]
+        for parser in (None, "pythonic"):
+            kind, spec = plan_tools(tools, "required", None, parser).constraint
+            assert kind == "json_schema"
+            compiled = compiler.compile(kind, spec)
+            good = ('[{"name": "rec", "parameters": {"v": 1, "child": {"v": 2, "child": null}}}, '
+                    '{"name": "prop", "parameters": {"a": 1, "b": 5}}, '
+                    '{"name": "defs", "parameters": {"a": "q", "e": {"$ref":"#"}}}]')
+            assert feeds(compiled, good), parser
+            for bad in ('[{"name": "rec", "parameters": {"v": 1, "child": [{"name"',  # the wrapper's shape
+                        '[{"name": "rec", "parameters": {"v": 1, "child": {"v": 12',
+                        '[{"name": "prop", "parameters": {"a": 1, "b": 6',
+                        '[{"name": "prop", "parameters": {"a": 1, "b": "',
+                        '[{"name": "defs", "parameters": {"a": "r',
+                        '[{"name": "defs", "parameters": {"a": "p", "e": {"$ref":"#/$'):  # enum data kept
+                assert not feeds(compiled, bad), (parser, bad)
+        # A reference to another document is still the compiler's error.
+        kind, spec = plan_tools([tool("ext", {"type": "object", "properties": {"a": {"$ref": "other.json#/a"}}})],
+                                "required", None, None).constraint
+        assert '"$ref": "other.json#/a"' in spec
+        with pytest.raises(GrammarError):
+            compiler.compile(kind, spec)
+    finally:
+        compiler.shutdown()
 
 
 def test_parse_function_call_endpoint(qwen):

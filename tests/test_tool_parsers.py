@@ -801,3 +801,38 @@ def test_cut_output_parses_as_its_stream_ends(name):
             streamed += streamer.finish()[0]
             assert (streamed, streamer.calls) == (normal, calls), (name, piece)
     assert partial > 0 or name == "pythonic"  # pythonic streams a call only once it is complete
+
+
+# QA: max_tokens cut the output inside the trigger that opens a second call: (format, output, its
+# text under tool_choice auto, its calls).
+_CUT_IN_TRIGGER = [
+    ("qwen25", qwen(*w()) + "\n<tool_", "<tool_", [w()]),
+    ("llama3", llama(w()) + "\n<|python_t", "<|python_t", [w()]),
+    ("mistral", "ok " + mistral(w()) + "\n[TOOL_CALL", "ok [TOOL_CALL", [w()]),
+    ("deepseekv3", "hm" + deepseek(w()) + "<｜tool▁calls", "hm<｜tool▁calls", [w()]),
+    ("llama3", '{"name": "get_weat', '{"name": "get_weat', []),  # no trigger: JSON text cut short
+]
+
+
+def _stream_as_chat(name: str, chunks, forced: bool) -> tuple[str, list[tuple[str, str]]]:
+    from openai_frontend.tools import ToolCallStreamer, get_parser
+
+    streamer = ToolCallStreamer(get_parser(name), TOOLS, forced=forced)
+    text = "".join(streamer.feed(c)[0] for c in chunks) + streamer.finish()[0]
+    return text, [(c.name, c.arguments) for c in streamer.calls]
+
+
+@pytest.mark.parametrize("name,text,auto_text,calls", _CUT_IN_TRIGGER,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(_CUT_IN_TRIGGER)])
+def test_forced_tool_choice_gives_no_text_in_any_chunking(name, text, auto_text, calls):
+    """Under a forced tool_choice the output is constrained to calls, so what a parser gives as
+    text there is markup cut short (a trailing ``<tool_``): it is dropped, streamed or not. Under
+    auto that tail is ambiguous (a trailing ``<`` may be text) and stays text, as in vLLM/SGLang."""
+    from openai_frontend.tools import get_parser, parse_as_streamed
+
+    calls = [(n, canon(args)) for n, args in calls]
+    for forced, normal in ((True, ""), (False, auto_text)):
+        whole = parse_as_streamed(get_parser(name), text, TOOLS, forced=forced)
+        assert (whole[0], [(c.name, c.arguments) for c in whole[1]]) == (normal, calls), forced
+        for chunks in chunkings(text, 11, 4):
+            assert _stream_as_chat(name, chunks, forced) == (normal, calls), (forced, chunks)

@@ -17,9 +17,12 @@ anywhere) produce the same result:
   never an exception. Parsing resumes right after the format's trigger token, so a valid region
   nested in the garbage is still found (identically in both modes). The exceptions are cuts: where
   the output ends inside the markup that follows a region's complete call (``</tool_``, a dangling
-  separator, a cut close), or inside a call (its trigger, its object) with no error in what came,
-  the fragment is dropped, since a max_tokens or stop cut there leaves neither text nor a call
-  (llama3's bare ``{`` without a trigger counts as a call only once its name is written).
+  separator, a cut close), or inside a call after its trigger (its opening markup, its object)
+  with no error in what came, the fragment is dropped, since a max_tokens or stop cut there leaves
+  neither text nor a call (llama3's bare ``{`` without a trigger counts as a call only once its
+  name is written). A cut inside the trigger token itself (``<tool_``) is text: at the very end of
+  the output it may as well be text (a trailing ``<``), and vLLM and SGLang keep it so. Under a
+  forced tool_choice the frontend drops all text (``openai_frontend.tools.ToolCallStreamer``).
   A stream ends a cut call whose name was written in full as a call, with the arguments written
   (none, if its arguments object had not begun); ``detect_and_parse`` drops it (the JSON
   formats: ``JsonToolCallParser._cut_markup``, ``_cut_call``).
