@@ -60,7 +60,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         f"most this many seconds (default {DEFAULT_GRACEFUL_SHUTDOWN_S:g}); then the rest are "
                         "cancelled: their streams are aborted on --abort-model (KV freed) and their connections "
                         "closed. 'none': no limit (a stream that never ends then keeps the frontend, and a "
-                        "tritonserver waiting on its gRPC stream, from exiting). A second SIGINT cancels at once (aborts then best effort)")
+                        "tritonserver waiting on its gRPC stream, from exiting). A second SIGINT cancels at once, "
+                        "still aborting each stream on --abort-model (up to 2 s each)")
     p.add_argument("--workers", type=workers_arg, default="auto",
                    help="server processes (each with its own event loop and gRPC channel) sharing the port; "
                         "auto (default): one per four CPUs, from one to four")
@@ -127,12 +128,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 class CancelledAtShutdown(logging.Filter):
     """Drops uvicorn's "Exception in ASGI application" traceback for each request it cancels when
     --graceful-shutdown-timeout runs out (uvicorn cancels tasks at no other time); it has already
-    said "Cancel N running task(s), timeout graceful shutdown exceeded" once."""
+    said "Cancel N running task(s), timeout graceful shutdown exceeded" once. Also the traceback
+    of the app's lifespan cancelled at a forced exit (a second Ctrl-C: no lifespan shutdown then),
+    which Starlette reports as text."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[0] if record.exc_info else None
-        return not (exc is not None and issubclass(exc, asyncio.CancelledError)
-                    and record.getMessage().strip() == "Exception in ASGI application")
+        message = record.getMessage().strip()
+        if exc is not None and issubclass(exc, asyncio.CancelledError) and message == "Exception in ASGI application":
+            return False
+        return not (message.startswith("Traceback") and message.endswith("asyncio.exceptions.CancelledError")
+                    and "in lifespan" in message)
 
 
 def log_config() -> dict:
@@ -208,7 +214,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         finally:
             shutil.rmtree(settings.metrics_dir, ignore_errors=True)
     else:
+        from openai_frontend import forced_exit
+
         app = create_app(settings)
+        forced_exit.install()
         freeze_startup_heap()  # this process serves until it exits
         uvicorn.run(app, **options)
 

@@ -620,7 +620,10 @@ def app_from_env() -> FastAPI:
     import json
     import os
 
+    from openai_frontend import forced_exit
+
     app = create_app(Settings(**json.loads(os.environ[SETTINGS_ENV])))
+    forced_exit.install()  # in this worker: its server is uvicorn's, made in this process
     _exit_with_supervisor()
     freeze_startup_heap()  # each worker serves until it exits
     return app

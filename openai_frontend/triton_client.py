@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 _LITTLE = sys.byteorder == "little"
 _ENSEMBLE_PREFIX = "in ensemble "
+# How long a cancelled stream waits for its abort to reach the engine model (one gRPC call,
+# milliseconds; longer only when tritonserver is unreachable, and then the abort goes on alone).
+ABORT_WAIT_S = 2.0
 
 
 def _bytes_input(name: str, value: str) -> InferInput:
@@ -521,6 +524,11 @@ class TritonLLMClient:
                     task = asyncio.ensure_future(self._abort(request_id))
                     self._aborts.add(task)
                     task.add_done_callback(self._aborts.discard)
+                    # Waited for, within a bound: at a forced shutdown (a second Ctrl-C) uvicorn
+                    # skips the lifespan's close(), and asyncio.run then finishes only the tasks it
+                    # cancels, this stream's among them: an abort left to run alone went down with
+                    # the loop, and the engine generated on for a client that was gone.
+                    await asyncio.wait({task}, timeout=ABORT_WAIT_S)
 
     async def abort_requests(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
         """End in-flight requests early, as SGLang's /abort_request does: each one finishes

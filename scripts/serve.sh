@@ -11,7 +11,8 @@
 # Stopping it (SIGTERM, SIGINT, Ctrl-C) stops the frontend first, which lets in-flight requests and
 # streams finish for up to --graceful-shutdown-timeout seconds, then cancels the rest (aborted in
 # the engine, their connections closed); then tritonserver (which gives requests made to it
-# directly as long). A second Ctrl-C or signal cancels the frontend's streams at once.
+# directly as long). A second Ctrl-C or signal cancels the frontend's streams at once (still
+# aborting them in the engine, so tritonserver then finds nothing in flight).
 # Every other engine setting: env LLM_<NAME> (README, "Engine settings").
 set -euo pipefail
 CALLER=$PWD
@@ -48,7 +49,8 @@ while [ $# -gt 0 ]; do
     --kv-cache-dtype) export LLM_KV_CACHE_DTYPE=$2; shift 2 ;;
     --speculative-config) export LLM_SPECULATIVE_CONFIG=$2; shift 2 ;;
     --graceful-shutdown-timeout) SHUTDOWN_TIMEOUT=$2; shift 2 ;;
-    *) echo "unknown option $1" >&2; exit 2 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    *) echo "unknown option $1 (--help lists them)" >&2; exit 2 ;;
   esac
 done
 case "$SHUTDOWN_TIMEOUT" in

@@ -52,19 +52,14 @@ def _stream(url: str, max_tokens: int, started: threading.Event, out: dict) -> N
     started.set()
 
 
-def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo_model_path, tmp_path):
-    # Ctrl-C with --frontend-workers 2 (a uvicorn supervisor) and two streams in flight: the one
-    # that can finish within --graceful-shutdown-timeout gets all of it; the other is cancelled at
-    # the timeout (its connection closed, its request aborted in the engine, so tritonserver then
-    # has nothing in flight), and every process is gone soon after.
+def _start(model_path: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str, list[int], Path]:
+    """scripts/serve.sh on free ports, up and answering: (process, frontend url, ports, log)."""
     ports = [free_port() for _ in range(4)]
-    grace = 4
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [str(REPO / "scripts/serve.sh"), "--model-path", str(demo_model_path), "--http-port", str(ports[0]),
-             "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--frontend-port", str(ports[3]),
-             "--frontend-workers", "2", "--graceful-shutdown-timeout", str(grace)],
+            [str(REPO / "scripts/serve.sh"), "--model-path", str(model_path), "--http-port", str(ports[0]),
+             "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--frontend-port", str(ports[3]), *extra],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             # As from a terminal: a suite started in the background (`cmd &` in a script) runs
             # with SIGINT ignored, which its children inherit, and a shell cannot trap a signal
@@ -72,17 +67,53 @@ def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     url = f"http://127.0.0.1:{ports[3]}"
+    deadline = time.monotonic() + 240
     try:
-        deadline = time.monotonic() + 240
         while True:
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the stack did not come up"
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
+                    return proc, url, ports, log
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+    except BaseException:
+        _kill(proc, ports)
+        raise
+
+
+def _assert_all_gone(proc: subprocess.Popen, ports: list[int]) -> None:
+    deadline = time.monotonic() + 10
+    while _group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _group(proc.pid), _group(proc.pid)
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))  # nobody holds it any more
+
+
+def _kill(proc: subprocess.Popen, ports: list[int]) -> None:
+    if proc.poll() is None or _group(proc.pid):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        # The frontend runs in a session of its own (serve.sh): not in the group above.
+        subprocess.run(["pkill", "-KILL", "-f", f"openai_frontend --triton-url localhost:{ports[1]} "], check=False)
+
+
+def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo_model_path, tmp_path):
+    # Ctrl-C with --frontend-workers 2 (a uvicorn supervisor) and two streams in flight: the one
+    # that can finish within --graceful-shutdown-timeout gets all of it; the other is cancelled at
+    # the timeout (its connection closed, its request aborted in the engine, so tritonserver then
+    # has nothing in flight), and every process is gone soon after.
+    grace = 4
+    proc, url, ports, log = _start(demo_model_path, tmp_path, "--frontend-workers", "2",
+                                   "--graceful-shutdown-timeout", str(grace))
+    try:
         streams = []
         for max_tokens in (150, 3500):
             started, result = threading.Event(), {}
@@ -112,20 +143,43 @@ def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo
         # flight (rather than waiting its exit timeout out, and crashing).
         assert "Found 0 model versions that have in-flight inferences" in text, text[-3000:]
         assert "Exit timeout expired" not in text and "outlived tritonserver" not in text
-        deadline = time.monotonic() + 10
-        while _group(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _group(proc.pid), _group(proc.pid)
-        for port in ports:
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("127.0.0.1", port))  # nobody holds it any more
+        _assert_all_gone(proc, ports)
     finally:
-        if proc.poll() is None or _group(proc.pid):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            # The frontend runs in a session of its own (serve.sh): not in the group above.
-            subprocess.run(["pkill", "-KILL", "-f", f"openai_frontend --triton-url localhost:{ports[1]} "], check=False)
+        _kill(proc, ports)
+
+
+def test_a_second_ctrl_c_cancels_at_once_and_still_aborts_in_the_engine(demo_model_path, tmp_path):
+    # The second Ctrl-C forces the frontend out at once (uvicorn skips its lifespan's shutdown):
+    # the long stream is cut right away, and its abort must still reach the engine, or the
+    # ensemble generates on for nobody and tritonserver waits out its exit timeout (QA: 3000
+    # tokens to the end, "Exit timeout expired").
+    proc, url, ports, log = _start(demo_model_path, tmp_path, "--graceful-shutdown-timeout", "30")
+    try:
+        started, result = threading.Event(), {}
+        thread = threading.Thread(target=_stream, args=(url, 3500, started, result), daemon=True)
+        thread.start()
+        assert started.wait(60)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)  # again: do not wait out the 30 s grace
+        rc = proc.wait(timeout=40)
+        stopped = time.monotonic() - t0
+        thread.join(10)
+        text = log.read_text()
+        assert result["end"] != "complete" and result["at"] - t0 < 8, (result.get("end"), result["at"] - t0)
+        assert rc == 130 and stopped < 20, (rc, stopped, text[-3000:])
+        assert "Found 0 model versions that have in-flight inferences" in text, text[-3000:]
+        assert "Exit timeout expired" not in text, text[-3000:]
+        # The lifespan cancelled on the way out is not reported as an error (__main__.CancelledAtShutdown).
+        assert "asyncio.exceptions.CancelledError" not in text, text[-3000:]
+        _assert_all_gone(proc, ports)
+    finally:
+        _kill(proc, ports)
+
+
+def test_help_lists_the_options_and_an_unknown_one_says_where_to_look():
+    ok = subprocess.run([str(REPO / "scripts/serve.sh"), "--help"], capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0 and "--graceful-shutdown-timeout" in ok.stdout and "#" not in ok.stdout[:5], ok
+    bad = subprocess.run([str(REPO / "scripts/serve.sh"), "--bogus"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "unknown option --bogus (--help lists them)" in bad.stderr, bad
