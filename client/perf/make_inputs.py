@@ -78,7 +78,7 @@ def text_entries(tokenizer: Any, n: int, *, seed: int = 0, min_prompt: int = 16,
                  min_new: int = 16, max_new: int = 256, stream: bool = True) -> list[dict[str, Any]]:
     """Text prompts: windows of the demo corpus whose token counts span [min_prompt, max_prompt]."""
     rng = random.Random(seed)
-    corpus_ids = tokenizer(CORPUS.read_text()).input_ids
+    corpus_ids = tokenizer(CORPUS.read_text(), verbose=False).input_ids  # longer than a context on purpose
     while len(corpus_ids) < max_prompt + 1:
         corpus_ids = corpus_ids + corpus_ids
     entries = []

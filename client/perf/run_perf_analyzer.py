@@ -18,7 +18,7 @@ first response (TTFT) p50/p99 and inter-response latency p50/p99.
 
 perf_analyzer ships in `tritonclient[all]==2.51.0` (`.venv/bin/perf_analyzer`) and needs two
 shared libraries: `libb64.so.0d` (Debian package libb64-0d) and `libcudart.so.12` (PyPI
-nvidia-cuda-runtime-cu12, found through LD_LIBRARY_PATH); see ../shared/TRITON_ON_CPU.md.
+nvidia-cuda-runtime-cu12, found through LD_LIBRARY_PATH), even on a host without a GPU.
 `--install` (or run_perf_analyzer.sh) installs what is missing.
 """
 
@@ -218,7 +218,8 @@ def sweep(
     out_dir.mkdir(parents=True, exist_ok=True)
     input_data = Path(input_data or PERF_DIR / ("ensemble_text.json" if model == "ensemble" else "llm_ids.json"))
     rows: list[dict[str, str]] = []
-    summary: dict[str, Any] = {"model": model, "url": url, "input_data": str(input_data), "levels": {}}
+    summary: dict[str, Any] = {"model": model, "url": url, "input_data": str(input_data), "out": str(out_dir),
+                               "levels": {}}
     for c in concurrency:
         n = request_count or max(2 * c, 16)
         cmd = command(model, url, input_data, c, n, out_dir, metrics_url, extra)
@@ -267,7 +268,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     for c, level in summary["levels"].items():
         pa, pr = level.get("perf_analyzer") or {}, level.get("profile") or {}
         if not pa:
-            print(f"{c:>5}  failed: see perf_c{c}.log")
+            print(f"{c:>5}  failed: see {Path(summary['out']) / f'perf_c{c}.log'}")
             continue
 
         def f(v: Any, w: int, p: int = 1) -> str:
@@ -281,7 +282,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="ensemble", choices=["ensemble", "llm"])
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC host:port")
-    ap.add_argument("--metrics-url", default=None, help="e.g. localhost:8002/metrics: adds server metrics to the csv")
+    ap.add_argument("--metrics-url", default=None, help="e.g. localhost:8002/metrics: perf_analyzer's --collect-metrics (its GPU columns in the csv; "
+                         "empty on a CPU host)")
     ap.add_argument("--input-data", type=Path, default=None,
                     help="default: client/perf/ensemble_text.json (ensemble) or client/perf/llm_ids.json (llm)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
