@@ -468,8 +468,10 @@ def test_kernels_compile_for_cuda(tmp_path):
         from kernels import triton_ops as T
         from kernels import paged_attention as A
         P, I = "*fp32", "i32"
-        paged = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", tables_ptr="*i32", lens_ptr="*i32",
-                     scale="fp32", stride_qb=I, stride_qh=I, stride_kh=I, stride_ks=I, stride_tb=I, stride_ob=I, stride_oh=I)
+        paged = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", part_m_ptr=P, part_l_ptr=P,
+                     part_o_ptr=P, tables_ptr="*i32", lens_ptr="*i32", scale="fp32", blocks_per_split=I,
+                     stride_qb=I, stride_qh=I, stride_kh=I, stride_ks=I, stride_tb=I, stride_ob=I, stride_oh=I)
+        combine = dict(part_m_ptr=P, part_l_ptr=P, part_o_ptr=P, out_ptr="*bf16", stride_ob=I, stride_oh=I)
         specs = [
             (T._temperature_kernel, dict(x_ptr=P, out_ptr=P, temp_ptr=P, B=I, V=I, stride_x=I, stride_o=I), dict(ROWS=2, BLOCK=1024)),
             (T._penalties_kernel, dict(x_ptr=P, out_ptr=P, cnt_ptr="*i32", prompt_ptr="*u8", freq_ptr=P, pres_ptr=P,
@@ -483,9 +485,12 @@ def test_kernels_compile_for_cuda(tmp_path):
             (T._sample_kernel, dict(x_ptr=P, out_ptr="*i64", seed_ptr="*i64", off_ptr="*i64", greedy_ptr="*u8", B=I, V=I,
              stride_x=I), dict(ROWS=1, BLOCK=2048)),
             (T._log_softmax_kernel, dict(x_ptr=P, out_ptr=P, B=I, V=I, stride_x=I, stride_o=I), dict(ROWS=1, BLOCK=2048)),
-            # decode attention: bf16 caches, head_dim 128, GQA 4; full and sliding-window
-            (A._paged_decode_kernel, paged, dict(G=4, GP=4, D=128, DP=128, BLOCK=16, WINDOW=0)),
-            (A._paged_decode_kernel, paged, dict(G=4, GP=4, D=128, DP=128, BLOCK=16, WINDOW=4096)),
+            # decode attention: bf16 caches, head_dim 128, GQA 4; full and sliding-window, whole
+            # contexts and split ones, and the merge of the splits
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=4, D=128, DP=128, BLOCK=16, WINDOW=0, SPLITS=1)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=4, D=128, DP=128, BLOCK=16, WINDOW=4096, SPLITS=1)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=4, D=128, DP=128, BLOCK=16, WINDOW=0, SPLITS=17)),
+            (A._combine_splits_kernel, combine, dict(H=32, D=128, DP=128, SPLITS=17, SP=32)),
         ]
         for fn, sig, consts in specs:
             sig = dict(sig, **{k: "constexpr" for k in consts})
@@ -503,4 +508,4 @@ def test_kernels_compile_for_cuda(tmp_path):
     if res.returncode != 0 and ("ptxas" in res.stderr and "not found" in res.stderr.lower()):
         pytest.skip("no ptxas available")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled 9" in res.stdout
+    assert "compiled 11" in res.stdout
