@@ -115,7 +115,7 @@ cleanup() {
 # A second Ctrl-C or signal while the frontend stops: a second SIGINT makes uvicorn cancel its
 # streams at once (its --workers' too; it still sends their aborts), and tritonserver is stopped
 # next as usual (not alongside: it would refuse those aborts and wait for the requests). A third:
-# SIGKILL. While tritonserver stops, its exit timeout (the same seconds) bounds it.
+# SIGKILL. While tritonserver stops, its exit timeout (the same seconds, and 10 more to unload) bounds it.
 FORCED=0
 stop_now() {
   alive "$FRONTEND_PID" || return 0
@@ -130,12 +130,14 @@ trap 'cleanup; exit 130' INT
 trap 'cleanup; exit 143' TERM
 # tritonserver with SIGINT blocked: Ctrl-C signals the whole process group, and tritonserver must
 # wait for the frontend (cleanup stops it with SIGTERM). Its exit timeout bounds its wait for
-# requests made to it directly, or left in flight by a forced stop.
+# requests made to it directly, or left in flight by a forced stop, and then for its models to
+# unload: 10 s more for that (the llm model's engine shutdown took over 3 s on a busy CI host, and
+# an exit timeout that runs out while a stub unloads ends tritonserver with an error).
 .venv/bin/python -c 'import os, signal, sys
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 os.execvp(sys.argv[1], sys.argv[1:])' tritonserver --model-repository="$PWD/model_repository" \
   --backend-directory="$TRITON_HOME/backends" --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" \
-  --metrics-port="$METRICS_PORT" --exit-timeout-secs="$SHUTDOWN_TIMEOUT" &
+  --metrics-port="$METRICS_PORT" --exit-timeout-secs="$((SHUTDOWN_TIMEOUT + 10))" &
 TRITON_PID=$!
 pids+=($!)
 if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
