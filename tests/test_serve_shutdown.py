@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from openai_frontend.testing import free_port
 
@@ -148,12 +149,15 @@ def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo
         _kill(proc, ports)
 
 
-def test_a_second_ctrl_c_cancels_at_once_and_still_aborts_in_the_engine(demo_model_path, tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_second_ctrl_c_cancels_at_once_and_still_aborts_in_the_engine(demo_model_path, tmp_path, workers):
     # The second Ctrl-C forces the frontend out at once (uvicorn skips its lifespan's shutdown):
     # the long stream is cut right away, and its abort must still reach the engine, or the
     # ensemble generates on for nobody and tritonserver waits out its exit timeout (QA: 3000
-    # tokens to the end, "Exit timeout expired").
-    proc, url, ports, log = _start(demo_model_path, tmp_path, "--graceful-shutdown-timeout", "30")
+    # tokens to the end, "Exit timeout expired"). With --frontend-workers 2 the workers get the
+    # supervisor's SIGTERM first, then serve.sh's SIGINT.
+    proc, url, ports, log = _start(demo_model_path, tmp_path, "--frontend-workers", workers,
+                                   "--graceful-shutdown-timeout", "30")
     try:
         started, result = threading.Event(), {}
         thread = threading.Thread(target=_stream, args=(url, 3500, started, result), daemon=True)
