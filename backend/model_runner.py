@@ -988,6 +988,9 @@ class ModelRunner:
             h.index_copy_(0, *batch.embeds)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
+        # Each paged group's splits are the same in every layer: chosen once a step.
+        splits = [self._splits(g.num_seqs, g.block_tables.shape[1]) if g.block_tables is not None else 1
+                  for g in batch.groups]
         for li, layer in enumerate(self.layers):
             x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
@@ -1009,7 +1012,7 @@ class ModelRunner:
             # A decode-only step is one paged group holding every token in order: its queries
             # go to the kernel as they are and its output is the attention, no gather/scatter.
             attn = None if batch.decode_only else q.new_empty((q.shape[0], q_size))
-            for g in batch.groups:
+            for g, g_splits in zip(batch.groups, splits):
                 if g.seqs is not None:
                     self._attend_each(q, li, g.seqs, attn)
                     continue
@@ -1017,7 +1020,7 @@ class ModelRunner:
                     out = kernels.paged_decode_attention(
                         q.contiguous() if attn is None else q[g.token_index], self.k_cache[li], self.v_cache[li],
                         g.block_tables, g.context_lens, self.block_size, scale, window=self.windows[li],
-                        splits=self._splits(g.num_seqs, g.block_tables.shape[1]),
+                        splits=g_splits,
                         use_triton=self.decode_attention == "triton",
                     ).reshape(g.num_seqs, q_size)
                     if attn is None:
