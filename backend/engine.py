@@ -270,7 +270,8 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size] if embeds is None else []
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
-        if len(prompt_ids) >= self.max_model_len:
+        # A whole context is only scored (max_new_tokens 0, vLLM's echo with max_tokens 0).
+        if len(prompt_ids) > self.max_model_len or (len(prompt_ids) == self.max_model_len and params.max_new_tokens != 0):
             raise RequestError(
                 f"the prompt has {len(prompt_ids)} tokens, but the context is {self.max_model_len} tokens "
                 "(at least one must be left to generate)"
@@ -296,12 +297,13 @@ class LLMEngine:
                           ("allowed_token_ids", params.allowed_token_ids), ("stop_token_ids", params.stop_token_ids)):
             if ids and max(ids) >= self.vocab_size:
                 raise RequestError(f"{name} token ids must be < the vocabulary size {self.vocab_size}")
-        if params.min_new_tokens > 0 and params.allowed_token_ids:
+        if params.min_output_tokens > 0 and params.allowed_token_ids:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
             if set(params.allowed_token_ids) <= ends:
+                name = "min_tokens" if params.min_tokens else "min_new_tokens"
                 raise RequestError(
-                    "allowed_token_ids holds only stop/EOS tokens, which min_new_tokens "
-                    f"{params.min_new_tokens} forbids for the first tokens: nothing could be drawn"
+                    f"allowed_token_ids holds only stop/EOS tokens, which {name} "
+                    f"{params.min_output_tokens} forbids for the first tokens: nothing could be drawn"
                 )
         adapter = self._adapter(params.lora_path)
         processor = self._custom_processor(params)
@@ -317,9 +319,18 @@ class LLMEngine:
             )
         else:
             max_new = min(params.max_new_tokens, room)
+        if params.min_output_tokens > max_new:
+            # As vLLM: an absent limit is the context's room, and a minimum past it is refused,
+            # not silently cut to the room.
+            name = "min_tokens" if params.min_tokens else "min_new_tokens"
+            raise RequestError(
+                f"{name} must be at most {max_new}: the context is {self.max_model_len} tokens and the prompt "
+                f"has {len(prompt_ids)}; got {params.min_output_tokens}"
+            )
         prediction = self._prediction(params)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         stop_regexes = [regex.compile(p) for p in params.stop_regex]
+        special_stops = self._special_stops(params)
         cacheable = params.logprob_start_len < 0 and not params.return_hidden_states and embeds is None
         children: list[_Tracked] = []
         for index in range(params.n):
@@ -351,7 +362,8 @@ class LLMEngine:
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
-            state = OutputState(detok=detok, stops=list(params.stop), eos_ids=self.eos_ids, stop_regexes=stop_regexes)
+            state = OutputState(detok=detok, stops=list(params.stop), eos_ids=self.eos_ids, stop_regexes=stop_regexes,
+                                special_stops=special_stops)
             children.append(_Tracked(seq, on_output, state, compiled, None, processor, request_id,
                                      self._logits_processors(params)))
         with self._inbox_lock:
@@ -359,6 +371,21 @@ class LLMEngine:
         self._inbox.put(("add", children))
         self._wakeup.set()
         return request_id
+
+    def _special_stops(self, params: SamplingParams) -> dict[int, str]:
+        """Stop strings that are one special token, by its id, where the text skips it: the
+        text never shows them, so they are matched on the token (vLLM never matches them there,
+        vllm#2123; SGLang matches its stop strings against text that keeps special tokens)."""
+        if not params.skip_special_tokens or not params.stop:
+            return {}
+        found: dict[int, str] = {}
+        for stop in params.stop:
+            ids = self.tokenizer.encode(stop, add_special_tokens=False)
+            if (len(ids) == 1 and ids[0] < self.vocab_size and ids[0] not in found
+                    and self.tokenizer.decode(ids, skip_special_tokens=True) == ""
+                    and self.tokenizer.decode(ids, skip_special_tokens=False) == stop):
+                found[ids[0]] = stop
+        return found
 
     def _prediction(self, params: SamplingParams) -> Optional[Prediction]:
         """The request's predicted output as tokens, no longer than a context (no output is)."""
@@ -929,7 +956,7 @@ class LLMEngine:
         params = seq.params
         tracked = self._tracked[seq.request_id]
         suppress: tuple[int, ...] = ()
-        if seq.num_output_tokens + ahead < params.min_new_tokens:
+        if seq.num_output_tokens + ahead < params.min_output_tokens:
             suppress = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_ids))
         return SamplingRow(
             params=params,

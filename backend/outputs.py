@@ -115,6 +115,7 @@ class OutputState:
     stops: list[str]
     eos_ids: frozenset[int]
     stop_regexes: list[Any] = field(default_factory=list)  # compiled `regex` patterns
+    special_stops: dict[int, str] = field(default_factory=dict)  # stop strings the text skips, by token id
     pending: list[_Step] = field(default_factory=list)
     released_tail: str = ""  # last few released chars, enough to match a stop across the boundary
     pending_new_ids: list[int] = field(default_factory=list)
@@ -163,9 +164,10 @@ class OutputState:
         stop_token = seq.finish_reason is None and (
             last in params.stop_token_ids or (last in self.eos_ids and (not params.ignore_eos or grammar_done))
         )
-        # As SGLang: a matched stop token ends the text before it (unless no_stop_trim); it
-        # stays in the output ids and counts as a completion token.
-        self.hidden_tokens = 1 if stop_token and not params.no_stop_trim else 0
+        # As SGLang: a matched stop token ends the text before it (unless no_stop_trim, or vLLM's
+        # include_stop_str_in_output); it stays in the output ids and counts as a completion token.
+        keep_stop = params.no_stop_trim or params.include_stop_str_in_output
+        self.hidden_tokens = 1 if stop_token and not keep_stop else 0
         ids = new_ids[: len(new_ids) - self.hidden_tokens] if self.hidden_tokens else new_ids
         total = seq.num_tokens - self.hidden_tokens
         if self.stops or self.stop_regexes:
@@ -199,14 +201,16 @@ class OutputState:
                            grammar_done: bool) -> RequestOutput:
         """on_tokens with stop strings or regexes to match.
 
-        As vLLM: a stop counts only where it ends in the text of a token after the first
-        min_new_tokens. A step of several tokens (drafts, jump-forward) is pushed one token at a
-        time, so it ends the text where the same tokens one step each would have.
+        A stop counts where it ends in the text of a token: any token under SGLang's
+        min_new_tokens, only those after vLLM's min_tokens. A step of several tokens (drafts,
+        jump-forward) is pushed one token at a time, so it ends the text where the same tokens one
+        step each would have.
         """
         params = seq.params
         before = seq.num_output_tokens - len(new_ids)  # output tokens before this step
         base = seq.num_tokens - len(new_ids)
         hit: Optional[tuple[int, str]] = None
+        hit_end = 0  # where the text of the token that completed the stop ends (in pending text)
         partial_at: Optional[int] = None
         # Only a hidden stop token: one empty push still makes the step that text held back for
         # half a character can be flushed into.
@@ -215,8 +219,14 @@ class OutputState:
             end = base + j + len(push)
             self.pending.append(_Step(d.text, list(d.window_ids), end - len(d.window_ids), d.prefix_len, d.read_offset))
             if hit is None:
-                # Text under min_new_tokens is searched for nothing, only for what to hold back.
-                hit, partial_at = self._search(len(d.text) if before + j + 1 > params.min_new_tokens else 0)
+                # Text under min_tokens is searched for nothing, only for what to hold back.
+                counts = before + j + 1 > params.min_tokens
+                hit, partial_at = self._search(len(d.text) if counts else 0)
+                pending_len = sum(len(s.text) for s in self.pending)
+                if (hit is None and counts and push and push[0] in self.special_stops
+                        and not (stop_token and j == len(new_ids) - 1)):
+                    hit = (len(self.released_tail) + pending_len, self.special_stops[push[0]])
+                hit_end = pending_len
         self.pending_new_ids.extend(new_ids)
         if hit is None:
             self._end_by_tokens(seq, stop_token, grammar_done)
@@ -226,14 +236,21 @@ class OutputState:
             flushed = self.detok.finish()
             if flushed:
                 self.pending[-1] = replace(self.pending[-1], text=self.pending[-1].text + flushed)
-                if hit is None and seq.num_output_tokens > params.min_new_tokens:
+                if hit is None and seq.num_output_tokens > params.min_tokens:
                     hit, _ = self._search(len(flushed))
+                    hit_end = sum(len(s.text) for s in self.pending)
         if hit is not None:
             pos, stop = hit
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
             seq.matched_eos = False
             pending_len = sum(len(s.text) for s in self.pending)
-            keep = pos - len(self.released_tail) + (len(stop) if params.no_stop_trim else 0)
+            start = pos - len(self.released_tail)
+            if params.no_stop_trim:  # SGLang's: the text as decoded, up to the completing token
+                keep = hit_end
+            elif params.include_stop_str_in_output:  # vLLM's: up to the stop string's end
+                keep = min(start + len(stop), hit_end)
+            else:
+                keep = start
             return self._release(seq, len(self.pending), trim=pending_len - max(keep, 0), final=True)
         if seq.finish_reason is not None:
             return self._release(seq, len(self.pending), final=True)

@@ -69,7 +69,11 @@ class SamplingParams(BaseModel):
 
     # None: up to the end of the context (SGLang's and vLLM's meaning of an absent limit).
     max_new_tokens: Optional[int] = 128
+    # SGLang's min_new_tokens holds back EOS and stop_token_ids only: a stop string may still
+    # end the output before it (its docs say so). vLLM's min_tokens holds back the stop strings
+    # too. Both are kept, each with its own meaning; a request gives at most one.
     min_new_tokens: int = 0
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -82,7 +86,11 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     stop_regex: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
+    # SGLang's no_stop_trim leaves the text untouched: a matched stop string stays, with the
+    # rest of the token that completed it. vLLM's include_stop_str_in_output keeps the stop
+    # string and cuts what follows it. Either keeps a matched stop token's text.
     no_stop_trim: bool = False
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     n: int = 1
@@ -151,11 +159,15 @@ class SamplingParams(BaseModel):
     def _check_ranges(self) -> "SamplingParams":
         if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
-        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be at most max_new_tokens={self.max_new_tokens}, "
-                             f"got {self.min_new_tokens}")
+        for name in ("min_new_tokens", "min_tokens"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+            if self.max_new_tokens is not None and value > self.max_new_tokens:
+                raise ValueError(f"{name} must be at most max_new_tokens={self.max_new_tokens}, got {value}")
+        if self.min_new_tokens and self.min_tokens:
+            raise ValueError("give min_new_tokens (SGLang's: stop strings may end the output before it) or "
+                             "min_tokens (vLLM's: they may not), not both")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature < GREEDY_TEMPERATURE:
@@ -174,7 +186,7 @@ class SamplingParams(BaseModel):
         if not 0 < self.repetition_penalty <= 2:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if len(self.stop) + len(self.stop_regex) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings and stop regexes are allowed")
+            raise ValueError(f"stop and stop_regex may hold at most {MAX_STOP_STRINGS} strings together")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop + self.stop_regex):
@@ -243,6 +255,11 @@ class SamplingParams(BaseModel):
             # A set: repeats would only cost the sampler work on every step.
             self.allowed_token_ids = sorted(set(self.allowed_token_ids))
         return self
+
+    @property
+    def min_output_tokens(self) -> int:
+        """Output tokens before EOS or a stop token may be drawn."""
+        return max(self.min_new_tokens, self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -316,7 +333,8 @@ def _map_aliases(raw: dict[str, Any]) -> dict[str, Any]:
     out = dict(raw)
     if (v := out.pop("sampling_seed", None)) is not None:
         if out.get("seed") is not None and out["seed"] != v:
-            raise SamplingParamsError("seed and sampling_seed differ: give one of them")
+            raise SamplingParamsError("invalid sampling parameter sampling_seed: it differs from seed (its older "
+                                      "name): give one of them")
         out["seed"] = v
     mapped: dict[str, Any] = {}
     if (v := out.pop("guided_json", None)) is not None:

@@ -200,7 +200,6 @@ def adapter_for(req: AnyRequest, adapters: tuple[str, ...]) -> Optional[str]:
 # The engine names parameters as SGLang does; an OpenAI client sent them under these names.
 _OPENAI_NAMES = {
     "min_new_tokens": "min_tokens",
-    "no_stop_trim": "include_stop_str_in_output",
     "top_logprobs_num": "top_logprobs",
     "whitespace_pattern": "guided_whitespace_pattern",
 }
@@ -268,7 +267,7 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         if max_tokens is not None and req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens must be less than or equal to {param}={max_tokens}, got {req.min_tokens}",
                               param="min_tokens")
-        sp["min_new_tokens"] = req.min_tokens
+        sp["min_tokens"] = req.min_tokens  # vLLM's: stop strings wait for it too
     if req.seed is not None:
         sp["seed"] = req.seed
     if req.stop is not None and req.stop != []:
@@ -282,8 +281,12 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         sp["skip_special_tokens"] = False
     if not req.spaces_between_special_tokens:
         sp["spaces_between_special_tokens"] = False
-    if req.include_stop_str_in_output or req.no_stop_trim:
+    # SGLang's no_stop_trim (the text untouched) keeps more than vLLM's flag (the stop string,
+    # not what follows it in its token); the protocol sets vLLM's flag for either (beam search).
+    if req.no_stop_trim:
         sp["no_stop_trim"] = True
+    elif req.include_stop_str_in_output:
+        sp["include_stop_str_in_output"] = True
     # Log probabilities: SGLang's request-level names, carried in sampling_parameters.
     # The engine sends token texts, so no local tokenizer is needed for them.
     if isinstance(req, ChatCompletionRequest):

@@ -237,6 +237,13 @@ def test_max_new_tokens_0_scores_the_prompt(engine, hf_model):
         assert one.logprobs["input_token_logprobs"] == [[None, prompt[0], None]]
         assert one.logprobs["input_top_logprobs"] == [None] and one.logprobs["input_token_ranks"] == [None]
         assert len(one.logprobs.get("output_token_logprobs", [])) == max_new
+    # A prompt that fills the context can be scored (QA: refused, "at least one must be left").
+    full_prompt = _prompt(engine.max_model_len, 8)
+    (out,) = engine.generate([full_prompt], [p])
+    assert out.error is None and len(out.logprobs["input_token_logprobs"]) == engine.max_model_len
+    assert out.logprobs["input_token_logprobs"][-1][0] is not None
+    with pytest.raises(RequestError, match="at least one must be left"):
+        engine.add_request(full_prompt, engine.parse_params({"max_new_tokens": 1}), lambda out: None)
     # Without prompt logprobs, max_new_tokens 0 ends at once, without running the prompt.
     steps = engine.stats().num_steps
     (out,) = engine.generate([prompt], [engine.parse_params({"max_new_tokens": 0})])
@@ -271,6 +278,43 @@ def test_a_stop_string_in_the_text_flushed_at_the_end_still_stops(engine):
     (out,) = engine.generate([ids], [params])
     assert engine.tokenizer.decode(out.new_token_ids) == "ab \ufffd"  # the cut is inside the emoji
     assert (out.text, out.finish_reason, out.stop_reason) == ("ab", "stop", " ")
+
+
+def test_a_stop_string_that_is_a_special_token_stops_where_the_text_skips_it(engine):
+    # QA: stop ["<|im_start|>"] never matched under skip_special_tokens (the default): the text
+    # never shows the token. It is matched on the token, as its text would be without skipping.
+    tok = engine.tokenizer
+    (special,) = tok.encode("<|im_start|>", add_special_tokens=False)
+    ids = tok.encode("Hi", add_special_tokens=False)
+    for skip in (True, False):
+        for keep in ({}, {"no_stop_trim": True}, {"include_stop_str_in_output": True}):
+            params = engine.parse_params({"max_new_tokens": 4, "temperature": 0, "logit_bias": {str(special): 100},
+                                          "stop": ["zz", "<|im_start|>"], "skip_special_tokens": skip, **keep})
+            (out,) = engine.generate([ids], [params])
+            assert (out.new_token_ids, out.finish_reason, out.stop_reason) == ([special], "stop", "<|im_start|>")
+            assert out.text == ("<|im_start|>" if keep and not skip else "")
+    # Under vLLM's min_tokens it waits, as any stop string does; SGLang's min_new_tokens does not hold it.
+    params = engine.parse_params({"max_new_tokens": 4, "temperature": 0, "logit_bias": {str(special): 100},
+                                  "stop": ["<|im_start|>"], "min_tokens": 2})
+    (out,) = engine.generate([ids], [params])
+    assert (out.new_token_ids, out.finish_reason) == ([special] * 3, "stop")
+    params = engine.parse_params({"max_new_tokens": 4, "temperature": 0, "logit_bias": {str(special): 100},
+                                  "stop": ["<|im_start|>"], "min_new_tokens": 2})
+    (out,) = engine.generate([ids], [params])
+    assert (out.new_token_ids, out.finish_reason) == ([special], "stop")
+    # Text that spells a special token without being it is no special stop.
+    assert engine._special_stops(engine.parse_params({"stop": ["<|im_start|>x", "<|im_start"]})) == {}
+
+
+def test_a_minimum_past_the_contexts_room_is_refused(engine):
+    # QA: with max_tokens null the limit is the context's room, and min_tokens past it was
+    # silently cut to it; vLLM refuses it, as it refuses one past an explicit max_tokens.
+    prompt = _prompt(engine.max_model_len - 6, 1)
+    for params in ({"max_new_tokens": None, "min_tokens": 50}, {"min_new_tokens": 7}):
+        with pytest.raises(RequestError, match=r"must be at most 6: the context is \d+ tokens and the prompt has"):
+            engine.add_request(prompt, engine.parse_params(params), lambda out: None)
+    with pytest.raises(Exception, match="give min_new_tokens .* or min_tokens .*, not both"):
+        engine.parse_params({"min_new_tokens": 1, "min_tokens": 1})
 
 
 def test_min_new_tokens_never_leaves_a_row_with_nothing_to_draw(engine):

@@ -1,8 +1,10 @@
-"""Stop strings in OutputState (backend/outputs.py) against vLLM v1's rule, written out here one
-token at a time: a stop string counts only where it ends in the text of a token after the first
-`min_new_tokens`; the text ends where the earliest such match begins (or after it, with
-`no_stop_trim`). Whatever the steps' sizes (drafts and jump-forward push several tokens at
-once), the text released over the responses must be exactly that."""
+"""Stop strings in OutputState (backend/outputs.py) against the two rules, written out here one
+token at a time. vLLM v1's: a stop string counts only where it ends in the text of a token after
+the first `min_tokens`; the text ends where the earliest such match begins (or after it, with
+`include_stop_str_in_output`). SGLang's: `min_new_tokens` holds back no stop string, and
+`no_stop_trim` leaves the text as decoded, up to the token that completed the stop. Whatever the
+steps' sizes (drafts and jump-forward push several tokens at once), the text released over the
+responses must be exactly that."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from backend.outputs import OutputState
 from backend.sampling_params import SamplingParams
 from backend.sequence import Sequence
 from backend.tokenizer import load_tokenizer
+
+TRIM, INCLUDE, UNTOUCHED = "trim", "include_stop_str_in_output", "no_stop_trim"
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +38,13 @@ def pieces(tok) -> list[int]:
     return good
 
 
-def _expected(texts: list[str], stops: list[str], min_new: int, no_stop_trim: bool) -> tuple[str, Optional[str], int]:
-    """(text, matched stop, tokens generated) by vLLM v1's rule, one token at a time."""
+def _expected(texts: list[str], stops: list[str], min_tokens: int, keep: str = TRIM) -> tuple[str, Optional[str], int]:
+    """(text, matched stop, tokens generated), one token at a time."""
     out = ""
     for k, piece in enumerate(texts, start=1):
         checked_from = len(out)
         out += piece
-        if k <= min_new:
+        if k <= min_tokens:
             continue
         best = None
         for s in stops:
@@ -49,13 +53,15 @@ def _expected(texts: list[str], stops: list[str], min_new: int, no_stop_trim: bo
                 best = (pos, s)
         if best is not None:
             pos, s = best
-            return out[: pos + (len(s) if no_stop_trim else 0)], s, k
+            return {TRIM: out[:pos], INCLUDE: out[: pos + len(s)], UNTOUCHED: out}[keep], s, k
     return out, None, len(texts)
 
 
-def _run(tok, ids: list[int], steps: list[int], stops: list[str], min_new: int, no_stop_trim: bool = False):
-    params = SamplingParams(max_new_tokens=len(ids), ignore_eos=True, stop=stops, min_new_tokens=min_new,
-                            no_stop_trim=no_stop_trim)
+def _run(tok, ids: list[int], steps: list[int], stops: list[str], min_tokens: int = 0, keep: str = TRIM,
+         min_new_tokens: int = 0):
+    params = SamplingParams(max_new_tokens=len(ids), ignore_eos=True, stop=stops, min_tokens=min_tokens,
+                            min_new_tokens=min_new_tokens, no_stop_trim=keep == UNTOUCHED,
+                            include_stop_str_in_output=keep == INCLUDE)
     prompt = tok("a prompt").input_ids
     seq = Sequence(request_id="r", token_ids=list(prompt), params=params, max_new_tokens=len(ids))
     state = OutputState(detok=IncrementalDetokenizer(tok, prompt), stops=stops, eos_ids=frozenset())
@@ -72,39 +78,54 @@ def _run(tok, ids: list[int], steps: list[int], stops: list[str], min_new: int, 
     return text, outs[-1], seq
 
 
-def test_a_stop_ending_in_the_first_min_new_tokens_does_not_count(tok, pieces):
+def test_a_stop_ending_in_the_first_min_tokens_does_not_count(tok, pieces):
     a, b, c, d = pieces[:4]
     texts = [tok.decode([t]) for t in (a, b, c, d)]
     ids = [a, b, c, d, a, b, c, d]
-    # A stop across tokens 2|3: matched with min_new_tokens 2, not with 3 (it ends in token 3).
+    # A stop across tokens 2|3: matched with min_tokens 2, not with 3 (it ends in token 3).
     stop = texts[1][-1] + texts[2][0]
-    text, out, _ = _run(tok, ids, [1] * 8, [stop], min_new=2)
+    text, out, _ = _run(tok, ids, [1] * 8, [stop], min_tokens=2)
     assert out.finish_reason == "stop" and text == texts[0] + texts[1][:-1]
-    text, out, seq = _run(tok, ids, [1] * 8, [stop], min_new=3)
+    text, out, seq = _run(tok, ids, [1] * 8, [stop], min_tokens=3)
     # Its second occurrence (tokens 6|7) is past the line: the text, tokens 1..5 whole, ends there.
     assert out.finish_reason == "stop" and text == "".join(texts) + texts[0] + texts[1][:-1]
     assert seq.num_output_tokens == 7
+    # SGLang's min_new_tokens holds back EOS and stop tokens only: the first occurrence ends it.
+    text, out, seq = _run(tok, ids, [1] * 8, [stop], min_new_tokens=3)
+    assert (out.finish_reason, text, seq.num_output_tokens) == ("stop", texts[0] + texts[1][:-1], 3)
+
+
+def test_no_stop_trim_keeps_the_completing_tokens_text_and_include_stop_str_cuts_after_the_stop(tok, pieces):
+    a, b, c = [t for t in pieces if len(tok.decode([t])) >= 2][:3]
+    texts = [tok.decode([t]) for t in (a, b, c)]
+    stop = texts[1][:-1]  # ends inside token 2
+    for steps in ([1, 1, 1], [3]):
+        assert _run(tok, [a, b, c], steps, [stop])[0] == texts[0]
+        assert _run(tok, [a, b, c], steps, [stop], keep=INCLUDE)[0] == texts[0] + stop
+        # SGLang: the output untouched, token 2 whole, nothing of token 3 (the stop ended it).
+        assert _run(tok, [a, b, c], steps, [stop], keep=UNTOUCHED)[0] == texts[0] + texts[1]
 
 
 def test_a_stop_that_never_matches_changes_nothing(tok, pieces):
     """The QA case: `stop: ["}"]` and `stop: ["}", "zzzzzzzz"]` must end alike, and text sent
-    under min_new_tokens that holds a stop must not end the request later."""
+    under min_tokens that holds a stop must not end the request later."""
     rng = random.Random(3)
     for _ in range(200):
         ids = [rng.choice(pieces[:40]) for _ in range(16)]
         texts = [tok.decode([t]) for t in ids]
         stop = rng.choice("".join(texts))
-        min_new = rng.randrange(0, 10)
-        one = _run(tok, ids, [1] * 16, [stop], min_new)
-        two = _run(tok, ids, [1] * 16, [stop, "\x00never ever"], min_new)
+        min_tokens = rng.randrange(0, 10)
+        one = _run(tok, ids, [1] * 16, [stop], min_tokens)
+        two = _run(tok, ids, [1] * 16, [stop, "\x00never ever"], min_tokens)
         assert (one[0], one[1].finish_reason, one[1].stop_reason) == (two[0], two[1].finish_reason, two[1].stop_reason)
-        assert one[0] == _expected(texts, [stop], min_new, False)[0]
+        assert one[0] == _expected(texts, [stop], min_tokens)[0]
 
 
-@pytest.mark.parametrize("no_stop_trim", [False, True])
-def test_random_steps_release_exactly_vllms_text(tok, pieces, no_stop_trim):
-    rng = random.Random(5 + no_stop_trim)
-    for trial in range(400):
+@pytest.mark.parametrize("keep", [TRIM, INCLUDE, UNTOUCHED])
+@pytest.mark.parametrize("rule", ["vllm", "sglang"])
+def test_random_steps_release_exactly_the_rules_text(tok, pieces, keep, rule):
+    rng = random.Random(5 + len(keep) + len(rule))
+    for trial in range(300):
         ids = [rng.choice(pieces[:30]) for _ in range(rng.randint(1, 24))]
         texts = [tok.decode([t]) for t in ids]
         joined = "".join(texts)
@@ -117,8 +138,12 @@ def test_random_steps_release_exactly_vllms_text(tok, pieces, no_stop_trim):
         while left:  # drafts / jump-forward: several tokens a step, crossing min_new anywhere
             steps.append(min(left, rng.choice([1, 1, 2, 3, 5])))
             left -= steps[-1]
-        text, out, seq = _run(tok, ids, steps, stops, min_new, no_stop_trim)
-        want, stop, k = _expected(texts, stops, min_new, no_stop_trim)
+        if rule == "vllm":
+            text, out, seq = _run(tok, ids, steps, stops, min_tokens=min_new, keep=keep)
+            want, stop, k = _expected(texts, stops, min_new, keep)
+        else:
+            text, out, seq = _run(tok, ids, steps, stops, min_new_tokens=min_new, keep=keep)
+            want, stop, k = _expected(texts, stops, 0, keep)
         if stop is None:
             assert (text, out.finish_reason) == (want, "length"), (trial, ids, stops, min_new, steps)
         else:
