@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Optional, Sequence, TypeVar, Union
 
@@ -169,9 +170,16 @@ class _Beam:
         return [b.token for b in self.path()]
 
 
-def _score(beam: _Beam, prompt_len: int, length_penalty: float) -> float:
-    length = prompt_len + beam.length - (beam.finish == "stop")
-    return beam.cum_logprob / (max(length, 1) ** length_penalty)
+def _score(beam: _Beam, prompt_len: int, length_penalty: float) -> tuple[int, float]:
+    """A sort key ordered as vLLM's score, cum_logprob / length ** length_penalty, computed in
+    logs: the power itself overflows a float for a large |length_penalty| (QA: 500s at 400)."""
+    log_length = math.log(max(prompt_len + beam.length - (beam.finish == "stop"), 1))
+    cum = beam.cum_logprob
+    if cum < 0:  # the usual case: the larger log(-score), the worse
+        return 0, length_penalty * log_length - math.log(-cum)
+    if cum == 0:
+        return 1, 0.0
+    return 2, math.log(cum) - length_penalty * log_length
 
 
 def _meta(path: list[_Beam], top: Optional[int], cached_tokens: Optional[int]) -> str:

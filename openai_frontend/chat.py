@@ -167,20 +167,23 @@ class ChatHandler:
         completion_id = f"chatcmpl-{request_id}"
         created = int(time.time())
         namer = TokenNamer(ctx.files, bool(req.return_tokens_as_token_ids)) if req.logprobs else None
-        # vLLM's echo: the reply starts with the last message's content when that message is the
-        # assistant's (with continue_final_message, the continued message comes back whole).
-        echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
+        # vLLM's: the reply is the assistant's, or without a generation prompt the last message's
+        # role's (the model goes on with that message). echo starts the reply with the last
+        # message's content when its role is the reply's (with continue_final_message, the
+        # continued message comes back whole).
+        role = "assistant" if req.add_generation_prompt else messages[-1]["role"]
+        echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == role else ""
         if req.stream:
             stream = await start_stream(ctx.client, requests)
-            body = sse_events(stream, self._stream(stream, req, plan, model, completion_id, created, namer, echo))
+            body = sse_events(stream, self._stream(stream, req, plan, model, completion_id, created, namer, echo, role))
             return sse_response(body, hooks=ctx.stream_hooks)
-        return await self._complete(requests, req, plan, model, completion_id, created, namer, echo, beams)
+        return await self._complete(requests, req, plan, model, completion_id, created, namer, echo, role, beams)
 
     # -- non-streaming ---------------------------------------------------------------------
 
     async def _complete(
         self, requests: list[EngineRequest], req: ChatCompletionRequest, plan: ToolPlan,
-        model: str, completion_id: str, created: int, namer: Optional[TokenNamer], echo: str,
+        model: str, completion_id: str, created: int, namer: Optional[TokenNamer], echo: str, role: str,
         beams: Optional[BeamSpec] = None,
     ) -> Response:
         choices = [_Choice(None, hidden=req.return_hidden_states) for _ in range(req.n)]
@@ -218,7 +221,7 @@ class ChatHandler:
         fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser)
         for i, c in enumerate(choices):
             text = "".join(c.texts)
-            message: dict[str, Any] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": role, "content": text}
             if fmt is not None:
                 reasoning, text = split_reasoning(fmt, text)
                 message["content"] = text
@@ -264,7 +267,7 @@ class ChatHandler:
 
     async def _stream(
         self, stream: StartedStream, req: ChatCompletionRequest, plan: ToolPlan,
-        model: str, completion_id: str, created: int, namer: Optional[TokenNamer], echo: str,
+        model: str, completion_id: str, created: int, namer: Optional[TokenNamer], echo: str, role: str,
     ) -> AsyncIterator[bytes]:
         n = req.n
         echoed = [not echo] * n
@@ -292,8 +295,8 @@ class ChatHandler:
                     f'"stop_reason":{stop_reason}{tail}}}\n\n')
 
         # A forced tool_choice's content is null (as the non-streaming answer's), not even "".
-        role = '{"role":"assistant","content":' + ("null" if plan.forced else '""') + "}"
-        yield "".join(event(i, role) for i in range(n)).encode()
+        opening = '{"role":' + dumps(role) + ',"content":' + ("null" if plan.forced else '""') + "}"
+        yield "".join(event(i, opening) for i in range(n)).encode()
         async for i, chunk in stream:
             c = choices[i]
             c.completion_tokens = chunk.completion_tokens

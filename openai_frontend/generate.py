@@ -283,7 +283,7 @@ class GenerateHandler:
             # SGLang's: one string rid for a batch names its prompts <rid>_<i>.
             # request_id: the X-Request-Id header, else a string rid, else a generated one.
             rid = _pick(req.rid, p, b, "rid") if isinstance(req.rid, list) else request_id
-            batch_item = b > 1 and not isinstance(req.rid, list)
+            batch_item = batch and not isinstance(req.rid, list)  # a batch of one too, as SGLang
             if batch_item:
                 rid = f"{rid}_{p}"
             common = dict(sampling_params=sp, request_id=rid, n=n, stream=req.stream, client_named=req.rid is not None,

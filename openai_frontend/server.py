@@ -157,16 +157,33 @@ class FrontDoorMiddleware:
                         raise BodyTooLarge(limit)
                 return message
 
+            started = complete = False
+
             async def send_with_id(message: Message) -> None:
-                nonlocal status
+                nonlocal status, started, complete
                 if message["type"] == "http.response.start":
-                    status = message["status"]
+                    status, started = message["status"], True
                     # The route may have taken the id from the body (`request_id`, `rid`).
                     rid = state["request_id"].encode("latin-1")
                     message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
+                elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                    complete = True
                 await send(message)
 
-            await self.app(scope, limited_receive, send_with_id)
+            try:
+                await self.app(scope, limited_receive, send_with_id)
+            except Exception as exc:
+                # Answered here, not by an exception handler: Starlette's outermost middleware
+                # re-raises after sending a handler's 500, and uvicorn then drops the connection, so
+                # a pooled client's next request on it failed (QA: ECONNRESET).
+                if started:  # a response went out: only the log is left to do
+                    log.exception("unhandled error on %s after its response started (request %s)", path,
+                                  request_context.request_id())
+                    if not complete:
+                        raise  # half a response: the connection cannot be reused
+                    return
+                log.exception("unhandled error on %s (request %s)", path, request_context.request_id())
+                await reply(500, APIError(500, f"Internal server error: {exc}"))
         finally:
             metrics.request_finished(endpoint, status, time.perf_counter() - t0)
 
@@ -382,11 +399,6 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         err = APIError(exc.status_code, message, param="body" if isinstance(exc, BodyTooLarge) else None)
         return json_response(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s (request %s)", request.url.path, request_context.request_id())
-        return json_response(APIError(500, f"Internal server error: {exc}").body(), status_code=500)
-
     # -- models and health -------------------------------------------------------------------
 
     def model_card(max_len: Optional[int]) -> dict[str, Any]:
@@ -501,7 +513,13 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         # One string rid names the request as the body's request_id does on the OpenAI routes (a
         # batch's list of rids names its prompts one by one).
         rid = body.rid if isinstance(body.rid, str) else None
-        return await cancel_on_disconnect(request, generate(body, _request_id(request, rid, body_first=True)))
+        try:
+            return await cancel_on_disconnect(request, generate(body, _request_id(request, rid, body_first=True)))
+        except APIError as exc:
+            if exc.param == "input_ids" and body.input_ids is None:
+                # the engine's name for the prompt, which this request gave as text or embeddings
+                exc.param = "text" if body.text is not None else "input_embeds"
+            raise
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> Response:

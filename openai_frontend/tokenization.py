@@ -39,6 +39,9 @@ async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
     else:
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
+        if req.continue_final_message and req.add_generation_prompt:  # as chat completions names it
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true "
+                              "(send add_generation_prompt: false)", param="continue_final_message")
         # How the messages may be rendered (continue_final_message, the template itself) is
         # preprocessing's to check, as for a generation.
         request = EngineRequest(

@@ -266,6 +266,8 @@ _PARAM_RE = re.compile(
     r"|^([a-z_][a-z0-9_]*) -?\d+ must "
     r"|^the (prompt) has \d+ tokens, but the context is"
     r"|^logits (processor) '"
+    r"|^(custom_logit_processor) failed: "
+    r"|^prompt logprobs \((logprob_start_len) "
     r"|^LoRA (adapter) '"
     r"|^([a-z_][a-z0-9_]*) token ids must "
     r"|^invalid (json_schema|regex|ebnf|structural_tag|whitespace_pattern)\b"

@@ -194,9 +194,17 @@ def test_continue_final_message_and_echo(client, fake):
     for i in range(2):
         assert "".join(c.choices[0].delta.content or "" for c in chunks
                        if c.choices and c.choices[0].index == i) == "Sure: " + "".join(PIECES)
-    # echo repeats only an assistant message
+    # echo repeats only a message of the reply's role: the assistant's after a generation prompt
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"echo": True})
-    assert r.choices[0].message.content == "".join(PIECES)
+    assert r.choices[0].message.content == "".join(PIECES) and r.choices[0].message.role == "assistant"
+    # without one, the reply goes on with the last message, in its role (vLLM's; QA: not echoed)
+    assert MESSAGES[-1]["role"] == "user"
+    raw = dict(model=MODEL, messages=MESSAGES, extra_body={"echo": True, "add_generation_prompt": False})
+    r = client.chat.completions.create(**raw)
+    assert (r.choices[0].message.role, r.choices[0].message.content) == ("user", MESSAGES[-1]["content"] + "".join(PIECES))
+    chunks = list(client.chat.completions.create(stream=True, **raw))
+    assert chunks[0].choices[0].delta.role == "user"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == MESSAGES[-1]["content"] + "".join(PIECES)
 
     for extra, message in [
         ({"continue_final_message": True}, "add_generation_prompt"),
@@ -464,6 +472,31 @@ def test_beam_search_keeps_the_best_beams_not_the_greedy_path(beam_client):
     assert [c.message.content for c in r.choices] == ["Q" * 2]  # the fake tokenizes the messages' JSON
 
 
+def test_beam_search_scores_extreme_length_penalties_without_overflow(beam_client):
+    """QA: length ** length_penalty overflowed a float at 400 (a 500). The key is computed in
+    logs; it orders beams exactly as the quotient does wherever the quotient is finite."""
+    import itertools
+    import random
+
+    from openai_frontend.beam_search import _Beam, _score
+
+    rng = random.Random(0)
+    beams = [_Beam(parent=None, token=1, cum_logprob=c, length=rng.randint(1, 9), finish=f)
+             for c, f in itertools.product([-7.5, -1.0, -0.01, 0.0, 1e-7], [None, "stop"])]
+    for penalty in (-3.0, -1.0, 0.0, 0.5, 1.0, 2.0, 7.0):
+        direct = sorted(beams, key=lambda b: b.cum_logprob / max(5 + b.length - (b.finish == "stop"), 1) ** penalty)
+        ours = sorted(beams, key=lambda b: _score(b, 5, penalty))
+        assert [b.cum_logprob / max(5 + b.length - (b.finish == "stop"), 1) ** penalty for b in ours] == \
+            [b.cum_logprob / max(5 + b.length - (b.finish == "stop"), 1) ** penalty for b in direct]
+    for penalty in (400.0, -400.0, 1e300):
+        sorted(beams, key=lambda b: _score(b, 5, penalty))  # no OverflowError, no ZeroDivisionError
+    client, _ = beam_client
+    for penalty in (400.0, -400.0):
+        r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=3,
+                                      extra_body={"use_beam_search": True, "length_penalty": penalty})
+        assert len(r.choices) == 2
+
+
 def test_beam_search_refuses_what_would_change_it(beam_client, client):
     bclient, _ = beam_client
     for kwargs, param in [
@@ -695,6 +728,38 @@ def test_error_triton_unreachable_is_503():
         assert httpx.get(url + "/health").status_code == 503
 
 
+def test_an_unhandled_error_answers_500_and_keeps_the_connection(base_url, fake):
+    """QA: after a 500 from an unexpected exception, Starlette re-raised it and uvicorn dropped
+    the connection: a pooled client's next request on it failed with ECONNRESET."""
+    import socket
+    from urllib.parse import urlparse
+
+    def boom(req):
+        raise RuntimeError("unexpected")
+
+    fake.script = boom
+    url = urlparse(base_url)
+    body = json.dumps({"model": MODEL, "prompt": "x"}).encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        reader = sock.makefile("rb")
+
+        def exchange(request: bytes) -> tuple[int, bytes]:
+            sock.sendall(request)
+            status = int(reader.readline().split()[1])
+            length = 0
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                if name.lower() == "content-length":
+                    length = int(value)
+            return status, reader.read(length)
+
+        status, answer = exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert status == 500 and b"unexpected" in answer
+        status, answer = exchange(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")  # the same connection
+        assert status == 200 and MODEL.encode() in answer
+
+
 def test_server_side_errors_are_logged_once_with_the_request_id(base_url, fake, caplog):
     caplog.set_level("INFO", logger="openai_frontend")
     fake.script = lambda req: APIError(500, "internal error: engine step failed: boom")
@@ -797,6 +862,18 @@ def test_generate_non_streaming_and_batch(base_url, fake):
     bad = httpx.post(base_url + "/generate", json={"text": "x", "image_data": "a.png"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "image_data"
     assert httpx.post(base_url + "/generate", json={"text": "x", "bogus": 1}).status_code == 400
+    # A batch of one is a batch: its prompt is <rid>_0, as SGLang names it (QA: it was <rid>).
+    fake.script = lambda req: text_chunks(["A"])
+    one = httpx.post(base_url + "/generate", json={"text": ["x"], "rid": "one"}).json()
+    assert [b["meta_info"]["id"] for b in one] == ["one_0"] and fake.requests[-1].request_id == "one_0"
+    # The engine's name for a prompt (input_ids) becomes the field this request gave (QA).
+    fake.script = lambda req: APIError(400, "the prompt has 5002 tokens, but the context is 4096 tokens",
+                                       param="input_ids")
+    for body, param in (({"text": "x"}, "text"), ({"input_ids": [1]}, "input_ids"),
+                        ({"input_embeds": [[0.5, 0.5]]}, "input_embeds")):
+        for stream in (False, True):
+            r = httpx.post(base_url + "/generate", json={**body, "stream": stream})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, stream, r.text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1030,13 +1107,21 @@ def test_error_mapping():
                            ("invalid whitespace_pattern: nothing to repeat", "whitespace_pattern"),
                            ("chat_template_kwargs may not set messages", "chat_template_kwargs"),
                            ("input_ids out of range [0, 4096): [99999]", "input_ids"),
-                           ("prompt token id 99999 is out of range [0, 4096)", "input_ids")):
+                           ("prompt token id 99999 is out of range [0, 4096)", "input_ids"),
+                           # QA: these named none
+                           ("custom_logit_processor failed: ValueError('it left no token that can be drawn')",
+                            "custom_logit_processor"),
+                           ("prompt logprobs (logprob_start_len >= 0) need the prompt's token ids; with input_embeds "
+                            "only the output's logprobs are available (logprob_start_len -1)", "logprob_start_len"),
+                           ("min_tokens must be at most 6: the context is 4096 tokens and the prompt has 4090; got 50",
+                            "min_tokens")):
         assert map_stream_error(message).param == param, message
     # The engine's own messages: a check across fields names no parameter.
     from backend.sampling_params import SamplingParamsError, parse_sampling_params
 
     for raw, param in (({"json_schema": "{}", "regex": "a"}, None), ({"temperature": -1}, "temperature"),
-                       ({"top_k": "x"}, "top_k")):
+                       ({"top_k": "x"}, "top_k"), ({"seed": 1, "sampling_seed": 2}, "sampling_seed"),
+                       ({"stop": ["a"] * 40, "stop_regex": ["b"] * 25}, "stop")):
         with pytest.raises(SamplingParamsError) as err:
             parse_sampling_params(raw)
         assert map_stream_error(str(err.value)).param == param, str(err.value)
@@ -1815,6 +1900,8 @@ def test_tokenize_sends_the_prompt_as_a_generation_would(base_url, fake):
         resp = httpx.post(base_url + "/tokenize", json=body)
         assert resp.status_code == 400 and resp.json()["error"]["message"], (body, resp.text)
     assert httpx.post(base_url + "/detokenize", json={"tokens": [2**31]}).status_code == 400
+    resp = httpx.post(base_url + "/tokenize", json={"messages": messages, "continue_final_message": True})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "continue_final_message"
 
 
 def test_tokenize_an_empty_prompt_counts_what_the_tokenizer_adds(base_url, fake, monkeypatch):
