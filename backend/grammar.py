@@ -192,7 +192,7 @@ _CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:\s*")
 _EBNF_POSITION = re.compile(r"EBNF parser error at line \d+, column \d+:\s*")
 
 
-def _clean(message: str, kind: str) -> str:
+def clean_xgrammar_error(message: str, kind: str) -> str:
     lines = [ln for ln in str(message).strip().splitlines() if ln.strip()]
     text = lines[0] if lines else str(message)
     text = _CHECK_FAILED.sub("", _CPP_PREFIX.sub("", text)).strip()
@@ -910,9 +910,9 @@ class GrammarCompiler:
         except GrammarError as exc:
             error = exc
         except (RuntimeError, ValueError, TypeError, KeyError) as exc:
-            error = GrammarError(f"invalid {kind}: {_clean(str(exc), kind)}")
+            error = GrammarError(f"invalid {kind}: {clean_xgrammar_error(str(exc), kind)}")
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the request
-            error = GrammarError(f"could not compile {kind}: {type(exc).__name__}: {_clean(str(exc), kind)}")
+            error = GrammarError(f"could not compile {kind}: {type(exc).__name__}: {clean_xgrammar_error(str(exc), kind)}")
         with self._lock:
             deliver = not job.abandoned and job.state == "running"
             if job.abandoned:
@@ -1022,7 +1022,7 @@ class GrammarCompiler:
         except WhitespacePatternError as exc:
             raise GrammarError(f"invalid whitespace_pattern: {exc}") from None
         except RuntimeError as exc:
-            raise GrammarError(f"invalid json_schema: {_clean(str(exc), 'json_schema')}") from None
+            raise GrammarError(f"invalid json_schema: {clean_xgrammar_error(str(exc), 'json_schema')}") from None
         return self._compiler.compile_grammar(ebnf, root_rule_name="root")
 
     def _structural_tag(self, spec: str) -> Any:

@@ -155,8 +155,10 @@ def _pattern_rules(xgr, pattern: str) -> str:
     try:
         ebnf = str(xgr.Grammar.from_regex(pattern))
     except Exception as exc:  # xgrammar's RuntimeError names the problem in its first line
-        first = next((ln for ln in str(exc).splitlines() if ln.strip()), str(exc))
-        raise WhitespacePatternError(f"not a valid regular expression: {first.strip()[:300]}") from None
+        from backend.grammar import clean_xgrammar_error
+
+        raise WhitespacePatternError(f"not a valid regular expression: {clean_xgrammar_error(str(exc), 'regex')[:300]}"
+                                     ) from None
     try:
         extra = _producible_chars(ebnf) - _JSON_WHITESPACE
     except ValueError as exc:

@@ -12,6 +12,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 # Keys apply_chat_template owns; letting chat_template_kwargs set them would change what the
 # call returns (tokens, tensors, dicts) instead of what the template renders.
+# Twice the frontend's default body limit: messages that pass it render below this.
+MAX_RENDERED_CHARS = 16 * 1024 * 1024
+
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {
         "conversation",
@@ -224,12 +227,18 @@ def render_chat(
         )
     except TemplateError as exc:  # includes raise_exception() calls inside templates
         raise ValueError(f"chat template error: {exc}") from None
-    except (TypeError, KeyError, IndexError, AttributeError, ValueError) as exc:
+    except (TypeError, KeyError, IndexError, AttributeError, ValueError, ArithmeticError) as exc:
         # A template computing on input it did not expect (iterating a missing `documents`,
-        # indexing an empty list): the request's input, not a server fault.
+        # indexing an empty list, the sandbox's "Range too big", 1/0): the request's input (or
+        # its template), not a server fault.
         raise ValueError(f"chat template error: {type(exc).__name__}: {exc}") from None
     if not isinstance(text, str):  # pragma: no cover - tokenize=False always returns text
         raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+    if len(text) > MAX_RENDERED_CHARS:
+        # Before tokenizing: a request's template (`{{ "x" * 100000000 }}`) kept preprocessing,
+        # which every request goes through, busy for minutes (QA).
+        raise ValueError(f"chat template error: the rendered prompt has {len(text)} characters, more than "
+                         f"{MAX_RENDERED_CHARS} (a prompt that long fits no context)")
     return text
 
 

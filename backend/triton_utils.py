@@ -223,16 +223,6 @@ def preprocess_arrays(
     With input_embeds, prompt_ids is empty: the llm step reads the embeddings (the ensemble
     passes them to it directly) and checks them against the model.
     """
-    if "input_embeds" in arrays:
-        given = (("text_input", _scalar(arrays, "text_input")), ("messages", _scalar(arrays, "messages")),
-                 ("input_ids", _ids(arrays, "input_ids")))
-        others = [name for name, value in given if value is not None and len(value) > 0]
-        if others:
-            raise ValueError(f"give either input_embeds or {others[0]}, not both")
-        shape = list(np.shape(arrays["input_embeds"]))
-        if len(shape) != 2 or 0 in shape:
-            raise ValueError(f"input_embeds must have the shape [num_tokens, hidden_size], got {shape}")
-        return {"prompt_ids": np.zeros(0, dtype=np.int32)}
     agp = _scalar(arrays, "add_generation_prompt")
     template = _scalar(arrays, "chat_template") or None
     if template is not None and not trust_request_template:
@@ -240,6 +230,24 @@ def preprocess_arrays(
             "chat_template: this server does not accept chat templates in requests (start it with "
             f"{TRUST_REQUEST_CHAT_TEMPLATE_ENV}=1 or the preprocessing parameter trust_request_chat_template)"
         )
+    if "input_embeds" in arrays:
+        given = (("text_input", _scalar(arrays, "text_input")), ("messages", _scalar(arrays, "messages")),
+                 ("input_ids", _ids(arrays, "input_ids")))
+        others = [name for name, value in given if value is not None and len(value) > 0]
+        if others:
+            raise ValueError(f"give either input_embeds or {others[0]}, not both")
+        # As encode_prompt refuses them with text or ids (QA: accepted and dropped here).
+        chat_only = [name for name in ("tools", "chat_template_kwargs", "documents", "chat_template")
+                     if _scalar(arrays, name)]
+        chat_only += [name for name, value in (("add_generation_prompt", agp),
+                                               ("continue_final_message", _scalar(arrays, "continue_final_message")))
+                      if value is not None and bool(value) == (name == "continue_final_message")]
+        if chat_only:
+            raise ValueError(f"{', '.join(chat_only)} only apply to messages, not to input_embeds")
+        shape = list(np.shape(arrays["input_embeds"]))
+        if len(shape) != 2 or 0 in shape:
+            raise ValueError(f"input_embeds must have the shape [num_tokens, hidden_size], got {shape}")
+        return {"prompt_ids": np.zeros(0, dtype=np.int32)}
     ids = encode_prompt(
         tokenizer,
         text=_scalar(arrays, "text_input"),
@@ -267,6 +275,13 @@ def postprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict
     prefix_len = _scalar(arrays, "detok_prefix_len")
     if window is None or prefix_len is None:
         raise ValueError("inputs 'detok_ids' and 'detok_prefix_len' are required")
+    limit = len(tokenizer)
+    # Checked here, not left to the tokenizer: a negative id was its OverflowError (a 500), one
+    # past the vocabulary silently no text (QA, a client calling postprocessing itself).
+    if window.size and (int(window.min()) < 0 or int(window.max()) >= limit):
+        raise ValueError(f"detok_ids out of range [0, {limit})")
+    if not 0 <= int(prefix_len) <= window.size:
+        raise ValueError(f"detok_prefix_len must be in [0, {window.size}] (the ids in detok_ids), got {int(prefix_len)}")
     finish_reason = _scalar(arrays, "finish_reason") or ""
     skip = _scalar(arrays, "skip_special_tokens")
     spaces = _scalar(arrays, "spaces_between_special_tokens")
@@ -279,6 +294,8 @@ def postprocess_arrays(tokenizer: Any, arrays: Mapping[str, np.ndarray]) -> dict
         final=bool(finish_reason),
     )
     trim = int(_scalar(arrays, "detok_trim") or 0)
+    if trim < 0:
+        raise ValueError(f"detok_trim must be >= 0, got {trim}")
     if trim > 0:  # a matched stop string at the end of this response's text
         text = text[: max(len(text) - trim, 0)]
     return {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}

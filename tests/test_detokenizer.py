@@ -192,6 +192,15 @@ def test_postprocess_arrays(tok):
         ),
     )
     assert out["text_output"][0].decode() == " world"
+    # A client calling postprocessing itself gets its errors named (QA: -1 was a 500, a token
+    # past the vocabulary silently no text).
+    for ids, prefix, trim, message in (([-1], 0, 0, "detok_ids out of range"), ([len(tok)], 0, 0, "detok_ids out of range"),
+                                       (window, len(window) + 1, 0, "detok_prefix_len must be in"),
+                                       (window, -1, 0, "detok_prefix_len must be in"),
+                                       (window, 0, -2, "detok_trim must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            postprocess_arrays(tok, _post(detok_ids=np.array(ids, np.int32), detok_prefix_len=np.array([prefix], np.int32),
+                                          detok_trim=np.array([trim], np.int32)))
 
 
 def test_postprocess_final_flag_flushes_partial_character(tok):
@@ -216,7 +225,7 @@ def test_postprocessing_model_py(fake_pb_utils, demo_model_path, monkeypatch, to
     outs = responses[0].outputs()
     assert outs["text_output"][0].decode() == tok.decode(ids[1:])
     assert set(outs) == {"text_output"}
-    assert "prefix_len 99" in responses[1].error.message() and responses[1].error.code() == "INVALID_ARG"
+    assert "detok_prefix_len must be in [0, 2] (the ids in detok_ids), got 99" in responses[1].error.message() and responses[1].error.code() == "INVALID_ARG"
     assert "required" in responses[2].error.message()
 
 

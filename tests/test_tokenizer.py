@@ -235,6 +235,17 @@ def test_preprocess_arrays_input_embeds(tok):
     for bad in (np.zeros((0, 128), np.float32), np.zeros(128, np.float32)):
         with pytest.raises(ValueError, match=r"shape \[num_tokens, hidden_size\]"):
             preprocess_arrays(tok, {"input_embeds": bad})
+    # What applies to messages only is refused here too, as with text or ids (QA: dropped).
+    for name, value in (("tools", np.array([b"[]"], dtype=object)), ("documents", np.array([b"[]"], dtype=object)),
+                        ("chat_template_kwargs", np.array([b"{}"], dtype=object)),
+                        ("add_generation_prompt", np.array([False])), ("continue_final_message", np.array([True]))):
+        with pytest.raises(ValueError, match=f"{name} only apply to messages, not to input_embeds"):
+            preprocess_arrays(tok, {"input_embeds": rows, name: value})
+    for name, value in (("add_generation_prompt", np.array([True])), ("continue_final_message", np.array([False])),
+                        ("add_special_tokens", np.array([True]))):  # defaults, and what a token prompt ignores
+        preprocess_arrays(tok, {"input_embeds": rows, name: value})
+    with pytest.raises(ValueError, match="does not accept chat templates in requests"):
+        preprocess_arrays(tok, {"input_embeds": rows, "chat_template": np.array([b"{{ x }}"], dtype=object)})
 
 
 RAG_TEMPLATE = ("{% for d in documents %}<doc title={{ d.title }}>{{ d.text }}</doc>{% endfor %}"
@@ -254,6 +265,14 @@ def test_documents_reach_a_template_that_reads_them(tok):
     # A template that fails on the input it got (here: no documents to iterate) is a 400 too.
     with pytest.raises(ValueError, match="chat template error: TypeError"):
         render_chat(tok, msgs, chat_template=RAG_TEMPLATE)
+    # QA: arithmetic (the sandbox's range limit, 1/0) was a 500; a template that renders more than
+    # any context holds kept preprocessing busy for minutes tokenizing it.
+    with pytest.raises(ValueError, match="chat template error: OverflowError"):
+        render_chat(tok, msgs, chat_template="{% for i in range(10**9) %}x{% endfor %}")
+    with pytest.raises(ValueError, match="chat template error: ZeroDivisionError"):
+        render_chat(tok, msgs, chat_template="{{ 1/0 }}")
+    with pytest.raises(ValueError, match="the rendered prompt has 100000000 characters"):
+        render_chat(tok, msgs, chat_template='{{ "x" * 100000000 }}')
 
 
 def _with_bos(tok):
