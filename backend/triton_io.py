@@ -158,7 +158,7 @@ def llm_output_arrays(out: RequestOutput, params: SamplingParams) -> dict[str, n
     return arrays
 
 
-def _flag(value: str) -> bool:
+def setting_flag(value: str) -> bool:
     if value.lower() in ("1", "true", "yes", "on"):
         return True
     if value.lower() in ("0", "false", "no", "off"):
@@ -175,7 +175,7 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "num_kv_blocks": int,
         "kv_cache_memory_mb": int,
         "kv_cache_dtype": str,
-        "calculate_kv_scales": _flag,
+        "calculate_kv_scales": setting_flag,
         "max_num_seqs": int,
         "max_num_batched_tokens": int,
         "max_prefill_tokens_while_decoding": int,
@@ -190,13 +190,13 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
         "logprobs_mode": str,
         "seed": int,
         "max_waiting_requests": int,
-        "enable_prefix_caching": _flag,
-        "enable_custom_logit_processor": _flag,
+        "enable_prefix_caching": setting_flag,
+        "enable_custom_logit_processor": setting_flag,
         "logits_processor_pattern": str,
         "lora_modules": str,
         "torch_threads": int,
-        "cuda_graphs": _flag,
-        "enable_jump_forward": _flag,
+        "cuda_graphs": setting_flag,
+        "enable_jump_forward": setting_flag,
     }
     out: dict[str, Any] = {}
     for name, cast in fields.items():
@@ -285,6 +285,18 @@ def control(engine: Any, kind: str, arrays: dict[str, np.ndarray],
 def meta_array(meta: dict[str, Any]) -> np.ndarray:
     """A control response's `meta_info` output: the JSON object as one BYTES element."""
     return np.array([json.dumps(meta).encode()], dtype=np.object_)
+
+
+def refuse_lora_changes(arrays: dict[str, np.ndarray]) -> None:
+    """Unless the server allows runtime LoRA updating, lora_update may only list."""
+    try:
+        op = json.loads(_scalar(arrays["lora_update"], "lora_update")).get("op")
+    except (ValueError, AttributeError):
+        return  # malformed: lora_update says why
+    if op != "list":
+        raise SamplingParamsError(
+            "lora_update: runtime LoRA updating is off on this server (llm parameter allow_runtime_lora_updating, "
+            "env LLM_ALLOW_RUNTIME_LORA_UPDATING=1; scripts/serve.sh --allow-runtime-lora-updating)")
 
 
 def lora_update(engine: Any, arr: np.ndarray) -> np.ndarray:

@@ -45,7 +45,7 @@ while [ $# -gt 0 ]; do
         case "$item" in *=*) mods+=("${item%%=*}=$(abspath "${item#*=}")") ;; *) mods+=("$item") ;; esac
       done
       LLM_LORA_MODULES=$(IFS=,; printf '%s' "${mods[*]}"); export LLM_LORA_MODULES; shift 2 ;;
-    --allow-runtime-lora-updating) RUNTIME_LORA=1; shift ;;
+    --allow-runtime-lora-updating) RUNTIME_LORA=1; export LLM_ALLOW_RUNTIME_LORA_UPDATING=1; shift ;;
     --kv-cache-dtype) export LLM_KV_CACHE_DTYPE=$2; shift 2 ;;
     --speculative-config) export LLM_SPECULATIVE_CONFIG=$2; shift 2 ;;
     --graceful-shutdown-timeout) SHUTDOWN_TIMEOUT=$2; shift 2 ;;

@@ -344,10 +344,14 @@ def test_stop_takes_one_string_and_leaves_the_prompt(monkeypatch, capsys):
     assert cli.main([""]) == 2 and "the prompt is empty" in capsys.readouterr().err
 
 
-def test_system_needs_chat(capsys):
+def test_options_checked_before_anything_is_sent(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["hi", "--system", "be brief"])
     assert exit_.value.code == 2 and "--system needs --chat" in capsys.readouterr().err
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["hi", "--timeout", bad])
+        assert exit_.value.code == 2 and "--timeout must be a number of seconds >= 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="needs chat"):
         build_inputs("ensemble", "hi", system="be brief")
 
@@ -513,3 +517,23 @@ def test_leaving_an_llm_stream_early_stops_the_engine_with_or_without_the_abort(
     next(pieces), next(pieces)
     pieces.close()
     _assert_engine_aborted(server, before)
+
+
+def test_the_library_knows_every_input_tensors_type():
+    """A plain Python value goes as the type config.pbtxt declares (QA: lora_update, documents,
+    chat_template, the switches were not known, and a str failed inside tritonclient)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from client.triton_stream import INPUT_DTYPES
+
+    triton_types = {"TYPE_STRING": np.object_, "TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32,
+                    "TYPE_FP32": np.float32, "TYPE_UINT64": np.uint64}
+    repo = Path(__file__).resolve().parents[1] / "model_repository"
+    for model in ("ensemble", "llm"):
+        config = (repo / model / "config.pbtxt").read_text()
+        inputs = config[config.index("input ["):config.index("output [")]
+        for name, kind in re.findall(r'name: "(\w+)", data_type: (TYPE_\w+)', inputs):
+            assert INPUT_DTYPES.get(name) is triton_types[kind], (model, name, kind)
+

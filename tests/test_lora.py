@@ -330,7 +330,8 @@ def test_adapters_through_tritonserver_and_the_frontend(start_triton, demo_model
     want = hf_greedy(merged_model(demo_model_path, adapters["sql"][1]), prompt, 8)
     base = hf_greedy(merged_model(demo_model_path, None), prompt, 8)
     assert want != base
-    with start_triton(num_kv_blocks=256, max_model_len=1024, name="lora", env={"LLM_LORA_MODULES": modules}) as srv:
+    with start_triton(num_kv_blocks=256, max_model_len=1024, name="lora",
+                      env={"LLM_LORA_MODULES": modules, "LLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as srv:
         settings = Settings(triton_url=srv.grpc_url, model_name="demo", lora_modules=("sql",),
                             allow_runtime_lora_updating=True)
         with serve_in_thread(create_app(settings)) as url:

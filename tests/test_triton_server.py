@@ -170,8 +170,13 @@ def test_stop_conditions_end_to_end(client, hf):
     out = run(stop=[stop])
     assert out["text_output"] == text[: text.index(stop)] and out["finish_reason"] == "stop"
     assert json.loads(out["meta_info"])["stop_reason"] == stop
-    kept = run(stop=[stop], no_stop_trim=True)
+    kept = run(stop=[stop], include_stop_str_in_output=True)  # vLLM's: up to the stop string's end
     assert kept["text_output"] == text[: text.index(stop) + len(stop)]
+    # SGLang's no_stop_trim: the text untouched, up to the end of the token that completed the stop
+    out = run(stop=[stop], no_stop_trim=True)
+    untouched = out["text_output"]
+    assert untouched.startswith(kept["text_output"]) and text.startswith(untouched)
+    assert untouched == tok.decode(out["output_ids"]) and out["output_ids"] == ids[: len(out["output_ids"])]
 
     stop_id = ids[6]
     first = ids.index(stop_id)
@@ -288,6 +293,8 @@ def test_streams_ending_while_cancellation_is_polled_keep_the_server_up(server, 
         ({"input_ids": [1, 2, 3], "sampling_parameters": '{"top_p": 0}'}, "top_p"),
         ({"input_ids": [1, 2, 3], "sampling_parameters": '{"lora_path": "x"}'}, "LoRA"),
         ({"input_ids": [1, 2, 3], "sampling_parameters": "{not json"}, "JSON"),
+        # Any Triton client could load adapters from server paths (QA); off unless the server allows it.
+        ({"lora_update": '{"op": "load", "name": "x", "path": "/etc"}'}, "runtime LoRA updating is off"),
     ],
 )
 def test_bad_requests_get_clear_errors_and_server_keeps_serving(client, values, reason):

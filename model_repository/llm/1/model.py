@@ -36,7 +36,9 @@ from backend.triton_io import (  # noqa: E402
     parse_abort_client,
     parse_abort_request_id,
     parse_llm_inputs,
+    refuse_lora_changes,
     server_torch_threads,
+    setting_flag,
 )  # noqa: E402
 from backend.triton_metrics import LLMMetrics  # noqa: E402
 from backend.triton_utils import (  # noqa: E402
@@ -96,6 +98,7 @@ class TritonPythonModel:
             self.engine = LLMEngine(config)
             self._control = functools.partial(control, self.engine)
         self.stream_interval = max(1, int(llm_setting(params, env, "stream_interval") or 1))
+        self.runtime_lora = setting_flag(llm_setting(params, env, "allow_runtime_lora_updating") or "false")
         self._metrics = LLMMetrics(pb_utils.MetricFamily)
         # Responses go out on their own thread, merged when they pile up, at most
         # max_responses_per_step per engine step (backend/outbox.py). auto: 16 on CPU, where
@@ -142,6 +145,8 @@ class TritonPythonModel:
                     guarded.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
                                  final=True)
                     continue
+                if kind == "lora_update" and not self.runtime_lora:
+                    refuse_lora_changes(arrays)
                 if kind is not None:
                     extra = {"open_requests": self._open.count - 1}
                     meta = self._control(kind, arrays, self._serving, extra)
