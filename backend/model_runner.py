@@ -8,7 +8,6 @@ one batched SDPA per layer, so there is no Python loop over sequences.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -18,12 +17,14 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import kernels
 from backend.decode_graphs import Capture, DecodeGraphs, capture_cuda_graph, graph_buckets
 from backend.host_tensors import host_tensor, on_device, page_aligned_zeros
 from backend.lora import LoraAdapter, apply_lora, apply_lora_embedding, apply_lora_logits, load_adapter
+from backend.model_files import read_json
 from backend.quantized_checkpoint import check_quantization, dequantize_weights, measured_scales, take_kv_scales
 from kernels import cpu_attention
 
@@ -68,7 +69,7 @@ class ModelConfig:
 
     @classmethod
     def from_model_dir(cls, model_path: str | Path) -> "ModelConfig":
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        cfg = read_json(Path(model_path) / "config.json")
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -238,7 +239,10 @@ def weight_files(path: Path) -> list[Path]:
                                 ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
         index = path / index_name
         if index.exists():
-            return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map object")
+            return [path / f for f in sorted(set(weight_map.values()))]
         files = sorted(path.glob(pattern)) or (sorted(path.glob("*.safetensors")) if pattern.endswith("safetensors") else [])
         if files:
             return files
@@ -249,7 +253,10 @@ def load_weight_file(file: Path) -> dict[str, torch.Tensor]:
     if file.suffix == ".bin":
         # weights_only: a pickle may run code on load; tensors (and the containers around them) only.
         return torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
-    return load_file(str(file))
+    try:
+        return load_file(str(file))
+    except SafetensorError as exc:
+        raise ValueError(f"{file}: not a readable safetensors file ({exc})") from None
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -644,7 +651,12 @@ class ModelRunner:
                 log.warning("%s: config.json has tie_word_embeddings true, but the checkpoint's lm_head.weight differs "
                             "from model.embed_tokens.weight; the embeddings are used as the output head (as vLLM "
                             "does; transformers 5 uses lm_head.weight)", path)
-        self.lm_head = self.embed if c.tie_word_embeddings or head is None else take("lm_head.weight", "embed")
+        if not c.tie_word_embeddings and head is None:
+            # Not the embeddings in its place: that runs, and says nothing while every token is
+            # wrong (QA). transformers warns "lm_head.weight MISSING", vLLM refuses.
+            raise ValueError(f"weight 'lm_head.weight' missing from {path}, and {path / 'config.json'} has "
+                             "tie_word_embeddings false (the output head is a weight of its own)")
+        self.lm_head = self.embed if c.tie_word_embeddings else take("lm_head.weight", "embed")
         self.layers: list[dict[str, torch.Tensor]] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."

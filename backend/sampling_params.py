@@ -15,6 +15,8 @@ from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
+from backend.model_files import read_json
+
 
 class SamplingParamsError(ValueError):
     """Bad sampling parameters; the message names the parameter."""
@@ -370,7 +372,7 @@ def load_model_defaults(model_path: Union[str, Path]) -> dict[str, Any]:
     path = Path(model_path) / "generation_config.json"
     if not path.exists():
         return {}
-    cfg = json.loads(path.read_text())
+    cfg = read_json(path)
     defaults = {k: cfg[k] for k in _GENERATION_CONFIG_KEYS if cfg.get(k) is not None}
     if cfg.get("do_sample") is False:
         defaults["temperature"] = 0.0

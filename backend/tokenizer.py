@@ -46,7 +46,14 @@ def load_tokenizer(model_path: str | Path) -> Any:
             f"model directory {path} does not exist (build the demo model with "
             f"`python -m backend.demo_model --out models/demo`, or set LLM_MODEL_PATH)"
         )
+    if not any((path / name).exists() for name in _TOKENIZER_FILES):
+        # transformers would say to install sentencepiece or tiktoken (QA): the files are missing.
+        raise FileNotFoundError(f"no tokenizer in {path}: none of {', '.join(_TOKENIZER_FILES)} is there")
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+
+
+# Any of these makes a tokenizer AutoTokenizer can load (fast, or sentencepiece, or BPE files).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _load_json(value: Any, what: str) -> Any:

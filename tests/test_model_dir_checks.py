@@ -255,3 +255,42 @@ def test_tied_config_with_its_own_lm_head_warns_which_is_used(qwen3_dir, tmp_pat
         _runner(path)
     assert "output head" not in caplog.text
 
+
+
+def test_an_untied_model_without_its_lm_head_is_refused(qwen3_dir, tmp_path):
+    # QA: it loaded with the embeddings as the output head, and every token was wrong, silently.
+    path = _copy(qwen3_dir, tmp_path / "m")
+    assert json.loads((path / "config.json").read_text()).get("tie_word_embeddings") is False
+    weights = load_file(str(path / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"weight 'lm_head.weight' missing from .*tie_word_embeddings false"):
+        _runner(path)
+
+
+def test_a_broken_file_is_named_in_the_load_error(qwen3_dir, tmp_path):
+    """QA: a bare JSONDecodeError or SafetensorError named no file (a sharded model has many),
+    and a directory without tokenizer files got transformers' advice to install sentencepiece."""
+    from backend.model_runner import weight_files
+    from backend.sampling_params import load_model_defaults
+    from backend.tokenizer import load_tokenizer
+
+    path = _copy(qwen3_dir, tmp_path / "m")
+    (path / "model.safetensors.index.json").write_text("{bad")
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json is not valid JSON"):
+        weight_files(path)
+    (path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json has no weight_map"):
+        weight_files(path)
+    (path / "model.safetensors.index.json").unlink()
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:7])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        _runner(path)
+    (path / "generation_config.json").write_text("{bad")
+    with pytest.raises(ValueError, match=r"generation_config\.json is not valid JSON"):
+        load_model_defaults(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"):
+        (path / name).unlink(missing_ok=True)
+    with pytest.raises(FileNotFoundError, match="no tokenizer in .*: none of tokenizer.json"):
+        load_tokenizer(path)
