@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import logging
 import queue
 import random
@@ -30,6 +29,7 @@ from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.draft_model import DraftModelProposer
 from backend.grammar import DraftMask
+from backend.model_files import read_json
 from backend.model_runner import ModelConfig, ModelRunner, weight_files
 from backend.outputs import OutputState, RequestOutput, StopRegexTimeout
 from backend.predicted_outputs import DEFAULT_DRAFT_TOKENS, Prediction, PredictionProposer
@@ -363,7 +363,7 @@ class LLMEngine:
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
             state = OutputState(detok=detok, stops=list(params.stop), eos_ids=self.eos_ids, stop_regexes=stop_regexes,
-                                special_stops=special_stops)
+                                special_stops=special_stops, model_eos=getattr(self.tokenizer, "eos_token_id", None))
             children.append(_Tracked(seq, on_output, state, compiled, None, processor, request_id,
                                      self._logits_processors(params)))
         with self._inbox_lock:
@@ -1163,7 +1163,7 @@ def _eos_token_ids(model_path: Path, tokenizer: Any) -> list[int]:
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         file = model_path / name
-        eos = json.loads(file.read_text()).get("eos_token_id") if file.exists() else None
+        eos = read_json(file).get("eos_token_id") if file.exists() else None
         if eos is not None:
             ids.extend(eos if isinstance(eos, list) else [eos])
             break

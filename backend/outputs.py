@@ -116,6 +116,9 @@ class OutputState:
     eos_ids: frozenset[int]
     stop_regexes: list[Any] = field(default_factory=list)  # compiled `regex` patterns
     special_stops: dict[int, str] = field(default_factory=dict)  # stop strings the text skips, by token id
+    # The tokenizer's EOS: the one vLLM reports no stop_reason for. The other EOS ids of
+    # generation_config.json are stop token ids to vLLM, reported as the stop_reason.
+    model_eos: Optional[int] = None
     pending: list[_Step] = field(default_factory=list)
     released_tail: str = ""  # last few released chars, enough to match a stop across the boundary
     pending_new_ids: list[int] = field(default_factory=list)
@@ -191,7 +194,7 @@ class OutputState:
         if stop_token:
             last = seq.token_ids[-1]
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, last
-            seq.matched_eos = last not in seq.params.stop_token_ids
+            seq.matched_eos = last not in seq.params.stop_token_ids and self.model_eos in (None, last)
         elif grammar_done:
             seq.finish_reason = FinishReason.STOP
         elif seq.num_output_tokens >= seq.max_new_tokens:

@@ -274,11 +274,17 @@ def test_stop_token_ids_and_eos(engine):
     first = ref.new_token_ids.index(stop_at)
     assert out.new_token_ids == ref.new_token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at and not out.matched_eos
-    # The model's EOS ends it too, marked as such (vLLM then reports no stop_reason).
-    eos = min(engine.eos_ids)
-    (out,) = engine.generate([prompt], engine.parse_params({"temperature": 0, "max_new_tokens": 5,
-                                                             "logit_bias": {str(eos): 100}}))
-    assert out.new_token_ids == [eos] and out.stop_reason == eos and out.matched_eos
+    # The model's EOS ends it too, marked as such (vLLM then reports no stop_reason). vLLM's
+    # model EOS is the tokenizer's; generation_config.json's others are stop token ids to it,
+    # reported as the stop_reason (QA: null for them).
+    eos = engine.tokenizer.eos_token_id
+    others = sorted(engine.eos_ids - {eos})
+    assert eos in engine.eos_ids and others  # the demo model's generation_config lists two
+    for token, matched in ((eos, True), (others[0], False)):
+        (out,) = engine.generate([prompt], engine.parse_params({"temperature": 0, "max_new_tokens": 5,
+                                                                 "logit_bias": {str(token): 100}}))
+        assert (out.new_token_ids, out.finish_reason, out.stop_reason) == ([token], "stop", token)
+        assert out.matched_eos is matched
 
 
 def test_stop_strings_are_matched_on_text_and_trimmed(engine):
@@ -290,18 +296,21 @@ def test_stop_strings_are_matched_on_text_and_trimmed(engine):
     (out,) = engine.generate([prompt], greedy(engine, stop=[stop]))
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.index(stop)]
-    (kept,) = engine.generate([prompt], greedy(engine, stop=[stop], no_stop_trim=True))
+    (kept,) = engine.generate([prompt], greedy(engine, stop=[stop], include_stop_str_in_output=True))
     assert kept.text == text[: text.index(stop) + len(stop)]
-    # As vLLM v1: stop strings count only after min_new_tokens; a match must end in the text of
+    # As vLLM v1: stop strings count only after min_tokens; a match must end in the text of
     # the tokens after those.
     stop = text[1]
     m = 12
     before = len(engine.tokenizer.decode(ref.new_token_ids[:m]))
     assert text.index(stop) < before  # the first match is too early
-    (late,) = engine.generate([prompt], greedy(engine, stop=[stop], min_new_tokens=m))
+    (late,) = engine.generate([prompt], greedy(engine, stop=[stop], min_tokens=m))
     j = text.find(stop, before - len(stop) + 1)
     assert late.new_token_ids[:m] == ref.new_token_ids[:m] and len(late.new_token_ids) > m
     assert late.text == (text[:j] if j >= 0 else text), (late.text, text, before)
+    # SGLang's min_new_tokens holds back EOS and stop tokens only: the first match ends it.
+    (early,) = engine.generate([prompt], greedy(engine, stop=[stop], min_new_tokens=m))
+    assert early.text == text[: text.index(stop)] and len(early.new_token_ids) < m
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
