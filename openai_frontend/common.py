@@ -18,6 +18,8 @@ from openai_frontend.tokenizer import ModelFiles
 
 log = logging.getLogger(__name__)
 
+ENGINE_INFO_TTL_S = 30.0
+
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 # Valid in JSON strings, but line breaks to str.splitlines(), which many SSE clients (httpx's
 # iter_lines among them) use to split events: always escaped.
@@ -100,30 +102,39 @@ class Context:
     def model_name(self) -> str:
         return self.settings.served_model_name
 
-    _engine_max_model_len: Optional[int] = None
-    _engine_eos: Optional[frozenset[int]] = None
+    # The engine's facts (engine_info), asked again after ENGINE_INFO_TTL_S: a restarted
+    # tritonserver may run with another max_model_len (QA: the first answer was kept for good).
+    _engine_info: Optional[dict[str, Any]] = None
+    _engine_info_at: float = 0.0
+
+    async def _engine_facts(self) -> dict[str, Any]:
+        """engine_info, as last answered within ENGINE_INFO_TTL_S; the last answer while the
+        engine cannot be asked. Raises APIError before it has ever answered."""
+        if self._engine_info is None or time.monotonic() - self._engine_info_at > ENGINE_INFO_TTL_S:
+            try:
+                self._engine_info = await self.client.engine_info()
+                self._engine_info_at = time.monotonic()
+            except APIError:
+                if self._engine_info is None:
+                    raise
+        return self._engine_info
 
     async def max_model_len(self) -> Optional[int]:
-        """The engine's context length (its max_model_len setting may be below the model's),
-        asked once; until the engine answers, the model's config.json value, if known."""
-        if self._engine_max_model_len is None:
-            try:
-                info = await self.client.engine_info()
-                self._engine_max_model_len = int(info["config"]["max_model_len"])
-            except (APIError, KeyError, TypeError, ValueError) as exc:
-                log.debug("engine max_model_len unknown: %s", exc)
-                return self.files.max_model_len
-        return self._engine_max_model_len
+        """The engine's context length (its max_model_len setting may be below the model's);
+        until the engine answers, the model's config.json value, if known."""
+        try:
+            return int((await self._engine_facts())["config"]["max_model_len"])
+        except (APIError, KeyError, TypeError, ValueError) as exc:
+            log.debug("engine max_model_len unknown: %s", exc)
+            return self.files.max_model_len
 
     async def eos_token_ids(self) -> Optional[frozenset[int]]:
         """The ids that end a generation, as the engine found them (generation_config.json,
-        config.json, the tokenizer's), asked once; None when its engine_info does not say."""
-        if self._engine_eos is None:
-            ids = (await self.client.engine_info()).get("eos_token_ids")
-            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-                return None
-            self._engine_eos = frozenset(ids)
-        return self._engine_eos
+        config.json, the tokenizer's); None when its engine_info does not say."""
+        ids = (await self._engine_facts()).get("eos_token_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            return None
+        return frozenset(ids)
 
     # With runtime LoRA updating: the adapters the engine serves, as it last listed them (None
     # until it has); its list then replaces --lora-modules, which an unload may have shortened.

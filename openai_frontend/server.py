@@ -384,10 +384,12 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         message, param = _validation_message(exc)
         content_type = request.headers.get("content-type", "")
-        if param is None and content_type and "json" not in content_type.lower():
-            # FastAPI reads the body as JSON only when it is declared so; `curl -d` declares a form.
+        if param is None and "json" not in content_type.lower() and await request.body():
+            # FastAPI reads the body as JSON only when it is declared so; `curl -d` declares a form,
+            # and a client may declare nothing (QA: it got pydantic's words about a dictionary).
+            declared = f"'{content_type}'" if content_type else "no Content-Type"
             message = (f"The request body must be a JSON object sent with 'Content-Type: application/json' "
-                       f"(this request declared '{content_type}')")
+                       f"(this request declared {declared})")
         return json_response(bad_request(message, param=param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

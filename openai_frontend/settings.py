@@ -60,7 +60,9 @@ class Settings:
         """Why `name` cannot name a new LoRA adapter (None when it can): a request's `model` has
         to tell the base model and every adapter apart."""
         if name in self.model_aliases:
-            return f"'{name}' is the served model's name; a LoRA adapter needs a name of its own"
+            which = "the served model's name" if name == self.served_model_name else (
+                "the Triton model's name, which requests may give for the served model")
+            return f"'{name}' is {which}; a LoRA adapter needs a name of its own"
         if name in adapters:
             return f"LoRA adapter '{name}' is already loaded"
         return None

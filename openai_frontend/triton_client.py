@@ -508,7 +508,11 @@ class TritonLLMClient:
             finished = True
             raise APIError(502, "Triton closed the stream before the final response")
         except grpc.RpcError as exc:
-            finished = True
+            # Ended on our side (its deadline: --stream-timeout): the request runs on in the engine
+            # unless aborted below, as for a disconnect (QA: it generated to its length for a
+            # client that had its 504). A lost connection has nothing to abort on.
+            code = exc.code() if hasattr(exc, "code") else None
+            finished = _connection_lost(code.name if code else "", str(exc.details() if hasattr(exc, "details") else exc))
             raise map_rpc_error(exc) from None
         finally:
             done.set()

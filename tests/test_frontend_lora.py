@@ -36,7 +36,7 @@ def test_loading_an_adapter_under_the_served_models_name_is_refused():
                         allow_runtime_lora_updating=True)
     with serve_in_thread(create_app(settings, client=fake)) as url:
         for path in LOAD_PATHS:
-            for name, why in (("demo", "is the served model's name"), ("ensemble", "is the served model's name"),
+            for name, why in (("demo", "is the served model's name"), ("ensemble", "is the Triton model's name"),
                               ("sql", "is already loaded")):
                 r = httpx.post(url + path, json={"lora_name": name, "lora_path": "/adapter"})
                 assert r.status_code == 400, (path, name, r.text)
@@ -72,7 +72,7 @@ def test_the_engine_listing_an_adapter_named_as_the_served_model_does_not_hide_i
 
 @pytest.mark.parametrize("modules, message", [
     (("demo",), "'demo' is the served model's name"),
-    (("sql", "ensemble"), "'ensemble' is the served model's name"),
+    (("sql", "ensemble"), "'ensemble' is the Triton model's name"),
     (("sql", "sql"), "LoRA adapter 'sql' is named twice"),
     (("",), "a LoRA adapter needs a name"),
 ])

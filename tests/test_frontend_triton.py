@@ -648,6 +648,25 @@ def test_client_disconnect_before_the_response_frees_kv_blocks(triton, base_url)
     _wait_aborted(triton, aborted + 1)
 
 
+def test_a_request_past_the_stream_timeout_is_aborted_in_the_engine(triton):
+    """--stream-timeout: the client gets its 504 (streaming: an error event), and the engine
+    stops the request (QA: it generated on to its length for nobody)."""
+    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, abort_model="llm", stream_timeout=1.0)
+    with serve_in_thread(create_app(settings)) as url:
+        for stream in (False, True):
+            aborted = _aborted(triton)
+            t0 = time.monotonic()
+            r = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "stream": stream})
+            if stream:
+                assert r.status_code == 200 and "timed out" in r.text
+            else:
+                assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+            _wait_aborted(triton, aborted + 1)  # 1000 tokens take seconds more (and would end as "length")
+            wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+            assert time.monotonic() - t0 < 8
+
+
 def _stream_until_aborted(url: str, body: dict, started: threading.Event, out: list) -> None:
     with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body) as r:
         assert r.status_code == 200, r.read()

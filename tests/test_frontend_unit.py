@@ -631,6 +631,10 @@ def test_error_validation_is_400_not_422(base_url):
                        headers={"content-type": "application/x-www-form-urlencoded"})
         assert r.status_code == 400
         assert "Content-Type: application/json" in r.json()["error"]["message"]
+        # none declared at all (QA: pydantic's "a valid dictionary" instead)
+        r = httpx.post(base_url + path, content=json.dumps({"model": MODEL, "messages": MESSAGES, "text": "x"}))
+        assert "content-type" not in r.request.headers
+        assert r.status_code == 400 and "declared no Content-Type" in r.json()["error"]["message"], r.text
 
 
 def test_lone_surrogates_are_400_on_every_endpoint(base_url, fake):
@@ -2145,3 +2149,36 @@ def test_cli_workers_auto_is_one_per_four_cpus_up_to_four(monkeypatch):
     for bad in ("0", "many"):
         with pytest.raises(SystemExit):
             parse_args(["--model-name", MODEL, "--workers", bad])
+
+
+def test_the_engines_facts_are_asked_again_after_a_while(monkeypatch):
+    """QA: after a tritonserver restart with another max_model_len, the frontend kept the first
+    answer for good (and, with the server down, said config.json's)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from openai_frontend import common
+
+    class Engine:
+        info: object = {"config": {"max_model_len": 256}, "eos_token_ids": [7]}
+
+        async def engine_info(self):
+            if isinstance(self.info, Exception):
+                raise self.info
+            return self.info
+
+    engine = Engine()
+    ctx = common.Context(Settings(model_name=MODEL), engine, SimpleNamespace(max_model_len=4096))
+
+    async def facts():
+        return await ctx.max_model_len(), await ctx.eos_token_ids()
+
+    assert asyncio.run(facts()) == (256, frozenset({7}))
+    engine.info = {"config": {"max_model_len": 2048}, "eos_token_ids": [8]}
+    assert asyncio.run(facts()) == (256, frozenset({7}))  # within the TTL: the answer had
+    monkeypatch.setattr(common, "ENGINE_INFO_TTL_S", 0.0)
+    assert asyncio.run(facts()) == (2048, frozenset({8}))
+    engine.info = APIError(503, "Triton server unavailable")
+    assert asyncio.run(facts()) == (2048, frozenset({8}))  # down: the last answer, not config.json's
+    fresh = common.Context(Settings(model_name=MODEL), engine, SimpleNamespace(max_model_len=4096))
+    assert asyncio.run(fresh.max_model_len()) == 4096  # never answered: config.json's
