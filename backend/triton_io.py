@@ -166,40 +166,59 @@ def setting_flag(value: str) -> bool:
     raise ValueError(f"expected a boolean, got {value!r}")
 
 
+# LLM_* variables read elsewhere than the llm model's settings: the other models, the kernels,
+# the tests and the debug switches.
+_OTHER_LLM_ENV = frozenset({
+    "LLM_MODEL_PATH", "LLM_CHAT_TEMPLATE", "LLM_TRUST_REQUEST_CHAT_TEMPLATE", "LLM_GC_FREEZE", "LLM_DECODE_SPLITS",
+    "LLM_TEST_DEVICE", "LLM_PAGED_DECODE", "LLM_CPU_SAMPLING", "LLM_CPU_ATTENTION", "LLM_SAMPLING_DEFAULTS",
+})
+
+
+def unknown_llm_env(params: dict[str, str], env: Mapping[str, str]) -> list[str]:
+    """The LLM_* environment variables that name no setting: a typo (LLM_MAX_NUM_SEQ) was ignored
+    without a word (QA). Every llm setting is a config.pbtxt parameter."""
+    known = {f"LLM_{name.upper()}" for name in params} | _OTHER_LLM_ENV
+    return sorted(name for name in env if name.startswith("LLM_") and name not in known)
+
+
+# The EngineConfig fields an llm setting sets, and how to read the setting's text.
+ENGINE_SETTINGS: dict[str, Any] = {
+    "device": str,
+    "dtype": str,
+    "block_size": int,
+    "num_kv_blocks": int,
+    "kv_cache_memory_mb": int,
+    "gpu_memory_utilization": float,
+    "kv_cache_dtype": str,
+    "calculate_kv_scales": setting_flag,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "max_prefill_tokens_while_decoding": int,
+    "prefill_context_unit": int,
+    "prefill_tokens_per_decode": int,
+    "prefill_cap_queue_ratio": float,
+    "flat_prefill_tokens": int,
+    "max_model_len": int,
+    "speculative_config": str,  # JSON text, validated by EngineConfig
+    "scheduling_policy": str,
+    "sampling_defaults": str,
+    "logprobs_mode": str,
+    "seed": int,
+    "max_waiting_requests": int,
+    "enable_prefix_caching": setting_flag,
+    "enable_custom_logit_processor": setting_flag,
+    "logits_processor_pattern": str,
+    "lora_modules": str,
+    "torch_threads": int,
+    "cuda_graphs": setting_flag,
+    "enable_jump_forward": setting_flag,
+}
+
+
 def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict[str, Any]:
     """EngineConfig fields from config.pbtxt parameters; env LLM_<NAME> wins; 'auto' means default."""
-    fields = {
-        "device": str,
-        "dtype": str,
-        "block_size": int,
-        "num_kv_blocks": int,
-        "kv_cache_memory_mb": int,
-        "kv_cache_dtype": str,
-        "calculate_kv_scales": setting_flag,
-        "max_num_seqs": int,
-        "max_num_batched_tokens": int,
-        "max_prefill_tokens_while_decoding": int,
-        "prefill_context_unit": int,
-        "prefill_tokens_per_decode": int,
-        "prefill_cap_queue_ratio": float,
-        "flat_prefill_tokens": int,
-        "max_model_len": int,
-        "speculative_config": str,  # JSON text, validated by EngineConfig
-        "scheduling_policy": str,
-        "sampling_defaults": str,
-        "logprobs_mode": str,
-        "seed": int,
-        "max_waiting_requests": int,
-        "enable_prefix_caching": setting_flag,
-        "enable_custom_logit_processor": setting_flag,
-        "logits_processor_pattern": str,
-        "lora_modules": str,
-        "torch_threads": int,
-        "cuda_graphs": setting_flag,
-        "enable_jump_forward": setting_flag,
-    }
     out: dict[str, Any] = {}
-    for name, cast in fields.items():
+    for name, cast in ENGINE_SETTINGS.items():
         value = llm_setting(params, env, name)
         if value is not None:
             out[name] = cast(value)

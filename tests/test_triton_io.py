@@ -103,3 +103,19 @@ def test_errors_name_the_scalar_tensor_the_client_sent():
     assert named_as_sent("min_new_tokens must be at most max_new_tokens=9", arrays) == (
         "min_new_tokens must be at most max_tokens=9")
     assert named_as_sent("max_new_tokens must be at most 5", {}) == "max_new_tokens must be at most 5"
+
+
+def test_an_llm_env_variable_that_names_no_setting_is_reported():
+    """QA: LLM_MAX_NUM_SEQ=2 (for max_num_seqs) was ignored without a word."""
+    import re
+    from pathlib import Path
+
+    from backend.triton_io import ENGINE_SETTINGS, unknown_llm_env
+
+    config = (Path(__file__).resolve().parents[1] / "model_repository" / "llm" / "config.pbtxt").read_text()
+    params = {key: "" for key in re.findall(r'key: "(\w+)"', config)}
+    env = {"LLM_MAX_NUM_SEQ": "2", "LLM_MAX_NUM_SEQS": "2", "LLM_MODEL_PATH": "m", "LLM_SEED": "3", "PATH": "/bin"}
+    assert unknown_llm_env(params, env) == ["LLM_MAX_NUM_SEQ"]
+    # every setting the engine reads is a parameter there, so none of them is ever reported
+    assert unknown_llm_env(params, {f"LLM_{name.upper()}": "1" for name in ENGINE_SETTINGS}) == []
+

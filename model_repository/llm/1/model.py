@@ -39,6 +39,7 @@ from backend.triton_io import (  # noqa: E402
     refuse_lora_changes,
     server_torch_threads,
     setting_flag,
+    unknown_llm_env,
 )  # noqa: E402
 from backend.triton_metrics import LLMMetrics  # noqa: E402
 from backend.triton_utils import (  # noqa: E402
@@ -75,6 +76,9 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         env = dict(os.environ)
+        if unknown := unknown_llm_env(params, env):
+            pb_utils.Logger.log_warn(f"llm: ignored environment variable(s) {', '.join(unknown)}: no such setting "
+                                     "(README: Engine settings)")
         overrides = engine_config_overrides(params, env)
         if overrides.get("device") is None:
             overrides.pop("device", None)
