@@ -1,11 +1,15 @@
 """Builds and loads the C++ CPU kernels in `csrc/` on first use.
 
-torch's cpp_extension compiles a kernel with the machine's C++ compiler into torch's extension
-cache (TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions) the first time a process asks
-for it; later processes load the cached build, and a changed source rebuilds. `scripts/setup.sh`
-builds them ahead of time so tritonserver's model load does not wait on the compiler. Without a
-compiler, or with the kernel's environment switch at 0, `load()` returns None and the caller
-keeps its torch path.
+torch's cpp_extension compiles a kernel with the machine's C++ compiler the first time a process
+asks for it, into this checkout's `kernels/.build/` (or TORCH_EXTENSIONS_DIR when set); later
+processes load the build, and a changed source rebuilds. `scripts/setup.sh` builds them ahead of
+time so tritonserver's model load does not wait on the compiler. Without a compiler, or with the
+kernel's environment switch at 0, `load()` returns None and the caller keeps its torch path.
+
+Not torch's default cache in the home directory: every checkout shared it, and a build killed
+there (a CI clone stopped mid-build) left torch's lock file behind, on which every later build
+waited forever without a word (QA: serve.sh hung 12 minutes). A lock older than any build
+(STALE_LOCK_S) is removed, with a warning.
 """
 
 from __future__ import annotations
@@ -14,13 +18,17 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+BUILD_ROOT = Path(__file__).parent / ".build"
+STALE_LOCK_S = 600.0  # a build takes 20-30 s on 2 cores
 
 
 class CpuKernel:
@@ -46,11 +54,15 @@ class CpuKernel:
                     from torch.utils.cpp_extension import load as build
 
                     _put_ninja_on_path()
+                    name = f"{self.name}_{_cpu_tag()}"
+                    directory = build_directory(name)
+                    _remove_stale_lock(directory)
                     self._module = build(
-                        name=f"{self.name}_{_cpu_tag()}",
+                        name=name,
                         sources=[str(self.source)],
                         extra_cflags=self.cflags,
                         extra_ldflags=["-fopenmp"],
+                        build_directory=str(directory),
                         verbose=False,
                     )
                 except Exception as exc:  # no compiler, no ninja, headers missing: fall back, say why
@@ -66,6 +78,24 @@ class CpuKernel:
         if module is None:
             raise RuntimeError(f"{self.name} is not available: {self._error or f'disabled ({self.switch}=0)'}")
         return module
+
+
+def build_directory(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    directory = Path(root) / name if root else BUILD_ROOT / f"py{sys.version_info[0]}{sys.version_info[1]}_cpu" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _remove_stale_lock(directory: Path) -> None:
+    lock = directory / "lock"  # torch's FileBaton: a file, not a lock a dead process releases
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f s ago by a build that never finished", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def _cpu_tag() -> str:

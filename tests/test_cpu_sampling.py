@@ -235,3 +235,31 @@ def test_bad_shapes_are_refused():
     with pytest.raises(RuntimeError, match="float32"):
         cpu_sampling.sample(x.double(), torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
                             torch.zeros(2, dtype=torch.bool))
+
+
+def test_kernels_build_in_the_checkout_and_a_dead_builds_lock_is_removed(tmp_path, monkeypatch, caplog):
+    """QA: torch's shared cache kept the lock of a build killed mid-way (a CI clone stopped), and
+    serve.sh then waited on it forever, silently."""
+    import os
+    import time
+    from pathlib import Path
+
+    from kernels import cpu_build
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    module = cpu_sampling.load()
+    if module is None:
+        pytest.skip(f"no C++ build here: {cpu_sampling.error()}")
+    assert Path(module.__file__).resolve().is_relative_to(cpu_build.BUILD_ROOT.resolve())
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = cpu_build.build_directory("k")
+    assert directory == tmp_path / "k" and directory.is_dir()
+    lock = directory / "lock"
+    lock.touch()
+    cpu_build._remove_stale_lock(directory)  # a build may hold it now: kept
+    assert lock.exists()
+    old = time.time() - cpu_build.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    with caplog.at_level("WARNING", logger="kernels.cpu_build"):
+        cpu_build._remove_stale_lock(directory)
+    assert not lock.exists() and "never finished" in caplog.text
