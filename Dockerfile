@@ -71,8 +71,8 @@ RUN cp /opt/venv/lib/python3.11/site-packages/pytriton/tritonserver/python_backe
 COPY . .
 RUN if [ "${BUILD_DEMO_MODEL}" = 1 ]; then python -m backend.demo_model --out /opt/app/models/demo; fi \
     && useradd --create-home --uid 1001 --user-group app \
-    && mkdir -p /opt/app/models \
-    && chown -R app:app /opt/app/models
+    && mkdir -p /opt/app/models /opt/app/kernels/.build \
+    && chown -R app:app /opt/app/models /opt/app/kernels/.build
 
 USER 1001:1001
 ENV LLM_MODEL_PATH=/opt/app/models/demo \
