@@ -327,9 +327,14 @@ def _connection_lost(code_name: str, details: str) -> bool:
     return code_name.endswith(("UNKNOWN", "INTERNAL")) and any(s in details.lower() for s in _TRANSPORT_LOST)
 
 
-def map_rpc_error(err: grpc.RpcError) -> APIError:
+def _rpc_status(err: grpc.RpcError) -> tuple[Optional[grpc.StatusCode], str]:
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else None) or str(err)
+    return code, details
+
+
+def map_rpc_error(err: grpc.RpcError) -> APIError:
+    code, details = _rpc_status(err)
     if _connection_lost(code.name if code else "", details):
         if "overloaded" in details.lower():
             return _overloaded(_clean(details))
@@ -511,8 +516,8 @@ class TritonLLMClient:
             # Ended on our side (its deadline: --stream-timeout): the request runs on in the engine
             # unless aborted below, as for a disconnect (QA: it generated to its length for a
             # client that had its 504). A lost connection has nothing to abort on.
-            code = exc.code() if hasattr(exc, "code") else None
-            finished = _connection_lost(code.name if code else "", str(exc.details() if hasattr(exc, "details") else exc))
+            code, details = _rpc_status(exc)
+            finished = _connection_lost(code.name if code else "", details)
             raise map_rpc_error(exc) from None
         finally:
             done.set()
