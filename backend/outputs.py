@@ -225,11 +225,11 @@ class OutputState:
                 # Text under min_tokens is searched for nothing, only for what to hold back.
                 counts = before + j + 1 > params.min_tokens
                 hit, partial_at = self._search(len(d.text) if counts else 0)
-                pending_len = sum(len(s.text) for s in self.pending)
                 if (hit is None and counts and push and push[0] in self.special_stops
                         and not (stop_token and j == len(new_ids) - 1)):
-                    hit = (len(self.released_tail) + pending_len, self.special_stops[push[0]])
-                hit_end = pending_len
+                    hit = (len(self.released_tail) + self._pending_chars(), self.special_stops[push[0]])
+                if hit is not None:  # measured only then: this runs for every token watched
+                    hit_end = self._pending_chars()
         self.pending_new_ids.extend(new_ids)
         if hit is None:
             self._end_by_tokens(seq, stop_token, grammar_done)
@@ -241,12 +241,12 @@ class OutputState:
                 self.pending[-1] = replace(self.pending[-1], text=self.pending[-1].text + flushed)
                 if hit is None and seq.num_output_tokens > params.min_tokens:
                     hit, _ = self._search(len(flushed))
-                    hit_end = sum(len(s.text) for s in self.pending)
+                    hit_end = self._pending_chars()
         if hit is not None:
             pos, stop = hit
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
             seq.matched_eos = False
-            pending_len = sum(len(s.text) for s in self.pending)
+            pending_len = self._pending_chars()
             start = pos - len(self.released_tail)
             if params.no_stop_trim:  # SGLang's: the text as decoded, up to the completing token
                 keep = hit_end
@@ -272,6 +272,9 @@ class OutputState:
             acc += len(step.text)
             n += 1
         return self._release(seq, n)
+
+    def _pending_chars(self) -> int:
+        return sum(len(s.text) for s in self.pending)
 
     def _search(self, fresh: int) -> tuple[Optional[tuple[int, str]], Optional[int]]:
         """(the earliest stop match ending in the last `fresh` characters, as (pos, stop) in
