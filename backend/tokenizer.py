@@ -258,6 +258,19 @@ def _present(value: Any) -> bool:
     return bool(size) if size is not None else True
 
 
+def refuse_chat_only(prompt: str, *, tools: Any, chat_template_kwargs: Any, documents: Any, chat_template: Any,
+                     add_generation_prompt: Optional[bool], continue_final_message: bool) -> None:
+    """What applies to messages only, given (away from its default) with another `prompt` kind
+    (text_input, input_ids, input_embeds), is refused, not dropped."""
+    chat_only = [name for name, unused in (
+        ("tools", tools is None), ("chat_template_kwargs", chat_template_kwargs is None),
+        ("documents", documents is None), ("chat_template", chat_template is None),
+        ("add_generation_prompt", add_generation_prompt is None or add_generation_prompt),
+        ("continue_final_message", not continue_final_message)) if not unused]
+    if chat_only:
+        raise ValueError(f"{', '.join(chat_only)} only apply to messages, not to {prompt}")
+
+
 def encode_prompt(
     tokenizer: Any,
     *,
@@ -294,13 +307,9 @@ def encode_prompt(
             + (f" (got {', '.join(given)})" if given else "")
         )
     if not _present(messages):
-        chat_only = [name for name, unused in (
-            ("tools", tools is None), ("chat_template_kwargs", chat_template_kwargs is None),
-            ("documents", documents is None), ("chat_template", chat_template is None),
-            ("add_generation_prompt", add_generation_prompt is None or add_generation_prompt),
-            ("continue_final_message", not continue_final_message)) if not unused]
-        if chat_only:
-            raise ValueError(f"{', '.join(chat_only)} only apply to messages, not to {given[0]}")
+        refuse_chat_only(given[0], tools=tools, chat_template_kwargs=chat_template_kwargs, documents=documents,
+                         chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                         continue_final_message=continue_final_message)
     if _present(input_ids):
         ids = [int(i) for i in (input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)]
         limit = len(tokenizer)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 
 from backend.detokenizer import decode_delta
-from backend.tokenizer import encode_prompt
+from backend.tokenizer import encode_prompt, refuse_chat_only
 
 MODEL_PATH_ENV = "LLM_MODEL_PATH"
 DEFAULT_MODEL_PATH = "models/demo"
@@ -237,13 +237,15 @@ def preprocess_arrays(
         if others:
             raise ValueError(f"give either input_embeds or {others[0]}, not both")
         # As encode_prompt refuses them with text or ids (QA: accepted and dropped here).
-        chat_only = [name for name in ("tools", "chat_template_kwargs", "documents", "chat_template")
-                     if _scalar(arrays, name)]
-        chat_only += [name for name, value in (("add_generation_prompt", agp),
-                                               ("continue_final_message", _scalar(arrays, "continue_final_message")))
-                      if value is not None and bool(value) == (name == "continue_final_message")]
-        if chat_only:
-            raise ValueError(f"{', '.join(chat_only)} only apply to messages, not to input_embeds")
+        refuse_chat_only(
+            "input_embeds",
+            tools=_scalar(arrays, "tools") or None,
+            chat_template_kwargs=_scalar(arrays, "chat_template_kwargs") or None,
+            documents=_scalar(arrays, "documents") or None,
+            chat_template=template,
+            add_generation_prompt=None if agp is None else bool(agp),
+            continue_final_message=bool(_scalar(arrays, "continue_final_message")),
+        )
         shape = list(np.shape(arrays["input_embeds"]))
         if len(shape) != 2 or 0 in shape:
             raise ValueError(f"input_embeds must have the shape [num_tokens, hidden_size], got {shape}")
