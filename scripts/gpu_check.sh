@@ -38,8 +38,12 @@
 #              half, unrelated; 8- and 16-token drafts -> predicted_outputs.json
 #   decode     where a decode step's time goes on the 0.4B model: step and forward pass from the decode
 #              graphs and eagerly at batch 1/8/64 over 1k contexts, the eager steps' kernels profiled,
-#              with LLM_DECODE_SPLITS 1 and auto (the paged kernel's flash-decoding splits, off by
-#              default until this measures them) -> decode_probe_0.4b.json (bench/decode_probe.py)
+#              with LLM_DECODE_SPLITS 1 and auto (the paged kernel's flash-decoding splits, the default
+#              since an H200 measured it) -> decode_probe_0.4b.json (bench/decode_probe.py)
+#   paged      the paged decode-attention kernel alone at tile sizes 16-128 keys, one split and auto,
+#              against SDPA over gathered blocks, the 0.4B model's shapes (decode batches over 1k
+#              contexts, a flat chunk's 128 rows over 3k) -> paged_decode_bench.json
+#              (bench/paged_decode_bench.py; small cases are bound by the launch's host time)
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
@@ -153,7 +157,7 @@ PY
   du -sh .whl/serving
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [prefill]=90 [decode]=150 [chunked]=90 [chunked_flat]=90 [spec]=120 [predicted]=120 [kvdtype]=170
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [paged]=90 [prefill]=90 [decode]=150 [chunked]=90 [chunked_flat]=90 [spec]=120 [predicted]=120 [kvdtype]=170
                   [serving]=300 [serving_0.4b]=200)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
@@ -244,6 +248,7 @@ run() {
       chunked) step chunked "$py" -m bench.chunked_probe --device cuda --profile --json "$OUT/chunked_probe.json" ;;
       chunked_flat) step chunked_flat "$py" -m bench.chunked_probe --device cuda --caps 64 512 --flat-prefill-tokens 128 \
                       --json "$OUT/chunked_flat_probe.json" ;;
+      paged) step paged "$py" -m bench.paged_decode_bench --json "$OUT/paged_decode_bench.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
       spec) step spec "$py" -m bench.spec_decode --device cuda --json "$OUT/spec_decode.json" ${SPEC_ARGS:-} ;;
       predicted) step predicted "$py" -m bench.predicted_outputs --device cuda --draft-tokens 8 16 \

@@ -192,6 +192,31 @@ def test_split_contexts_merge_to_the_same_attention(splits, window):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tile_keys", [16, 32, 64, 128])
+@pytest.mark.parametrize("splits,window", [(1, 0), (1, 37), (3, 0), (5, 50)])
+def test_tiles_of_several_blocks_cover_every_context_once(tile_keys, splits, window):
+    # The kernel reads `tile_keys` keys (whole blocks) an iteration: contexts of 1 to ~20 blocks of
+    # 8 keys end inside a tile, on its edge, or inside a split's last tile; tiles straddle a
+    # split's end and a sliding window's first block, and the table's unused tail holds blocks
+    # another sequence owns (read past a context's end, they would change the result).
+    from kernels import paged_attention
+
+    B, H, kvh, D, bs = 7, 14, 2, 64, 8
+    g = torch.Generator().manual_seed(tile_keys * 13 + splits + window)
+    lens = torch.tensor([1, 8, 9, 63, 64, 65, 157])
+    width = 20
+    tables = torch.randperm(B * width, generator=g).to(torch.int32).reshape(B, width)
+    kc = torch.randn(kvh, B * width * bs, D, generator=g).to(DEVICE)
+    vc = torch.randn(kvh, B * width * bs, D, generator=g).to(DEVICE)
+    q = torch.randn(B, H, D, generator=g).to(DEVICE)
+    tables, lens = tables.to(DEVICE), lens.to(DEVICE)
+    scale = D ** -0.5
+    got = paged_attention.paged_decode_attention(q, kc, vc, tables, lens, bs, scale, window=window, splits=splits,
+                                                 tile_keys=tile_keys)
+    want = _contiguous_attention(q, kc, vc, tables, lens, bs, scale, window=window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_auto_splits_fill_the_gpu_only_where_a_batch_leaves_it_idle(monkeypatch):
     from kernels import paged_attention
 

@@ -1,0 +1,100 @@
+"""The paged decode-attention kernel at each tile size, against SDPA over gathered blocks (the
+engine's `gather` path, LLM_PAGED_DECODE=0), timed in the same run on the same cache.
+
+    python -m bench.paged_decode_bench [--tiles 16 32 64 128] [--json OUT]
+
+Shapes are the random 0.4B Qwen2's (14 query heads, 2 KV heads, head dim 64, 16-key blocks,
+bf16 cache): decode batches of 1, 8 and 64 over 1k contexts, and 128 rows over 3k contexts (a
+flat chunked-prefill step: each of a 3072-token prompt's chunk rows sees its own prefix). Each
+case runs with one split and with auto_splits, and each result is checked against the gathered
+SDPA. Prints microseconds per call (one layer) and SDPA's time over the kernel's. CUDA only:
+the Triton interpreter's timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+import torch.nn.functional as F
+
+
+def _gathered_sdpa(q, k_cache, v_cache, tables, lens, block_size, scale):
+    """The `gather` path: each context's blocks copied into a padded batch, then SDPA with GQA."""
+    B, H, D = q.shape
+    kvh = k_cache.shape[0]
+    width = tables.shape[1] * block_size
+    slots = (tables.long()[:, :, None] * block_size + torch.arange(block_size, device=q.device)).reshape(B, width)
+    k = k_cache[:, slots].permute(1, 0, 2, 3)  # [B, kvh, width, D]
+    v = v_cache[:, slots].permute(1, 0, 2, 3)
+    mask = torch.arange(width, device=q.device)[None, :] < lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=kvh != H)
+    return out[:, :, 0, :]
+
+
+def _time_us(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiles", type=int, nargs="+", default=[16, 32, 64, 128], help="tile_keys values")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("paged_decode_bench: CUDA only")
+    from kernels import paged_attention
+
+    dev = torch.device("cuda")
+    H, kvh, D, bs = 14, 2, 64, 16
+    scale = D ** -0.5
+    cases = [(1, 1024), (8, 1024), (64, 1024), (128, 3072)]
+    results = []
+    for rows, ctx in cases:
+        g = torch.Generator(device="cpu").manual_seed(rows * 7 + ctx)
+        width = -(-ctx // bs)
+        num_blocks = rows * width + 8
+        k_cache = torch.randn(kvh, num_blocks * bs, D, generator=g).to(dev, torch.bfloat16)
+        v_cache = torch.randn(kvh, num_blocks * bs, D, generator=g).to(dev, torch.bfloat16)
+        tables = torch.randperm(num_blocks, generator=g)[: rows * width].reshape(rows, width).to(dev, torch.int32)
+        # Flat-step rows see growing prefixes of one prompt; decode rows see full contexts.
+        lens = (torch.arange(ctx - rows + 1, ctx + 1) if rows == 128 else torch.full((rows,), ctx)).to(dev, torch.int32)
+        q = torch.randn(rows, H, D, generator=g).to(dev, torch.bfloat16)
+        want = _gathered_sdpa(q, k_cache, v_cache, tables, lens, bs, scale).float()
+        sdpa_us = _time_us(lambda: _gathered_sdpa(q, k_cache, v_cache, tables, lens, bs, scale), args.iters)
+        auto = paged_attention.auto_splits(rows, kvh, width, dev)
+        for splits in sorted({1, auto}):
+            for tile in args.tiles:
+                def call():
+                    return paged_attention.paged_decode_attention(
+                        q, k_cache, v_cache, tables, lens, bs, scale, splits=splits, tile_keys=tile)
+                err = (call().float() - want).abs().max().item()
+                us = _time_us(call, args.iters)
+                row = {"rows": rows, "context": ctx, "splits": splits, "tile_keys": tile, "kernel_us": round(us, 2),
+                       "sdpa_gathered_us": round(sdpa_us, 2), "sdpa_over_kernel": round(sdpa_us / us, 2),
+                       "max_abs_err_vs_sdpa": err}
+                results.append(row)
+                print(f"rows {rows:4d} ctx {ctx:5d} splits {splits:3d} tile {tile:4d}: kernel {us:8.1f} us, "
+                      f"gathered SDPA {sdpa_us:8.1f} us, ratio {sdpa_us / us:6.2f}, max |err| {err:.2e}", flush=True)
+    if args.json:
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
+                "shape": {"heads": H, "kv_heads": kvh, "head_dim": D, "block_size": bs, "dtype": "bfloat16"}}
+        with open(args.json, "w") as f:
+            json.dump({**meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
