@@ -77,6 +77,19 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"Request body too large (limit {limit} bytes)")
 
 
+def _api_key_error(auth: bytes) -> APIError:
+    """OpenAI's three answers: no key, a header that is not Bearer auth, a wrong key (which one is
+    never said; the comparison is constant-time)."""
+    scheme, _, key = auth.strip().partition(b" ")
+    if not auth.strip():
+        return APIError(401, "You didn't provide an API key. Send it in an Authorization header with Bearer "
+                        "auth (Authorization: Bearer YOUR_KEY).")
+    if scheme.lower() != b"bearer" or not key.strip():
+        return APIError(401, "The Authorization header must use Bearer auth: Authorization: Bearer YOUR_KEY.",
+                        code="invalid_api_key")
+    return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
 class FrontDoorMiddleware:
     """Pure ASGI (no per-request task like BaseHTTPMiddleware, streaming untouched): request id,
     metrics, API key (constant-time comparison), request body size limit."""
@@ -134,8 +147,7 @@ class FrontDoorMiddleware:
 
         try:
             if self.key is not None and path not in PUBLIC_PATHS and not hmac.compare_digest(auth, self.key):
-                await reply(401, APIError(401, "Incorrect API key provided.", code="invalid_api_key"),
-                            ((b"www-authenticate", b"Bearer"),))
+                await reply(401, _api_key_error(auth), ((b"www-authenticate", b"Bearer"),))
                 return
             limit = self.max_body
             if length is not None:

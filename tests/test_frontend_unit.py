@@ -803,6 +803,17 @@ def test_api_key_401():
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
         assert httpx.post(url + "/generate", json={"text": "x"}).status_code == 401
+        # Which of OpenAI's answers: no key at all, not Bearer auth, or a wrong key.
+        missing = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+        assert missing.json()["error"]["message"].startswith("You didn't provide an API key"), missing.json()
+        basic = httpx.get(url + "/v1/models", headers={"authorization": "Basic czNjcmV0"})
+        assert "must use Bearer auth" in basic.json()["error"]["message"], basic.json()
+        empty = httpx.get(url + "/v1/models", headers={"authorization": "Bearer"})
+        assert "must use Bearer auth" in empty.json()["error"]["message"], empty.json()
+        wrong = httpx.get(url + "/v1/models", headers={"authorization": "bearer nope"})
+        assert wrong.json()["error"] == {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                                         "param": None, "code": "invalid_api_key"}
         assert httpx.get(url + "/health").status_code == 200  # health stays open
         assert httpx.get(url + "/ping").status_code == 200
         good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
