@@ -148,6 +148,13 @@ class ChatMessage(_Open):
         # OpenAI: only an assistant message (its tool calls say what it did) may leave it out.
         if self.content is None and self.role in ("system", "developer", "user", "tool"):
             raise ValueError(f"a '{self.role}' message needs 'content'")
+        if self.role == "tool":
+            # OpenAI requires it: it ties the result to its call, which templates that render
+            # several results of one turn need (and a client that forgot it has a bug to hear about).
+            call_id = (self.model_extra or {}).get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ValueError("a 'tool' message needs 'tool_call_id' (a string): the id of the assistant's "
+                                 "tool call it answers")
         return self
 
 

@@ -161,6 +161,13 @@ def test_chat_content_parts_and_tool_messages(client, fake):
     assert msgs[0]["content"] == "a\nb"
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # templates render objects
     assert msgs[2] == {"role": "tool", "tool_call_id": "call_1", "content": "42"}
+    # OpenAI requires the id that ties a result to its call.
+    for bad in ({"role": "tool", "content": "42"}, {"role": "tool", "tool_call_id": 7, "content": "42"}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=[*MESSAGES, bad])
+        assert "'tool' message needs 'tool_call_id'" in _error(err)["message"], _error(err)
+        assert _error(err)["param"] == "messages.1", _error(err)
+    assert len(fake.requests) == 1
 
 
 def test_chat_streaming_with_usage(client, fake):
