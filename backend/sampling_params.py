@@ -151,6 +151,22 @@ class SamplingParams(BaseModel):
     def _ids_as_list(cls, v: Any) -> Any:
         return [] if v is None else v
 
+    @field_validator("prediction", mode="before")
+    @classmethod
+    def _prediction_forms(cls, v: Any) -> Any:
+        # SGLang's /generate passes sampling_params through, so OpenAI's object comes here as the
+        # chat route's text does; one message for every other shape, not pydantic's per-branch pair.
+        if isinstance(v, dict) and v.get("type") == "content" and set(v) == {"type", "content"}:
+            content = v["content"]
+            if isinstance(content, list) and all(
+                    isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text"
+                    and isinstance(p["text"], str) for p in content):
+                content = "".join(p["text"] for p in content)
+            v = content
+        if v is None or isinstance(v, str) or (isinstance(v, list) and all(type(t) is int for t in v)):
+            return v
+        raise ValueError('must be text, a list of token ids, or {"type": "content", "content": text or text parts}')
+
     @field_validator("json_schema", "structural_tag", mode="before")
     @classmethod
     def _json_as_text(cls, v: Any) -> Any:

@@ -402,6 +402,16 @@ def test_predicted_outputs_keep_the_output_and_report_what_they_saved(client):
     assert r.choices[0].message.content == text
     details = r.usage.completion_tokens_details  # none of it taken: all of it rejected
     assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, num_tokens("Nothing like it " * 20))
+    # SGLang's /generate passes sampling_params on: OpenAI's object works there as plain text
+    # does, and a wrong shape is one 400 naming the forms.
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    ref = httpx.post(base + "/generate", json=body).json()
+    for form in (ref["text"], {"type": "content", "content": [{"type": "text", "text": ref["text"]}]}):
+        got = httpx.post(base + "/generate", json={**body, "sampling_params": {**body["sampling_params"],
+                                                                               "prediction": form}}).json()
+        assert got["text"] == ref["text"] and got["meta_info"]["accepted_prediction_tokens"] > 0, got
+    bad = httpx.post(base + "/generate", json={**body, "sampling_params": {"prediction": {"content": "x"}}})
+    assert bad.status_code == 400 and "must be text, a list of token ids, or" in bad.json()["error"]["message"], bad.text
 
 
 def test_stop_strings_and_stop_token_ids(client):

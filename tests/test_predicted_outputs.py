@@ -17,7 +17,8 @@ import pytest
 
 from backend.engine import LLMEngine, RequestError
 from backend.predicted_outputs import Prediction, PredictionProposer
-from backend.sampling_params import MAX_PREDICTION_CHARS, MAX_PREDICTION_TOKENS, SamplingParams
+from backend.sampling_params import (MAX_PREDICTION_CHARS, MAX_PREDICTION_TOKENS, SamplingParams, SamplingParamsError,
+                                     parse_sampling_params)
 from tests.test_speculative import NGRAM, _engine, _prompts
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 96}
@@ -306,9 +307,20 @@ def test_a_prediction_is_bounded(demo_model_path):
     SamplingParams(prediction="x" * MAX_PREDICTION_CHARS)
     SamplingParams(prediction=[7] * MAX_PREDICTION_TOKENS)
     for bad, words in [("x" * (MAX_PREDICTION_CHARS + 1), "longer than"), ([7] * (MAX_PREDICTION_TOKENS + 1), "more than"),
-                       ([3, -1], "non-negative"), (["not", "ids"], "prediction"), (3, "prediction")]:
+                       ([3, -1], "non-negative")]:
         with pytest.raises(ValueError, match=words):
             SamplingParams(prediction=bad)
+    # OpenAI's object, as /generate passes sampling_params through: its text, from parts too.
+    assert parse_sampling_params({"prediction": {"type": "content", "content": "ab"}}).prediction == "ab"
+    parts = {"type": "content", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert parse_sampling_params({"prediction": parts}).prediction == "ab"
+    # Every other shape gets one message (not pydantic's pair, one per branch of the union).
+    for bad in (["not", "ids"], 3, True, [True], [1.5], {"type": "text", "content": "x"},
+                {"type": "content", "content": [{"type": "text", "text": 5}]}, {"type": "content", "content": "x", "x": 1}):
+        with pytest.raises(SamplingParamsError) as err:
+            parse_sampling_params({"prediction": bad})
+        assert str(err.value) == ('invalid sampling parameter prediction: must be text, a list of token ids, or '
+                                  '{"type": "content", "content": text or text parts}'), (bad, str(err.value))
     eng = _engine(demo_model_path, max_model_len=256)
     try:
         with pytest.raises(RequestError, match="prediction token ids must be < the vocabulary size"):
