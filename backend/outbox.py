@@ -63,6 +63,7 @@ class StreamResponder:
         stream_interval: int = 1,
         on_output: Optional[Callable[[RequestOutput], None]] = None,
         on_final: Optional[Callable[[], None]] = None,
+        on_sent: Optional[Callable[[], None]] = None,
     ) -> None:
         self._outbox = outbox
         self._stream = stream
@@ -70,7 +71,8 @@ class StreamResponder:
         self._send_output = send_output
         self._send_error = send_error
         self._on_output = on_output
-        self.on_final = on_final
+        self.on_final = on_final  # the last response is taken, before it is sent
+        self.on_sent = on_sent  # the last response has been sent (or its send failed)
         self._remaining = n
         self._lock = threading.Lock()
         self._partial: dict[int, RequestOutput] = {}  # sample index -> below stream_interval yet
@@ -124,15 +126,19 @@ class StreamResponder:
                     batch.append((out, last))
                 self._outgoing = []
                 self._done = any(last for _, last in batch)
-        if error is not None or self._done:
-            if self.on_final is not None:
-                self.on_final()
-        if error is not None:
-            self._send_error(error)
-            return 1
-        for out, last in batch:
-            self._send_output(out, last)
-        return len(batch)
+        final = error is not None or self._done
+        if final and self.on_final is not None:
+            self.on_final()
+        try:
+            if error is not None:
+                self._send_error(error)
+                return 1
+            for out, last in batch:
+                self._send_output(out, last)
+            return len(batch)
+        finally:
+            if final and self.on_sent is not None:
+                self.on_sent()
 
 
 class _Lane:

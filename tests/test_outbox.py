@@ -169,6 +169,36 @@ def test_a_failing_send_does_not_stop_the_sender():
     box.close()
 
 
+def test_on_sent_follows_the_last_send_even_a_failed_one():
+    # on_final when the last response is taken (before its send), on_sent after it: what an
+    # abort's reply waits for (backend/abort_acks.py). A failed last send still settles it.
+    box, rec, events = Outbox(), _Recorder(), []
+
+    def output(out, last):
+        events.append(("send", last))
+        rec.output(out, last)
+
+    r = StreamResponder(box, 2, True, output, rec.error, on_final=lambda: events.append("final"),
+                        on_sent=lambda: events.append("sent"))
+    r(_out([1], 0))
+    r(_out([2], 1, finish="stop"))
+    _wait(lambda: len(rec.sent) == 2)
+    r(_out([3], 0, index=1, finish="length"))
+    _wait(lambda: "sent" in events)
+    assert events == [("send", False), ("send", False), "final", ("send", True), "sent"], events
+
+    def broken(out, last):
+        raise RuntimeError("stream gone")
+
+    sent = []
+    StreamResponder(box, 1, True, broken, rec.error, on_sent=lambda: sent.append(1))(_out([1], 0, finish="stop"))
+    errored = StreamResponder(box, 1, True, rec.output, rec.error, on_sent=lambda: sent.append(2))
+    errored(_out([], 0, error="boom"))
+    _wait(lambda: len(sent) == 2)
+    assert sorted(sent) == [1, 2]
+    box.close()
+
+
 def test_responses_per_step_caps_flushes_per_tick_and_waiting_streams_merge():
     box = Outbox(responses_per_step=2, idle_release_s=30)
     recs = [_Recorder() for _ in range(6)]

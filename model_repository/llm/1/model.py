@@ -16,6 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from backend.abort_acks import AbortAcks  # noqa: E402
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import EngineOverloaded, EngineStats, LLMEngine, RequestError  # noqa: E402
 from backend.engine_process import EngineProxy  # noqa: E402
@@ -121,6 +122,7 @@ class TritonPythonModel:
         self.engine.on_step = self._on_step
         # Triton request id -> engine request ids, for abort_request_id (backend/request_index.py).
         self._requests = TritonRequestIndex()
+        self._acks = AbortAcks()
         self._open = OpenRequests()  # engine_info's open_requests
         freeze_startup_heap()
         self.engine.start()
@@ -141,13 +143,15 @@ class TritonPythonModel:
                 arrays = input_arrays(request, LLM_INPUTS)
                 kind = control_input(arrays)
                 if kind == "abort_request_id":
-                    self._abort(arrays["abort_request_id"])
-                    guarded.send(pb_utils.InferenceResponse(output_tensors=[]), final=True)
+                    engine_ids = self._abort(arrays["abort_request_id"])
+                    response = pb_utils.InferenceResponse(output_tensors=[])
+                    self._acks.reply_after(engine_ids, lambda g=guarded, r=response: g.send(r, final=True))
                     continue
                 if kind == "abort_client":
-                    meta = meta_array({"aborted": self._abort_client(arrays["abort_client"])})
-                    guarded.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
-                                 final=True)
+                    count, engine_ids = self._abort_client(arrays["abort_client"])
+                    meta = meta_array({"aborted": count})
+                    response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)])
+                    self._acks.reply_after(engine_ids, lambda g=guarded, r=response: g.send(r, final=True))
                     continue
                 if kind == "lora_update" and not self.runtime_lora:
                     refuse_lora_changes(arrays)
@@ -171,6 +175,8 @@ class TritonPythonModel:
                 )
                 # Indexed before the engine sees it, so a fast finish cannot precede the entry.
                 engine_id = uuid.uuid4().hex
+                self._acks.opened(engine_id)
+                responder.on_sent = lambda e=engine_id: self._acks.sent(e)
                 aborted_first = bool(triton_id) and self._requests.add(triton_id, engine_id)
                 if triton_id:
                     responder.on_final = lambda t=triton_id, e=engine_id: self._requests.forget(t, e)
@@ -179,6 +185,7 @@ class TritonPythonModel:
                                             is_cancelled=guarded.is_cancelled, input_embeds=arrays.get("input_embeds"))
                 except Exception:
                     self._requests.forget(triton_id, engine_id)
+                    self._acks.sent(engine_id)
                     raise
                 if aborted_first:
                     self.engine.abort(engine_id)
@@ -195,15 +202,17 @@ class TritonPythonModel:
                 guarded.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {exc}")), final=True)
         return None
 
-    def _abort(self, arr) -> None:
-        for engine_id in self._requests.abort(parse_abort_request_id(arr)):
+    def _abort(self, arr) -> set[str]:
+        engine_ids = self._requests.abort(parse_abort_request_id(arr))
+        for engine_id in engine_ids:
             self.engine.abort(engine_id)
+        return engine_ids
 
-    def _abort_client(self, arr) -> int:
+    def _abort_client(self, arr) -> tuple[int, set[str]]:
         count, engine_ids = self._requests.abort_client(*parse_abort_client(arr))
         for engine_id in engine_ids:
             self.engine.abort(engine_id)
-        return count
+        return count, engine_ids
 
     def _on_step(self, stats: EngineStats) -> None:
         self._outbox.tick()
