@@ -1,11 +1,12 @@
 """The paged decode-attention kernel at each tile size, against SDPA over gathered blocks (the
 engine's `gather` path, LLM_PAGED_DECODE=0), timed in the same run on the same cache.
 
-    python -m bench.paged_decode_bench [--tiles 16 32 64 128] [--json OUT]
+    python -m bench.paged_decode_bench [--tiles 16 32 64 128] [--heads 14 --kv-heads 2 --head-dim 64] [--json OUT]
 
-Shapes are the random 0.4B Qwen2's (14 query heads, 2 KV heads, head dim 64, 16-key blocks,
-bf16 cache): decode batches of 1, 8 and 64 over 1k contexts, and 128 rows over 3k contexts (a
-flat chunked-prefill step: each of a 3072-token prompt's chunk rows sees its own prefix). Each
+Shapes are by default the random 0.4B Qwen2's (14 query heads, 2 KV heads, head dim 64; a
+Llama-3-8B layer is --heads 32 --kv-heads 8 --head-dim 128), 16-key blocks, bf16 cache: decode
+batches of 1, 8 and 64 over 1k contexts, and 128 rows over 3k contexts (a flat chunked-prefill
+step: each of a 3072-token prompt's chunk rows sees its own prefix). Each
 case runs with one split and with auto_splits, and each result is checked against the gathered
 SDPA. Prints microseconds per call (one layer) and SDPA's time over the kernel's. CUDA only:
 the Triton interpreter's timings mean nothing.
@@ -52,6 +53,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiles", type=int, nargs="+", default=[16, 32, 64, 128], help="tile_keys values")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--heads", type=int, default=14)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -59,7 +63,7 @@ def main() -> None:
     from kernels import paged_attention
 
     dev = torch.device("cuda")
-    H, kvh, D, bs = 14, 2, 64, 16
+    H, kvh, D, bs = args.heads, args.kv_heads, args.head_dim, 16
     scale = D ** -0.5
     cases = [(1, 1024), (8, 1024), (64, 1024), (128, 3072)]
     results = []

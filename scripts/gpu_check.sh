@@ -43,7 +43,8 @@
 #   paged      the paged decode-attention kernel alone at tile sizes 16-128 keys, one split and auto,
 #              against SDPA over gathered blocks, the 0.4B model's shapes (decode batches over 1k
 #              contexts, a flat chunk's 128 rows over 3k) -> paged_decode_bench.json
-#              (bench/paged_decode_bench.py; small cases are bound by the launch's host time)
+#              (bench/paged_decode_bench.py; small cases are bound by the launch's host time); then
+#              a Llama-3-8B layer's shapes (head dim 128) at tiles 32 and 64 -> paged_decode_bench_d128.json
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
 #              (KV_MB, default 48) -> kv_cache_dtype_0.4b.json
 #   serving    bench/serving_bench.py on the GPU: the engine, tritonserver (ensemble and llm) and the
@@ -248,7 +249,10 @@ run() {
       chunked) step chunked "$py" -m bench.chunked_probe --device cuda --profile --json "$OUT/chunked_probe.json" ;;
       chunked_flat) step chunked_flat "$py" -m bench.chunked_probe --device cuda --caps 64 512 --flat-prefill-tokens 128 \
                       --json "$OUT/chunked_flat_probe.json" ;;
-      paged) step paged "$py" -m bench.paged_decode_bench --json "$OUT/paged_decode_bench.json" ;;
+      paged) step paged "$py" -m bench.paged_decode_bench --json "$OUT/paged_decode_bench.json"
+             # and a Llama-3-8B layer's shape (head dim 128: twice the registers per tile)
+             step paged "$py" -m bench.paged_decode_bench --heads 32 --kv-heads 8 --head-dim 128 --tiles 32 64 \
+               --json "$OUT/paged_decode_bench_d128.json" ;;
       kernels) step kernels "$py" -m bench.kernels_vs_torch --json "$OUT/kernels_vs_torch.json" ;;
       spec) step spec "$py" -m bench.spec_decode --device cuda --json "$OUT/spec_decode.json" ${SPEC_ARGS:-} ;;
       predicted) step predicted "$py" -m bench.predicted_outputs --device cuda --draft-tokens 8 16 \
