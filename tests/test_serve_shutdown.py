@@ -143,7 +143,9 @@ def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo
         # The frontend stopped first and aborted what it cancelled: tritonserver found nothing in
         # flight (rather than waiting its exit timeout out, and crashing).
         assert "Found 0 model versions that have in-flight inferences" in text, text[-3000:]
-        assert "Exit timeout expired" not in text and "outlived tritonserver" not in text
+        # Which model stayed live, and what it logged on the way down, if not.
+        assert "Exit timeout expired" not in text and "outlived tritonserver" not in text, \
+            text[text.find("Waiting for in-flight requests"):][-4000:]
         _assert_all_gone(proc, ports)
     finally:
         _kill(proc, ports)
