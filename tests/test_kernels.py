@@ -485,11 +485,11 @@ def test_kernels_compile_for_cuda(tmp_path):
             (T._sample_kernel, dict(x_ptr=P, out_ptr="*i64", seed_ptr="*i64", off_ptr="*i64", greedy_ptr="*u8", B=I, V=I,
              stride_x=I), dict(ROWS=1, BLOCK=2048)),
             (T._log_softmax_kernel, dict(x_ptr=P, out_ptr=P, B=I, V=I, stride_x=I, stride_o=I), dict(ROWS=1, BLOCK=2048)),
-            # decode attention: bf16 caches, head_dim 128, GQA 4; full and sliding-window, whole
-            # contexts and split ones, and the merge of the splits
-            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=4, D=128, DP=128, BLOCK=16, WINDOW=0, SPLITS=1)),
-            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=4, D=128, DP=128, BLOCK=16, WINDOW=4096, SPLITS=1)),
-            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=4, D=128, DP=128, BLOCK=16, WINDOW=0, SPLITS=17)),
+            # decode attention: bf16 caches, head_dim 128, GQA 4 (padded to tl.dot's 16 rows),
+            # 64-key tiles; full and sliding-window, whole contexts and split ones, and the merge
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=1)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=4096, SPLITS=1)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=17)),
             (A._combine_splits_kernel, combine, dict(H=32, D=128, DP=128, SPLITS=17, SP=32)),
         ]
         for fn, sig, consts in specs:
