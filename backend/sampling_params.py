@@ -158,12 +158,13 @@ class SamplingParams(BaseModel):
         # chat route's text does; one message for every other shape, not pydantic's per-branch pair.
         if isinstance(v, dict) and v.get("type") == "content" and set(v) == {"type", "content"}:
             content = v["content"]
+            if isinstance(content, str):
+                return content
             if isinstance(content, list) and all(
                     isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text"
                     and isinstance(p["text"], str) for p in content):
-                content = "".join(p["text"] for p in content)
-            v = content
-        if v is None or isinstance(v, str) or (isinstance(v, list) and all(type(t) is int for t in v)):
+                return "".join(p["text"] for p in content)
+        elif v is None or isinstance(v, str) or (isinstance(v, list) and all(type(t) is int for t in v)):
             return v
         raise ValueError('must be text, a list of token ids, or {"type": "content", "content": text or text parts}')
 

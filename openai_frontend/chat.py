@@ -256,7 +256,7 @@ class ChatHandler:
             "model": model,
             "choices": out,
             "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices), cached,
-                           prediction_totals([c.prediction for c in choices])),
+                           prediction_totals([c.prediction for c in choices], req.prediction is not None)),
         }
         if req.prompt_logprobs is not None:
             name = namer or TokenNamer(self.ctx.files, bool(req.return_tokens_as_token_ids))
@@ -365,7 +365,7 @@ class ChatHandler:
                 yield "".join(parts).encode()
         if include_usage:
             total = sum(c.completion_tokens for c in choices)
-            final = usage(prompt_tokens, total, cached, prediction_totals([c.prediction for c in choices]))
+            final = usage(prompt_tokens, total, cached, prediction_totals([c.prediction for c in choices], req.prediction is not None))
             yield (
                 f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},'
                 f'"model":{dumps(model)},"choices":[],"usage":{dumps(final)}}}\n\n'

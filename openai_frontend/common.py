@@ -57,11 +57,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[in
     return out
 
 
-def prediction_totals(per_sample: list[Optional[tuple[int, int]]]) -> Optional[tuple[int, int]]:
+def prediction_totals(per_sample: list[Optional[tuple[int, int]]], predicted: bool = False) -> Optional[tuple[int, int]]:
     """The request's (accepted, rejected) prediction tokens over its samples; None without a
-    prediction."""
+    prediction. `predicted`: the request carried one, empty ones included (the engine drafts
+    nothing from those and reports nothing; OpenAI still reports 0 and 0)."""
     known = [p for p in per_sample if p is not None]
-    return (sum(p[0] for p in known), sum(p[1] for p in known)) if known else None
+    if not known:
+        return (0, 0) if predicted else None
+    return sum(p[0] for p in known), sum(p[1] for p in known)
 
 
 class LastHiddenState:

@@ -124,6 +124,16 @@ class NamedToolChoice(_Strict):
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
+def _is_tool_call(call: Any) -> bool:
+    """OpenAI's shape of an assistant's tool call, all of it required as OpenAI requires it (the
+    id ties the tool message's result to it; templates render the name and arguments)."""
+    if not isinstance(call, dict) or call.get("type", "function") != "function":
+        return False
+    fn = call.get("function")
+    return (isinstance(call.get("id"), str) and bool(call["id"]) and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str) and bool(fn["name"]) and isinstance(fn.get("arguments"), (str, dict)))
+
+
 class ChatMessage(_Open):
     """An OpenAI chat message; role-specific fields (tool_calls, tool_call_id, name, ...) pass
     through to the chat template unchanged."""
@@ -148,6 +158,11 @@ class ChatMessage(_Open):
         # OpenAI: only an assistant message (its tool calls say what it did) may leave it out.
         if self.content is None and self.role in ("system", "developer", "user", "tool"):
             raise ValueError(f"a '{self.role}' message needs 'content'")
+        if self.role == "assistant" and (self.model_extra or {}).get("tool_calls") is not None:
+            calls = self.model_extra["tool_calls"]
+            if not isinstance(calls, list) or not all(map(_is_tool_call, calls)):
+                raise ValueError('an \'assistant\' message\'s tool_calls must be a list of {"id": string, "type": '
+                                 '"function", "function": {"name": string, "arguments": JSON text}} objects')
         if self.role == "tool":
             # OpenAI requires it: it ties the result to its call, which templates that render
             # several results of one turn need (and a client that forgot it has a bug to hear about).
@@ -264,13 +279,14 @@ class ChatCompletionRequest(_SamplingFields):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     include_reasoning: bool = True
+    # OpenAI's Predicted Outputs: {"type": "content", "content": text or text parts} (sampling.py)
+    prediction: Optional[Any] = None
 
     # OpenAI fields this server does not implement (refused when set; see sampling.py)
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     audio: Optional[Any] = None
     modalities: Optional[list[str]] = None
-    prediction: Optional[Any] = None
     reasoning_effort: Optional[str] = None
     service_tier: Optional[str] = None
     store: Optional[bool] = None

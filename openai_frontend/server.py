@@ -77,14 +77,20 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"Request body too large (limit {limit} bytes)")
 
 
-def _api_key_error(auth: bytes) -> APIError:
-    """OpenAI's three answers: no key, a header that is not Bearer auth, a wrong key (which one is
-    never said; the comparison is constant-time)."""
+def _bearer_key(auth: bytes) -> Optional[bytes]:
+    """The key of an `Authorization: Bearer <key>` header, the scheme in any case and the spaces
+    around the key not counted (RFC 7235); None for no header or another scheme."""
     scheme, _, key = auth.strip().partition(b" ")
+    key = key.strip()
+    return key if scheme.lower() == b"bearer" and key else None
+
+
+def _api_key_error(auth: bytes) -> APIError:
+    """OpenAI's three answers: no key, a header that is not Bearer auth, a wrong key."""
     if not auth.strip():
         return APIError(401, "You didn't provide an API key. Send it in an Authorization header with Bearer "
                         "auth (Authorization: Bearer YOUR_KEY).")
-    if scheme.lower() != b"bearer" or not key.strip():
+    if _bearer_key(auth) is None:
         return APIError(401, "The Authorization header must use Bearer auth: Authorization: Bearer YOUR_KEY.",
                         code="invalid_api_key")
     return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
@@ -96,7 +102,7 @@ class FrontDoorMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: Optional[str], metrics: FrontendMetrics, max_body_bytes: int) -> None:
         self.app = app
-        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
         self.metrics = metrics
         self.max_body = max_body_bytes
 
@@ -146,7 +152,9 @@ class FrontDoorMiddleware:
             await send({"type": "http.response.body", "body": body})
 
         try:
-            if self.key is not None and path not in PUBLIC_PATHS and not hmac.compare_digest(auth, self.key):
+            # Constant-time on the key (a length differs at once, as with any compare_digest).
+            if self.key is not None and path not in PUBLIC_PATHS \
+                    and not hmac.compare_digest(_bearer_key(auth) or b"", self.key):
                 await reply(401, _api_key_error(auth), ((b"www-authenticate", b"Bearer"),))
                 return
             limit = self.max_body

@@ -167,6 +167,15 @@ def test_chat_content_parts_and_tool_messages(client, fake):
             client.chat.completions.create(model=MODEL, messages=[*MESSAGES, bad])
         assert "'tool' message needs 'tool_call_id'" in _error(err)["message"], _error(err)
         assert _error(err)["param"] == "messages.1", _error(err)
+    # and the calls it answers: a list of OpenAI's call objects, id, name and arguments included
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for bad in ({"id": "call_1", "type": "function"}, {**call, "id": ""}, {**call, "function": {"name": "f"}},
+                {**call, "function": {"arguments": "{}"}}, {**call, "type": "code"}, "x", None):
+        for calls in ([bad], bad) if bad is not None else ([bad],):  # tool_calls null: none made
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model=MODEL, messages=[*MESSAGES, {"role": "assistant", "tool_calls": calls}])
+            assert "tool_calls must be a list of" in _error(err)["message"] and _error(err)["param"] == "messages.1", \
+                (calls, _error(err))
     assert len(fake.requests) == 1
 
 
@@ -818,6 +827,9 @@ def test_api_key_401():
         assert "must use Bearer auth" in basic.json()["error"]["message"], basic.json()
         empty = httpx.get(url + "/v1/models", headers={"authorization": "Bearer"})
         assert "must use Bearer auth" in empty.json()["error"]["message"], empty.json()
+        # The scheme in any case, the key between any spaces (RFC 7235), is still the right key.
+        for header in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret"):
+            assert httpx.get(url + "/v1/models", headers={"authorization": header}).status_code == 200, header
         wrong = httpx.get(url + "/v1/models", headers={"authorization": "bearer nope"})
         assert wrong.json()["error"] == {"message": "Incorrect API key provided.", "type": "invalid_request_error",
                                          "param": None, "code": "invalid_api_key"}

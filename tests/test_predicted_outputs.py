@@ -316,7 +316,8 @@ def test_a_prediction_is_bounded(demo_model_path):
     assert parse_sampling_params({"prediction": parts}).prediction == "ab"
     # Every other shape gets one message (not pydantic's pair, one per branch of the union).
     for bad in (["not", "ids"], 3, True, [True], [1.5], {"type": "text", "content": "x"},
-                {"type": "content", "content": [{"type": "text", "text": 5}]}, {"type": "content", "content": "x", "x": 1}):
+                {"type": "content", "content": [{"type": "text", "text": 5}]}, {"type": "content", "content": "x", "x": 1},
+                {"type": "content", "content": [5, 6]}, {"type": "content", "content": None}):
         with pytest.raises(SamplingParamsError) as err:
             parse_sampling_params({"prediction": bad})
         assert str(err.value) == ('invalid sampling parameter prediction: must be text, a list of token ids, or '
