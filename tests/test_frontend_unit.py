@@ -1818,6 +1818,12 @@ def test_predicted_outputs_reach_the_engine_and_their_counts_the_usage(client, b
     # Without a prediction the engine reports none, and usage has no details.
     fake.script = lambda req: text_chunks(["Hel", "lo"])
     assert client.chat.completions.create(model=MODEL, messages=MESSAGES).usage.completion_tokens_details is None
+    # An empty prediction drafts nothing (it is not sent), yet OpenAI's usage reports it: 0 and 0.
+    for empty in ("", []):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, prediction={"type": "content", "content": empty})
+        assert "prediction" not in fake.requests[-1].sampling_params
+        details = r.usage.completion_tokens_details
+        assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
     # /generate (SGLang's API, prediction as an extension of its sampling_params) reports them in meta_info.
     spec = {"spec_verify_ct": 1, "spec_draft_token_num": 1, "spec_accept_token_num": 1, "spec_accept_rate": 1.0,
             "spec_accept_length": 2.0}
