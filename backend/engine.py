@@ -354,6 +354,9 @@ class LLMEngine:
                 lora=adapter,
                 cache_salt=adapter.cache_salt if adapter is not None else None,
                 prediction=prediction,
+                # None of it taken yet: an output that ends before its first token (max_new_tokens
+                # 0) still reports the whole prediction rejected, as OpenAI counts it.
+                prediction_rejected=len(prediction.tokens) if prediction is not None else 0,
                 speculates=self.proposer is not None or prediction is not None,
             )
             detok = IncrementalDetokenizer(

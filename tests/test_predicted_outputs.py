@@ -278,6 +278,9 @@ def test_a_text_prediction_is_tokenized_by_the_engine(demo_model_path):
         assert eng.generate([prompts[0]], eng.parse_params(GREEDY))[0].accepted_prediction_tokens is None
         out = eng.generate([prompts[0]], eng.parse_params({**GREEDY, "prediction": ""}))[0]
         assert out.accepted_prediction_tokens is None and out.new_token_ids == base[0].new_token_ids
+        # No output at all (max_new_tokens 0): all of the prediction is rejected, as OpenAI counts.
+        out = eng.generate([prompts[0]], eng.parse_params({**GREEDY, "max_new_tokens": 0, "prediction": [1, 2]}))[0]
+        assert (out.accepted_prediction_tokens, out.rejected_prediction_tokens) == (0, 2) and not out.new_token_ids
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     finally:
         eng.shutdown()
