@@ -1,12 +1,11 @@
 """Replies to aborts that wait until the requests they end have sent their last response.
 
 An abort (`abort_request_id`, `abort_client`) only asks the engine to end a request at its next
-step; the request's last response leaves later, from an outbox sender. Replying at once let a
-frontend that stops (Ctrl-C: cancel the streams, abort them, exit) have tritonserver stop while
-the engine still sent responses for those streams; about 1 Ctrl-C in 10 on a loaded 2-core host,
-the llm model then never finished unloading (Triton 2.51: "Found 1 live models" until its exit
-timeout ran out). With the reply held until those responses are out, the frontend's wait for
-its aborts covers them. Bounded: a reply goes out after `timeout_s` regardless.
+step; the request's last response leaves later, from an outbox sender. Replied at once, an abort
+said nothing about the request: a client (SGLang's /abort_request, a frontend stopping) could
+see "aborted" while the request still ran and still held its KV blocks. Held until those
+responses are out, the reply means the request is over. Bounded: it goes out after `timeout_s`
+regardless.
 """
 
 from __future__ import annotations

@@ -175,9 +175,9 @@ class TritonPythonModel:
                 )
                 # Indexed before the engine sees it, so a fast finish cannot precede the entry.
                 engine_id = uuid.uuid4().hex
+                aborted_first = bool(triton_id) and self._requests.add(triton_id, engine_id)  # may refuse it
                 self._acks.opened(engine_id)
                 responder.on_sent = lambda e=engine_id: self._acks.sent(e)
-                aborted_first = bool(triton_id) and self._requests.add(triton_id, engine_id)
                 if triton_id:
                     responder.on_final = lambda t=triton_id, e=engine_id: self._requests.forget(t, e)
                 try:
