@@ -365,7 +365,8 @@ class ChatHandler:
                 yield "".join(parts).encode()
         if include_usage:
             total = sum(c.completion_tokens for c in choices)
-            final = usage(prompt_tokens, total, cached, prediction_totals([c.prediction for c in choices], req.prediction is not None))
+            predicted = prediction_totals([c.prediction for c in choices], req.prediction is not None)
+            final = usage(prompt_tokens, total, cached, predicted)
             yield (
                 f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},'
                 f'"model":{dumps(model)},"choices":[],"usage":{dumps(final)}}}\n\n'
