@@ -239,13 +239,17 @@ def paged_decode_attention(
     *,
     window: int = 0,
     splits: int = 1,
+    query_tiles: torch.Tensor | None = None,
+    tile_tokens: int = 1,
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged KV cache: q [B, H, d], caches [kvh, slots, d],
     block_tables [B, max_blocks], context_lens [B] -> [B, H, d]. `window` > 0: sliding-window
     attention (Mistral's), the last `window` keys of each context only. `splits` > 1 (the
     Triton kernel only; paged_attention.auto_splits chooses): each context in that many parts
-    run side by side, merged after.
+    run side by side, merged after. `query_tiles` with `tile_tokens` > 1 (the Triton kernel
+    only; paged_attention.query_tiles builds them): a flat prefill chunk's consecutive rows
+    scored together, each K/V tile read once for them; the result is the same without.
 
     The Triton kernel (paged_attention.py) when Triton is chosen; otherwise, for CPU tensors,
     the C++ kernel (csrc/paged_attention_cpu.cpp) when it is built, else the torch reference."""
@@ -257,7 +261,8 @@ def paged_decode_attention(
 
         if q.is_cuda == triton_ops.interpreted():
             raise RuntimeError("paged_decode_attention: Triton mode does not match the tensor's device (TRITON_INTERPRET)")
-        return paged_attention.paged_decode_attention(*args, splits=splits)
+        return paged_attention.paged_decode_attention(*args, splits=splits, query_tiles=query_tiles,
+                                                      tile_tokens=tile_tokens)
     if not q.is_cuda:
         from . import cpu_attention
 

@@ -23,21 +23,28 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, tables_ptr, lens_ptr, scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, tables_ptr, lens_ptr, tiles_ptr, scale,
     blocks_per_split,
     stride_qb, stride_qh, stride_kh, stride_ks, stride_tb, stride_ob, stride_oh,
-    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr, WINDOW: tl.constexpr, SPLITS: tl.constexpr,
+    QT: tl.constexpr,
 ):
-    """One program per (sequence, KV head, split). SPLITS == 1: the whole context, normalized
+    """One program per (query row, KV head, split). SPLITS == 1: the whole context, normalized
     into out. Else split `sp` covers blocks [sp * blocks_per_split, (sp + 1) * blocks_per_split)
     and leaves its running max, sum and unnormalized output in the partial buffers, which
-    _combine_splits_kernel merges (flash-decoding: a short batch keeps more of the GPU busy)."""
+    _combine_splits_kernel merges (flash-decoding: a short batch keeps more of the GPU busy).
+
+    QT > 1 (query tiles): program b scores rows b .. b + tiles[b] - 1 together, consecutive
+    positions of one sequence (a prefill chunk laid out flat) that share row b's block table,
+    so each K/V tile is read once for all of them instead of once per row; tiles[b] == 0: row
+    b belongs to an earlier program's tile and this one does nothing. The G query heads of
+    each of the QT rows are the MP (>= QT * G) rows of the score tile."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    # GP is at least 16 (tl.dot's smallest tile): the padded query rows are zeros, never stored.
-    offs_g = tl.arange(0, GP)
+    # MP is at least 16 (tl.dot's smallest tile): the padded query rows are zeros, never stored.
+    offs_m = tl.arange(0, MP)
     offs_d = tl.arange(0, DP)
     # A tile of TILE_BLOCKS blocks a loop iteration: one block (16 keys) at a time left each
     # program waiting on a chain of dependent loads (table -> K -> V) per 16 keys, ~5 us a block
@@ -45,32 +52,48 @@ def _paged_decode_kernel(
     offs_t = tl.arange(0, TILE_BLOCKS * BLOCK)
     tile_block = offs_t // BLOCK
     in_block = offs_t % BLOCK
-    gmask = offs_g < G
     dmask = offs_d < D
-    heads = kvh * G + offs_g
+    if QT == 1:
+        rows = b + offs_m * 0
+        mmask = offs_m < G
+        heads = kvh * G + offs_m
+    else:
+        n_rows = tl.load(tiles_ptr + b)
+        tok = offs_m // G
+        rows = b + tok
+        mmask = (tok < n_rows) & (offs_m < QT * G)
+        heads = kvh * G + offs_m % G
     q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=gmask[:, None] & dmask[None, :], other=0.0,
+        q_ptr + rows.to(tl.int64)[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mmask[:, None] & dmask[None, :], other=0.0,
     ).to(tl.float32)
-    ctx = tl.load(lens_ptr + b)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DP], tl.float32)
+    m_i = tl.full([MP], float("-inf"), tl.float32)
+    l_i = tl.zeros([MP], tl.float32)
+    acc = tl.zeros([MP, DP], tl.float32)
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_kh
     table = tables_ptr + b.to(tl.int64) * stride_tb
-    num_blocks = tl.cdiv(ctx, BLOCK)
-    # Sliding window: keys before `first` are out of sight, and whole blocks of them are skipped.
-    first = 0
-    if WINDOW > 0:
-        first = tl.maximum(ctx - WINDOW, 0)
+    if QT == 1:
+        ctx = tl.load(lens_ptr + b)
+        # Sliding window: keys before `first` are out of sight, and whole blocks of them are skipped.
+        first = 0
+        if WINDOW > 0:
+            first = tl.maximum(ctx - WINDOW, 0)
+    else:
+        # Each row sees keys [row_first, row_ctx); the tile walks the union, which starts at its
+        # first row's window and ends at its last row's context (0: an empty program).
+        row_ctx = tl.load(lens_ptr + rows, mask=mmask, other=0)
+        ctx = tl.max(row_ctx, axis=0)
+        row_first = row_ctx * 0
+        if WINDOW > 0:
+            row_first = tl.maximum(row_ctx - WINDOW, 0)
+        first = tl.min(tl.where(mmask, row_first, 2147483647), axis=0)
+        first = tl.minimum(first, ctx)
     lo = first // BLOCK
-    hi = num_blocks
+    hi = tl.cdiv(ctx, BLOCK)
     if SPLITS > 1:
         lo = tl.maximum(lo, sp * blocks_per_split)
         hi = tl.minimum(hi, (sp + 1) * blocks_per_split)
-    # Every tile starting in [lo, hi) holds at least one visible key (its first block does), so
-    # m_new is finite from the first tile on.
     for i in range(lo, hi, TILE_BLOCKS):
         idx = i + tile_block
         in_range = idx < hi
@@ -80,27 +103,39 @@ def _paged_decode_kernel(
         slots = block * BLOCK + in_block
         kv_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GP, tile]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [MP, tile]
+        if QT == 1:
+            # Every tile starting in [lo, hi) holds at least one visible key (its first block
+            # does), so m_new is finite from the first tile on.
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = m_new
+        else:
+            seen = valid[None, :] & (pos[None, :] < row_ctx[:, None]) & (pos[None, :] >= row_first[:, None])
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row may see no key of a tile (the keys are past its position, or before its
+            # window): its max stays -inf, and -inf - -inf must not make NaNs.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_ref[:, None])
+        alpha = tl.exp(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     if SPLITS == 1:
-        out = acc / l_i[:, None]
+        # l_i is 0 only on padded rows, never stored.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
-            out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :],
+            out_ptr + rows.to(tl.int64)[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :],
         )
     else:
         # Partials [B, H, SPLITS] and [B, H, SPLITS, DP], float32; an empty split leaves m = -inf, l = 0.
-        row = (b.to(tl.int64) * H + heads) * SPLITS + sp
-        tl.store(part_m_ptr + row, m_i, mask=gmask)
-        tl.store(part_l_ptr + row, l_i, mask=gmask)
-        tl.store(part_o_ptr + row[:, None] * DP + offs_d[None, :], acc, mask=gmask[:, None])
+        part = (rows.to(tl.int64) * H + heads) * SPLITS + sp
+        tl.store(part_m_ptr + part, m_i, mask=mmask)
+        tl.store(part_l_ptr + part, l_i, mask=mmask)
+        tl.store(part_o_ptr + part[:, None] * DP + offs_d[None, :], acc, mask=mmask[:, None])
 
 
 @triton.jit
@@ -146,6 +181,26 @@ def auto_splits(num_seqs: int, kv_heads: int, table_blocks: int, device: torch.d
 MIN_SPLIT_BLOCKS = 4
 MAX_SPLITS = 64
 TILE_KEYS = 64
+# Score rows (query tokens x the G heads of a KV head) a query tile aims for: tl.dot's tile.
+QUERY_TILE_ROWS = 64
+
+
+def query_tile_tokens(group: int, rows: int = QUERY_TILE_ROWS) -> int:
+    """Query tokens per tile for `group` query heads per KV head: about `rows` score rows."""
+    return max(1, rows // max(group, 1))
+
+
+def query_tiles(chunk_lens: list[int], tokens: int) -> list[int]:
+    """Tile lengths for a flat step whose chunks (in packed order) have these token counts: each
+    chunk cut into tiles of at most `tokens` rows, a tile's length at its first row and 0 on the
+    rows it covers (paged_decode_attention's `query_tiles`)."""
+    out: list[int] = []
+    for n in chunk_lens:
+        for start in range(0, n, tokens):
+            size = min(tokens, n - start)
+            out.append(size)
+            out.extend([0] * (size - 1))
+    return out
 
 
 def paged_decode_attention(
@@ -159,18 +214,26 @@ def paged_decode_attention(
     window: int = 0,
     splits: int = 1,
     tile_keys: int = TILE_KEYS,
+    query_tiles: torch.Tensor | None = None,
+    tile_tokens: int = 1,
 ) -> torch.Tensor:
     """q [B, H, d]; k/v_cache [kvh, slots, d]; block_tables [B, max_blocks] int32; context_lens
     [B] int32 (keys 0..len-1 are visible, only len-window.. with a sliding `window` > 0; the
     current token's K/V already written) -> [B, H, d]. `splits` > 1 cuts each context's table
     into that many parts, run as separate programs and merged after (auto_splits chooses).
-    `tile_keys` keys (whole blocks, at least 16) are read per loop iteration."""
+    `tile_keys` keys (whole blocks, at least 16) are read per loop iteration.
+
+    `query_tiles` [B] int32 with `tile_tokens` > 1: rows scored together (see query_tiles(); at
+    most `tile_tokens` a tile, a tile's rows one sequence's consecutive positions with the same
+    block table). The result is the same as without; only the K/V reads are shared."""
     B, H, D = q.shape
     kvh = k_cache.shape[0]
     if block_size & (block_size - 1) or H % kvh or k_cache.stride(2) != 1:
         raise ValueError("paged_decode_attention needs a power-of-two block size, H % kvh == 0, contiguous head dim")
     if splits < 1:
         raise ValueError(f"splits must be at least 1, not {splits}")
+    if tile_tokens < 1 or (tile_tokens > 1) != (query_tiles is not None):
+        raise ValueError("query_tiles and tile_tokens > 1 go together")
     G = H // kvh
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -178,6 +241,7 @@ def paged_decode_attention(
         return out
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
+    tiles = lens if query_tiles is None else query_tiles.to(torch.int32).contiguous()  # unused when QT == 1
     splits = max(1, min(splits, tables.shape[1]))
     per_split = -(-tables.shape[1] // splits)
     DP = max(16, triton.next_power_of_2(D))  # tl.dot's smallest tile
@@ -188,11 +252,11 @@ def paged_decode_attention(
     else:
         part_m = part_l = part_o = out  # unused
     _paged_decode_kernel[(B, kvh, splits)](
-        q, k_cache, v_cache, out, part_m, part_l, part_o, tables, lens, float(scale), per_split,
+        q, k_cache, v_cache, out, part_m, part_l, part_o, tables, lens, tiles, float(scale), per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
         out.stride(0), out.stride(1),
-        H=H, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, BLOCK=block_size,
-        TILE_BLOCKS=max(1, max(tile_keys, 16) // block_size), WINDOW=int(window), SPLITS=splits,
+        H=H, G=G, MP=max(16, triton.next_power_of_2(tile_tokens * G)), D=D, DP=DP, BLOCK=block_size,
+        TILE_BLOCKS=max(1, max(tile_keys, 16) // block_size), WINDOW=int(window), SPLITS=splits, QT=tile_tokens,
     )
     if splits > 1:
         _combine_splits_kernel[(B, H)](

@@ -229,3 +229,61 @@ def test_auto_splits_fill_the_gpu_only_where_a_batch_leaves_it_idle(monkeypatch)
     assert paged_attention.auto_splits(256, 2, 256, cuda) == 1
     assert paged_attention.auto_splits(1, 2, 3, cuda) == 1  # too short to cut
     assert paged_attention.auto_splits(1, 2, 256, torch.device("cpu")) == 1
+
+
+def _flat_step(chunks, H, kvh, D, bs, seed):
+    """A flat step's rows: each (start, n) chunk is one sequence's positions start..start+n-1, a
+    row per position with the sequence's block table; n == 1 is a decode row."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-(start + n) // bs) for start, n in chunks)
+    num_blocks = width * len(chunks) + 4
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    kc = torch.randn(kvh, num_blocks * bs, D, generator=g)
+    vc = torch.randn(kvh, num_blocks * bs, D, generator=g)
+    tables, lens = [], []
+    for i, (start, n) in enumerate(chunks):
+        row = perm[i * width : (i + 1) * width]
+        for p in range(start, start + n):
+            tables.append(row)
+            lens.append(p + 1)
+    q = torch.randn(len(lens), H, D, generator=g)
+    return (q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), torch.stack(tables).to(DEVICE),
+            torch.tensor(lens, dtype=torch.int32).to(DEVICE))
+
+
+@pytest.mark.parametrize("H,kvh,D,tokens,splits,window", [
+    (14, 2, 64, 9, 1, 0), (14, 2, 64, 9, 1, 21), (14, 2, 64, 9, 3, 0), (14, 2, 64, 4, 4, 37),
+    (8, 8, 32, 16, 1, 0), (6, 1, 48, 3, 3, 21), (4, 2, 128, 2, 1, 0),
+])
+def test_query_tiles_score_a_chunks_rows_together(H, kvh, D, tokens, splits, window):
+    # A flat step as the runner lays it out: decode rows, a chunk starting a prompt, chunks in
+    # the middle of one (on and off block edges), one shorter than a tile and one of several
+    # tiles with a ragged last. Each tile's rows read row b's table only: the covered rows'
+    # tables are overwritten with other blocks, which a per-row read would attend.
+    from kernels import paged_attention
+
+    chunks = [(30, 1), (0, 23), (5, 1), (16, 2 * tokens + 1), (41, tokens - 1 or 1), (7, 40)]
+    bs = 8
+    q, kc, vc, tables, lens = _flat_step(chunks, H, kvh, D, bs, seed=H * 7 + tokens + splits + window)
+    scale = D ** -0.5
+    want = _contiguous_attention(q, kc, vc, tables, lens, bs, scale, window=window)
+    tiles = paged_attention.query_tiles([n for _, n in chunks], tokens)
+    assert len(tiles) == q.shape[0] and max(tiles) <= tokens
+    covered = torch.tensor(tiles, device=DEVICE) == 0
+    tables[covered] = tables[covered].flip(1)
+    got = kernels.paged_decode_attention(q, kc, vc, tables, lens, bs, scale, window=window, splits=splits,
+                                         query_tiles=torch.tensor(tiles, dtype=torch.int32, device=DEVICE),
+                                         tile_tokens=tokens, use_triton=True)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_query_tiles_cut_chunks_at_their_own_starts():
+    from kernels import paged_attention
+
+    assert paged_attention.query_tiles([1, 5, 1, 3], 2) == [1, 2, 0, 2, 0, 1, 1, 2, 0, 1]
+    assert paged_attention.query_tiles([4], 4) == [4, 0, 0, 0]
+    assert paged_attention.query_tile_tokens(7) == 9 and paged_attention.query_tile_tokens(1) == 64
+    assert paged_attention.query_tile_tokens(128) == 1
+    q, kc, vc, tables, lens = _case(2, 4, 2, 32, 16, num_blocks=8, seed=1)
+    with pytest.raises(ValueError, match="go together"):
+        kernels.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.17, tile_tokens=4, use_triton=True)
