@@ -12,6 +12,11 @@ the runner's scratch blocks, which no sequence owns, and their logits are droppe
 never touch a real sequence's cache. Steps with prefill chunks, or more sequences than the
 largest bucket, run eagerly.
 
+With query tiles on (ModelRunner.query_tile > 1), buckets of at least TILED_MIN_BATCH rows are
+captured a second time with the tiled kernel, for flat steps: there a prefill chunk's rows read
+each K/V tile once together. Decode steps keep the untiled graphs, whose score tiles are a
+single row's heads.
+
 Capture is checked before use: the largest bucket replays a batch of distinct tokens whose
 attention runs over the scratch blocks (positions 0..block_size-1 per block, like a short
 prefill done token by token) and must match the eager forward pass on the same inputs. On a
@@ -33,6 +38,9 @@ if TYPE_CHECKING:
 Forward = Callable[[], torch.Tensor]
 # (forward, memory pool) -> (replay(), the tensor replay() refreshes)
 Capture = Callable[[Forward, Any], tuple[Callable[[], None], torch.Tensor]]
+
+# Flat steps carrying a prefill chunk have at least this many rows; smaller buckets keep one set.
+TILED_MIN_BATCH = 16
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -86,24 +94,47 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((top,), runner.scratch_slot, dtype=torch.long, device=dev)
         self.block_tables = torch.full((top, self.max_blocks), runner.scratch_block, dtype=torch.int32, device=dev)
         self.context_lens = torch.ones(top, dtype=torch.int32, device=dev)
+        self.query_tiles = torch.ones(top, dtype=torch.int32, device=dev)
         arange = torch.arange(top, dtype=torch.long, device=dev)
         self.replays = 0  # steps served from a graph
+        self.tiled_replays = 0  # of which flat steps with query tiles
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self._tiled: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         self._batches: dict[int, BatchInput] = {}
+        self._tiled_batches: dict[int, BatchInput] = {}
+        tile = runner.query_tile
         for b in self.buckets:
             group = AttentionGroup(arange[:b], arange[:b], None, None, b, 1,
                                    block_tables=self.block_tables[:b], context_lens=self.context_lens[:b])
             self._batches[b] = BatchInput(self.input_ids[:b], self.positions[:b], self.slot_mapping[:b], [group],
                                           arange[:b], max_position=0, decode_only=True)
+            if tile > 1 and b >= TILED_MIN_BATCH:
+                # Splits as for one chunk filling the bucket: its tiles are the programs.
+                tiled = AttentionGroup(arange[:b], arange[:b], None, None, b, 1, block_tables=self.block_tables[:b],
+                                       context_lens=self.context_lens[:b], query_tiles=self.query_tiles[:b],
+                                       num_tiles=-(-b // tile))
+                self._tiled_batches[b] = BatchInput(self.input_ids[:b], self.positions[:b], self.slot_mapping[:b],
+                                                    [tiled], arange[:b], max_position=0, decode_only=True)
         pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         # Inference mode as in forward(): the captured outputs are inference tensors, which only
         # inference mode may update in place.
+        # Why the tiled graphs are not in use (their capture failed, or they disagreed with the
+        # untiled pass); the decode graphs stay either way.
+        self.tiled_problem: Optional[str] = None
         with torch.inference_mode():
-            for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
-                self._reset_padding(0, b)
-                batch = self._batches[b]
-                self._graphs[b] = capture(lambda batch=batch: runner.eager_forward(batch), pool)
+            self._capture(self._graphs, self._batches, capture, pool)
+            try:
+                self._capture(self._tiled, self._tiled_batches, capture, pool)
+            except Exception as exc:
+                self._tiled.clear()
+                self.tiled_problem = f"capture failed: {type(exc).__name__}: {exc}"
         self._reset_padding(0, top)
+
+    def _capture(self, graphs: dict, batches: dict, capture: Capture, pool: Any) -> None:
+        for b in sorted(batches, reverse=True):  # largest first: the smaller ones reuse its memory
+            self._reset_padding(0, b)
+            batch = batches[b]
+            graphs[b] = capture(lambda batch=batch: self.runner.eager_forward(batch), pool)
 
     def _reset_padding(self, start: int, end: int) -> None:
         self.input_ids[start:end] = 0
@@ -111,6 +142,7 @@ class DecodeGraphs:
         self.slot_mapping[start:end] = self.runner.scratch_slot
         self.block_tables[start:end, 0] = self.runner.scratch_block
         self.context_lens[start:end] = 1
+        self.query_tiles[start:end] = 1
 
     def bucket(self, n: int) -> Optional[int]:
         return next((b for b in self.buckets if b >= n), None)
@@ -134,7 +166,13 @@ class DecodeGraphs:
         self.context_lens[:n].copy_(group.context_lens)
         if b > n:
             self._reset_padding(n, b)
-        replay, logits = self._graphs[b]
+        # A flat step's tiles where a tiled graph holds it; else its rows go one by one, which
+        # the decode graph does as well.
+        tiled = group.query_tiles is not None and b in self._tiled
+        if tiled:
+            self.query_tiles[:n].copy_(group.query_tiles)
+            self.tiled_replays += 1
+        replay, logits = (self._tiled if tiled else self._graphs)[b]
         replay()
         self.replays += 1
         # The graph computes every row's logits. A decode step wants them all, in order; a flat
@@ -146,7 +184,21 @@ class DecodeGraphs:
     @torch.inference_mode()
     def self_check(self, atol: float = 1e-2) -> Optional[str]:
         """Replay the largest bucket on distinct tokens and compare with the eager pass; None if
-        they agree, else what differed. Uses only the scratch blocks."""
+        they agree, else what differed. Uses only the scratch blocks. The largest tiled graph
+        replays the same rows as chunks (a scratch block's rows each) against the untiled eager
+        pass, which checks the tiled kernel too; on a mismatch only the tiled graphs go
+        (tiled_problem)."""
+        b = self.max_batch
+        problem = self._check(self._graphs[b], self._batches[b], atol)
+        if problem is None and b in self._tiled:
+            tiled_problem = self._check(self._tiled[b], self._batches[b], atol, tiled=True)
+            if tiled_problem:
+                self._tiled.clear()
+                self.tiled_problem = tiled_problem
+        return problem
+
+    def _check(self, graph: tuple[Callable[[], None], torch.Tensor], eager: "BatchInput", atol: float,
+               tiled: bool = False) -> Optional[str]:
         runner = self.runner
         b = self.max_batch
         bs = runner.block_size
@@ -157,11 +209,17 @@ class DecodeGraphs:
         self.slot_mapping[:b] = blocks * bs + rows % bs
         self.block_tables[:b, 0] = blocks.to(torch.int32)
         self.context_lens[:b] = (rows % bs + 1).to(torch.int32)
+        if tiled:
+            from kernels import paged_attention
+
+            chunks = [bs] * (b // bs) + ([b % bs] if b % bs else [])
+            tiles = paged_attention.query_tiles(chunks, runner.query_tile)
+            self.query_tiles[:b].copy_(torch.tensor(tiles, dtype=torch.int32))
         try:
-            replay, logits = self._graphs[b]
+            replay, logits = graph
             replay()
             got = logits.float().clone()
-            want = runner.eager_forward(self._batches[b]).float()
+            want = runner.eager_forward(eager).float()
         finally:
             self._reset_padding(0, b)
         if got.shape != want.shape:

@@ -382,6 +382,10 @@ class AttentionGroup:
     # see them (ModelRunner.mixed_window).
     window_mask: Optional[torch.Tensor] = None
     window_attn_bias: Optional[torch.Tensor] = None
+    # A flat step's query tiles for the Triton kernel (kernels/paged_attention.query_tiles): a
+    # prefill chunk's consecutive rows scored together; num_tiles programs do the work.
+    query_tiles: Optional[torch.Tensor] = None  # [n] int32
+    num_tiles: int = 0
 
 
 @dataclass
@@ -559,6 +563,20 @@ class ModelRunner:
         self.decode_splits = os.environ.get("LLM_DECODE_SPLITS", "auto")
         if self.decode_splits != "auto" and not (self.decode_splits.isdigit() and int(self.decode_splits) >= 1):
             raise ValueError(f"LLM_DECODE_SPLITS must be 'auto' or a number of at least 1, not {self.decode_splits!r}")
+        # Query tokens per tile in a flat step (the Triton kernel): a chunk's rows read each K/V
+        # tile once together instead of once each, which at a 3k-token prompt was most of a flat
+        # chunk step (6.5x the decode ITL on an H200, docs/BENCHMARKS.md). LLM_QUERY_TILE "auto"
+        # (about 64 score rows: query_tile_tokens) or a number; 1 (the default until a GPU has
+        # measured the tiles) reads per row.
+        self.query_tile = 1
+        tile = os.environ.get("LLM_QUERY_TILE", "1")
+        if tile != "auto" and not (tile.isdigit() and int(tile) >= 1):
+            raise ValueError(f"LLM_QUERY_TILE must be 'auto' or a number of at least 1, not {tile!r}")
+        if self.decode_attention == "triton":
+            from kernels import paged_attention
+
+            gqa = self.config.num_heads // self.config.num_kv_heads
+            self.query_tile = paged_attention.query_tile_tokens(gqa) if tile == "auto" else int(tile)
 
     def _splits(self, num_seqs: int, table_blocks: int) -> int:
         """Decode attention's splits per context for a group (static under a CUDA graph: the
@@ -586,6 +604,10 @@ class ModelRunner:
         except Exception as exc:  # a capture failure leaves the eager path intact
             problem = f"capture failed: {type(exc).__name__}: {exc}"
         self.graphs = None if problem else graphs
+        if not problem and graphs.tiled_problem:
+            # The tiles failed on this device: flat steps read per row, eager ones too.
+            log.warning("query tiles off (LLM_QUERY_TILE): %s", graphs.tiled_problem)
+            self.query_tile = 1
         return problem
 
     def _extend_rope(self, length: int) -> None:
@@ -770,7 +792,12 @@ class ModelRunner:
                 logits_index.append(base + n - 1)
             elif rows:
                 logits_index.extend(base + r for r in rows)
-        return self._paged_batch(input_ids, positions, slots, table_rows, logits_index)
+        tiles = None
+        if self.query_tile > 1 and self.decode_attention == "triton":
+            from kernels import paged_attention
+
+            tiles = paged_attention.query_tiles([len(c[0]) for c in chunks], self.query_tile)
+        return self._paged_batch(input_ids, positions, slots, table_rows, logits_index, tiles)
 
     def _prepare_general(self, chunks: list[tuple[list[int], int, list[int], Any]],
                          adapters: Optional[list[Optional[LoraAdapter]]] = None,
@@ -909,15 +936,18 @@ class ModelRunner:
         return self._paged_batch(input_ids, positions, slots, table_rows)
 
     def _paged_batch(self, input_ids: list[int], positions: list[int], slots: list[int], table_rows: list[list[int]],
-                     logits_index: Optional[list[int]] = None) -> BatchInput:
+                     logits_index: Optional[list[int]] = None, tiles: Optional[list[int]] = None) -> BatchInput:
         """A step as one paged group in packed order: every token one query of the paged kernel,
         seeing its sequence's blocks up to its own position (decode steps and flat steps).
-        `logits_index` None: every row's logits."""
+        `logits_index` None: every row's logits. `tiles`: the query tiles of a flat step."""
         dev = self.device
         index = host_tensor(range(len(input_ids)), torch.long, dev)
         group = AttentionGroup(index, index, None, None, len(input_ids), 1,
                                block_tables=host_tensor(table_rows, torch.int32, dev),
                                context_lens=host_tensor([p + 1 for p in positions], torch.int32, dev))
+        if tiles is not None and len(tiles) > sum(1 for t in tiles if t):
+            group.query_tiles = host_tensor(tiles, torch.int32, dev)
+            group.num_tiles = sum(1 for t in tiles if t)
         return BatchInput(
             input_ids=host_tensor(input_ids, torch.long, dev),
             positions=host_tensor(positions, torch.long, dev),
@@ -1002,7 +1032,7 @@ class ModelRunner:
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         # Each paged group's splits are the same in every layer: chosen once a step.
-        splits = [self._splits(g.num_seqs, g.block_tables.shape[1]) if g.block_tables is not None else 1
+        splits = [self._splits(g.num_tiles or g.num_seqs, g.block_tables.shape[1]) if g.block_tables is not None else 1
                   for g in batch.groups]
         for li, layer in enumerate(self.layers):
             x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
@@ -1033,7 +1063,8 @@ class ModelRunner:
                     out = kernels.paged_decode_attention(
                         q.contiguous() if attn is None else q[g.token_index], self.k_cache[li], self.v_cache[li],
                         g.block_tables, g.context_lens, self.block_size, scale, window=self.windows[li],
-                        splits=g_splits,
+                        splits=g_splits, query_tiles=g.query_tiles,
+                        tile_tokens=self.query_tile if g.query_tiles is not None else 1,
                         use_triton=self.decode_attention == "triton",
                     ).reshape(g.num_seqs, q_size)
                     if attn is None:

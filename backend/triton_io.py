@@ -169,7 +169,7 @@ def setting_flag(value: str) -> bool:
 # LLM_* variables read elsewhere than the llm model's settings: the other models, the kernels,
 # the tests and the debug switches.
 _OTHER_LLM_ENV = frozenset({
-    "LLM_MODEL_PATH", "LLM_CHAT_TEMPLATE", "LLM_TRUST_REQUEST_CHAT_TEMPLATE", "LLM_GC_FREEZE", "LLM_DECODE_SPLITS",
+    "LLM_MODEL_PATH", "LLM_CHAT_TEMPLATE", "LLM_TRUST_REQUEST_CHAT_TEMPLATE", "LLM_GC_FREEZE", "LLM_DECODE_SPLITS", "LLM_QUERY_TILE",
     "LLM_TEST_DEVICE", "LLM_PAGED_DECODE", "LLM_CPU_SAMPLING", "LLM_CPU_ATTENTION", "LLM_SAMPLING_DEFAULTS",
 })
 

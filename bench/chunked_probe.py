@@ -58,6 +58,8 @@ def main() -> None:
     decode = SamplingParams(max_new_tokens=2048, temperature=0.0, ignore_eos=True)
     results: dict[str, Any] = {"device": a.device, "model": str(a.model_path), "streams": a.streams,
                                "flat_prefill_tokens": a.flat_prefill_tokens,
+                               # LLM_QUERY_TILE: a flat chunk's rows scored in tiles of this many (1: per row)
+                               "query_tile": engine.model.query_tile,
                                "long_prompt_len": a.long_prompt_len,
                                "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__,
                                "caps": {}}

@@ -1,14 +1,17 @@
 """The paged decode-attention kernel at each tile size, against SDPA over gathered blocks (the
 engine's `gather` path, LLM_PAGED_DECODE=0), timed in the same run on the same cache.
 
-    python -m bench.paged_decode_bench [--tiles 16 32 64 128] [--heads 14 --kv-heads 2 --head-dim 64] [--json OUT]
+    python -m bench.paged_decode_bench [--tiles 16 32 64 128] [--query-tiles 2 4 8 16] [--heads 14 --kv-heads 2 --head-dim 64] [--json OUT]
 
 Shapes are by default the random 0.4B Qwen2's (14 query heads, 2 KV heads, head dim 64; a
 Llama-3-8B layer is --heads 32 --kv-heads 8 --head-dim 128), 16-key blocks, bf16 cache: decode
 batches of 1, 8 and 64 over 1k contexts, and 128 rows over 3k contexts (a flat chunked-prefill
-step: each of a 3072-token prompt's chunk rows sees its own prefix). Each
-case runs with one split and with auto_splits, and each result is checked against the gathered
-SDPA. Prints microseconds per call (one layer) and SDPA's time over the kernel's. CUDA only:
+step: each of a 3072-token prompt's chunk rows sees its own prefix, through the prompt's one
+block table, as the engine lays it out; the fourteenth session's figures gave each row blocks
+of its own). Each case runs with one split and with auto_splits, and each result is checked
+against the gathered SDPA. The flat case then runs with query tiles (LLM_QUERY_TILE: a tile's
+rows read each K/V tile once together) of each --query-tiles size, tile_keys 64, with one
+split and with auto_splits counted over the tiles. Prints microseconds per call (one layer) and SDPA's time over the kernel's. CUDA only:
 the Triton interpreter's timings mean nothing.
 """
 
@@ -52,6 +55,8 @@ def _time_us(fn, iters: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiles", type=int, nargs="+", default=[16, 32, 64, 128], help="tile_keys values")
+    ap.add_argument("--query-tiles", type=int, nargs="*", default=[2, 4, 8, 16],
+                    help="query tokens per tile for the flat case (the kernel's tile_tokens)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--heads", type=int, default=14)
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -73,9 +78,12 @@ def main() -> None:
         num_blocks = rows * width + 8
         k_cache = torch.randn(kvh, num_blocks * bs, D, generator=g).to(dev, torch.bfloat16)
         v_cache = torch.randn(kvh, num_blocks * bs, D, generator=g).to(dev, torch.bfloat16)
+        flat = rows == 128
         tables = torch.randperm(num_blocks, generator=g)[: rows * width].reshape(rows, width).to(dev, torch.int32)
+        if flat:  # one prompt's rows: one table
+            tables = tables[:1].expand(rows, width).contiguous()
         # Flat-step rows see growing prefixes of one prompt; decode rows see full contexts.
-        lens = (torch.arange(ctx - rows + 1, ctx + 1) if rows == 128 else torch.full((rows,), ctx)).to(dev, torch.int32)
+        lens = (torch.arange(ctx - rows + 1, ctx + 1) if flat else torch.full((rows,), ctx)).to(dev, torch.int32)
         q = torch.randn(rows, H, D, generator=g).to(dev, torch.bfloat16)
         want = _gathered_sdpa(q, k_cache, v_cache, tables, lens, bs, scale).float()
         sdpa_us = _time_us(lambda: _gathered_sdpa(q, k_cache, v_cache, tables, lens, bs, scale), args.iters)
@@ -92,6 +100,22 @@ def main() -> None:
                        "max_abs_err_vs_sdpa": err}
                 results.append(row)
                 print(f"rows {rows:4d} ctx {ctx:5d} splits {splits:3d} tile {tile:4d}: kernel {us:8.1f} us, "
+                      f"gathered SDPA {sdpa_us:8.1f} us, ratio {sdpa_us / us:6.2f}, max |err| {err:.2e}", flush=True)
+        for tokens in args.query_tiles if flat else []:
+            tiles = torch.tensor(paged_attention.query_tiles([rows], tokens), dtype=torch.int32, device=dev)
+            tiled_auto = paged_attention.auto_splits(-(-rows // tokens), kvh, width, dev)
+            for splits in sorted({1, tiled_auto}):
+                def call():
+                    return paged_attention.paged_decode_attention(
+                        q, k_cache, v_cache, tables, lens, bs, scale, splits=splits, query_tiles=tiles,
+                        tile_tokens=tokens)
+                err = (call().float() - want).abs().max().item()
+                us = _time_us(call, args.iters)
+                results.append({"rows": rows, "context": ctx, "splits": splits, "tile_keys": paged_attention.TILE_KEYS,
+                                "query_tile_tokens": tokens, "kernel_us": round(us, 2),
+                                "sdpa_gathered_us": round(sdpa_us, 2), "sdpa_over_kernel": round(sdpa_us / us, 2),
+                                "max_abs_err_vs_sdpa": err})
+                print(f"rows {rows:4d} ctx {ctx:5d} splits {splits:3d} query tile {tokens:3d}: kernel {us:8.1f} us, "
                       f"gathered SDPA {sdpa_us:8.1f} us, ratio {sdpa_us / us:6.2f}, max |err| {err:.2e}", flush=True)
     if args.json:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),

@@ -30,6 +30,9 @@
 #              it: chunk steps 7.4 -> 1.9-2.3 ms) at caps 64/512 (chunks then cut to 128 less the
 #              decodes): the steps that carry a chunk laid out as decode rows and replayed from the
 #              decode graphs (max_num_seqs 128 buckets) -> chunked_flat_probe.json
+#   chunked_tiles  chunked_flat's probe on the 0.4B model at cap 128, LLM_QUERY_TILE 1 (each chunk
+#              row reads its own prefix) then auto (a chunk's rows scored in query tiles, from tiled
+#              graphs of their own) -> chunked_0.4b_query_tile_{1,auto}.json
 #   spec       speculative decoding against one token a step: n-gram on the demo model and on its
 #              repeating variant (every draft holds), and a draft model (a random 38M target drafted
 #              by its first layer), batch 1 and 8, outputs checked equal
@@ -42,7 +45,7 @@
 #              since an H200 measured it) -> decode_probe_0.4b.json (bench/decode_probe.py)
 #   paged      the paged decode-attention kernel alone at tile sizes 16-128 keys, one split and auto,
 #              against SDPA over gathered blocks, the 0.4B model's shapes (decode batches over 1k
-#              contexts, a flat chunk's 128 rows over 3k) -> paged_decode_bench.json
+#              contexts, a flat chunk's 128 rows over 3k, also in query tiles of 2-16 rows) -> paged_decode_bench.json
 #              (bench/paged_decode_bench.py; small cases are bound by the launch's host time); then
 #              a Llama-3-8B layer's shapes (head dim 128) at tiles 32 and 64 -> paged_decode_bench_d128.json
 #   kvdtype    the 0.4B model's engine with a bf16 vs fp8 / fp8_e5m2 KV cache in the same tight cache memory
@@ -158,7 +161,7 @@ PY
   du -sh .whl/serving
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [paged]=90 [prefill]=90 [decode]=150 [chunked]=90 [chunked_flat]=90 [spec]=120 [predicted]=120 [kvdtype]=170
+declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [paged]=90 [prefill]=90 [decode]=150 [chunked]=90 [chunked_flat]=90 [chunked_tiles]=120 [spec]=120 [predicted]=120 [kvdtype]=170
                   [serving]=300 [serving_0.4b]=200)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
@@ -249,6 +252,12 @@ run() {
       chunked) step chunked "$py" -m bench.chunked_probe --device cuda --profile --json "$OUT/chunked_probe.json" ;;
       chunked_flat) step chunked_flat "$py" -m bench.chunked_probe --device cuda --caps 64 512 --flat-prefill-tokens 128 \
                       --json "$OUT/chunked_flat_probe.json" ;;
+      chunked_tiles) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
+                     for tile in 1 auto; do
+                       step chunked_tiles env LLM_QUERY_TILE=$tile "$py" -m bench.chunked_probe --device cuda \
+                         --model-path /tmp/model-0.4b --caps 128 --flat-prefill-tokens 128 \
+                         --json "$OUT/chunked_0.4b_query_tile_$tile.json"
+                     done ;;
       paged) step paged "$py" -m bench.paged_decode_bench --json "$OUT/paged_decode_bench.json"
              # and a Llama-3-8B layer's shape (head dim 128: twice the registers per tile)
              step paged "$py" -m bench.paged_decode_bench --heads 32 --kv-heads 8 --head-dim 128 --tiles 32 64 \

@@ -188,6 +188,67 @@ def test_flat_prefill_steps_replay_decode_graphs_and_equal_the_general_layout(de
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+def _interpreted() -> bool:
+    import kernels.triton_ops as ops
+
+    return ops.interpreted()
+
+
+@pytest.mark.skipif(not _interpreted(), reason="the Triton kernel on CPU tensors: the interpreter only")
+def test_flat_steps_with_query_tiles_equal_the_general_layout(demo_model_path):
+    # LLM_QUERY_TILE: the Triton kernel (interpreted here) scores a flat chunk's rows four at a
+    # time from tiled graphs of their own; the captured tiled graph was checked against the
+    # untiled pass at start-up. The same tokens and prompt logprobs as the general layout.
+    def engine(tiled: bool) -> LLMEngine:
+        eng = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", dtype="float32", num_kv_blocks=BLOCKS,
+                                     block_size=BS, max_num_seqs=32, enable_prefix_caching=False,
+                                     max_num_batched_tokens=32, max_prefill_tokens_while_decoding=32,
+                                     flat_prefill_tokens=32 if tiled else 0))
+        if tiled:
+            eng.model = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=32)
+            eng.model.decode_attention, eng.model.query_tile, eng.model.flat_tokens = "triton", 4, 32
+            assert eng.model.enable_decode_graphs(capture=eager_replay) is None
+            assert eng.model.graphs.tiled_problem is None and eng.model.query_tile == 4
+        return eng
+
+    general, tiled = engine(False), engine(True)
+    rng = random.Random(12)
+    vocab = general.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (45, 3, 70, 20)]
+    params = [SamplingParams(max_new_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True,
+                             **({"return_logprob": True, "logprob_start_len": 0} if i == 0 else {}))
+              for i in range(4)]
+    want = general.generate(prompts, params)
+    got = tiled.generate(prompts, params)
+    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+    lp_got = [e[0] for e in got[0].logprobs["input_token_logprobs"]]
+    lp_want = [e[0] for e in want[0].logprobs["input_token_logprobs"]]
+    torch.testing.assert_close(torch.tensor(lp_got[1:]), torch.tensor(lp_want[1:]))
+    assert tiled.model.graphs.tiled_replays > 0
+    for eng in (general, tiled):
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.skipif(not _interpreted(), reason="the Triton kernel on CPU tensors: the interpreter only")
+def test_tiles_that_disagree_at_start_up_are_dropped(demo_model_path, monkeypatch):
+    # A tiled kernel that is wrong on this device: the start-up check against the untiled pass
+    # drops the tiled graphs and the tiles, and keeps the decode graphs.
+    from kernels import paged_attention
+
+    real = paged_attention.paged_decode_attention
+
+    def broken(*args, query_tiles=None, **kw):
+        out = real(*args, query_tiles=query_tiles, **kw)
+        return out if query_tiles is None else out * 1.5
+
+    monkeypatch.setattr(paged_attention, "paged_decode_attention", broken)
+    runner = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=16)
+    runner.decode_attention, runner.query_tile = "triton", 4
+    assert runner.enable_decode_graphs(capture=eager_replay) is None
+    assert runner.graphs is not None and runner.graphs.tiled_problem.startswith("max abs difference")
+    assert runner.query_tile == 1 and not runner.graphs._tiled
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graph capture: CUDA only")
 def test_cuda_graphs_equal_eager_on_gpu(demo_model_path):
     def engine(graphs: bool) -> LLMEngine:
@@ -206,9 +267,13 @@ def test_cuda_graphs_equal_eager_on_gpu(demo_model_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graph capture: CUDA only")
-def test_cuda_flat_prefill_steps_equal_eager_on_gpu(demo_model_path):
+@pytest.mark.parametrize("query_tile", ["1", "auto", "3"])
+def test_cuda_flat_prefill_steps_equal_eager_on_gpu(demo_model_path, query_tile, monkeypatch):
     # flat_prefill_tokens on a GPU: steps carrying prefill chunks replay the captured decode
-    # graphs; against the eager general layout, the same greedy tokens.
+    # graphs (with LLM_QUERY_TILE, tiled graphs of their own, checked at start-up against the
+    # untiled pass); against the eager general layout, the same greedy tokens.
+    monkeypatch.setenv("LLM_QUERY_TILE", query_tile)
+
     def engine(flat: bool) -> LLMEngine:
         return LLMEngine(EngineConfig(model_path=demo_model_path, device="cuda", dtype="float32", num_kv_blocks=BLOCKS,
                                       block_size=BS, max_num_seqs=32, max_num_batched_tokens=32,
@@ -225,6 +290,8 @@ def test_cuda_flat_prefill_steps_equal_eager_on_gpu(demo_model_path):
     got = flat.generate(prompts, params)
     assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
     assert flat.model.graphs.replays - replays > 10
+    assert flat.model.graphs.tiled_problem is None
+    assert (flat.model.graphs.tiled_replays > 0) == (query_tile != "1")
 
 
 def test_cuda_runner_keeps_sdpa_off_cudnn(demo_model_path):
