@@ -469,7 +469,7 @@ def test_kernels_compile_for_cuda(tmp_path):
         from kernels import paged_attention as A
         P, I = "*fp32", "i32"
         paged = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", part_m_ptr=P, part_l_ptr=P,
-                     part_o_ptr=P, tables_ptr="*i32", lens_ptr="*i32", scale="fp32", blocks_per_split=I,
+                     part_o_ptr=P, tables_ptr="*i32", lens_ptr="*i32", tiles_ptr="*i32", scale="fp32", blocks_per_split=I,
                      stride_qb=I, stride_qh=I, stride_kh=I, stride_ks=I, stride_tb=I, stride_ob=I, stride_oh=I)
         combine = dict(part_m_ptr=P, part_l_ptr=P, part_o_ptr=P, out_ptr="*bf16", stride_ob=I, stride_oh=I)
         specs = [
@@ -486,10 +486,14 @@ def test_kernels_compile_for_cuda(tmp_path):
              stride_x=I), dict(ROWS=1, BLOCK=2048)),
             (T._log_softmax_kernel, dict(x_ptr=P, out_ptr=P, B=I, V=I, stride_x=I, stride_o=I), dict(ROWS=1, BLOCK=2048)),
             # decode attention: bf16 caches, head_dim 128, GQA 4 (padded to tl.dot's 16 rows),
-            # 64-key tiles; full and sliding-window, whole contexts and split ones, and the merge
-            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=1)),
-            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=4096, SPLITS=1)),
-            (A._paged_decode_kernel, paged, dict(H=32, G=4, GP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=17)),
+            # 64-key tiles; full and sliding-window, whole contexts and split ones, and the merge;
+            # query tiles (a flat chunk's rows together): 16 rows of GQA 4, 9 rows of the 0.4B's GQA 7
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=1, QT=1)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=4096, SPLITS=1, QT=1)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=17, QT=1)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=64, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=1, QT=16)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=64, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=4096, SPLITS=5, QT=16)),
+            (A._paged_decode_kernel, paged, dict(H=14, G=7, MP=64, D=64, DP=64, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=1, QT=9)),
             (A._combine_splits_kernel, combine, dict(H=32, D=128, DP=128, SPLITS=17, SP=32)),
         ]
         for fn, sig, consts in specs:
@@ -508,4 +512,4 @@ def test_kernels_compile_for_cuda(tmp_path):
     if res.returncode != 0 and ("ptxas" in res.stderr and "not found" in res.stderr.lower()):
         pytest.skip("no ptxas available")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled 11" in res.stdout
+    assert "compiled 14" in res.stdout
