@@ -58,6 +58,9 @@
 #              left to take 0.85 of the free memory, the bench's engines and the server's cannot
 #              all fit (an H200 run's second in-process engine lost its CUDA graphs to OOM)
 #              (SERVING_ARGS adds arguments). tritonserver comes from .whl/serving/ (see fetch)
+#   tiles_0.4b  serving_bench's prefix-caching and chunked-prefill sections (engine in process) on
+#              the 0.4B model with LLM_QUERY_TILE 1 then auto: the two GPU targets a flat step's
+#              per-row reads missed -> prefix_chunked_0.4b_query_tile_{1,auto}.json
 #   serving_0.4b  the same on the random 0.4B Qwen2 -> serving_bench_0.4b.json + .png (SERVING_0_4B_ARGS
 #              replaces its default "--c1-requests 8 --alternating-rounds 0"; SERVING_ARGS still adds)
 # DEMO_ARGS adds arguments to both engine_vs_hf runs (e.g. --skip-one-by-one --rounds 3); SPEC_ARGS and
@@ -162,7 +165,7 @@ PY
 }
 
 declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [paged]=90 [prefill]=90 [decode]=150 [chunked]=90 [chunked_flat]=90 [chunked_tiles]=120 [spec]=120 [predicted]=120 [kvdtype]=170
-                  [serving]=300 [serving_0.4b]=200)
+                  [serving]=300 [serving_0.4b]=200 [tiles_0.4b]=120)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
   local name=$1
@@ -267,6 +270,11 @@ run() {
       predicted) step predicted "$py" -m bench.predicted_outputs --device cuda --draft-tokens 8 16 \
                    --json "$OUT/predicted_outputs.json" ${PREDICTED_ARGS:-} ;;
       serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" serving_bench ;;
+      tiles_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
+                  for tile in 1 auto; do
+                    LLM_QUERY_TILE=$tile SERVING_ARGS="--model-path /tmp/model-0.4b --only prefix,chunked ${SERVING_ARGS:-}" \
+                      step tiles_0.4b bash "$SCRIPT" _serving "$py" "$OUT" "prefix_chunked_0.4b_query_tile_$tile" nopng
+                  done ;;
       serving_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
                     SERVING_ARGS="--model-path /tmp/model-0.4b ${SERVING_0_4B_ARGS:---c1-requests 8 --alternating-rounds 0} ${SERVING_ARGS:-}" \
                       step serving_0.4b bash "$SCRIPT" _serving "$py" "$OUT" serving_bench_0.4b ;;
