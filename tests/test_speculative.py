@@ -10,6 +10,7 @@ repeats.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 
@@ -541,6 +542,29 @@ def test_verify_steps_replay_decode_graphs(demo_model_path):
         outs = eng.generate(prompts, eng.parse_params(raw))
         assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in ref]
         assert eng.model.graphs.replays > 5 and eng.stats().spec_accepted_tokens_total > 0
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernel on CPU tensors: the interpreter only")
+def test_verify_steps_in_query_tiles_give_the_tokens_of_decoding_one_at_a_time(demo_model_path):
+    """LLM_QUERY_TILE: a verify step's rows of one sequence (its last token and 4 drafts) are
+    consecutive positions under one table, scored in tiles of 3 and 2 by the Triton kernel
+    (interpreted, eagerly): the tokens of decoding one at a time."""
+    prompts = _prompts(3, seed=37)
+    raw = {"temperature": 0.8, "seed": 3, "repetition_penalty": 1.0, "max_new_tokens": 16, "ignore_eos": True}
+    ref, _ = _run(demo_model_path, prompts, raw)
+    eng = _engine(demo_model_path, NGRAM, num_kv_blocks=128, max_num_seqs=8)
+    eng.model.decode_attention, eng.model.query_tile = "triton", 3
+    tiled = []
+    real = eng.model._paged_batch
+    eng.model._paged_batch = lambda *a: tiled.append(len(a) > 5 and a[5] is not None and max(a[5]) > 1) or real(*a)
+    try:
+        eng.proposer = OracleProposer({tuple(p): o.new_token_ids for p, o in zip(prompts, ref)}, k=4, spoil=3)
+        outs = eng.generate(prompts, eng.parse_params(raw))
+        assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in ref]
+        assert any(tiled) and eng.stats().spec_accepted_tokens_total > 0
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     finally:
         eng.shutdown()
