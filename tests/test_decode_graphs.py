@@ -154,18 +154,7 @@ def test_flat_prefill_steps_replay_decode_graphs_and_equal_the_general_layout(de
     # rows (one paged-kernel query per token) and replayed from the decode graphs, which then
     # hand back only the logits the step wants (the chunks' last rows, prompt logprob rows).
     # Against the general layout, run eagerly: the same tokens and the same prompt logprobs.
-    def engine(flat: bool) -> LLMEngine:
-        eng = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", dtype="float32", num_kv_blocks=BLOCKS,
-                                     block_size=BS, max_num_seqs=32, enable_prefix_caching=False,
-                                     max_num_batched_tokens=32, max_prefill_tokens_while_decoding=32,
-                                     flat_prefill_tokens=32 if flat else 0))
-        if flat:
-            eng.model = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=32)
-            eng.model.flat_tokens = 32
-            assert eng.model.enable_decode_graphs(capture=eager_replay) is None
-        return eng
-
-    general, flat = engine(False), engine(True)
+    general, flat = _flat_engine(demo_model_path, False), _flat_engine(demo_model_path, True)
     flat_steps = []
     prepare_flat = flat.model._prepare_flat
     flat.model._prepare_flat = lambda chunks: flat_steps.append(sum(len(c[0]) for c in chunks)) or prepare_flat(chunks)
@@ -188,6 +177,22 @@ def test_flat_prefill_steps_replay_decode_graphs_and_equal_the_general_layout(de
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+def _flat_engine(path, flat: bool, query_tile: int = 1) -> LLMEngine:
+    """Steps of at most 32 tokens; `flat`: laid out flat and replayed from graphs (eager_replay),
+    `query_tile` > 1: through the Triton kernel (interpreted) in query tiles."""
+    eng = LLMEngine(EngineConfig(model_path=path, device="cpu", dtype="float32", num_kv_blocks=BLOCKS,
+                                 block_size=BS, max_num_seqs=32, enable_prefix_caching=False,
+                                 max_num_batched_tokens=32, max_prefill_tokens_while_decoding=32,
+                                 flat_prefill_tokens=32 if flat else 0))
+    if flat:
+        eng.model = ModelRunner(path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=32)
+        eng.model.flat_tokens = 32
+        if query_tile > 1:
+            eng.model.decode_attention, eng.model.query_tile = "triton", query_tile
+        assert eng.model.enable_decode_graphs(capture=eager_replay) is None
+    return eng
+
+
 def _interpreted() -> bool:
     import kernels.triton_ops as ops
 
@@ -199,19 +204,8 @@ def test_flat_steps_with_query_tiles_equal_the_general_layout(demo_model_path):
     # LLM_QUERY_TILE: the Triton kernel (interpreted here) scores a flat chunk's rows four at a
     # time from tiled graphs of their own; the captured tiled graph was checked against the
     # untiled pass at start-up. The same tokens and prompt logprobs as the general layout.
-    def engine(tiled: bool) -> LLMEngine:
-        eng = LLMEngine(EngineConfig(model_path=demo_model_path, device="cpu", dtype="float32", num_kv_blocks=BLOCKS,
-                                     block_size=BS, max_num_seqs=32, enable_prefix_caching=False,
-                                     max_num_batched_tokens=32, max_prefill_tokens_while_decoding=32,
-                                     flat_prefill_tokens=32 if tiled else 0))
-        if tiled:
-            eng.model = ModelRunner(demo_model_path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=32)
-            eng.model.decode_attention, eng.model.query_tile, eng.model.flat_tokens = "triton", 4, 32
-            assert eng.model.enable_decode_graphs(capture=eager_replay) is None
-            assert eng.model.graphs.tiled_problem is None and eng.model.query_tile == 4
-        return eng
-
-    general, tiled = engine(False), engine(True)
+    general, tiled = _flat_engine(demo_model_path, False), _flat_engine(demo_model_path, True, query_tile=4)
+    assert tiled.model.graphs.tiled_problem is None and tiled.model.query_tile == 4
     rng = random.Random(12)
     vocab = general.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (45, 3, 70, 20)]
