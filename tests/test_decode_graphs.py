@@ -177,16 +177,16 @@ def test_flat_prefill_steps_replay_decode_graphs_and_equal_the_general_layout(de
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-def _flat_engine(path, flat: bool, query_tile: int = 1) -> LLMEngine:
-    """Steps of at most 32 tokens; `flat`: laid out flat and replayed from graphs (eager_replay),
-    `query_tile` > 1: through the Triton kernel (interpreted) in query tiles."""
+def _flat_engine(path, flat: bool, query_tile: int = 1, tokens: int = 32) -> LLMEngine:
+    """Steps of at most `tokens` tokens; `flat`: laid out flat and replayed from graphs
+    (eager_replay), `query_tile` > 1: through the Triton kernel (interpreted) in query tiles."""
     eng = LLMEngine(EngineConfig(model_path=path, device="cpu", dtype="float32", num_kv_blocks=BLOCKS,
-                                 block_size=BS, max_num_seqs=32, enable_prefix_caching=False,
-                                 max_num_batched_tokens=32, max_prefill_tokens_while_decoding=32,
-                                 flat_prefill_tokens=32 if flat else 0))
+                                 block_size=BS, max_num_seqs=tokens, enable_prefix_caching=False,
+                                 max_num_batched_tokens=tokens, max_prefill_tokens_while_decoding=tokens,
+                                 flat_prefill_tokens=tokens if flat else 0))
     if flat:
-        eng.model = ModelRunner(path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=32)
-        eng.model.flat_tokens = 32
+        eng.model = ModelRunner(path, BLOCKS, BS, device="cpu", dtype=torch.float32, graph_batch=tokens)
+        eng.model.flat_tokens = tokens
         if query_tile > 1:
             eng.model.decode_attention, eng.model.query_tile = "triton", query_tile
         assert eng.model.enable_decode_graphs(capture=eager_replay) is None
@@ -204,12 +204,13 @@ def test_flat_steps_with_query_tiles_equal_the_general_layout(demo_model_path):
     # LLM_QUERY_TILE: the Triton kernel (interpreted here) scores a flat chunk's rows four at a
     # time from tiled graphs of their own; the captured tiled graph was checked against the
     # untiled pass at start-up. The same tokens and prompt logprobs as the general layout.
-    general, tiled = _flat_engine(demo_model_path, False), _flat_engine(demo_model_path, True, query_tile=4)
+    general = _flat_engine(demo_model_path, False, tokens=16)
+    tiled = _flat_engine(demo_model_path, True, query_tile=4, tokens=16)
     assert tiled.model.graphs.tiled_problem is None and tiled.model.query_tile == 4
     rng = random.Random(12)
     vocab = general.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (45, 3, 70, 20)]
-    params = [SamplingParams(max_new_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True,
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (45, 3, 30, 20)]
+    params = [SamplingParams(max_new_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True,
                              **({"return_logprob": True, "logprob_start_len": 0} if i == 0 else {}))
               for i in range(4)]
     want = general.generate(prompts, params)
