@@ -223,6 +223,24 @@ def _batch_item_of(client_id: str, rid: Optional[str]) -> bool:
             and client_id[len(rid) + 1 :].isdigit())
 
 
+# How long a one-response llm call may take to end after its answer (it ends at once).
+CALL_END_WAIT_S = 2.0
+
+
+async def _until_the_call_ends(responses: Any) -> None:
+    """Read a one-response call until the server ends it. Triton 2.51 answers an abort (its reply
+    goes out after the aborted stream's last response) and ends the call a moment later; a
+    channel closed in between (the frontend shutting down) left a request behind that kept `llm`
+    loaded through tritonserver's whole exit timeout (a bare-tritonserver repro: 12 of 28 stops
+    with the channel closed at once, 0 of 8 with each call read to its end)."""
+    try:
+        async with asyncio.timeout(CALL_END_WAIT_S):
+            async for _ in responses:
+                pass
+    except (TimeoutError, grpc.RpcError):
+        pass
+
+
 def _is_final(response: Any) -> bool:
     params = response.parameters
     return "triton_final_response" in params and params["triton_final_response"].bool_param
@@ -648,23 +666,27 @@ class TritonLLMClient:
         async def one() -> AsyncIterator[dict[str, Any]]:
             yield payload
 
+        answer: Optional[dict[str, Any]] = None
+        responses = self._get().stream_infer(one())
         try:
             async with asyncio.timeout(timeout):
-                async for result, error in self._get().stream_infer(one()):
+                async for result, error in responses:
                     if error is not None:
                         raise map_stream_error(error.message() if isinstance(error, InferenceServerException)
                                                else str(error))
                     meta = result.as_numpy("meta_info")
                     if meta is not None:
                         text = meta.reshape(-1)[0]
-                        return json.loads(text.decode() if isinstance(text, bytes) else text)
+                        answer = json.loads(text.decode() if isinstance(text, bytes) else text)
+                        break
                     if _is_final(result.get_response()):
-                        return None
+                        break
         except grpc.RpcError as exc:
             raise map_rpc_error(exc) from None
         except TimeoutError:
             raise unavailable(f"the llm model did not answer the {what} request") from None
-        return None
+        await _until_the_call_ends(responses)
+        return answer
 
     async def _abort(self, request_id: str) -> None:
         """Ask the engine model to drop `request_id`.

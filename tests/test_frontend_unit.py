@@ -2218,3 +2218,54 @@ def test_the_engines_facts_are_asked_again_after_a_while(monkeypatch):
     assert asyncio.run(facts()) == (2048, frozenset({8}))  # down: the last answer, not config.json's
     fresh = common.Context(Settings(model_name=MODEL), engine, SimpleNamespace(max_model_len=4096))
     assert asyncio.run(fresh.max_model_len()) == 4096  # never answered: config.json's
+
+
+class _OneAnswerCall:
+    """A fake one-response gRPC call: its answer, then (after `end_after` s, or never) its end."""
+
+    def __init__(self, meta: dict, end_after: float | None) -> None:
+        import numpy as np
+
+        self.answer = np.array([json.dumps(meta).encode()], dtype=np.object_)
+        self.end_after = end_after
+        self.sent = False
+        self.ended = False
+
+    def stream_infer(self, requests):
+        return self
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        import asyncio
+
+        if not self.sent:
+            self.sent = True
+            answer = self.answer
+            return type("Result", (), {"as_numpy": lambda _, name: answer})(), None
+        if self.end_after is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.end_after)
+        self.ended = True
+        raise StopAsyncIteration
+
+
+@pytest.mark.parametrize("end_after", [0.05, None])
+def test_a_one_response_llm_call_is_read_until_the_server_ends_it(monkeypatch, end_after):
+    # Triton 2.51 kept `llm` loaded at shutdown when the frontend closed its channel between an
+    # abort's answer and the end of that call (README): the call is read to its end, within
+    # CALL_END_WAIT_S when the server never ends it.
+    import asyncio
+
+    from openai_frontend import triton_client
+    from openai_frontend.triton_client import TritonLLMClient
+
+    monkeypatch.setattr(triton_client, "CALL_END_WAIT_S", 0.3)
+    client = TritonLLMClient("localhost:1", abort_model="llm")
+    call = client._client = _OneAnswerCall({"aborted": 1}, end_after)
+    t0 = time.monotonic()
+    answer = asyncio.run(client._llm_request([], "abort", 5, "abort.x"))
+    assert answer == {"aborted": 1}
+    assert call.ended == (end_after is not None)
+    assert time.monotonic() - t0 < 1.0

@@ -96,16 +96,11 @@ def _assert_all_gone(proc: subprocess.Popen, ports: list[int]) -> None:
 
 
 def _no_exit_timeout(text: str) -> None:
-    """tritonserver stopped within its exit timeout. Triton 2.51 sometimes keeps `llm` live after
-    cancelled streams with nothing in flight and our stub idle, its finalize never called (README,
-    "Known, not yet explained"): that case is reported as an expected failure, with the log that
-    shows it, so that everything else this test checks still counts; any other is a failure."""
-    if "Exit timeout expired" not in text:
-        return
-    shutdown = text[text.find("Waiting for in-flight requests"):][-4000:]
-    if "Found 0 model versions that have in-flight inferences" in shutdown and "Found 1 live models" in shutdown:
-        pytest.xfail("Triton 2.51 kept a model live at shutdown with nothing in flight (README: Known):\n" + shutdown)
-    raise AssertionError(shutdown)
+    """tritonserver stopped within its exit timeout. It once kept `llm` live here with nothing in
+    flight: the frontend closed its channel between an abort's answer and the end of that call
+    (README, "Triton 2.51 and aborts at shutdown"); any exit timeout is a failure."""
+    if "Exit timeout expired" in text:
+        raise AssertionError(text[text.find("Waiting for in-flight requests"):][-4000:])
 
 
 def _kill(proc: subprocess.Popen, ports: list[int]) -> None:
