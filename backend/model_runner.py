@@ -945,9 +945,10 @@ class ModelRunner:
         group = AttentionGroup(index, index, None, None, len(input_ids), 1,
                                block_tables=host_tensor(table_rows, torch.int32, dev),
                                context_lens=host_tensor([p + 1 for p in positions], torch.int32, dev))
-        if tiles is not None and len(tiles) > sum(1 for t in tiles if t):
+        num_tiles = sum(1 for t in tiles if t) if tiles is not None else 0
+        if num_tiles and num_tiles < len(tiles):  # some tile holds more than one row
             group.query_tiles = host_tensor(tiles, torch.int32, dev)
-            group.num_tiles = sum(1 for t in tiles if t)
+            group.num_tiles = num_tiles
         return BatchInput(
             input_ids=host_tensor(input_ids, torch.long, dev),
             positions=host_tensor(positions, torch.long, dev),
