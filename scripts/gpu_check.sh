@@ -32,7 +32,8 @@
 #              decode graphs (max_num_seqs 128 buckets) -> chunked_flat_probe.json
 #   chunked_tiles  chunked_flat's probe on the 0.4B model at cap 128, LLM_QUERY_TILE 1 (each chunk
 #              row reads its own prefix) then auto (a chunk's rows scored in query tiles, from tiled
-#              graphs of their own) -> chunked_0.4b_query_tile_{1,auto}.json
+#              graphs of their own), then auto with flat steps (eager past the graphs) and chunks of
+#              up to 512 -> chunked_0.4b_query_tile_{1,auto}_flat_{128,512}.json
 #   spec       speculative decoding against one token a step: n-gram on the demo model and on its
 #              repeating variant (every draft holds), and a draft model (a random 38M target drafted
 #              by its first layer), batch 1 and 8, outputs checked equal
@@ -256,10 +257,11 @@ run() {
       chunked_flat) step chunked_flat "$py" -m bench.chunked_probe --device cuda --caps 64 512 --flat-prefill-tokens 128 \
                       --json "$OUT/chunked_flat_probe.json" ;;
       chunked_tiles) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
-                     for tile in 1 auto; do
-                       step chunked_tiles env LLM_QUERY_TILE=$tile "$py" -m bench.chunked_probe --device cuda \
-                         --model-path /tmp/model-0.4b --caps 128 --flat-prefill-tokens 128 \
-                         --json "$OUT/chunked_0.4b_query_tile_$tile.json"
+                     for run in "1 128" "auto 128" "auto 512"; do
+                       set -- $run
+                       step chunked_tiles env LLM_QUERY_TILE=$1 "$py" -m bench.chunked_probe --device cuda \
+                         --model-path /tmp/model-0.4b --caps "$2" --flat-prefill-tokens "$2" \
+                         --json "$OUT/chunked_0.4b_query_tile_${1}_flat_$2.json"
                      done ;;
       paged) step paged "$py" -m bench.paged_decode_bench --json "$OUT/paged_decode_bench.json"
              # and a Llama-3-8B layer's shape (head dim 128: twice the registers per tile)
