@@ -158,23 +158,32 @@ def test_flat_prefill_steps_replay_decode_graphs_and_equal_the_general_layout(de
     flat_steps = []
     prepare_flat = flat.model._prepare_flat
     flat.model._prepare_flat = lambda chunks: flat_steps.append(sum(len(c[0]) for c in chunks)) or prepare_flat(chunks)
-    rng = random.Random(11)
-    vocab = general.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 45, 70, 9, 100)]
-    params = [SamplingParams(max_new_tokens=5 + 4 * i, temperature=0.0, ignore_eos=True,
-                             **({"return_logprob": True, "logprob_start_len": 0} if i == 1 else {}))
-              for i in range(5)]
-    want = general.generate(prompts, params)
-    got = flat.generate(prompts, params)
-    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
-    lp_got = [e[0] for e in got[1].logprobs["input_token_logprobs"]]
-    lp_want = [e[0] for e in want[1].logprobs["input_token_logprobs"]]
-    assert len(lp_got) == 45 and lp_got[0] is None and lp_want[0] is None
-    torch.testing.assert_close(torch.tensor(lp_got[1:]), torch.tensor(lp_want[1:]))
+    lp = _same_as_the_general_layout(general, flat, (3, 45, 70, 9, 100), new_tokens=(5, 4), logprobs_of=1, seed=11)
+    assert len(lp) == 45 and lp[0] is None
     assert flat_steps and max(flat_steps) > 1  # prefill chunks went flat ...
     assert flat.model.graphs.replays >= len(flat_steps)  # ... and replayed graphs, with the decodes
-    for eng in (general, flat):
+
+
+def _same_as_the_general_layout(general: LLMEngine, other: LLMEngine, lengths: tuple[int, ...],
+                                new_tokens: tuple[int, int], logprobs_of: int, seed: int) -> list:
+    """Greedy prompts of these lengths (prompt i: new_tokens[0] + i * new_tokens[1] tokens; prompt
+    `logprobs_of` with its prompt logprobs) on both engines: the same tokens and prompt logprobs,
+    both pools free after. Returns `other`'s prompt logprobs."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(general.vocab_size) for _ in range(n)] for n in lengths]
+    params = [SamplingParams(max_new_tokens=new_tokens[0] + new_tokens[1] * i, temperature=0.0, ignore_eos=True,
+                             **({"return_logprob": True, "logprob_start_len": 0} if i == logprobs_of else {}))
+              for i in range(len(lengths))]
+    want = general.generate(prompts, params)
+    got = other.generate(prompts, params)
+    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
+    lp_got = [e[0] for e in got[logprobs_of].logprobs["input_token_logprobs"]]
+    lp_want = [e[0] for e in want[logprobs_of].logprobs["input_token_logprobs"]]
+    assert lp_want[0] is None
+    torch.testing.assert_close(torch.tensor(lp_got[1:]), torch.tensor(lp_want[1:]))
+    for eng in (general, other):
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    return lp_got
 
 
 def _flat_engine(path, flat: bool, query_tile: int = 1, tokens: int = 32) -> LLMEngine:
@@ -207,21 +216,8 @@ def test_flat_steps_with_query_tiles_equal_the_general_layout(demo_model_path):
     general = _flat_engine(demo_model_path, False, tokens=16)
     tiled = _flat_engine(demo_model_path, True, query_tile=4, tokens=16)
     assert tiled.model.graphs.tiled_problem is None and tiled.model.query_tile == 4
-    rng = random.Random(12)
-    vocab = general.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (45, 3, 30, 20)]
-    params = [SamplingParams(max_new_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True,
-                             **({"return_logprob": True, "logprob_start_len": 0} if i == 0 else {}))
-              for i in range(4)]
-    want = general.generate(prompts, params)
-    got = tiled.generate(prompts, params)
-    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want]
-    lp_got = [e[0] for e in got[0].logprobs["input_token_logprobs"]]
-    lp_want = [e[0] for e in want[0].logprobs["input_token_logprobs"]]
-    torch.testing.assert_close(torch.tensor(lp_got[1:]), torch.tensor(lp_want[1:]))
+    _same_as_the_general_layout(general, tiled, (45, 3, 30, 20), new_tokens=(3, 2), logprobs_of=0, seed=12)
     assert tiled.model.graphs.tiled_replays > 0
-    for eng in (general, tiled):
-        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
 @pytest.mark.skipif(not _interpreted(), reason="the Triton kernel on CPU tensors: the interpreter only")
