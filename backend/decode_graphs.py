@@ -185,13 +185,19 @@ class DecodeGraphs:
     def self_check(self, atol: float = 1e-2) -> Optional[str]:
         """Replay the largest bucket on distinct tokens and compare with the eager pass; None if
         they agree, else what differed. Uses only the scratch blocks. The largest tiled graph
-        replays the same rows as chunks (a scratch block's rows each) against the untiled eager
-        pass, which checks the tiled kernel too; on a mismatch only the tiled graphs go
-        (tiled_problem)."""
+        replays the same rows as chunks (a scratch block's rows each) against the eager tiled
+        pass, and the tiled kernel is checked against the untiled one (_check_tiles); on a
+        mismatch only the tiled graphs go (tiled_problem)."""
         b = self.max_batch
         problem = self._check(self._graphs[b], self._batches[b], atol)
         if problem is None and b in self._tiled:
-            tiled_problem = self._check(self._tiled[b], self._batches[b], atol, tiled=True)
+            # The tiled graph against the eager tiled pass (the same kernel, the same splits),
+            # then the tiled kernel against the untiled one at one layer. Not the tiled graph
+            # against the untiled pass: in bf16 their reduction orders differ, an output moves by
+            # an ulp, and over a deep model's layers that grows past any fixed tolerance on the
+            # logits (0.047 of 2.9 on a 24-layer 0.4B model, an H200).
+            tiled_problem = (self._check(self._tiled[b], self._tiled_batches[b], atol, tiled=True)
+                             or self._check_tiles(atol))
             if tiled_problem:
                 self._tiled.clear()
                 self.tiled_problem = tiled_problem
@@ -222,8 +228,41 @@ class DecodeGraphs:
             want = runner.eager_forward(eager).float()
         finally:
             self._reset_padding(0, b)
-        if got.shape != want.shape:
-            return f"shape {tuple(got.shape)} against {tuple(want.shape)}"
-        err = (got - want).abs().max().item()
-        scale = max(want.abs().max().item(), 1.0)
-        return None if err <= atol * scale else f"max abs difference {err:.4g} (logits up to {scale:.4g})"
+        return _compare(got, want, atol, "logits")
+
+    def _check_tiles(self, atol: float) -> Optional[str]:
+        """The tiled kernel against the untiled one on the first layer's scratch blocks (their
+        K/V as _check left them), read as one sequence of max_batch tokens: query tiles that
+        cross blocks, each row masked at its own position, the splits the engine would use."""
+        import kernels
+        from kernels import paged_attention
+
+        runner = self.runner
+        c = runner.config
+        b = self.max_batch
+        dev = self.input_ids.device
+        width = -(-b // runner.block_size)
+        tables = (runner.scratch_block + torch.arange(width, dtype=torch.int32, device=dev)).expand(b, width)
+        lens = torch.arange(1, b + 1, dtype=torch.int32, device=dev)
+        tiles = paged_attention.query_tiles([b], runner.query_tile)
+        num_tiles = sum(1 for t in tiles if t)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn((b, c.num_heads, c.head_dim), generator=gen, device=dev).to(runner.dtype)
+
+        def attend(query_tiles: Optional[torch.Tensor], programs: int) -> torch.Tensor:
+            return kernels.paged_decode_attention(
+                q, runner.k_cache[0], runner.v_cache[0], tables, lens, runner.block_size, runner.layer_attn_scales[0],
+                window=runner.windows[0], splits=runner._splits(programs, width), query_tiles=query_tiles,
+                tile_tokens=runner.query_tile if query_tiles is not None else 1, use_triton=True).float()
+
+        got = attend(torch.tensor(tiles, dtype=torch.int32, device=dev), num_tiles)
+        want = attend(None, b)
+        return _compare(got, want, atol, "tiled attention")
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor, atol: float, what: str) -> Optional[str]:
+    if got.shape != want.shape:
+        return f"{what}: shape {tuple(got.shape)} against {tuple(want.shape)}"
+    err = (got - want).abs().max().item()
+    scale = max(want.abs().max().item(), 1.0)
+    return None if err <= atol * scale else f"max abs difference {err:.4g} ({what} up to {scale:.4g})"
