@@ -576,7 +576,7 @@ class ModelRunner:
             from kernels import paged_attention
 
             gqa = self.config.num_heads // self.config.num_kv_heads
-            self.query_tile = paged_attention.query_tile_tokens(gqa) if tile == "auto" else int(tile)
+            self.query_tile = paged_attention.query_tile_tokens(gqa, self.config.head_dim) if tile == "auto" else int(tile)
 
     def _splits(self, num_seqs: int, table_blocks: int) -> int:
         """Decode attention's splits per context for a group (static under a CUDA graph: the

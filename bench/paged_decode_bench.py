@@ -111,7 +111,7 @@ def main() -> None:
                         tile_tokens=tokens)
                 err = (call().float() - want).abs().max().item()
                 us = _time_us(call, args.iters)
-                results.append({"rows": rows, "context": ctx, "splits": splits, "tile_keys": paged_attention.TILE_KEYS,
+                results.append({"rows": rows, "context": ctx, "splits": splits, "tile_keys": paged_attention.default_tile_keys(D),
                                 "query_tile_tokens": tokens, "kernel_us": round(us, 2),
                                 "sdpa_gathered_us": round(sdpa_us, 2), "sdpa_over_kernel": round(sdpa_us / us, 2),
                                 "max_abs_err_vs_sdpa": err})

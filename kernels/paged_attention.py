@@ -181,12 +181,28 @@ def auto_splits(num_seqs: int, kv_heads: int, table_blocks: int, device: torch.d
 MIN_SPLIT_BLOCKS = 4
 MAX_SPLITS = 64
 TILE_KEYS = 64
+# Past head dim 64 a 64-key tile spills registers: on an H200 (bench/paged_decode_bench.py, head
+# dim 128) one row over 1k keys took 926 us at 64 keys and 197 at 32, 128 rows over 3k 23.4 ms
+# and 4.3.
+WIDE_HEAD_TILE_KEYS = 32
 # Score rows (query tokens x the G heads of a KV head) a query tile aims for: tl.dot's tile.
 QUERY_TILE_ROWS = 64
+# Query tiles pay up to this head dim. At 64 (H200, 128 rows over 3k keys) 8-token tiles took
+# 242 us against 347 for one row a program; at 128 every tile size lost to one row and to SDPA
+# (7.4 ms at best against 4.3 and 3.7), its score and output tiles past the registers.
+QUERY_TILE_MAX_HEAD_DIM = 64
 
 
-def query_tile_tokens(group: int, rows: int = QUERY_TILE_ROWS) -> int:
-    """Query tokens per tile for `group` query heads per KV head: about `rows` score rows."""
+def default_tile_keys(head_dim: int) -> int:
+    """Keys a loop iteration reads for this head dim."""
+    return TILE_KEYS if head_dim <= 64 else WIDE_HEAD_TILE_KEYS
+
+
+def query_tile_tokens(group: int, head_dim: int = 64, rows: int = QUERY_TILE_ROWS) -> int:
+    """Query tokens per tile for `group` query heads per KV head: about `rows` score rows, or 1
+    (no tiles) past QUERY_TILE_MAX_HEAD_DIM."""
+    if head_dim > QUERY_TILE_MAX_HEAD_DIM:
+        return 1
     return max(1, rows // max(group, 1))
 
 
@@ -213,7 +229,7 @@ def paged_decode_attention(
     scale: float,
     window: int = 0,
     splits: int = 1,
-    tile_keys: int = TILE_KEYS,
+    tile_keys: int | None = None,
     query_tiles: torch.Tensor | None = None,
     tile_tokens: int = 1,
 ) -> torch.Tensor:
@@ -221,7 +237,8 @@ def paged_decode_attention(
     [B] int32 (keys 0..len-1 are visible, only len-window.. with a sliding `window` > 0; the
     current token's K/V already written) -> [B, H, d]. `splits` > 1 cuts each context's table
     into that many parts, run as separate programs and merged after (auto_splits chooses).
-    `tile_keys` keys (whole blocks, at least 16) are read per loop iteration.
+    `tile_keys` keys (whole blocks, at least 16) are read per loop iteration (default:
+    default_tile_keys for the head dim).
 
     `query_tiles` [B] int32 with `tile_tokens` > 1: rows scored together (see query_tiles(); at
     most `tile_tokens` a tile, a tile's rows one sequence's consecutive positions with the same
@@ -235,6 +252,7 @@ def paged_decode_attention(
     if tile_tokens < 1 or (tile_tokens > 1) != (query_tiles is not None):
         raise ValueError("query_tiles and tile_tokens > 1 go together")
     G = H // kvh
+    tile_keys = default_tile_keys(D) if tile_keys is None else tile_keys
     q = q.contiguous()
     out = torch.empty_like(q)
     if B == 0:

@@ -284,6 +284,9 @@ def test_query_tiles_cut_chunks_at_their_own_starts():
     assert paged_attention.query_tiles([4], 4) == [4, 0, 0, 0]
     assert paged_attention.query_tile_tokens(7) == 9 and paged_attention.query_tile_tokens(1) == 64
     assert paged_attention.query_tile_tokens(128) == 1
+    # past head dim 64 tiles lost on an H200 at every size: auto is then off
+    assert paged_attention.query_tile_tokens(4, head_dim=128) == 1 and paged_attention.query_tile_tokens(4, 64) == 16
+    assert paged_attention.default_tile_keys(64) == 64 and paged_attention.default_tile_keys(128) == 32
     q, kc, vc, tables, lens = _case(2, 4, 2, 32, 16, num_blocks=8, seed=1)
     with pytest.raises(ValueError, match="go together"):
         kernels.paged_decode_attention(q, kc, vc, tables, lens, 16, 0.17, tile_tokens=4, use_triton=True)
