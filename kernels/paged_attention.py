@@ -24,16 +24,18 @@ import triton.language as tl
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, tables_ptr, lens_ptr, tiles_ptr, scale,
-    blocks_per_split,
     stride_qb, stride_qh, stride_kh, stride_ks, stride_tb, stride_ob, stride_oh,
     H: tl.constexpr, G: tl.constexpr, MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr, WINDOW: tl.constexpr, SPLITS: tl.constexpr,
     QT: tl.constexpr,
 ):
     """One program per (query row, KV head, split). SPLITS == 1: the whole context, normalized
-    into out. Else split `sp` covers blocks [sp * blocks_per_split, (sp + 1) * blocks_per_split)
-    and leaves its running max, sum and unnormalized output in the partial buffers, which
-    _combine_splits_kernel merges (flash-decoding: a short batch keeps more of the GPU busy).
+    into out. Else the blocks this program sees are cut into SPLITS parts of whole tiles; split
+    `sp` reads part sp and leaves its running max, sum and unnormalized output in the partial
+    buffers, which _combine_splits_kernel merges (flash-decoding: a short batch keeps more of
+    the GPU busy). The parts come from the program's own context, not the table's width: under
+    a CUDA graph the table is as wide as the longest context the model allows, and parts of
+    that width left a 3k-token context's work to 4 of 9 splits, a 1k one's to 3 of 17.
 
     QT > 1 (query tiles): program b scores rows b .. b + tiles[b] - 1 together, consecutive
     positions of one sequence (a prefill chunk laid out flat) that share row b's block table,
@@ -92,8 +94,9 @@ def _paged_decode_kernel(
     lo = first // BLOCK
     hi = tl.cdiv(ctx, BLOCK)
     if SPLITS > 1:
-        lo = tl.maximum(lo, sp * blocks_per_split)
-        hi = tl.minimum(hi, (sp + 1) * blocks_per_split)
+        per = tl.cdiv(tl.cdiv(hi - lo, SPLITS), TILE_BLOCKS) * TILE_BLOCKS
+        lo = lo + sp * per
+        hi = tl.minimum(hi, lo + per)
     for i in range(lo, hi, TILE_BLOCKS):
         idx = i + tile_block
         in_range = idx < hi
@@ -261,7 +264,6 @@ def paged_decode_attention(
     lens = context_lens.to(torch.int32).contiguous()
     tiles = lens if query_tiles is None else query_tiles.to(torch.int32).contiguous()  # unused when QT == 1
     splits = max(1, min(splits, tables.shape[1]))
-    per_split = -(-tables.shape[1] // splits)
     DP = max(16, triton.next_power_of_2(D))  # tl.dot's smallest tile
     if splits > 1:
         part_m = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
@@ -270,7 +272,7 @@ def paged_decode_attention(
     else:
         part_m = part_l = part_o = out  # unused
     _paged_decode_kernel[(B, kvh, splits)](
-        q, k_cache, v_cache, out, part_m, part_l, part_o, tables, lens, tiles, float(scale), per_split,
+        q, k_cache, v_cache, out, part_m, part_l, part_o, tables, lens, tiles, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
         out.stride(0), out.stride(1),
         H=H, G=G, MP=max(16, triton.next_power_of_2(tile_tokens * G)), D=D, DP=DP, BLOCK=block_size,

@@ -469,7 +469,7 @@ def test_kernels_compile_for_cuda(tmp_path):
         from kernels import paged_attention as A
         P, I = "*fp32", "i32"
         paged = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", part_m_ptr=P, part_l_ptr=P,
-                     part_o_ptr=P, tables_ptr="*i32", lens_ptr="*i32", tiles_ptr="*i32", scale="fp32", blocks_per_split=I,
+                     part_o_ptr=P, tables_ptr="*i32", lens_ptr="*i32", tiles_ptr="*i32", scale="fp32",
                      stride_qb=I, stride_qh=I, stride_kh=I, stride_ks=I, stride_tb=I, stride_ob=I, stride_oh=I)
         combine = dict(part_m_ptr=P, part_l_ptr=P, part_o_ptr=P, out_ptr="*bf16", stride_ob=I, stride_oh=I)
         specs = [

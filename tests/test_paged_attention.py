@@ -192,6 +192,29 @@ def test_split_contexts_merge_to_the_same_attention(splits, window):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [5, 17, 64])
+@pytest.mark.parametrize("window,tile_keys", [(0, 64), (21, 16), (50, 32)])
+def test_splits_cut_each_context_not_the_table_width(splits, window, tile_keys):
+    # A CUDA graph's tables are as wide as the model's longest context; each program cuts its
+    # own visible blocks into the splits (whole tiles each, so some splits may get none):
+    # contexts of 1 to 20 blocks in tables 64 wide, whose unused tail holds other blocks.
+    from kernels import paged_attention
+
+    B, H, kvh, D, bs, width = 6, 14, 2, 64, 8, 64
+    g = torch.Generator().manual_seed(splits * 3 + window + tile_keys)
+    lens = torch.tensor([1, 9, 33, 64, 100, 157])
+    tables = torch.randperm(B * width, generator=g).to(torch.int32).reshape(B, width)
+    kc = torch.randn(kvh, B * width * bs, D, generator=g).to(DEVICE)
+    vc = torch.randn(kvh, B * width * bs, D, generator=g).to(DEVICE)
+    q = torch.randn(B, H, D, generator=g).to(DEVICE)
+    tables, lens = tables.to(DEVICE), lens.to(DEVICE)
+    scale = D ** -0.5
+    got = paged_attention.paged_decode_attention(q, kc, vc, tables, lens, bs, scale, window=window, splits=splits,
+                                                 tile_keys=tile_keys)
+    want = _contiguous_attention(q, kc, vc, tables, lens, bs, scale, window=window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("tile_keys", [16, 32, 64, 128])
 @pytest.mark.parametrize("splits,window", [(1, 0), (1, 37), (3, 0), (5, 50)])
 def test_tiles_of_several_blocks_cover_every_context_once(tile_keys, splits, window):
