@@ -116,8 +116,8 @@ class DecodeGraphs:
                 self._tiled_batches[b] = BatchInput(self.input_ids[:b], self.positions[:b], self.slot_mapping[:b],
                                                     [tiled], arange[:b], max_position=0, decode_only=True)
         pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
-        # Why the tiled graphs are not in use (their capture failed, or they disagreed with the
-        # untiled pass); the decode graphs stay either way.
+        # Why the tiled graphs are not in use (their capture failed, or self_check found them or
+        # the tiled kernel wrong); the decode graphs stay either way.
         self.tiled_problem: Optional[str] = None
         # Inference mode as in forward(): the captured outputs are inference tensors, which only
         # inference mode may update in place.

@@ -564,10 +564,10 @@ class ModelRunner:
         if self.decode_splits != "auto" and not (self.decode_splits.isdigit() and int(self.decode_splits) >= 1):
             raise ValueError(f"LLM_DECODE_SPLITS must be 'auto' or a number of at least 1, not {self.decode_splits!r}")
         # Query tokens per tile in a flat step (the Triton kernel): a chunk's rows read each K/V
-        # tile once together instead of once each, which at a 3k-token prompt was most of a flat
-        # chunk step (6.5x the decode ITL on an H200, docs/BENCHMARKS.md). LLM_QUERY_TILE "auto"
-        # (about 64 score rows: query_tile_tokens) or a number; 1 (the default until a GPU has
-        # measured the tiles) reads per row.
+        # tile once together instead of once each. LLM_QUERY_TILE "auto" (about 64 score rows:
+        # query_tile_tokens) or a number; 1, the default, reads per row: on an H200 tiles made
+        # the graph-replayed chunk steps of a 3k-token prompt slower (p50 7.7 -> 11.1 ms, the
+        # kernel's float32 dots; docs/BENCHMARKS.md), though eager steps of 512 got faster.
         self.query_tile = 1
         tile = os.environ.get("LLM_QUERY_TILE", "1")
         if tile != "auto" and not (tile.isdigit() and int(tile) >= 1):
