@@ -27,7 +27,7 @@ def _paged_decode_kernel(
     stride_qb, stride_qh, stride_kh, stride_ks, stride_tb, stride_ob, stride_oh,
     H: tl.constexpr, G: tl.constexpr, MP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr, WINDOW: tl.constexpr, SPLITS: tl.constexpr,
-    QT: tl.constexpr,
+    QT: tl.constexpr, LOWP: tl.constexpr,
 ):
     """One program per (query row, KV head, split). SPLITS == 1: the whole context, normalized
     into out. Else the blocks this program sees are cut into SPLITS parts of whole tiles; split
@@ -42,6 +42,10 @@ def _paged_decode_kernel(
     so each K/V tile is read once for all of them instead of once per row; tiles[b] == 0: row
     b belongs to an earlier program's tile and this one does nothing. The G query heads of
     each of the QT rows are the MP (>= QT * G) rows of the score tile."""
+    # LOWP (query tiles with a bf16/fp16 query): the dots take their operands in the query's
+    # dtype, on tensor cores; a float32 dot costs a 64-row score tile about four 16-row ones,
+    # and tiles lost so on an H200. Scores stay exact products (K and Q are that dtype already),
+    # only the softmax weights are rounded for P @ V, as FlashAttention does.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -68,7 +72,9 @@ def _paged_decode_kernel(
     q = tl.load(
         q_ptr + rows.to(tl.int64)[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=mmask[:, None] & dmask[None, :], other=0.0,
-    ).to(tl.float32)
+    )
+    if not LOWP:
+        q = q.to(tl.float32)
     m_i = tl.full([MP], float("-inf"), tl.float32)
     l_i = tl.zeros([MP], tl.float32)
     acc = tl.zeros([MP, DP], tl.float32)
@@ -105,8 +111,11 @@ def _paged_decode_kernel(
         valid = in_range & (pos < ctx) & (pos >= first)
         slots = block * BLOCK + in_block
         kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [MP, tile]
+        k = tl.load(k_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        if LOWP:
+            s = tl.dot(q, tl.trans(k.to(q_ptr.dtype.element_ty))) * scale  # [MP, tile], float32
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         if QT == 1:
             # Every tile starting in [lo, hi) holds at least one visible key (its first block
             # does), so m_new is finite from the first tile on.
@@ -123,8 +132,12 @@ def _paged_decode_kernel(
         p = tl.exp(s - m_ref[:, None])
         alpha = tl.exp(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        v = tl.load(v_base + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        if LOWP:
+            pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
+        else:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     if SPLITS == 1:
         # l_i is 0 only on padded rows, never stored.
@@ -165,6 +178,14 @@ def _combine_splits_kernel(
 
 
 _SM_COUNT: dict[int, int] = {}
+
+
+def _interpreted() -> bool:
+    # Triton's CPU interpreter (3.x) multiplies bf16 dot operands as raw bits: there the tiles
+    # keep float32 dots. Only a GPU runs the bf16 ones (tests/test_paged_attention.py).
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_paged_decode_kernel, InterpretedFunction)
 
 
 def auto_splits(num_seqs: int, kv_heads: int, table_blocks: int, device: torch.device) -> int:
@@ -277,6 +298,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         H=H, G=G, MP=max(16, triton.next_power_of_2(tile_tokens * G)), D=D, DP=DP, BLOCK=block_size,
         TILE_BLOCKS=max(1, max(tile_keys, 16) // block_size), WINDOW=int(window), SPLITS=splits, QT=tile_tokens,
+        LOWP=tile_tokens > 1 and q.dtype in (torch.bfloat16, torch.float16) and not _interpreted(),
     )
     if splits > 1:
         _combine_splits_kernel[(B, H)](

@@ -487,13 +487,15 @@ def test_kernels_compile_for_cuda(tmp_path):
             (T._log_softmax_kernel, dict(x_ptr=P, out_ptr=P, B=I, V=I, stride_x=I, stride_o=I), dict(ROWS=1, BLOCK=2048)),
             # decode attention: bf16 caches, head_dim 128, GQA 4 (padded to tl.dot's 16 rows),
             # 64-key tiles; full and sliding-window, whole contexts and split ones, and the merge;
-            # query tiles (a flat chunk's rows together): 16 rows of GQA 4, 9 rows of the 0.4B's GQA 7
-            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=1, QT=1)),
-            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=4096, SPLITS=1, QT=1)),
-            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=17, QT=1)),
-            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=64, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=1, QT=16)),
-            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=64, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=4096, SPLITS=5, QT=16)),
-            (A._paged_decode_kernel, paged, dict(H=14, G=7, MP=64, D=64, DP=64, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=1, QT=9)),
+            # query tiles (a flat chunk's rows together): 16 rows of GQA 4, 9 rows of the 0.4B's GQA 7,
+            # float32 dots and bf16 ones (LOWP, tensor cores)
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=1, QT=1, LOWP=False)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=4096, SPLITS=1, QT=1, LOWP=False)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=16, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=17, QT=1, LOWP=False)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=64, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=1, QT=16, LOWP=False)),
+            (A._paged_decode_kernel, paged, dict(H=32, G=4, MP=64, D=128, DP=128, BLOCK=16, TILE_BLOCKS=4, WINDOW=4096, SPLITS=5, QT=16, LOWP=True)),
+            (A._paged_decode_kernel, paged, dict(H=14, G=7, MP=64, D=64, DP=64, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=1, QT=9, LOWP=False)),
+            (A._paged_decode_kernel, paged, dict(H=14, G=7, MP=64, D=64, DP=64, BLOCK=16, TILE_BLOCKS=4, WINDOW=0, SPLITS=9, QT=9, LOWP=True)),
             (A._combine_splits_kernel, combine, dict(H=32, D=128, DP=128, SPLITS=17, SP=32)),
         ]
         for fn, sig, consts in specs:
@@ -512,4 +514,4 @@ def test_kernels_compile_for_cuda(tmp_path):
     if res.returncode != 0 and ("ptxas" in res.stderr and "not found" in res.stderr.lower()):
         pytest.skip("no ptxas available")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "compiled 14" in res.stdout
+    assert "compiled 15" in res.stdout

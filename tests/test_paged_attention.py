@@ -300,6 +300,29 @@ def test_query_tiles_score_a_chunks_rows_together(H, kvh, D, tokens, splits, win
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("H,kvh,D,tokens,splits,window", [(14, 2, 64, 9, 3, 0), (8, 2, 32, 4, 1, 21)])
+def test_query_tiles_in_bf16_score_on_low_precision_dots(H, kvh, D, tokens, splits, window):
+    # With a bf16 query the tiles' dots take bf16 operands (tensor cores on a GPU): the scores
+    # are exact products summed in float32, only the softmax weights are rounded for P @ V.
+    # Within bf16's error of exact attention, as the untiled float32-dot kernel is. (Under the
+    # interpreter, whose bf16 dots are wrong, the tiles keep float32 dots: the same check.)
+    from kernels import paged_attention
+
+    chunks = [(30, 1), (0, 23), (16, 2 * tokens + 1), (7, 40)]
+    bs = 8
+    q, kc, vc, tables, lens = _flat_step(chunks, H, kvh, D, bs, seed=H + tokens + window)
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    scale = D ** -0.5
+    want = _contiguous_attention(q, kc, vc, tables, lens, bs, scale, window=window)
+    tiles = torch.tensor(paged_attention.query_tiles([n for _, n in chunks], tokens), dtype=torch.int32, device=DEVICE)
+    got = paged_attention.paged_decode_attention(q, kc, vc, tables, lens, bs, scale, window=window, splits=splits,
+                                                 query_tiles=tiles, tile_tokens=tokens)
+    rows = paged_attention.paged_decode_attention(q, kc, vc, tables, lens, bs, scale, window=window, splits=splits)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(rows.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_query_tiles_cut_chunks_at_their_own_starts():
     from kernels import paged_attention
 
