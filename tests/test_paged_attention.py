@@ -198,21 +198,8 @@ def test_splits_cut_each_context_not_the_table_width(splits, window, tile_keys):
     # A CUDA graph's tables are as wide as the model's longest context; each program cuts its
     # own visible blocks into the splits (whole tiles each, so some splits may get none):
     # contexts of 1 to 20 blocks in tables 64 wide, whose unused tail holds other blocks.
-    from kernels import paged_attention
-
-    B, H, kvh, D, bs, width = 6, 14, 2, 64, 8, 64
-    g = torch.Generator().manual_seed(splits * 3 + window + tile_keys)
-    lens = torch.tensor([1, 9, 33, 64, 100, 157])
-    tables = torch.randperm(B * width, generator=g).to(torch.int32).reshape(B, width)
-    kc = torch.randn(kvh, B * width * bs, D, generator=g).to(DEVICE)
-    vc = torch.randn(kvh, B * width * bs, D, generator=g).to(DEVICE)
-    q = torch.randn(B, H, D, generator=g).to(DEVICE)
-    tables, lens = tables.to(DEVICE), lens.to(DEVICE)
-    scale = D ** -0.5
-    got = paged_attention.paged_decode_attention(q, kc, vc, tables, lens, bs, scale, window=window, splits=splits,
-                                                 tile_keys=tile_keys)
-    want = _contiguous_attention(q, kc, vc, tables, lens, bs, scale, window=window)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    _matches_contiguous_attention([1, 9, 33, 64, 100, 157], 64, splits, window, tile_keys,
+                                  seed=splits * 3 + window + tile_keys)
 
 
 @pytest.mark.parametrize("tile_keys", [16, 32, 64, 128])
@@ -222,21 +209,26 @@ def test_tiles_of_several_blocks_cover_every_context_once(tile_keys, splits, win
     # 8 keys end inside a tile, on its edge, or inside a split's last tile; tiles straddle a
     # split's end and a sliding window's first block, and the table's unused tail holds blocks
     # another sequence owns (read past a context's end, they would change the result).
+    _matches_contiguous_attention([1, 8, 9, 63, 64, 65, 157], 20, splits, window, tile_keys,
+                                  seed=tile_keys * 13 + splits + window)
+
+
+def _matches_contiguous_attention(lens: list[int], width: int, splits: int, window: int, tile_keys: int, seed: int):
+    """The Triton kernel on contexts of these lengths (8-key blocks, 14 query / 2 KV heads, head
+    dim 64) in tables `width` blocks wide, every entry a distinct block (the unused tail too)."""
     from kernels import paged_attention
 
-    B, H, kvh, D, bs = 7, 14, 2, 64, 8
-    g = torch.Generator().manual_seed(tile_keys * 13 + splits + window)
-    lens = torch.tensor([1, 8, 9, 63, 64, 65, 157])
-    width = 20
-    tables = torch.randperm(B * width, generator=g).to(torch.int32).reshape(B, width)
+    B, H, kvh, D, bs = len(lens), 14, 2, 64, 8
+    g = torch.Generator().manual_seed(seed)
+    tables = torch.randperm(B * width, generator=g).to(torch.int32).reshape(B, width).to(DEVICE)
     kc = torch.randn(kvh, B * width * bs, D, generator=g).to(DEVICE)
     vc = torch.randn(kvh, B * width * bs, D, generator=g).to(DEVICE)
     q = torch.randn(B, H, D, generator=g).to(DEVICE)
-    tables, lens = tables.to(DEVICE), lens.to(DEVICE)
+    lens_t = torch.tensor(lens).to(DEVICE)
     scale = D ** -0.5
-    got = paged_attention.paged_decode_attention(q, kc, vc, tables, lens, bs, scale, window=window, splits=splits,
+    got = paged_attention.paged_decode_attention(q, kc, vc, tables, lens_t, bs, scale, window=window, splits=splits,
                                                  tile_keys=tile_keys)
-    want = _contiguous_attention(q, kc, vc, tables, lens, bs, scale, window=window)
+    want = _contiguous_attention(q, kc, vc, tables, lens_t, bs, scale, window=window)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
