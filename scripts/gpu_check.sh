@@ -59,6 +59,9 @@
 #              left to take 0.85 of the free memory, the bench's engines and the server's cannot
 #              all fit (an H200 run's second in-process engine lost its CUDA graphs to OOM)
 #              (SERVING_ARGS adds arguments). tritonserver comes from .whl/serving/ (see fetch)
+#   perf       perf_analyzer (from .whl/serving/perf_analyzer.tar.xz, see fetch) against the served
+#              ensemble, streaming, at concurrency 1, 8, 64: serving_bench's perf_analyzer section
+#              -> perf_analyzer.json (its csv and profile exports stay on the host)
 #   tiles_0.4b  serving_bench's prefix-caching and chunked-prefill sections (engine in process) on
 #              the 0.4B model with LLM_QUERY_TILE 1 then auto: the two GPU targets a flat step's
 #              per-row reads missed -> prefix_chunked_0.4b_query_tile_{1,auto}.json
@@ -76,7 +79,8 @@
 # `fetch` also builds .whl/serving/: tritonserver cut from the nvidia-pytriton wheel (the binary, the
 # Python backend, the stub for GPU_PY_VERSION and the bundled libraries; ~27 MB as .tar.xz, the whole
 # wheel is past what a device call carries) and the frontend's and tritonclient's packages with
-# numpy < 2 for the stub, installed apart (/tmp/serving-site) so the other steps keep the host's.
+# numpy < 2 for the stub (numpy itself as .tar.xz: 9 MB, not 18), installed apart
+# (/tmp/serving-site) so the other steps keep the host's; and perf_analyzer.tar.xz (perf_bundle).
 set -uo pipefail
 SCRIPT="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -123,6 +127,26 @@ fetch() {
 
 normal() { echo "$1" | tr '_.' '--' | tr '[:upper:]' '[:lower:]'; }
 
+perf_bundle() {  # python, tmp dir -> .whl/serving/perf_analyzer.tar.xz: bin/perf_analyzer and lib/
+  # perf_analyzer from tritonclient's wheel and the two libraries it loads that a CUDA image may
+  # lack (../shared/TRITON_ON_CPU.md): libb64.so.0d (Debian's libb64-0d, this machine's or
+  # downloaded) and libcudart.so.12 (nvidia-cuda-runtime-cu12; the GPU host's CUDA is 13).
+  local py=$1 dir=$2/perf spec lib
+  mkdir -p "$dir/bin" "$dir/lib"
+  unzip -q -j -o .whl/serving/tritonclient-*.whl '*/data/bin/perf_analyzer' -d "$dir/bin" || return 1
+  lib=$(ldconfig -p | awk '/libb64\.so\.0d / {print $NF; exit}')
+  if [ -z "$lib" ]; then
+    (cd "$2" && apt-get download libb64-0d > /dev/null && dpkg-deb -x libb64-0d_*.deb deb) || return 1
+    lib=$(find "$2/deb" -name 'libb64.so.0d*' | head -1)
+  fi
+  cp -L "$lib" "$dir/lib/libb64.so.0d" || return 1
+  spec=$(pinned nvidia-cuda-runtime-cu12) || return 1
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
+    "${PLATFORMS[@]}" -d "$2/cudart" "$spec" || return 1
+  unzip -q -j -o "$2"/cudart/*.whl 'nvidia/cuda_runtime/lib/libcudart.so.12' -d "$dir/lib" || return 1
+  tar -C "$dir" -cJf .whl/serving/perf_analyzer.tar.xz bin lib || return 1
+}
+
 fetch_serving() {  # python -> .whl/serving/: tritonserver.tar.xz and the serving step's wheels
   local py=$1 tmp
   tmp=$(mktemp -d)
@@ -136,7 +160,15 @@ fetch_serving() {  # python -> .whl/serving/: tritonserver.tar.xz and the servin
     name=$(normal "$(basename "$w" | cut -d- -f1)")
     [[ "$have" == *" $name "* ]] || mv "$w" .whl/serving/
   done
-  # tritonclient's wheel is mostly the perf_analyzer binaries (2 x 20 MB), which the step does not run.
+  perf_bundle "$py" "$tmp" || return 1
+  # numpy's wheel is 18 MB, its files 9 MB as .tar.xz: with perf_analyzer's bundle beside the
+  # engine's wheels, the 18 MB did not fit a device call's 64 MiB. `serving` unpacks it.
+  for w in .whl/serving/numpy-*.whl; do
+    mkdir -p "$tmp/numpy" && unzip -q "$w" -d "$tmp/numpy" || return 1
+    tar -C "$tmp/numpy" -cJf .whl/serving/numpy.tar.xz . && rm -f "$w" || return 1
+  done
+  # tritonclient's wheel is mostly the perf_analyzer binaries (2 x 20 MB): perf_bundle took the one
+  # the `perf` step runs.
   "$py" - .whl/serving/tritonclient-*.whl <<'PY' || return 1
 import sys, zipfile
 path = sys.argv[1]
@@ -165,7 +197,7 @@ PY
   du -sh .whl/serving
 }
 
-declare -A LIMIT=([tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [paged]=90 [prefill]=90 [decode]=150 [chunked]=90 [chunked_flat]=90 [chunked_tiles]=120 [spec]=120 [predicted]=120 [kvdtype]=170
+declare -A LIMIT=([perf]=240 [tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [paged]=90 [prefill]=90 [decode]=150 [chunked]=90 [chunked_flat]=90 [chunked_tiles]=120 [spec]=120 [predicted]=120 [kvdtype]=170
                   [serving]=300 [serving_0.4b]=200 [tiles_0.4b]=120)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
@@ -272,6 +304,8 @@ run() {
       predicted) step predicted "$py" -m bench.predicted_outputs --device cuda --draft-tokens 8 16 \
                    --json "$OUT/predicted_outputs.json" ${PREDICTED_ARGS:-} ;;
       serving) step serving bash "$SCRIPT" _serving "$py" "$OUT" serving_bench ;;
+      perf) SERVING_ARGS="--only perf_analyzer ${SERVING_ARGS:-}" \
+              step perf bash "$SCRIPT" _serving "$py" "$OUT" perf_analyzer nopng ;;
       tiles_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
                   for tile in 1 auto; do
                     LLM_QUERY_TILE=$tile SERVING_ARGS="--model-path /tmp/model-0.4b --only prefix,chunked ${SERVING_ARGS:-}" \
@@ -298,6 +332,15 @@ serving() {  # python, out dir, name[, nopng]: the serving paths on this host's 
   cp "$stub" "$home/backends/python/" || return 1
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serving-site \
     .whl/serving/*.whl || return 1
+  if [ -f .whl/serving/numpy.tar.xz ]; then
+    rm -rf /tmp/serving-site/numpy /tmp/serving-site/numpy-*.dist-info /tmp/serving-site/numpy.libs
+    tar -C /tmp/serving-site -xJf .whl/serving/numpy.tar.xz || return 1
+  fi
+  # perf_analyzer (the `perf` step): client/perf/run_perf_analyzer.py finds it through $PERF_ANALYZER.
+  if [ -f .whl/serving/perf_analyzer.tar.xz ]; then
+    mkdir -p /tmp/perf && tar -C /tmp/perf -xJf .whl/serving/perf_analyzer.tar.xz || return 1
+    export PERF_ANALYZER=/tmp/perf/bin/perf_analyzer LD_LIBRARY_PATH="/tmp/perf/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
   # numpy < 2 (for the stub) shadows the host's numpy 2 here, but the host's scipy is built for
   # numpy 2 (np.long at import) and transformers imports scipy and sklearn at import time whenever
   # they are installed (modeling_utils -> object-detection losses; generation). Nothing here needs
