@@ -105,7 +105,9 @@ def ensure_installed(install: bool = False) -> None:
             "`apt-get install -y libb64-0d` and `pip install nvidia-cuda-runtime-cu12`"
         )
     if any(m.startswith("libcudart") for m in missing):
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "nvidia-cuda-runtime-cu12"], check=True)
+        # at constraints.txt's pin, as everything else is installed
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "nvidia-cuda-runtime-cu12",
+                        "-c", str(REPO_ROOT / "constraints.txt")], check=True)
     if any(m.startswith("libb64") for m in missing):
         apt = ["apt-get"] if os.geteuid() == 0 else ["sudo", "-n", "apt-get"]
         subprocess.run([*apt, "update", "-qq"], check=False)
