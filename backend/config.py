@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -108,6 +109,30 @@ class EngineConfig(BaseModel):
     # LoRA adapters served next to the base model, name -> PEFT directory (vLLM's --lora-modules,
     # SGLang's --lora-paths); "name=path,name2=path2" is accepted too. Requests pick one by name.
     lora_modules: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        # Checked here, not where torch first meets it: its message named no setting.
+        try:
+            kind = torch.device(v).type
+        except RuntimeError:
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {v!r}")
+        return v
+
+    @field_validator("logits_processor_pattern")
+    @classmethod
+    def _compiles(cls, v: Optional[str]) -> Optional[str]:
+        # A bad pattern must stop the server at start-up: matched per request, it made every
+        # request with logits_processors a 500 (QA).
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"logits_processor_pattern {v!r} is not a valid regular expression: {exc}") from None
+        return v
 
     @field_validator("lora_modules", mode="before")
     @classmethod

@@ -219,9 +219,30 @@ def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict
     """EngineConfig fields from config.pbtxt parameters; env LLM_<NAME> wins; 'auto' means default."""
     out: dict[str, Any] = {}
     for name, cast in ENGINE_SETTINGS.items():
-        value = llm_setting(params, env, name)
+        value = read_setting(params, env, name, cast)
         if value is not None:
-            out[name] = cast(value)
+            out[name] = value
+    return out
+
+
+_KINDS = {int: "an integer", float: "a number", setting_flag: "a boolean (true/false, 1/0, yes/no, on/off)"}
+
+
+def read_setting(params: dict[str, str], env: Mapping[str, str], name: str, cast: Any = str,
+                 minimum: Optional[float] = None) -> Any:
+    """llm_setting read as `cast` (None when unset): a value it cannot read, or below `minimum`,
+    is an error naming the setting; with several LLM_* variables set, a bare int() message did
+    not say which (QA)."""
+    value = llm_setting(params, env, name)
+    if value is None:
+        return None
+    where = f"{name} (env LLM_{name.upper()} or the config.pbtxt parameter)"
+    try:
+        out = cast(value)
+    except ValueError:
+        raise ValueError(f"{where}: expected {_KINDS.get(cast, 'a valid value')}, got {value!r}") from None
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{where}: must be at least {minimum:g}, got {value!r}")
     return out
 
 

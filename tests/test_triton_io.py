@@ -1,6 +1,8 @@
 """backend/triton_io.py: how the llm model reads its settings (config.pbtxt parameter, env LLM_<NAME>),
 and names parameters in its errors."""
 
+import pytest
+
 from backend.triton_io import engine_config_overrides, llm_setting
 
 
@@ -119,3 +121,39 @@ def test_an_llm_env_variable_that_names_no_setting_is_reported():
     # every setting the engine reads is a parameter there, so none of them is ever reported
     assert unknown_llm_env(params, {f"LLM_{name.upper()}": "1" for name in ENGINE_SETTINGS}) == []
 
+
+
+def test_a_setting_that_cannot_be_read_is_named():
+    # A bare int() or boolean message did not say which of several LLM_* variables was wrong (QA).
+    from backend.triton_io import engine_config_overrides, read_setting
+
+    with pytest.raises(ValueError, match=r"^max_num_seqs \(env LLM_MAX_NUM_SEQS or the config.pbtxt parameter\): "
+                                         r"expected an integer, got 'abc'$"):
+        engine_config_overrides({"max_num_seqs": "8"}, {"LLM_MAX_NUM_SEQS": "abc"})
+    with pytest.raises(ValueError, match=r"^enable_prefix_caching .*: expected a boolean .*, got 'maybe'$"):
+        engine_config_overrides({"enable_prefix_caching": "maybe"}, {})
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization .*: expected a number, got '90%'$"):
+        engine_config_overrides({}, {"LLM_GPU_MEMORY_UTILIZATION": "90%"})
+    # the serving settings the llm model reads itself: unreadable or out of range, refused by name
+    with pytest.raises(ValueError, match=r"^stream_interval .*: must be at least 1, got '0'$"):
+        read_setting({}, {"LLM_STREAM_INTERVAL": "0"}, "stream_interval", int, minimum=1)
+    with pytest.raises(ValueError, match=r"^response_senders .*: expected an integer, got 'x'$"):
+        read_setting({"response_senders": "x"}, {}, "response_senders", int, minimum=1)
+    assert read_setting({"response_senders": "auto"}, {}, "response_senders", int, minimum=1) is None
+    assert read_setting({}, {"LLM_MAX_RESPONSES_PER_STEP": "0"}, "max_responses_per_step", int, minimum=0) == 0
+
+
+def test_the_engine_config_refuses_an_unknown_device_and_a_broken_pattern():
+    from pydantic import ValidationError
+
+    from backend.config import EngineConfig
+
+    with pytest.raises(ValidationError, match="device must be cpu, cuda or cuda:N, got 'tpu'"):
+        EngineConfig(model_path="m", device="tpu")
+    with pytest.raises(ValidationError, match="device must be cpu, cuda or cuda:N, got 'cuda:x'"):
+        EngineConfig(model_path="m", device="cuda:x")
+    assert EngineConfig(model_path="m", device="cuda:1").device == "cuda:1"
+    # checked at load: matched per request, it made every request with logits_processors a 500 (QA)
+    with pytest.raises(ValidationError, match=r"logits_processor_pattern '\(' is not a valid regular expression"):
+        EngineConfig(model_path="m", logits_processor_pattern="(")
+    assert EngineConfig(model_path="m", logits_processor_pattern=r"^os\.").logits_processor_pattern == r"^os\."

@@ -37,6 +37,7 @@ from backend.triton_io import (  # noqa: E402
     parse_abort_client,
     parse_abort_request_id,
     parse_llm_inputs,
+    read_setting,
     refuse_lora_changes,
     server_torch_threads,
     setting_flag,
@@ -102,18 +103,18 @@ class TritonPythonModel:
         else:
             self.engine = LLMEngine(config)
             self._control = functools.partial(control, self.engine)
-        self.stream_interval = max(1, int(llm_setting(params, env, "stream_interval") or 1))
-        self.runtime_lora = setting_flag(llm_setting(params, env, "allow_runtime_lora_updating") or "false")
+        self.stream_interval = read_setting(params, env, "stream_interval", int, minimum=1) or 1
+        self.runtime_lora = bool(read_setting(params, env, "allow_runtime_lora_updating", setting_flag))
         self._metrics = LLMMetrics(pb_utils.MetricFamily)
         # Responses go out on their own thread, merged when they pile up, at most
         # max_responses_per_step per engine step (backend/outbox.py). auto: 16 on CPU, where
         # each response's trip through the ensemble costs about as much CPU as a step of a
         # small model; no cap on GPU hosts.
-        cap = llm_setting(params, env, "max_responses_per_step")
-        per_step = (16 if config.device == "cpu" else 0) if cap is None else int(cap)
+        cap = read_setting(params, env, "max_responses_per_step", int, minimum=0)
+        per_step = (16 if config.device == "cpu" else 0) if cap is None else cap
         # A send waits until the server has taken the response, so one sender thread has one
         # response in flight; several keep the server's side busy (backend/outbox.py).
-        senders = int(llm_setting(params, env, "response_senders") or 4)
+        senders = read_setting(params, env, "response_senders", int, minimum=1) or 4
         self._outbox = Outbox("llm-responses", responses_per_step=per_step, senders=senders)
         self._serving = {"stream_interval": self.stream_interval, "max_responses_per_step": per_step,
                          "response_senders": senders, "engine_process": engine_process}  # engine_info reports them
