@@ -8,10 +8,12 @@ Llama-3-8B layer is --heads 32 --kv-heads 8 --head-dim 128), 16-key blocks, bf16
 batches of 1, 8 and 64 over 1k contexts, and 128 rows over 3k contexts (a flat chunked-prefill
 step: each of a 3072-token prompt's chunk rows sees its own prefix, through the prompt's one
 block table, as the engine lays it out; the fourteenth session's figures gave each row blocks
-of its own). Each case runs with one split and with auto_splits, and each result is checked
-against the gathered SDPA. The flat case then runs with query tiles (LLM_QUERY_TILE: a tile's
-rows read each K/V tile once together) of each --query-tiles size, tile_keys 64, with one
-split and with auto_splits counted over the tiles. Prints microseconds per call (one layer) and SDPA's time over the kernel's. CUDA only:
+of its own). Each case runs with one split and with auto_splits, float32 dots at each tile
+size and bf16 dots (tensor cores; `low_precision_dots`) at the head dim's default tile, and each
+result is checked against the gathered SDPA. The flat case then runs with query tiles
+(LLM_QUERY_TILE: a tile's rows read each K/V tile once together, on bf16 dots) of each
+--query-tiles size, the default tile, with one split and with auto_splits counted over the tiles.
+Prints microseconds per call (one layer) and SDPA's time over the kernel's. CUDA only:
 the Triton interpreter's timings mean nothing.
 """
 
@@ -88,19 +90,25 @@ def main() -> None:
         want = _gathered_sdpa(q, k_cache, v_cache, tables, lens, bs, scale).float()
         sdpa_us = _time_us(lambda: _gathered_sdpa(q, k_cache, v_cache, tables, lens, bs, scale), args.iters)
         auto = paged_attention.auto_splits(rows, kvh, width, dev)
+        default_tile = paged_attention.default_tile_keys(D)
         for splits in sorted({1, auto}):
-            for tile in args.tiles:
+            # float32 dots (the default for one row a program) at every tile size; bf16 dots
+            # (tensor cores) at the default tile, to see whether they pay for one row too
+            for tile, lowp in [(t, False) for t in args.tiles] + [(default_tile, True)]:
                 def call():
                     return paged_attention.paged_decode_attention(
-                        q, k_cache, v_cache, tables, lens, bs, scale, splits=splits, tile_keys=tile)
+                        q, k_cache, v_cache, tables, lens, bs, scale, splits=splits, tile_keys=tile,
+                        low_precision_dots=lowp)
                 err = (call().float() - want).abs().max().item()
                 us = _time_us(call, args.iters)
-                row = {"rows": rows, "context": ctx, "splits": splits, "tile_keys": tile, "kernel_us": round(us, 2),
+                row = {"rows": rows, "context": ctx, "splits": splits, "tile_keys": tile,
+                       "dots": "bf16" if lowp else "fp32", "kernel_us": round(us, 2),
                        "sdpa_gathered_us": round(sdpa_us, 2), "sdpa_over_kernel": round(sdpa_us / us, 2),
                        "max_abs_err_vs_sdpa": err}
                 results.append(row)
-                print(f"rows {rows:4d} ctx {ctx:5d} splits {splits:3d} tile {tile:4d}: kernel {us:8.1f} us, "
-                      f"gathered SDPA {sdpa_us:8.1f} us, ratio {sdpa_us / us:6.2f}, max |err| {err:.2e}", flush=True)
+                print(f"rows {rows:4d} ctx {ctx:5d} splits {splits:3d} tile {tile:4d} dots {row['dots']}: kernel "
+                      f"{us:8.1f} us, gathered SDPA {sdpa_us:8.1f} us, ratio {sdpa_us / us:6.2f}, max |err| {err:.2e}",
+                      flush=True)
         for tokens in args.query_tiles if flat else []:
             tiles = torch.tensor(paged_attention.query_tiles([rows], tokens), dtype=torch.int32, device=dev)
             tiled_auto = paged_attention.auto_splits(-(-rows // tokens), kvh, width, dev)
@@ -111,8 +119,8 @@ def main() -> None:
                         tile_tokens=tokens)
                 err = (call().float() - want).abs().max().item()
                 us = _time_us(call, args.iters)
-                results.append({"rows": rows, "context": ctx, "splits": splits, "tile_keys": paged_attention.default_tile_keys(D),
-                                "query_tile_tokens": tokens, "kernel_us": round(us, 2),
+                results.append({"rows": rows, "context": ctx, "splits": splits, "tile_keys": default_tile,
+                                "query_tile_tokens": tokens, "dots": "bf16", "kernel_us": round(us, 2),
                                 "sdpa_gathered_us": round(sdpa_us, 2), "sdpa_over_kernel": round(sdpa_us / us, 2),
                                 "max_abs_err_vs_sdpa": err})
                 print(f"rows {rows:4d} ctx {ctx:5d} splits {splits:3d} query tile {tokens:3d}: kernel {us:8.1f} us, "

@@ -42,7 +42,7 @@ def _paged_decode_kernel(
     so each K/V tile is read once for all of them instead of once per row; tiles[b] == 0: row
     b belongs to an earlier program's tile and this one does nothing. The G query heads of
     each of the QT rows are the MP (>= QT * G) rows of the score tile."""
-    # LOWP (query tiles with a bf16/fp16 query): the dots take their operands in the query's
+    # LOWP (by default query tiles with a bf16/fp16 query): the dots take their operands in the query's
     # dtype, on tensor cores; a float32 dot costs a 64-row score tile about four 16-row ones,
     # and tiles lost so on an H200. Scores stay exact products (K and Q are that dtype already),
     # only the softmax weights are rounded for P @ V, as FlashAttention does.
@@ -256,6 +256,7 @@ def paged_decode_attention(
     tile_keys: int | None = None,
     query_tiles: torch.Tensor | None = None,
     tile_tokens: int = 1,
+    low_precision_dots: bool | None = None,
 ) -> torch.Tensor:
     """q [B, H, d]; k/v_cache [kvh, slots, d]; block_tables [B, max_blocks] int32; context_lens
     [B] int32 (keys 0..len-1 are visible, only len-window.. with a sliding `window` > 0; the
@@ -266,7 +267,11 @@ def paged_decode_attention(
 
     `query_tiles` [B] int32 with `tile_tokens` > 1: rows scored together (see query_tiles(); at
     most `tile_tokens` a tile, a tile's rows one sequence's consecutive positions with the same
-    block table). The result is the same as without; only the K/V reads are shared."""
+    block table). The result is the same as without; only the K/V reads are shared.
+
+    `low_precision_dots` (None: with query tiles only): with a bf16/fp16 query, the dots take
+    operands of its dtype (tensor cores) instead of float32; the softmax weights are rounded to
+    it for P @ V. For one row a program it is there to be measured (bench/paged_decode_bench.py)."""
     B, H, D = q.shape
     kvh = k_cache.shape[0]
     if block_size & (block_size - 1) or H % kvh or k_cache.stride(2) != 1:
@@ -298,7 +303,8 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         H=H, G=G, MP=max(16, triton.next_power_of_2(tile_tokens * G)), D=D, DP=DP, BLOCK=block_size,
         TILE_BLOCKS=max(1, max(tile_keys, 16) // block_size), WINDOW=int(window), SPLITS=splits, QT=tile_tokens,
-        LOWP=tile_tokens > 1 and q.dtype in (torch.bfloat16, torch.float16) and not _interpreted(),
+        LOWP=(tile_tokens > 1 if low_precision_dots is None else low_precision_dots)
+        and q.dtype in (torch.bfloat16, torch.float16) and not _interpreted(),
     )
     if splits > 1:
         _combine_splits_kernel[(B, H)](

@@ -310,9 +310,12 @@ def test_query_tiles_in_bf16_score_on_low_precision_dots(H, kvh, D, tokens, spli
     got = paged_attention.paged_decode_attention(q, kc, vc, tables, lens, bs, scale, window=window, splits=splits,
                                                  query_tiles=tiles, tile_tokens=tokens)
     rows = paged_attention.paged_decode_attention(q, kc, vc, tables, lens, bs, scale, window=window, splits=splits)
+    # one row a program on bf16 dots too (not the default: there to be measured)
+    rows_lowp = paged_attention.paged_decode_attention(q, kc, vc, tables, lens, bs, scale, window=window,
+                                                       splits=splits, low_precision_dots=True)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(rows.float(), want, atol=2e-2, rtol=2e-2)
+    for out in (got, rows, rows_lowp):
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_query_tiles_cut_chunks_at_their_own_starts():
