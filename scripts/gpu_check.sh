@@ -336,10 +336,14 @@ serving() {  # python, out dir, name[, nopng]: the serving paths on this host's 
     rm -rf /tmp/serving-site/numpy /tmp/serving-site/numpy-*.dist-info /tmp/serving-site/numpy.libs
     tar -C /tmp/serving-site -xJf .whl/serving/numpy.tar.xz || return 1
   fi
-  # perf_analyzer (the `perf` step): client/perf/run_perf_analyzer.py finds it through $PERF_ANALYZER.
+  # perf_analyzer (the `perf` step): client/perf/run_perf_analyzer.py finds it through
+  # $PERF_ANALYZER, here a wrapper that gives its libraries to it alone (not to tritonserver).
   if [ -f .whl/serving/perf_analyzer.tar.xz ]; then
     mkdir -p /tmp/perf && tar -C /tmp/perf -xJf .whl/serving/perf_analyzer.tar.xz || return 1
-    export PERF_ANALYZER=/tmp/perf/bin/perf_analyzer LD_LIBRARY_PATH="/tmp/perf/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    printf '%s\n' '#!/bin/sh' \
+      'LD_LIBRARY_PATH=/tmp/perf/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec /tmp/perf/bin/perf_analyzer "$@"' \
+      > /tmp/perf/perf_analyzer && chmod +x /tmp/perf/perf_analyzer || return 1
+    export PERF_ANALYZER=/tmp/perf/perf_analyzer
   fi
   # numpy < 2 (for the stub) shadows the host's numpy 2 here, but the host's scipy is built for
   # numpy 2 (np.long at import) and transformers imports scipy and sklearn at import time whenever
