@@ -224,7 +224,9 @@ class SamplingParams(BaseModel):
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
-            raise ValueError(f"only one of json_schema, regex, ebnf, structural_tag may be given, got {', '.join(given)}")
+            # named by the second, as the frontend names an OpenAI request's second constraint
+            raise ValueError(f"{given[1]} may not be given with {given[0]}: only one of json_schema, regex, ebnf, "
+                             "structural_tag may be given")
         if isinstance(self.prediction, str) and len(self.prediction) > MAX_PREDICTION_CHARS:
             raise ValueError(f"prediction is longer than {MAX_PREDICTION_CHARS} characters")
         if isinstance(self.prediction, list):

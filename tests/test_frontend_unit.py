@@ -1150,10 +1150,13 @@ def test_error_mapping():
                            ("min_tokens must be at most 6: the context is 4096 tokens and the prompt has 4090; got 50",
                             "min_tokens")):
         assert map_stream_error(message).param == param, message
-    # The engine's own messages: a check across fields names no parameter.
+    # The engine's own messages: a check across fields names the parameter it refuses (QA: two
+    # grammars named none).
     from backend.sampling_params import SamplingParamsError, parse_sampling_params
 
-    for raw, param in (({"json_schema": "{}", "regex": "a"}, None), ({"temperature": -1}, "temperature"),
+    for raw, param in (({"json_schema": "{}", "regex": "a"}, "regex"), ({"ebnf": "x", "structural_tag": "{}"},
+                                                                         "structural_tag"),
+                       ({"temperature": -1}, "temperature"),
                        ({"top_k": "x"}, "top_k"), ({"seed": 1, "sampling_seed": 2}, "sampling_seed"),
                        ({"stop": ["a"] * 40, "stop_regex": ["b"] * 25}, "stop")):
         with pytest.raises(SamplingParamsError) as err:
