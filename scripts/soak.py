@@ -230,7 +230,7 @@ def make_jobs(n: int, seed: int, max_tokens: int = 64, disconnect_rate: float = 
     rng = random.Random(seed)
     jobs = []
     for i in range(n):
-        jobs.append(Job(
+        job = Job(
             index=i,
             prompt=rng.choice(PROMPTS) + ("" if rng.random() < 0.5 else f" #{rng.randrange(1000)}"),
             max_tokens=rng.randint(1, max_tokens),
@@ -238,7 +238,13 @@ def make_jobs(n: int, seed: int, max_tokens: int = 64, disconnect_rate: float = 
             temperature=0.0 if rng.random() < 0.5 else 0.8,
             seed=rng.randrange(2**31),
             disconnect_after=rng.randint(1, 6) if rng.random() < disconnect_rate else None,
-        ))
+        )
+        if job.disconnect_after is not None:
+            # A client that hangs up does so mid-generation: the whole length, no stop string.
+            # Short ones ended before the hang-up reached the engine (merged chunks carry several
+            # tokens under load): a run saw 7 disconnects and no abort.
+            job.max_tokens, job.stop = max_tokens, None
+        jobs.append(job)
     return jobs
 
 

@@ -72,11 +72,12 @@ def test_soak_through_the_frontend(stack):
     assert report.finish_reasons.get("stop", 0) > 0 and report.finish_reasons.get("length", 0) > 0
     assert report.kv_drained and report.kv_blocks_used_after == 0
     assert report.still_answers
-    # The engine saw the disconnects as aborts. Not a fixed share of them: half of this seed's
-    # disconnecting jobs have under 10 tokens left or stop at a common letter, and under 60-way
-    # load a chunk carries several merged tokens, so their ends are out before the cancel lands
-    # (a clean-clone CI run saw 2 aborts for 7 disconnects, others 4 or more).
-    assert report.engine_finished["abort"] >= 1
+    # The engine saw the disconnects as aborts. Disconnecting jobs run their whole length with no
+    # stop string (soak.make_jobs): three runs saw 10 aborts for 10 disconnects. Half, not all:
+    # under 60-way load a chunk carries several merged tokens, so a hang-up after a few chunks
+    # can still come late (a clean-clone CI run saw none of 7 when half of the disconnecting jobs
+    # were short; tests/test_frontend_triton.py proves each disconnect is aborted).
+    assert report.engine_finished["abort"] >= report.disconnected / 2
     assert report.engine_finished["error"] == 0
     assert report.ok
 
