@@ -96,6 +96,12 @@ class TritonPythonModel:
             "separate" if config.device.startswith("cuda") else "in_stub")
         if engine_process not in ("in_stub", "separate"):
             raise ValueError(f'engine_process must be "in_stub" or "separate", not {engine_process!r}')
+        # The serving settings are read before the engine exists: a bad one stops the load before
+        # a KV pool is allocated or an engine process started.
+        self.stream_interval = read_setting(params, env, "stream_interval", int, minimum=1) or 1
+        self.runtime_lora = bool(read_setting(params, env, "allow_runtime_lora_updating", setting_flag))
+        cap = read_setting(params, env, "max_responses_per_step", int, minimum=0)
+        senders = read_setting(params, env, "response_senders", int, minimum=1) or 4
         if engine_process == "separate":
             self.engine = EngineProxy(config)
             self.engine.on_gone = self._engine_gone
@@ -103,18 +109,14 @@ class TritonPythonModel:
         else:
             self.engine = LLMEngine(config)
             self._control = functools.partial(control, self.engine)
-        self.stream_interval = read_setting(params, env, "stream_interval", int, minimum=1) or 1
-        self.runtime_lora = bool(read_setting(params, env, "allow_runtime_lora_updating", setting_flag))
         self._metrics = LLMMetrics(pb_utils.MetricFamily)
         # Responses go out on their own thread, merged when they pile up, at most
         # max_responses_per_step per engine step (backend/outbox.py). auto: 16 on CPU, where
         # each response's trip through the ensemble costs about as much CPU as a step of a
         # small model; no cap on GPU hosts.
-        cap = read_setting(params, env, "max_responses_per_step", int, minimum=0)
         per_step = (16 if config.device == "cpu" else 0) if cap is None else cap
         # A send waits until the server has taken the response, so one sender thread has one
         # response in flight; several keep the server's side busy (backend/outbox.py).
-        senders = read_setting(params, env, "response_senders", int, minimum=1) or 4
         self._outbox = Outbox("llm-responses", responses_per_step=per_step, senders=senders)
         self._serving = {"stream_interval": self.stream_interval, "max_responses_per_step": per_step,
                          "response_senders": senders, "engine_process": engine_process}  # engine_info reports them
