@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_ops
+
 
 @triton.jit
 def _paged_decode_kernel(
@@ -42,8 +44,8 @@ def _paged_decode_kernel(
     so each K/V tile is read once for all of them instead of once per row; tiles[b] == 0: row
     b belongs to an earlier program's tile and this one does nothing. The G query heads of
     each of the QT rows are the MP (>= QT * G) rows of the score tile."""
-    # LOWP (by default query tiles with a bf16/fp16 query): the dots take their operands in the query's
-    # dtype, on tensor cores; a float32 dot costs a 64-row score tile about four 16-row ones,
+    # LOWP (by default query tiles with a bf16/fp16 query): the dots take their operands in the
+    # query's dtype, on tensor cores; a float32 dot costs a 64-row score tile about four 16-row ones,
     # and tiles lost so on an H200. Scores stay exact products (K and Q are that dtype already),
     # only the softmax weights are rounded for P @ V, as FlashAttention does.
     b = tl.program_id(0)
@@ -180,12 +182,10 @@ def _combine_splits_kernel(
 _SM_COUNT: dict[int, int] = {}
 
 
-def _interpreted() -> bool:
-    # Triton's CPU interpreter (3.x) multiplies bf16 dot operands as raw bits: there the tiles
-    # keep float32 dots. Only a GPU runs the bf16 ones (tests/test_paged_attention.py).
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_paged_decode_kernel, InterpretedFunction)
+# Triton's CPU interpreter (3.x) multiplies bf16 dot operands as raw bits: there the tiles keep
+# float32 dots. Only a GPU runs the bf16 ones (tests/test_paged_attention.py). Known at import:
+# not asked on every call, which is every layer of every step.
+_INTERPRETED = triton_ops.interpreted()
 
 
 def auto_splits(num_seqs: int, kv_heads: int, table_blocks: int, device: torch.device) -> int:
@@ -260,8 +260,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """q [B, H, d]; k/v_cache [kvh, slots, d]; block_tables [B, max_blocks] int32; context_lens
     [B] int32 (keys 0..len-1 are visible, only len-window.. with a sliding `window` > 0; the
-    current token's K/V already written) -> [B, H, d]. `splits` > 1 cuts each context's table
-    into that many parts, run as separate programs and merged after (auto_splits chooses).
+    current token's K/V already written) -> [B, H, d]. `splits` > 1 cuts each context's visible
+    blocks into that many parts, run as separate programs and merged after (auto_splits chooses).
     `tile_keys` keys (whole blocks, at least 16) are read per loop iteration (default:
     default_tile_keys for the head dim).
 
@@ -304,7 +304,7 @@ def paged_decode_attention(
         H=H, G=G, MP=max(16, triton.next_power_of_2(tile_tokens * G)), D=D, DP=DP, BLOCK=block_size,
         TILE_BLOCKS=max(1, max(tile_keys, 16) // block_size), WINDOW=int(window), SPLITS=splits, QT=tile_tokens,
         LOWP=(tile_tokens > 1 if low_precision_dots is None else low_precision_dots)
-        and q.dtype in (torch.bfloat16, torch.float16) and not _interpreted(),
+        and q.dtype in (torch.bfloat16, torch.float16) and not _INTERPRETED,
     )
     if splits > 1:
         _combine_splits_kernel[(B, H)](
