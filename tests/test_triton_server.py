@@ -355,9 +355,14 @@ def test_ensemble_asked_for_one_llm_output_gets_no_data_on_triton_2_51(server):
     # was fixed and the README's advice can go.
     values = {"text_input": "Hello", "max_tokens": 4, "stream": True, "sampling_parameters": GREEDY}
     assert _requested(server, "ensemble", values, ["output_ids"]) == [{}]
+    # The outbox merges a response into the next when the senders lag (a slow host), so a stream
+    # of 4 tokens may come as fewer responses; what must hold is that every one carries its data.
     two = _requested(server, "ensemble", values, ["output_ids", "completion_tokens"])
-    assert [r["completion_tokens"] for r in two] == [[1], [2], [3], [4]]
-    assert len(_requested(server, "ensemble", values, ["text_output"])) == 4
+    counts = [r["completion_tokens"][0] for r in two]
+    assert counts == sorted(set(counts)) and counts[-1] == 4, counts
+    assert [len(r["output_ids"]) for r in two] == [b - a for a, b in zip([0] + counts, counts)]
+    text = _requested(server, "ensemble", values, ["text_output"])
+    assert text and all(r.get("text_output") for r in text), text
     alone = _requested(server, "llm", {"input_ids": [1, 2, 3], "max_tokens": 4, "stream": True, "sampling_parameters": GREEDY},
                        ["output_ids"])
-    assert [len(r["output_ids"]) for r in alone] == [1, 1, 1, 1]
+    assert alone and all(r.get("output_ids") for r in alone) and sum(len(r["output_ids"]) for r in alone) == 4, alone
