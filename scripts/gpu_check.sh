@@ -65,6 +65,11 @@
 #   tiles_0.4b  serving_bench's prefix-caching and chunked-prefill sections (engine in process) on
 #              the 0.4B model with LLM_QUERY_TILE 1 then auto: the two GPU targets a flat step's
 #              per-row reads missed -> prefix_chunked_0.4b_query_tile_{1,auto}.json
+#   chunked_unit  the chunk steps' cost against their context on the 0.4B model (flat chunks of 128):
+#              chunked_probe with prefill_context_unit 0 (the CUDA default: a token counts 1 against
+#              the cap at any context) and 1024..8192 (a token at context c counts 1 + c / unit), and
+#              a fit of the step's time to tokens and keys read -> chunked_0.4b_units.json; then
+#              serving_bench's chunked section at units 2048 and 4096 -> chunked_0.4b_unit_{2048,4096}.json
 #   serving_0.4b  the same on the random 0.4B Qwen2 -> serving_bench_0.4b.json + .png (SERVING_0_4B_ARGS
 #              replaces its default "--c1-requests 8 --alternating-rounds 0"; SERVING_ARGS still adds)
 # DEMO_ARGS adds arguments to both engine_vs_hf runs (e.g. --skip-one-by-one --rounds 3); SPEC_ARGS and
@@ -198,7 +203,7 @@ PY
 }
 
 declare -A LIMIT=([perf]=240 [tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [paged]=90 [prefill]=90 [decode]=150 [chunked]=90 [chunked_flat]=90 [chunked_tiles]=120 [spec]=120 [predicted]=120 [kvdtype]=170
-                  [serving]=300 [serving_0.4b]=200 [tiles_0.4b]=120)
+                  [serving]=300 [serving_0.4b]=200 [tiles_0.4b]=120 [chunked_unit]=150)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
   local name=$1
@@ -311,6 +316,14 @@ run() {
                     LLM_QUERY_TILE=$tile SERVING_ARGS="--model-path /tmp/model-0.4b --only prefix,chunked ${SERVING_ARGS:-}" \
                       step tiles_0.4b bash "$SCRIPT" _serving "$py" "$OUT" "prefix_chunked_0.4b_query_tile_$tile" nopng
                   done ;;
+      chunked_unit) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
+                    step chunked_unit "$py" -m bench.chunked_probe --device cuda --model-path /tmp/model-0.4b \
+                      --caps 128 --flat-prefill-tokens 128 --context-units 0 1024 2048 4096 8192 \
+                      --json "$OUT/chunked_0.4b_units.json"
+                    for unit in 2048 4096; do
+                      SERVING_ARGS="--model-path /tmp/model-0.4b --only chunked --engine-arg prefill_context_unit=$unit ${SERVING_ARGS:-}" \
+                        step chunked_unit bash "$SCRIPT" _serving "$py" "$OUT" "chunked_0.4b_unit_$unit" nopng
+                    done ;;
       serving_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
                     SERVING_ARGS="--model-path /tmp/model-0.4b ${SERVING_0_4B_ARGS:---c1-requests 8 --alternating-rounds 0} ${SERVING_ARGS:-}" \
                       step serving_0.4b bash "$SCRIPT" _serving "$py" "$OUT" serving_bench_0.4b ;;
