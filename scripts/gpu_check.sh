@@ -70,6 +70,9 @@
 #              the cap at any context) and 1024..8192 (a token at context c counts 1 + c / unit), and
 #              a fit of the step's time to tokens and keys read -> chunked_0.4b_units.json; then
 #              serving_bench's chunked section at units 2048 and 4096 -> chunked_0.4b_unit_{2048,4096}.json
+#   prefix_0.4b  where TTFT goes with a cached 1k prefix and without, on the 0.4B model: the steps to
+#              the first token hand-stepped against a started engine's -> prefix_probe_0.4b.json
+#              (bench/prefix_probe.py; cached, TTFT was ~2.5 decode steps, the prefix target's edge)
 #   serving_0.4b  the same on the random 0.4B Qwen2 -> serving_bench_0.4b.json + .png (SERVING_0_4B_ARGS
 #              replaces its default "--c1-requests 8 --alternating-rounds 0"; SERVING_ARGS still adds)
 # DEMO_ARGS adds arguments to both engine_vs_hf runs (e.g. --skip-one-by-one --rounds 3); SPEC_ARGS and
@@ -203,7 +206,7 @@ PY
 }
 
 declare -A LIMIT=([perf]=240 [tests]=170 [engine]=170 [demo]=140 [make_0.4b]=120 [0.4b]=140 [kernels]=50 [paged]=90 [prefill]=90 [decode]=150 [chunked]=90 [chunked_flat]=90 [chunked_tiles]=120 [spec]=120 [predicted]=120 [kvdtype]=170
-                  [serving]=300 [serving_0.4b]=200 [tiles_0.4b]=120 [chunked_unit]=150)
+                  [serving]=300 [serving_0.4b]=200 [tiles_0.4b]=120 [chunked_unit]=150 [prefix_0.4b]=90)
 
 step() {  # name, command...: run it (within its limit) into its log, record its exit status, keep going
   local name=$1
@@ -324,6 +327,9 @@ run() {
                       SERVING_ARGS="--model-path /tmp/model-0.4b --only chunked --engine-arg prefill_context_unit=$unit ${SERVING_ARGS:-}" \
                         step chunked_unit bash "$SCRIPT" _serving "$py" "$OUT" "chunked_0.4b_unit_$unit" nopng
                     done ;;
+      prefix_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
+                   step prefix_0.4b "$py" -m bench.prefix_probe --device cuda --model-path /tmp/model-0.4b \
+                     --json "$OUT/prefix_probe_0.4b.json" ;;
       serving_0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
                     SERVING_ARGS="--model-path /tmp/model-0.4b ${SERVING_0_4B_ARGS:---c1-requests 8 --alternating-rounds 0} ${SERVING_ARGS:-}" \
                       step serving_0.4b bash "$SCRIPT" _serving "$py" "$OUT" serving_bench_0.4b ;;
