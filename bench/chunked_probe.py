@@ -12,9 +12,9 @@ inter-token latency grows by (serving_bench's `chunked` section measures that ra
 engine's loop). With --context-units every cap runs once per prefill_context_unit (0: every
 prefill token counts 1 against the cap; U: a token at context c counts 1 + c / U), and each
 chunk step's tokens and context start are kept, so a fit of the step's time to them says what
-a prefill token and what its attention over the context cost on this device (the fit's
-per-token over per-row-key cost is the unit that keeps a chunk step's time level). With --profile, the chunk-carrying steps at the largest cap are profiled
-(cProfile, top functions by own time): on a GPU the demo model's steps are host time.
+a step, a prefill token and a key read cost on this device: what a unit buys in step time, and
+costs in chunks, follows from those. With --profile, the chunk-carrying steps of the last run
+are profiled (cProfile, top functions by own time): on a GPU the demo model's steps are host time.
 """
 
 from __future__ import annotations
