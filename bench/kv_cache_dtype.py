@@ -80,8 +80,7 @@ def attention_times(dtypes: list[str], threads: int, seed: int = 0) -> dict[str,
     model's heads (4 query, 2 KV, 32 dims), four layers' caches in turn as in a step."""
     from kernels import cpu_attention
 
-    module = cpu_attention.load()
-    if module is None:
+    if cpu_attention.load() is None:
         return {}
     torch.set_num_threads(threads)
     rng = random.Random(seed)
@@ -105,12 +104,12 @@ def attention_times(dtypes: list[str], threads: int, seed: int = 0) -> dict[str,
     for _ in range(3):
         for d in dtypes:
             for k, v in caches[d]:
-                module.paged_decode_attention(q, k, v, tables, lens_t, bs, 0.17)
+                cpu_attention.paged_decode_attention(q, k, v, tables, lens_t, bs, 0.17)
             n = 50
             t0 = time.perf_counter()
             for _ in range(n):
                 for k, v in caches[d]:
-                    module.paged_decode_attention(q, k, v, tables, lens_t, bs, 0.17)
+                    cpu_attention.paged_decode_attention(q, k, v, tables, lens_t, bs, 0.17)
             times[d].append((time.perf_counter() - t0) / (n * layers) * 1e3)
     return {d: statistics.median(t) for d, t in times.items()}
 
