@@ -79,7 +79,9 @@
 # PREDICTED_ARGS to the spec and predicted steps' benchmarks (e.g. --repeats 1 --num-prompts 8).
 #   checks     tests and engine side by side (both only check; the benchmarks run alone)
 # Each step is cut off after its limit (STEP_LIMIT_<step> seconds, defaults below) so that one
-# slow step cannot eat a lent GPU's minutes; the benchmarks print and save each figure as it lands.
+# slow step cannot eat a lent GPU's minutes. Every step prints its figures into gpu_check.log as they
+# land; serving_bench, engine_vs_hf and kv_cache_dtype also save their JSON as they go, the probes
+# and the other benchmarks only at their end (a step cut off at its limit leaves its log, no JSON).
 # A device call runs 10 minutes at most: `run OUT checks demo 0.4b kernels prefill` (the default,
 # ~5 min on an H200) is sized to fit, and `run OUT serving` (~2.5 min with the default sections;
 # ~4 min adding hf/prefix/chunked through SERVING_ARGS' --only) goes in a call of its own. A
@@ -384,6 +386,7 @@ serving() {  # python, out dir, name[, nopng]: the serving paths on this host's 
   LD_LIBRARY_PATH="$libdir" ldd "$home/backends/python/triton_python_backend_stub" | grep "not found" \
     && echo "the Python backend stub lacks the libraries above (LIBDIR $libdir)"
   local results=/tmp/serving-results/$name
+  rm -rf "$results"  # a rerun on a warm machine that writes nothing must not pass off the last run's result
   # A step's time limit sends SIGTERM to this whole process group: the bench stops its servers
   # and writes what has landed (bench/serving_bench.py's CutOff); this shell must outlive it to
   # copy the result out. A no-op trap (not an ignored signal) leaves the children's default.
