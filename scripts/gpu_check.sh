@@ -71,7 +71,7 @@
 #              a fit of the step's time to tokens and keys read -> chunked_0.4b_units.json; then
 #              serving_bench's chunked section at units 2048 and 4096 -> chunked_0.4b_unit_{2048,4096}.json
 #   prefix_0.4b  where TTFT goes with a cached 1k prefix and without, on the 0.4B model: the steps to
-#              the first token hand-stepped against a started engine's -> prefix_probe_0.4b.json
+#              the first token hand-stepped against the step loop's -> prefix_probe_0.4b.json
 #              (bench/prefix_probe.py; cached, TTFT was ~2.5 decode steps, the prefix target's edge)
 #   serving_0.4b  the same on the random 0.4B Qwen2 -> serving_bench_0.4b.json + .png (SERVING_0_4B_ARGS
 #              replaces its default "--c1-requests 8 --alternating-rounds 0"; SERVING_ARGS still adds)
