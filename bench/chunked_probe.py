@@ -123,13 +123,15 @@ def main() -> None:
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
             profile_text = s.getvalue()
-    fit = chunk_cost_fit(results["caps"].values())
+    # Only across units: without them the chunks differ only in context, and a free per-token
+    # term fits noise (a negative cost a prefill token).
+    fit = chunk_cost_fit(results["caps"].values()) if a.context_units and len(units) > 1 else None
     if fit is not None:
         results["chunk_cost_fit"] = fit
         print(f"chunk step ms ~ {fit['fixed_ms']:.3f} + {fit['per_token_us']:.2f} us a prefill token + "
               f"{fit['per_row_key_ns']:.3f} ns a token's key read (r2 {fit['r2']:.3f}; {fit['steps']} steps)", flush=True)
     if profile_text is not None:
-        results["profile_largest_cap"] = profile_text
+        results["profile_last_run"] = profile_text
         print(profile_text[:4000], flush=True)
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))

@@ -54,9 +54,12 @@ def run(engine: LLMEngine, kind: str, batch: int, max_new: int, seed0: int) -> d
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - t
     after = engine.stats()
-    bad = [o.text for o in outs if o.error or o.finish_reason != "stop" or not valid(kind, o.text)]
-    if bad:
-        raise SystemExit(f"{kind}: an output does not satisfy its constraint: {bad[0]!r}")
+    for o in outs:
+        if o.error or o.finish_reason != "stop":  # "length": the constrained text did not end in max_new tokens
+            raise SystemExit(f"{kind}: an output ended with {o.error or o.finish_reason!r}, not at its grammar's "
+                             f"end (raise --max-new): {o.text!r}")
+        if not valid(kind, o.text):
+            raise SystemExit(f"{kind}: an output does not satisfy its constraint: {o.text!r}")
     return {
         "seconds": elapsed,
         "steps": after.num_steps - before.num_steps,

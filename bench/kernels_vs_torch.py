@@ -89,7 +89,8 @@ def main() -> None:
         else:
             k_ms = float("nan")  # the reference is the CPU path
         ratio = ref_ms / k_ms if k_ms == k_ms else None
-        results["ops"][name] = {"torch_ms": ref_ms, f"{kind}_ms": k_ms, "ratio": ratio}
+        # null, not NaN, where no kernel ran: NaN is not JSON (strict parsers refuse the file)
+        results["ops"][name] = {"torch_ms": ref_ms, f"{kind}_ms": k_ms if ratio is not None else None, "ratio": ratio}
         print(f"{name:20s} {ref_ms:10.3f} {k_ms:12.3f} {ratio if ratio is not None else float('nan'):13.2f}")
     if args.json:
         with open(args.json, "w") as f:
