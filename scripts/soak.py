@@ -245,7 +245,8 @@ def make_jobs(n: int, seed: int, max_tokens: int = 64, disconnect_rate: float = 
             # tokens under load): a run saw 7 disconnects and no abort. On a host with a core
             # taken, the 60 streams' first chunks reached the client when the engine had already
             # generated all 48 tokens of them (TTFT p50 1.0 s for a 1.2 s load pass): no abort
-            # of 10 either, so disconnect_max_tokens (> max_tokens) makes them outlast that lag.
+            # of 10 either. disconnect_max_tokens (> max_tokens) makes most of them outlast such a
+            # lag, not all: tests/test_soak.py asserts only what holds however late the client is.
             job.max_tokens, job.stop = disconnect_max_tokens or max_tokens, None
         jobs.append(job)
     return jobs

@@ -18,6 +18,6 @@ def test_prefix_probe_times_first_tokens_off_and_on(demo_model_path, tmp_path):
     for mode in ("off", "on"):
         row = got[mode]
         assert row["steps_to_first_token"] == [1, 1, 1]
-        assert 0 < row["forward_ms_p50"] <= row["step_ms_p50"] and len(row["started_ttft_ms"]) == 3
+        assert 0 < row["forward_ms_p50"] <= row["step_ms_p50"] and len(row["loop_ttft_ms"]) == 3
         assert row["cached_tokens"] == ([128] * 3 if mode == "on" else [0] * 3)
     assert got["hand_ttft_ms_p50_off_over_on"] > 0
