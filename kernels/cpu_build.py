@@ -8,27 +8,28 @@ kernel's environment switch at 0, `load()` returns None and the caller keeps its
 
 Not torch's default cache in the home directory: every checkout shared it, and a build killed
 there (a CI clone stopped mid-build) left torch's lock file behind, on which every later build
-waited forever without a word (QA: serve.sh hung 12 minutes). A lock older than any build
-(STALE_LOCK_S) is removed, with a warning.
+waited forever without a word (QA: serve.sh hung 12 minutes). Each build here runs holding an
+flock (`build_guard`), which the kernel releases when its holder dies: whoever holds it next
+knows a torch lock file it finds is a dead build's, and removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 BUILD_ROOT = Path(__file__).parent / ".build"
-STALE_LOCK_S = 600.0  # a build takes 20-30 s on 2 cores
 
 
 class CpuKernel:
@@ -56,15 +57,15 @@ class CpuKernel:
                     _put_ninja_on_path()
                     name = f"{self.name}_{_cpu_tag()}"
                     directory = build_directory(name)
-                    _remove_stale_lock(directory)
-                    self._module = build(
-                        name=name,
-                        sources=[str(self.source)],
-                        extra_cflags=self.cflags,
-                        extra_ldflags=["-fopenmp"],
-                        build_directory=str(directory),
-                        verbose=False,
-                    )
+                    with build_guard(directory):
+                        self._module = build(
+                            name=name,
+                            sources=[str(self.source)],
+                            extra_cflags=self.cflags,
+                            extra_ldflags=["-fopenmp"],
+                            build_directory=str(directory),
+                            verbose=False,
+                        )
                 except Exception as exc:  # no compiler, no ninja, headers missing: fall back, say why
                     self._error = f"{type(exc).__name__}: {exc}"
                     log.warning("%s unavailable, using %s: %s", self.name, self.fallback, self._error)
@@ -87,15 +88,23 @@ def build_directory(name: str) -> Path:
     return directory
 
 
-def _remove_stale_lock(directory: Path) -> None:
-    lock = directory / "lock"  # torch's FileBaton: a file, not a lock a dead process releases
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing %s, left %.0f s ago by a build that never finished", lock, age)
-        lock.unlink(missing_ok=True)
+@contextlib.contextmanager
+def build_guard(directory: Path) -> Iterator[None]:
+    """Held around torch's build in `directory`: one build at a time across processes, and none
+    waiting on a dead one. torch's FileBaton is a plain file its waiters poll for as long as it
+    exists; a process killed mid-build leaves it, and a mtime rule (the old one here) still left
+    a waiter that started while the lock looked young polling forever. An flock is released by
+    the kernel with its holder, so once it is ours a torch lock file is a dead build's."""
+    with open(directory / "build.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            lock = directory / "lock"
+            if lock.exists():
+                log.warning("removing %s, left by a build that never finished", lock)
+                lock.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def _cpu_tag() -> str:

@@ -239,9 +239,13 @@ def test_bad_shapes_are_refused():
 
 def test_kernels_build_in_the_checkout_and_a_dead_builds_lock_is_removed(tmp_path, monkeypatch, caplog):
     """QA: torch's shared cache kept the lock of a build killed mid-way (a CI clone stopped), and
-    serve.sh then waited on it forever, silently."""
-    import os
-    import time
+    serve.sh then waited on it forever, silently. Then a build started right after one was killed
+    (a test run interrupted and restarted) still waited forever: the lock was too young for the
+    old mtime rule, and a waiter never looked again."""
+    import signal
+    import subprocess
+    import sys
+    import threading
     from pathlib import Path
 
     from kernels import cpu_build
@@ -255,11 +259,33 @@ def test_kernels_build_in_the_checkout_and_a_dead_builds_lock_is_removed(tmp_pat
     directory = cpu_build.build_directory("k")
     assert directory == tmp_path / "k" and directory.is_dir()
     lock = directory / "lock"
-    lock.touch()
-    cpu_build._remove_stale_lock(directory)  # a build may hold it now: kept
-    assert lock.exists()
-    old = time.time() - cpu_build.STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
+    lock.touch()  # just left by a killed build: no one holds the guard
     with caplog.at_level("WARNING", logger="kernels.cpu_build"):
-        cpu_build._remove_stale_lock(directory)
-    assert not lock.exists() and "never finished" in caplog.text
+        with cpu_build.build_guard(directory):
+            assert not lock.exists()
+    assert "never finished" in caplog.text
+
+    # A build in progress elsewhere: the guard waits for it, and takes over once it dies.
+    builder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from kernels import cpu_build\n"
+         "d = Path(sys.argv[1])\nwith cpu_build.build_guard(d):\n (d / 'lock').touch(); print('building', flush=True); "
+         "time.sleep(60)", str(directory)],
+        cwd=Path(cpu_build.__file__).parent.parent, stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline().strip() == "building"
+        entered = threading.Event()
+
+        def build() -> None:
+            with cpu_build.build_guard(directory):
+                entered.set()
+
+        waiter = threading.Thread(target=build, daemon=True)
+        waiter.start()
+        assert not entered.wait(1.0) and lock.exists()  # a live build's lock is its own
+        builder.send_signal(signal.SIGKILL)
+        assert entered.wait(10.0), "the guard still waits on a dead build"
+        waiter.join(5)
+        assert not lock.exists()
+    finally:
+        builder.kill()
+        builder.wait()
