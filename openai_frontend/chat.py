@@ -26,7 +26,13 @@ from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
 from openai_frontend.reasoning import (
     ConstraintError, ReasoningFormat, ReasoningStreamer, constrain_after_reasoning, get_reasoning_format, split_reasoning,
 )
-from openai_frontend.sampling import CONSTRAINT_KEYS, adapter_for, build_sampling_params, check_unsupported
+from openai_frontend.sampling import (
+    CONSTRAINT_KEYS,
+    adapter_for,
+    build_sampling_params,
+    check_unsupported,
+    constraint_param,
+)
 from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 from openai_frontend.tools import (
     ToolCallStreamer, ToolPlan, get_parser, new_call_id, parse_as_streamed, plan_tools,
@@ -96,8 +102,9 @@ def _reasoning_format(req: ChatCompletionRequest, parser: Optional[str]) -> Opti
     return get_reasoning_format(parser) if parser and req.separate_reasoning else None
 
 
-def _constrain_content_only(sp: dict[str, Any], fmt: Optional[ReasoningFormat]) -> dict[str, Any]:
-    """With a reasoning parser, the request's constraint applies after the reasoning section."""
+def _constrain_content_only(sp: dict[str, Any], fmt: Optional[ReasoningFormat], param: str) -> dict[str, Any]:
+    """With a reasoning parser, the request's constraint (given by `param`) applies after the
+    reasoning section."""
     key = next((k for k in CONSTRAINT_KEYS if k in sp), None)
     if fmt is None or key is None:
         return sp
@@ -107,7 +114,7 @@ def _constrain_content_only(sp: dict[str, Any], fmt: Optional[ReasoningFormat]) 
     try:
         wrapped = constrain_after_reasoning(fmt, key, sp[key])
     except ConstraintError as exc:
-        raise bad_request(str(exc), param="structural_tag") from None
+        raise bad_request(str(exc), param=param) from None
     out = {k: v for k, v in sp.items() if k != key}
     out["structural_tag"] = wrapped
     return out
@@ -146,7 +153,8 @@ class ChatHandler:
                     param="tool_choice",
                 )
             sp[plan.constraint[0]] = plan.constraint[1]
-        sp = _constrain_content_only(sp, _reasoning_format(req, ctx.settings.reasoning_parser))
+        sp = _constrain_content_only(sp, _reasoning_format(req, ctx.settings.reasoning_parser),
+                                     constraint_param(req) or "tool_choice")
         messages = normalize_messages(req.messages)
         requests = [
             EngineRequest(

@@ -157,10 +157,21 @@ class ConstraintError(ValueError):
 _GAP = {"type": "regex", "pattern": "[ \\n]{0,4}"}
 
 
+def _json(key: str, value: Any) -> Any:
+    # Without a reasoning parser the engine parses the text and refuses it as a 400; here it is
+    # parsed first, and a JSONDecodeError would be a 500.
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise ConstraintError(f"invalid {key}: not valid JSON: {exc}") from None
+
+
 def _element(key: str, value: Any) -> dict[str, Any]:
     """The engine constraint (its sampling-parameter key and value) as a structural-tag element."""
     if key == "json_schema":
-        return {"type": "json_schema", "json_schema": json.loads(value) if isinstance(value, str) else value}
+        return {"type": "json_schema", "json_schema": _json(key, value)}
     if key == "regex":
         return {"type": "regex", "pattern": value}
     if key == "ebnf":
@@ -168,7 +179,7 @@ def _element(key: str, value: Any) -> dict[str, Any]:
     if key == "guided_choice":
         return {"type": "grammar", "grammar": "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)}
     if key == "structural_tag":
-        tag = json.loads(value) if isinstance(value, str) else value
+        tag = _json(key, value)
         if not isinstance(tag, dict) or "format" not in tag:
             raise ConstraintError("with a reasoning parser, structural_tag must be in xgrammar's format "
                                   '({"type": "structural_tag", "format": {...}}), not the legacy structures/triggers')

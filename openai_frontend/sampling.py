@@ -138,6 +138,12 @@ def _check_completion(req: CompletionRequest) -> None:
         raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
 
 
+def constraint_param(req: AnyRequest) -> Optional[str]:
+    """The request parameter that gives its structured-output constraint, for error messages."""
+    found = _constraints(req)
+    return found[0][0] if found else None
+
+
 def constraint_from_request(req: AnyRequest) -> Optional[tuple[str, Any]]:
     """The structured-output constraint the request asks for: (key, value) or None."""
     found = _constraints(req)

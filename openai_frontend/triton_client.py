@@ -319,6 +319,14 @@ def map_stream_error(message: str) -> APIError:
     A stream error carries only a message (no status code), so the kind is read from it."""
     msg = _clean(message)
     low = msg.lower()
+    if low.startswith("the server is overloaded"):
+        return _overloaded(msg)
+    param = _param(msg)
+    if param is not None:
+        # A refusal naming the request's parameter is the request's fault, even where the value
+        # it repeats reads "overloaded" or "model ... not found" (a LoRA or processor name): a
+        # 503 there would have the SDK retry what can never succeed.
+        return APIError(400, msg, param=param)
     if "overloaded" in low:
         return _overloaded(msg)
     if ("unknown model" in low or "is not ready" in low or "shutting down" in low
@@ -326,7 +334,7 @@ def map_stream_error(message: str) -> APIError:
         return unavailable(f"Triton model unavailable: {msg}")
     if "internal error" in low or "stub process" in low or ("model instance" in low and "crash" in low):
         return APIError(500, msg)
-    return APIError(400, msg, param=_param(msg))
+    return APIError(400, msg)
 
 
 # What grpc reports when the connection to the server is lost mid-call: an outage to retry, not

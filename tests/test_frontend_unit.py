@@ -1720,6 +1720,19 @@ def test_overload_and_unavailable_are_503_with_retry_after(client, base_url, fak
     # The engine's own refusal says it already: not twice.
     own = map_stream_error("in ensemble 'ensemble', the server is overloaded: 3 sequences are already waiting; retry later")
     assert own.message == "The server is overloaded: 3 sequences are already waiting; retry later"
+    # Review: refusals that repeat the client's own words were read as an outage, a 503 the SDK
+    # retries though the request can never succeed.
+    from backend.sampling_params import SamplingParamsError, parse_sampling_params
+
+    with pytest.raises(SamplingParamsError) as unknown:
+        parse_sampling_params({"overloaded": 1})
+    for message, param in ((str(unknown.value), "overloaded"),
+                           ("LoRA adapter 'overloaded-test' is not loaded", "lora_path"),
+                           ("LoRA adapter 'ft-model-not found' is not loaded", "lora_path"),
+                           ("logits processor 'x.overloaded' does not match the server's logits_processor_pattern",
+                            "logits_processors")):
+        mapped = map_stream_error(f"in ensemble 'ensemble', {message}")
+        assert (mapped.status_code, mapped.param, mapped.message) == (400, param, message)
     fake.script = lambda req: err
     for stream in (False, True):
         r = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "stream": stream})

@@ -223,3 +223,19 @@ def test_constraints_apply_after_the_reasoning(served):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=extra)
         assert err.value.body["param"] == param
+
+
+def test_a_constraint_that_is_not_json_is_a_400_naming_its_parameter(served):
+    """Review: with a reasoning parser the frontend parses the constraint to wrap it, and JSON text
+    that did not parse was a 500 (without the parser the engine refuses it as a 400)."""
+    client, fake, _ = served
+    sent = len(fake.requests)
+    for extra, param in [({"guided_json": "{not json"}, "guided_json"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{bad"}}},
+                          "response_format"),
+                         ({"structural_tag": "{bad"}, "structural_tag")]:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=stream, extra_body=extra)
+            assert err.value.body["param"] == param and "not valid JSON" in err.value.body["message"], err.value.body
+    assert len(fake.requests) == sent
