@@ -207,18 +207,20 @@ class EngineProxy:
                     input_embeds: Any = None) -> str:
         if request_id is None:
             request_id = uuid.uuid4().hex
-        # Registered before the child can answer, so no output finds its request unknown.
+        # Registered before the child can answer, so no output finds its request unknown; the
+        # watch too: a final output can reach the reader before the call's result does, and its
+        # unwatch must find the entry (a watch after it stayed, polled forever).
         with self._lock:
             self._callbacks[request_id] = (on_output, [params.n])
+            if is_cancelled is not None:
+                self._cancel_watch.watch(request_id, is_cancelled)
         try:
-            rid = self._call("add_request", prompt_ids, params, request_id, input_embeds)
+            return self._call("add_request", prompt_ids, params, request_id, input_embeds)
         except BaseException:
             with self._lock:
                 self._callbacks.pop(request_id, None)
+                self._cancel_watch.unwatch(request_id)
             raise
-        if is_cancelled is not None:
-            self._cancel_watch.watch(request_id, is_cancelled)
-        return rid
 
     def start(self) -> None:
         """LLMEngine's: here the step loop started with the child (a no-op)."""

@@ -122,6 +122,9 @@ class TritonRequestIndex:
             ids = self._engine_ids.pop(triton_id, None)
             if ids:
                 self._unname(triton_id)
+                # Ended here, so forget() will not see it end: a repeated abort must find it
+                # finished, not be remembered as one that came first for the next request.
+                self._remember(self._finished, triton_id)
                 return ids
             self._expire()
             if triton_id not in self._finished:
@@ -139,6 +142,7 @@ class TritonRequestIndex:
             for triton_id in taken:
                 engine_ids |= self._engine_ids.pop(triton_id)
                 self._unname(triton_id)
+                self._remember(self._finished, triton_id)
             return len(taken), engine_ids
 
     def _remember(self, table: OrderedDict[str, float], triton_id: str) -> None:

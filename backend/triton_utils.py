@@ -125,13 +125,20 @@ class GuardedSender:
             return False if self._closed else bool(self._sender.is_cancelled())
 
     def send(self, response: Any, final: bool) -> None:
+        """Sends a response; once the final one is sent, later ones are dropped. Two paths can
+        end a request: the engine process died during add_request, its proxy ended the request
+        with an error and the call raised too, and execute() answered that. A second final
+        response raised in the stub, out of execute(), and cost the batch's other requests theirs."""
         if not final:
-            self._sender.send(response, flags=0)
+            if not self._closed:
+                self._sender.send(response, flags=0)
             return
         with self._lock:  # waits for a poll in flight; none starts after this
             was_closed, self._closed = self._closed, True
+        if was_closed:
+            return
         self._sender.send(response, flags=self._final_flag)
-        if self._open is not None and not was_closed:  # counted once it went out
+        if self._open is not None:  # counted once it went out
             self._open.add(-1)
 
 

@@ -132,6 +132,11 @@ def test_guarded_sender_never_polls_after_the_final_send():
     guarded.send("r2", final=True)
     assert guarded.is_cancelled() is False  # answered without asking the server
     assert fake.calls == ["poll", "send:0", "send:1"]
+    # Review: a request ended twice (its engine process died during add_request) sent a second
+    # final response, which raised in the stub. Nothing goes out after the final one.
+    guarded.send("r3", final=True)
+    guarded.send("r4", final=False)
+    assert fake.calls == ["poll", "send:0", "send:1"]
 
 
 def test_guarded_sender_final_send_waits_for_a_poll_in_flight():

@@ -109,6 +109,26 @@ def test_n_samples_abort_cancel_and_control(proxy):
         time.sleep(0.01)
 
 
+def test_a_request_that_ends_before_its_call_returns_leaves_no_cancel_watch(proxy, monkeypatch):
+    """Review: add_request watched is_cancelled after the call's result, but the request's final
+    output can reach the reader first (max_new_tokens 0 ends at once); its unwatch then found
+    nothing, and the watch stayed, polled for ever, stretching every other request's poll."""
+    call = proxy._call
+
+    def result_after_the_output(op, *args, **kwargs):
+        value = call(op, *args, **kwargs)
+        if op == "add_request":
+            time.sleep(0.3)
+        return value
+
+    monkeypatch.setattr(proxy, "_call", result_after_the_output)
+    for tokens in (0, 1):
+        c = _Collect()
+        proxy.add_request([5, 6, 7], SamplingParams(max_new_tokens=tokens, **GREEDY), c, is_cancelled=lambda: False)
+        assert c.done.wait(30)
+        assert len(proxy._cancel_watch) == 0
+
+
 def test_a_dead_engine_process_ends_open_requests_with_an_error(config):
     p = EngineProxy(config)
     try:

@@ -38,6 +38,20 @@ def test_an_abort_for_a_finished_request_is_a_no_op():
     assert index.abort("R1") == set() and index.add("R1", "e3") is True
 
 
+def test_a_repeated_abort_of_an_aborted_request_is_a_no_op():
+    # Review: the abort that took a running request left no trace of it, so a second abort (a
+    # client's retry) was remembered as one that came first and aborted the next request sent
+    # under that id on arrival.
+    index = TritonRequestIndex()
+    assert index.add("job-1", "e1") is False
+    assert index.abort("job-1") == {"e1"}
+    assert index.abort("job-1") == set()
+    assert index.add("job-1", "e2") is False
+    index.add("R@fe.1", "e3")
+    assert index.abort_client("fe", "R") == (1, {"e3"})
+    assert index.abort("R@fe.1") == set() and index.add("R@fe.1", "e4") is False
+
+
 def test_client_ids_parse_from_the_right():
     assert client_of("rid-1@fe01.ab12cd34") == ("rid-1", "fe01")
     assert client_of("a.b@c@fe01.ab12") == ("a.b@c", "fe01")  # a client id may hold '@' and '.'
