@@ -96,16 +96,29 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def _behind_window(self, num_hits: int) -> int:
+        """How many of `num_hits` leading hits lie wholly behind the window of the first token
+        computed after them: never read, so not taken (free_behind_window's rule)."""
+        if not self.sliding_window:
+            return 0
+        return min(num_hits, max(0, (num_hits * self.block_size - self.sliding_window + 1) // self.block_size))
+
     def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
         """Whether `seq` can take `hits` and grow its table to cover `num_tokens` tokens."""
-        reclaimed = sum(1 for b in hits if self._blocks[b].ref_count == 0)
+        # With a sliding window the pool is sized for a window, not a whole prefix: counting the
+        # hits behind it could exceed the pool for good, and the request waited forever.
+        reclaimed = sum(1 for b in hits[self._behind_window(len(hits)):] if self._blocks[b].ref_count == 0)
         fresh = max(0, self.blocks_for(num_tokens) - len(hits))
         return fresh + reclaimed <= len(self._free)
 
     def take_prefix(self, seq: Sequence, hits: list[int]) -> int:
         """Give `seq` the cached blocks; returns the number of tokens they cover."""
         self.num_queried_tokens += seq.num_tokens
-        for block in hits:
+        behind = self._behind_window(len(hits))
+        # Their table entries point at block 0, as free_behind_window leaves them.
+        seq.block_table.extend([0] * behind)
+        seq.num_window_freed = behind
+        for block in hits[behind:]:
             b = self._blocks[block]
             if b.ref_count == 0:
                 del self._free[block]

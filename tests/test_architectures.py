@@ -173,6 +173,41 @@ def test_sliding_window_release_with_prefix_caching_keeps_outputs_exact(demo_mod
         engine.shutdown()
 
 
+def test_a_cached_prefix_longer_than_the_pool_is_taken_from_its_window(demo_model_path, tmp_path):
+    # Review: the pool is sized for a window (12 blocks here), but admitting a prompt took every
+    # cached block of its prefix, those behind the window too: 11 cached blocks and the new ones
+    # never fit, and the request waited forever. Only the blocks its window sees are taken now.
+    from pathlib import Path
+
+    hf = _build("mistral_swa", Path(demo_model_path), tmp_path)
+    engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=12,
+                                    block_size=16, sampling_defaults="openai", max_num_batched_tokens=24,
+                                    max_prefill_tokens_while_decoding=24, enable_prefix_caching=True))
+    try:
+        rng = random.Random(1)
+        first = [rng.randrange(10, hf.config.vocab_size) for _ in range(191)]
+        second = first[:176] + [rng.randrange(10, hf.config.vocab_size) for _ in range(30)]
+        # The first stops at 192 tokens, 12 blocks: a thirteenth would evict its first block,
+        # and the prefix's hash chain with it.
+        outs = []
+        for prompt, n in ((first, 1), (second, 8)):
+            got = []
+            engine.add_request(prompt, engine.parse_params({"temperature": 0, "max_new_tokens": n, "ignore_eos": True}),
+                               lambda out: got.append(out if not got else got.pop().merge(out)))
+            for _ in range(500):  # bounded: the bug was a request that waits for ever
+                if not engine.has_unfinished():
+                    break
+                engine.step()
+            assert not engine.has_unfinished() and got[0].finished
+            outs.append(got[0])
+        _assert_hf_greedy(hf, [first], outs[:1], 1)
+        _assert_hf_greedy(hf, [second], outs[1:], 8)
+        assert [o.cached_tokens for o in outs] == [0, 176]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown()
+
+
 def test_model_directories_as_published_load_as_transformers_loads_them(demo_model_path, tmp_path):
     # QA on real repos' layouts: which layers slide, as transformers reads each config; a
     # max_model_len past the model's context is refused; EOS ids from config.json count without

@@ -361,19 +361,22 @@ def test_sliding_window_releases_the_blocks_behind_it():
 
 def test_sliding_window_release_keeps_shared_and_cached_blocks():
     # A block shared through the prefix cache stays with its other holder; released by its
-    # last holder it keeps its contents (cached, free, found by a later prompt).
+    # last holder it keeps its contents (cached, free, found by a later prompt). A prompt takes
+    # only the cached blocks its window sees: the pool is sized for a window, not a prefix.
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True, sliding_window=4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     prefix = list(range(100, 112))  # 3 full blocks
-    a = _tokens_seq(prefix + [1, 2])
+    a = _tokens_seq(prefix + [1, 2, 3, 4, 5, 6])
     _admit_and_compute(sched, a)
     shared = a.block_table[:3]
     b = _tokens_seq(prefix + [3, 4, 5])
     sched.add(b)
     sched.schedule()
-    assert b.block_table[:3] == shared and all(bm.ref_count(x) == 2 for x in shared)
-    assert bm.free_behind_window(a) == 2  # a's next query at 14 sees 11..14: blocks 0, 1 behind
-    assert [bm.ref_count(x) for x in shared] == [1, 1, 2] and bm.num_cached_blocks == 3
+    # b's first computed token, at 12, sees 9..12: of the three hits it holds only the last
+    assert b.num_cached_tokens == 12 and b.block_table[:3] == [0, 0, shared[2]] and b.num_window_freed == 2
+    assert [bm.ref_count(x) for x in shared] == [1, 1, 2]
+    assert bm.free_behind_window(a) == 3  # a's next query at 18 sees 15..18: blocks 0-2 behind
+    assert [bm.ref_count(x) for x in shared] == [0, 0, 1] and bm.num_cached_blocks == 4
     sched.finish(b, FinishReason.STOP)
     sched.finish(a, FinishReason.STOP)
     assert bm.num_free_blocks == 16 and all(bm.ref_count(x) == 0 for x in shared)
