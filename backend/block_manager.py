@@ -13,7 +13,8 @@ never read again: it is released as the sequence moves on (vLLM's sliding-window
 long sequence holds about window / block_size blocks, not its whole length. Its table entry
 stays, pointing at block 0, so positions keep their index: attention never reads it (the
 decode kernels start at the window; where a path gathers every block, the window's mask hides it,
-as it hides the tables' block-0 padding).
+as it hides the tables' block-0 padding). A prompt found in the cache takes only the cached blocks
+its window sees, for the same reason: the pool is sized for a window, not for a whole prefix.
 """
 
 from __future__ import annotations
