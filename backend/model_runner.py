@@ -888,10 +888,12 @@ class ModelRunner:
             )
         lora = lora_logit_rows = None
         if adapters is not None and any(a is not None for a in adapters):
-            rows_of: dict[str, tuple[LoraAdapter, list[int], list[int]]] = {}
+            # By load, not by name: an adapter unloaded and loaded again under its name keeps
+            # serving its running requests with the old weights beside new ones with the new.
+            rows_of: dict[int, tuple[LoraAdapter, list[int], list[int]]] = {}
             for i, adapter in enumerate(adapters):
                 if adapter is not None:
-                    _, token_rows, logit_rows = rows_of.setdefault(adapter.name, (adapter, [], []))
+                    _, token_rows, logit_rows = rows_of.setdefault(adapter.load_id, (adapter, [], []))
                     token_rows.extend(range(bases[i], bases[i] + q_lens[i]))
                     logit_rows.extend(range(*logit_spans[i]))
             if len(rows_of) == 1 and all(a is not None for a in adapters):

@@ -223,6 +223,30 @@ def test_an_adapter_reloaded_with_new_weights_does_not_reuse_its_old_prefix_cach
         engine.unload_lora("swap")
 
 
+def test_a_request_on_an_unloaded_adapter_runs_beside_its_reloaded_namesake(engine, demo_model_path, tmp_path):
+    # Review: a step grouped its rows by adapter name, so a request still running on the old
+    # weights and a new one on the weights loaded again under that name got one of the two.
+    old_path, new_path = tmp_path / "v1", tmp_path / "v2"
+    old, new = make_adapter(demo_model_path, old_path, seed=11), make_adapter(demo_model_path, new_path, seed=12)
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True, "repetition_penalty": 1.0, "lora_path": "swap"}
+    first, second = list(range(500, 530)), list(range(700, 725))
+    engine.load_lora("swap", str(old_path))
+    got = {"first": [], "second": []}
+    engine.add_request(first, engine.parse_params(greedy), got["first"].append)
+    engine.step()
+    engine.unload_lora("swap")
+    engine.load_lora("swap", str(new_path))
+    try:
+        engine.add_request(second, engine.parse_params(greedy), got["second"].append)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.unload_lora("swap")
+    tokens = {k: [t for o in v for t in o.new_token_ids] for k, v in got.items()}
+    assert tokens["first"] == hf_greedy(merged_model(demo_model_path, old), first, 8)
+    assert tokens["second"] == hf_greedy(merged_model(demo_model_path, new), second, 8)
+
+
 def test_runtime_load_and_unload(engine, adapters, demo_model_path, tmp_path):
     """SGLang's /load_lora_adapter at the engine: a new adapter serves at once; an unloaded one
     refuses new requests, while a running request finishes under it."""
