@@ -15,7 +15,8 @@ once per streamed token.
 Errors: gRPC UNAVAILABLE / connection failures, a model that is not ready, and the engine's
 "overloaded" -> 503 with Retry-After; INVALID_ARG and the model's own errors -> 400 with the
 engine's message; the rest -> 500. The channel reconnects by itself (short backoff) when
-tritonserver comes back.
+tritonserver comes back. A stream that goes silent while tritonserver is stopping is ended with a
+503 (STOPPING_SILENCE_S).
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ _ENSEMBLE_PREFIX = "in ensemble "
 # How long a cancelled stream waits for its abort to reach the engine model (one gRPC call,
 # milliseconds; longer only when tritonserver is unreachable, and then the abort goes on alone).
 ABORT_WAIT_S = 2.0
+# A stream that has heard nothing for STOPPING_SILENCE_S since its last response while the server
+# says it (or its model) is not ready is ended with a 503. Triton 2.51 stopping on SIGTERM keeps an
+# ensemble stream open through its exit timeout but passes none of its responses on: the client
+# waited until it gave up (QA: > 90 s), where a killed server ends the stream at once. Streams that
+# still receive (a drain, an unload) are left alone. Checked every STOPPING_CHECK_S while streams
+# are open.
+STOPPING_SILENCE_S = 3.0
+STOPPING_CHECK_S = 1.0
 
 
 def _bytes_input(name: str, value: str) -> InferInput:
@@ -329,7 +338,7 @@ def map_stream_error(message: str) -> APIError:
         return APIError(400, msg, param=param)
     if "overloaded" in low:
         return _overloaded(msg)
-    if ("unknown model" in low or "is not ready" in low or "shutting down" in low
+    if ("unknown model" in low or "is not ready" in low or "shutting down" in low or "server is stopping" in low
             or ("model" in low and "not found" in low)):
         return unavailable(f"Triton model unavailable: {msg}")
     if "internal error" in low or "stub process" in low or ("model instance" in low and "crash" in low):
@@ -409,6 +418,25 @@ CHANNEL_ARGS = [
 # ---------------------------------------------------------------------------------------------
 
 
+class _OpenStream:
+    """A stream in flight, as the stopping watch sees it."""
+
+    __slots__ = ("responses", "last", "ended_by_watch")
+
+    def __init__(self, responses: Any) -> None:
+        self.responses = responses
+        # When it last received a response (loop time). None before the first: a request not
+        # streamed (one response at its end) is silent by design, and a stopping server does
+        # answer those, with an error ("Server is stopping, ...").
+        self.last: Optional[float] = None
+        self.ended_by_watch = False
+
+
+def _cancelled_from_outside() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class TritonLLMClient:
     """Async client of the ensemble model over gRPC. Create once per process.
 
@@ -447,6 +475,8 @@ class TritonLLMClient:
         # How many of the streams under a client id are batch items (EngineRequest.batch_item).
         self._batch_items: dict[str, int] = {}
         self.out_of_order_responses = 0  # see _out_of_order
+        self._open: dict[str, _OpenStream] = {}  # by Triton request id, for _watch_stopping
+        self._stopping_watch: Optional[asyncio.Task] = None
 
     def _get(self) -> grpcclient_aio.InferenceServerClient:
         if self._client is None:
@@ -454,6 +484,8 @@ class TritonLLMClient:
         return self._client
 
     async def close(self) -> None:
+        if self._stopping_watch is not None:
+            self._stopping_watch.cancel()
         if self._aborts:
             await asyncio.gather(*self._aborts, return_exceptions=True)
         if self._client is not None:
@@ -466,6 +498,44 @@ class TritonLLMClient:
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
             log.debug("readiness check failed: %s", exc)
             return False
+
+    async def _serving(self) -> Optional[bool]:
+        """Whether the server says it is ready and so is its model; None when it gave no answer
+        (a timeout under load is no answer). A stopping server is not ready, while the model it
+        keeps for the streams it holds still is."""
+        client = self._get()
+        try:
+            return (bool(await client.is_server_ready(client_timeout=self.ready_timeout))
+                    and bool(await client.is_model_ready(self.model_name, client_timeout=self.ready_timeout)))
+        except InferenceServerException as exc:
+            # A stopping tritonserver answers "[StatusCode.UNAVAILABLE] Server exiting".
+            if "UNAVAILABLE" in str(exc.status() or ""):
+                return False
+            log.debug("readiness check failed: %s", exc)
+            return None
+        except (grpc.RpcError, OSError) as exc:
+            log.debug("readiness check failed: %s", exc)
+            return None
+
+    async def _watch_stopping(self) -> None:
+        """While streams are open: end those silent for STOPPING_SILENCE_S once the server says
+        its model is not ready (see STOPPING_SILENCE_S)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while self._open:
+                await asyncio.sleep(STOPPING_CHECK_S)
+                now = loop.time()
+                silent = [o for o in self._open.values()
+                          if o.last is not None and now - o.last >= STOPPING_SILENCE_S and not o.ended_by_watch]
+                if not silent or await self._serving() is not False:
+                    continue
+                log.warning("Triton server or model %s not ready: ending %d stream(s) silent for %.0f s or more",
+                            self.model_name, len(silent), STOPPING_SILENCE_S)
+                for stream in silent:
+                    stream.ended_by_watch = True
+                    stream.responses.cancel()
+        finally:
+            self._stopping_watch = None
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Yield the ensemble's responses for `request` until the final one.
@@ -506,6 +576,10 @@ class TritonLLMClient:
             responses = self._get().stream_infer(requests(), stream_timeout=self.stream_timeout)
         except InferenceServerException as exc:
             raise unavailable(f"Triton server unavailable: {exc.message()}") from None
+        loop = asyncio.get_running_loop()
+        watched = self._open[request_id] = _OpenStream(responses)
+        if self._stopping_watch is None:
+            self._stopping_watch = asyncio.ensure_future(self._watch_stopping())
         streams = self._streams.setdefault(request.request_id, set())
         streams.add(request_id)
         self._claimed |= claims
@@ -520,6 +594,7 @@ class TritonLLMClient:
                 if error is not None:
                     finished = True
                     raise map_stream_error(error.message() if isinstance(error, InferenceServerException) else str(error))
+                watched.last = loop.time()
                 response = result.get_response()
                 final = _is_final(response)
                 if response.outputs:
@@ -538,7 +613,15 @@ class TritonLLMClient:
                     return
             finished = True
             raise APIError(502, "Triton closed the stream before the final response")
+        except asyncio.CancelledError:
+            if not watched.ended_by_watch or _cancelled_from_outside():
+                raise
+            finished = True
+            raise self._stopped_error() from None
         except grpc.RpcError as exc:
+            if watched.ended_by_watch:
+                finished = True
+                raise self._stopped_error() from None
             # Ended on our side (its deadline: --stream-timeout): the request runs on in the engine
             # unless aborted below, as for a disconnect (QA: it generated to its length for a
             # client that had its 504). A lost connection has nothing to abort on.
@@ -547,6 +630,7 @@ class TritonLLMClient:
             raise map_rpc_error(exc) from None
         finally:
             done.set()
+            del self._open[request_id]
             self._claimed -= claims
             if request.batch_item:
                 left = self._batch_items.pop(request.request_id) - 1
@@ -566,6 +650,10 @@ class TritonLLMClient:
                     # cancels, this stream's among them: an abort left to run alone went down with
                     # the loop, and the engine generated on for a client that was gone.
                     await asyncio.wait({task}, timeout=ABORT_WAIT_S)
+
+    def _stopped_error(self) -> APIError:
+        return unavailable(f"Triton server is stopping (it or model '{self.model_name}' is not ready) and the "
+                           f"stream got no response for {STOPPING_SILENCE_S:.0f} s")
 
     async def abort_requests(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
         """End in-flight requests early, as SGLang's /abort_request does: each one finishes

@@ -450,6 +450,54 @@ def test_killed_postprocessing_stub_stops_the_server_and_service_resumes(entry):
     assert drained, m
 
 
+def test_tritonserver_stopping_ends_frontend_streams_with_503(entry):
+    """QA: SIGTERM to tritonserver alone (an orchestrator stopping its container) kept the
+    frontend's streams open and silent until their clients gave up: Triton 2.51, stopping, holds
+    an ensemble stream but passes none of its responses on. The frontend now ends a stream that
+    went silent while the server says it is not ready (openai_frontend/triton_client.py)."""
+    server_pid = entry.tritonserver_pid()
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True,
+            **GREEDY}
+    started = threading.Semaphore(0)
+    results: list[tuple[float, list[dict], bool]] = []
+
+    def stream() -> None:
+        events: list[dict] = []
+        done = False
+        with httpx.stream("POST", entry.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 5:
+                        started.release()
+        results.append((time.monotonic(), events, done))
+
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=60)
+    t_term = time.monotonic()
+    os.kill(server_pid, signal.SIGTERM)
+    for t in threads:
+        t.join(90)
+    assert len(results) == 2
+    for ended, events, done in results:
+        assert done and ended - t_term < 20, (ended - t_term, events[-1:])
+        # Those that finished before the server stopped passing responses on end normally.
+        if events[-1].get("choices") and events[-1]["choices"][0].get("finish_reason") == "length":
+            continue
+        error = events[-1]["error"]
+        assert error["type"] == "service_unavailable_error" and "stopping" in error["message"], error
+    entry.wait_serving(240)
+    assert entry.tritonserver_pid() != server_pid
+    drained, m = soak.wait_drained(entry.metrics_url, timeout=20)
+    assert drained, m
+
+
 def test_sigterm_stops_everything(entry):
     children = _children(entry.process.pid)
     assert children

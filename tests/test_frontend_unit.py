@@ -1169,6 +1169,10 @@ def test_error_mapping():
     # A request running when the engine process died, and one cut by shutdown: the server's
     assert map_stream_error("internal error: the engine process has stopped").status_code == 500
     assert map_stream_error("the server is shutting down").status_code == 503
+    # QA: Triton's own refusal while it stops was a 400, which tells a client not to retry.
+    stopping = map_stream_error("in ensemble 'ensemble', [request id: a@f.1] Server is stopping, scheduler for model "
+                                "has stopped accepting new inference requests")
+    assert stopping.status_code == 503 and stopping.headers["Retry-After"]
     # preprocessing's message for an empty prompt names the ensemble's tensors: not passed on
     from tritonclient.utils import InferenceServerException
 
