@@ -105,6 +105,8 @@ class LocalTritonServer:
         stub = triton_home() / "backends" / "python" / "triton_python_backend_stub"
         if not stub.exists():
             raise RuntimeError(f"{stub} is missing: run scripts/setup.sh first")
+        # Regions of stubs killed before (tests kill servers on purpose) would fill /dev/shm.
+        subprocess.run([str(REPO_ROOT / "scripts" / "sweep-shm.sh")], check=False)
         out = None
         if self.log_file is not None:
             self._log_handle = open(self.log_file, "ab")

@@ -102,6 +102,7 @@ STOPPING=0
 RESTARTS=()
 
 start_triton() {
+  "$APP_DIR/scripts/sweep-shm.sh"  # regions left by a killed tritonserver would fill /dev/shm
   # shellcheck disable=SC2086 # TRITON_ARGS is a word list on purpose
   "$TRITONSERVER" --model-repository="$APP_DIR/model_repository" --backend-directory="$TRITON_BACKEND_DIR" \
     --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" --metrics-port="$METRICS_PORT" \

@@ -133,6 +133,7 @@ trap 'cleanup; exit 143' TERM
 # requests made to it directly, or left in flight by a forced stop, and then for its models to
 # unload: 10 s more for that (the llm model's engine shutdown took over 3 s on a busy CI host, and
 # an exit timeout that runs out while a stub unloads ends tritonserver with an error).
+scripts/sweep-shm.sh  # regions left by a tritonserver killed before would fill /dev/shm
 .venv/bin/python -c 'import os, signal, sys
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 os.execvp(sys.argv[1], sys.argv[1:])' tritonserver --model-repository="$PWD/model_repository" \

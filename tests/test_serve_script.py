@@ -44,3 +44,31 @@ def test_serve_refuses_a_model_path_that_is_not_there(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 2 and f"no model directory at {tmp_path}/nowhere" in stderr
+
+
+def test_sweep_shm_removes_only_the_regions_of_stubs_that_are_gone(tmp_path):
+    """QA: every tritonserver killed left its stubs' shared-memory regions in /dev/shm (141 on a
+    test host); a container's is 64 MiB, and a supervisor restarting tritonserver in it would
+    fill it. serve.sh, the entrypoint and the tests' servers sweep before each start."""
+    import mmap
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sweep-shm.sh"
+    old = time.time() - 600
+    regions = {name: tmp_path / f"triton_python_backend_shm_region_{name}" for name in ("gone", "mapped", "new")}
+    for name, path in regions.items():
+        path.write_bytes(b"\0" * 4096)
+        if name != "new":
+            os.utime(path, (old, old))
+    other = tmp_path / "something_else"
+    other.write_bytes(b"x")
+    os.utime(other, (old, old))
+    with open(regions["mapped"], "r+b") as f, mmap.mmap(f.fileno(), 4096):  # a live stub's region
+        run = subprocess.run([str(script)], env={**os.environ, "SHM_DIR": str(tmp_path)}, capture_output=True,
+                             text=True, timeout=60)
+    assert run.returncode == 0 and "removed 1 " in run.stderr, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [regions["mapped"].name, regions["new"].name, other.name])
