@@ -501,14 +501,13 @@ class TritonLLMClient:
 
     async def _serving(self) -> Optional[bool]:
         """Whether the server says it is ready and so is its model; None when it gave no answer
-        (a timeout under load is no answer). A stopping server is not ready, while the model it
-        keeps for the streams it holds still is."""
+        (a timeout under load is no answer). Triton 2.51, stopping, answers both calls with
+        UNAVAILABLE "Server exiting": a not-ready answer, not a lost connection."""
         client = self._get()
         try:
             return (bool(await client.is_server_ready(client_timeout=self.ready_timeout))
                     and bool(await client.is_model_ready(self.model_name, client_timeout=self.ready_timeout)))
         except InferenceServerException as exc:
-            # A stopping tritonserver answers "[StatusCode.UNAVAILABLE] Server exiting".
             if "UNAVAILABLE" in str(exc.status() or ""):
                 return False
             log.debug("readiness check failed: %s", exc)
@@ -519,7 +518,7 @@ class TritonLLMClient:
 
     async def _watch_stopping(self) -> None:
         """While streams are open: end those silent for STOPPING_SILENCE_S once the server says
-        its model is not ready (see STOPPING_SILENCE_S)."""
+        it or its model is not ready (see STOPPING_SILENCE_S)."""
         loop = asyncio.get_running_loop()
         try:
             while self._open:
