@@ -40,7 +40,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from openai_frontend.chat import ChatHandler
-from openai_frontend.common import Context, json_response
+from openai_frontend.common import Context, error_event, json_response
 from openai_frontend.completions import CompletionHandler
 from openai_frontend.engine_types import EngineClient, EngineRequest
 from openai_frontend.errors import APIError, bad_request, model_not_found, unavailable
@@ -62,7 +62,7 @@ from openai_frontend import protocol, request_context
 from openai_frontend.reasoning import get_reasoning_format, split_reasoning
 from openai_frontend.sampling import openai_param
 from openai_frontend.settings import Settings
-from openai_frontend.streams import run_until_disconnect
+from openai_frontend.streams import DONE_EVENT, run_until_disconnect
 from openai_frontend.tokenization import detokenize, tokenize
 from openai_frontend.tokenizer import ModelFiles
 from openai_frontend.tools import get_parser, tools_as_dicts
@@ -177,12 +177,14 @@ class FrontDoorMiddleware:
                         raise BodyTooLarge(limit)
                 return message
 
-            started = complete = False
+            started = complete = sse = False
 
             async def send_with_id(message: Message) -> None:
-                nonlocal status, started, complete
+                nonlocal status, started, complete, sse
                 if message["type"] == "http.response.start":
                     status, started = message["status"], True
+                    sse = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                              for k, v in message.get("headers", []))
                     # The route may have taken the id from the body (`request_id`, `rid`).
                     rid = state["request_id"].encode("latin-1")
                     message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
@@ -192,6 +194,17 @@ class FrontDoorMiddleware:
 
             try:
                 await self.app(scope, limited_receive, send_with_id)
+            except asyncio.CancelledError:
+                # uvicorn cancels what is still running when it stops for good (a second Ctrl-C,
+                # --graceful-shutdown-timeout run out); its own answer was a plain-text 500, or a
+                # stream cut off without a word. The streams' aborts went out as they unwound.
+                err = unavailable("the server is shutting down")
+                if not started:
+                    await reply(503, err, ((b"retry-after", b"1"), (b"connection", b"close")))
+                elif sse and not complete:
+                    await send({"type": "http.response.body", "body": error_event(err) + DONE_EVENT})
+                else:
+                    raise
             except Exception as exc:
                 # Answered here, not by an exception handler: Starlette's outermost middleware
                 # re-raises after sending a handler's 500, and uvicorn then drops the connection, so

@@ -2289,3 +2289,58 @@ def test_a_one_response_llm_call_is_read_until_the_server_ends_it(monkeypatch, e
     assert answer == {"aborted": 1}
     assert call.ended == (end_after is not None)
     assert time.monotonic() - t0 < 1.0
+
+
+def test_requests_cut_by_a_forced_stop_get_an_openai_style_503():
+    """QA: when uvicorn stops for good (a second Ctrl-C, the graceful timeout run out) it cancels
+    what still runs: a request not yet answered got uvicorn's plain-text 500, a stream was cut
+    without a word. Now a 503 in OpenAI's shape, and an error event then [DONE]."""
+    import threading
+
+    import uvicorn
+
+    from openai_frontend.testing import free_port
+
+    fake = FakeLLMClient(lambda req: text_chunks([f"w{i} " for i in range(300)]), delay=0.05)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(Settings(model_name=MODEL), client=fake), host="127.0.0.1",
+                                           port=port, log_level="warning", timeout_graceful_shutdown=0.5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body = {"model": MODEL, "messages": MESSAGES}
+    got: dict[str, object] = {}
+    streaming = threading.Event()
+
+    def plain() -> None:
+        r = httpx.post(url, json=body, timeout=30)
+        got["plain"] = (r.status_code, r.headers.get("content-type"), r.json())
+
+    def stream() -> None:
+        lines = []
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    streaming.set()
+        got["stream"] = lines
+
+    clients = [threading.Thread(target=plain), threading.Thread(target=stream)]
+    for c in clients:
+        c.start()
+    assert streaming.wait(10)
+    time.sleep(0.2)
+    server.should_exit = True
+    for c in clients:
+        c.join(30)
+    thread.join(30)
+    status, content_type, error = got["plain"]
+    assert (status, content_type) == (503, "application/json"), got["plain"]
+    assert error["error"]["type"] == "service_unavailable_error" and "shutting down" in error["error"]["message"]
+    lines = got["stream"]
+    assert lines[-1] == "[DONE]" and "shutting down" in json.loads(lines[-2])["error"]["message"], lines[-3:]
+    assert fake.finished.count("closed") == 2  # both engine streams were closed

@@ -144,8 +144,9 @@ def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo
         assert short["end"] == "complete" and short["lines"][-1] == "data: [DONE]", short
         chunks = [json.loads(line[6:]) for line in short["lines"] if line.startswith("data: {")]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        # Cancelled at the timeout: the connection closes mid-stream (no silent freeze).
-        assert long["end"] != "complete" and "data: [DONE]" not in long["lines"], long["end"]
+        # Cancelled at the timeout (no silent freeze), and told why: an error event, then [DONE].
+        assert long["end"] == "complete" and long["lines"][-1] == "data: [DONE]", long["end"]
+        assert "shutting down" in json.loads(long["lines"][-2][6:])["error"]["message"], long["lines"][-2:]
         assert grace - 1 < long["at"] - t0 < grace + 10, (long["at"] - t0, text[-3000:])
         assert rc == 130 and stopped < grace + 20, (rc, stopped, text[-3000:])
         # The frontend stopped first and aborted what it cancelled: tritonserver found nothing in
@@ -161,7 +162,7 @@ def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_second_ctrl_c_cancels_at_once_and_still_aborts_in_the_engine(demo_model_path, tmp_path, workers):
     # The second Ctrl-C forces the frontend out at once (uvicorn skips its lifespan's shutdown):
-    # the long stream is cut right away, and its abort must still reach the engine, or the
+    # the long stream is ended right away (an error event, [DONE]), and its abort must still reach the engine, or the
     # ensemble generates on for nobody and tritonserver waits out its exit timeout (QA: 3000
     # tokens to the end, "Exit timeout expired"). With --frontend-workers 2 the workers get the
     # supervisor's SIGTERM first, then serve.sh's SIGINT.
@@ -180,7 +181,8 @@ def test_a_second_ctrl_c_cancels_at_once_and_still_aborts_in_the_engine(demo_mod
         stopped = time.monotonic() - t0
         thread.join(10)
         text = log.read_text()
-        assert result["end"] != "complete" and result["at"] - t0 < 8, (result.get("end"), result["at"] - t0)
+        assert result["lines"][-1] == "data: [DONE]" and result["at"] - t0 < 8, (result.get("end"), result["at"] - t0)
+        assert "shutting down" in json.loads(result["lines"][-2][6:])["error"]["message"], result["lines"][-2:]
         assert rc == 130 and stopped < 20, (rc, stopped, text[-3000:])
         assert "Found 0 model versions that have in-flight inferences" in text, text[-3000:]
         # The lifespan cancelled on the way out is not reported as an error (__main__.CancelledAtShutdown).
