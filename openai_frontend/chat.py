@@ -102,9 +102,9 @@ def _reasoning_format(req: ChatCompletionRequest, parser: Optional[str]) -> Opti
     return get_reasoning_format(parser) if parser and req.separate_reasoning else None
 
 
-def _constrain_content_only(sp: dict[str, Any], fmt: Optional[ReasoningFormat], param: str) -> dict[str, Any]:
-    """With a reasoning parser, the request's constraint (given by `param`) applies after the
-    reasoning section."""
+def _constrain_content_only(sp: dict[str, Any], fmt: Optional[ReasoningFormat],
+                            req: ChatCompletionRequest) -> dict[str, Any]:
+    """With a reasoning parser, the request's constraint applies after the reasoning section."""
     key = next((k for k in CONSTRAINT_KEYS if k in sp), None)
     if fmt is None or key is None:
         return sp
@@ -114,7 +114,8 @@ def _constrain_content_only(sp: dict[str, Any], fmt: Optional[ReasoningFormat], 
     try:
         wrapped = constrain_after_reasoning(fmt, key, sp[key])
     except ConstraintError as exc:
-        raise bad_request(str(exc), param=param) from None
+        # Named as the request gave it; a constraint it did not give came from its tool_choice.
+        raise bad_request(str(exc), param=constraint_param(req) or "tool_choice") from None
     out = {k: v for k, v in sp.items() if k != key}
     out["structural_tag"] = wrapped
     return out
@@ -153,8 +154,7 @@ class ChatHandler:
                     param="tool_choice",
                 )
             sp[plan.constraint[0]] = plan.constraint[1]
-        sp = _constrain_content_only(sp, _reasoning_format(req, ctx.settings.reasoning_parser),
-                                     constraint_param(req) or "tool_choice")
+        sp = _constrain_content_only(sp, _reasoning_format(req, ctx.settings.reasoning_parser), req)
         messages = normalize_messages(req.messages)
         requests = [
             EngineRequest(
