@@ -97,12 +97,17 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def _behind_window(self, num_hits: int) -> int:
-        """How many of `num_hits` leading hits lie wholly behind the window of the first token
-        computed after them: never read, so not taken (free_behind_window's rule)."""
+    def _blocks_behind(self, position: int) -> int:
+        """Leading blocks wholly behind the window of the query at `position` (it sees keys from
+        position - window + 1 on): never read again. 0 without a sliding window."""
         if not self.sliding_window:
             return 0
-        return min(num_hits, max(0, (num_hits * self.block_size - self.sliding_window + 1) // self.block_size))
+        return max(0, (position - self.sliding_window + 1) // self.block_size)
+
+    def _behind_window(self, num_hits: int) -> int:
+        """How many of `num_hits` leading hits the first token computed after them cannot see:
+        not taken."""
+        return min(num_hits, self._blocks_behind(num_hits * self.block_size))
 
     def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
         """Whether `seq` can take `hits` and grow its table to cover `num_tokens` tokens."""
@@ -187,7 +192,7 @@ class BlockManager:
         position num_computed_tokens, sees keys from num_computed_tokens - window + 1 on."""
         if not self.sliding_window:
             return 0
-        dead = min(len(seq.block_table), (seq.num_computed_tokens - self.sliding_window + 1) // self.block_size)
+        dead = min(len(seq.block_table), self._blocks_behind(seq.num_computed_tokens))
         released = 0
         for i in range(seq.num_window_freed, dead):
             self._release(seq.block_table[i])

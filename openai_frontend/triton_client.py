@@ -328,8 +328,6 @@ def map_stream_error(message: str) -> APIError:
     A stream error carries only a message (no status code), so the kind is read from it."""
     msg = _clean(message)
     low = msg.lower()
-    if low.startswith("the server is overloaded"):
-        return _overloaded(msg)
     param = _param(msg)
     if param is not None:
         # A refusal naming the request's parameter is the request's fault, even where the value
