@@ -99,7 +99,9 @@ def top_k_top_p_min_p(
     """Joint top-k / top-p / min-p filter; removed tokens become -inf.
 
     All three filters are evaluated on the same (unfiltered) distribution p = softmax(x) of the
-    row and a token survives iff it passes all of them ("joint", as SGLang's torch path):
+    row and a token survives iff it passes all of them ("joint": SGLang's semantics on both its
+    paths, the torch fallback and flashinfer's filter_apply_order="joint"; HF and vLLM renormalize
+    after top-k before top-p instead):
 
     * top-k (on iff 0 < k < V): keep x_i >= the k-th largest value (ties at the boundary are all
       kept, so more than k tokens can survive).
