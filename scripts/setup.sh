@@ -11,8 +11,8 @@ fi
 if ! .venv/bin/python -c "import tritonclient, torch, transformers, xgrammar, fastapi, openai" 2>/dev/null \
    || ! cmp -s requirements.txt .venv/.requirements.installed; then
   echo "[setup] installing pinned requirements (first run takes a few minutes)"
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -r requirements.txt -c constraints.txt
+  .venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
+  .venv/bin/python -m pip install -q --no-cache-dir -r requirements.txt -c constraints.txt
   cp requirements.txt .venv/.requirements.installed
 fi
 # The stub must match the interpreter whose site-packages the models import from.
