@@ -14,7 +14,8 @@ long sequence holds about window / block_size blocks, not its whole length. Its 
 stays, pointing at block 0, so positions keep their index: attention never reads it (the
 decode kernels start at the window; where a path gathers every block, the window's mask hides it,
 as it hides the tables' block-0 padding). A prompt found in the cache takes only the cached blocks
-its window sees, for the same reason: the pool is sized for a window, not for a whole prefix.
+its window sees, for the same reason: the pool is sized for a window, not for a whole prefix. And
+only those need be found: the head blocks, released first, are the first evicted.
 """
 
 from __future__ import annotations
@@ -77,25 +78,39 @@ class BlockManager:
         return self._blocks[block].ref_count
 
     # ------------------------------------------------------------- prefix cache
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding a prefix of `seq`'s tokens (not taken yet).
+    def match_prefix(self, seq: Sequence) -> list[Optional[int]]:
+        """Cached blocks holding a prefix of `seq`'s tokens (not taken yet), one entry per block
+        of the prefix.
 
+        With full attention that is the leading run of cached blocks. With a sliding window only
+        the blocks the first computed token's window sees must be cached (vLLM's sliding-window
+        lookup): the longest prefix whose window blocks are all found is taken, and the entries
+        behind its window may be None (evicted, and never read again). The hash chain is over
+        tokens, so a block is found whatever became of those before it.
         At least one token is always left to compute: its logits are what the next step samples.
         """
         if not self.enable_prefix_caching or seq.block_table or not seq.prefix_cacheable:
             return []
         bs = self.block_size
         full = (seq.num_tokens - 1) // bs
-        hits: list[int] = []
+        found: list[Optional[int]] = []
+        best = 0  # longest prefix (in blocks) whose visible blocks are all cached
+        run_start = 0  # first block of the run of cached blocks that ends at the current one
         parent: Optional[int] = seq.cache_salt
         for i in range(full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent = chain_hash(parent, tokens)
             block = self._by_hash.get(parent)
             if block is None or self._blocks[block].token_ids != tokens:
-                break
-            hits.append(block)
-        return hits
+                if not self.sliding_window:
+                    break
+                found.append(None)
+                run_start = i + 1
+                continue
+            found.append(block)
+            if run_start <= self._behind_window(i + 1):
+                best = i + 1
+        return found[:best]
 
     def _blocks_behind(self, position: int) -> int:
         """Leading blocks wholly behind the window of the query at `position` (it sees keys from
@@ -109,7 +124,7 @@ class BlockManager:
         not taken."""
         return min(num_hits, self._blocks_behind(num_hits * self.block_size))
 
-    def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
+    def can_admit(self, seq: Sequence, hits: list[Optional[int]], num_tokens: int) -> bool:
         """Whether `seq` can take `hits` and grow its table to cover `num_tokens` tokens."""
         # With a sliding window the pool is sized for a window, not a whole prefix: counting the
         # hits behind it could exceed the pool for good, and the request waited forever.
@@ -117,7 +132,7 @@ class BlockManager:
         fresh = max(0, self.blocks_for(num_tokens) - len(hits))
         return fresh + reclaimed <= len(self._free)
 
-    def take_prefix(self, seq: Sequence, hits: list[int]) -> int:
+    def take_prefix(self, seq: Sequence, hits: list[Optional[int]]) -> int:
         """Give `seq` the cached blocks; returns the number of tokens they cover."""
         self.num_queried_tokens += seq.num_tokens
         behind = self._behind_window(len(hits))

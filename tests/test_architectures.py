@@ -187,8 +187,7 @@ def test_a_cached_prefix_longer_than_the_pool_is_taken_from_its_window(demo_mode
         rng = random.Random(1)
         first = [rng.randrange(10, hf.config.vocab_size) for _ in range(191)]
         second = first[:176] + [rng.randrange(10, hf.config.vocab_size) for _ in range(30)]
-        # The first stops at 192 tokens, 12 blocks: a thirteenth would evict its first block,
-        # and the prefix's hash chain with it.
+        # The first stops at 192 tokens, 12 blocks: the whole prefix is still cached.
         outs = []
         for prompt, n in ((first, 1), (second, 8)):
             got = []
@@ -201,6 +200,40 @@ def test_a_cached_prefix_longer_than_the_pool_is_taken_from_its_window(demo_mode
             assert not engine.has_unfinished() and got[0].finished
             outs.append(got[0])
         _assert_hf_greedy(hf, [first], outs[:1], 1)
+        _assert_hf_greedy(hf, [second], outs[1:], 8)
+        assert [o.cached_tokens for o in outs] == [0, 176]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_a_cached_prefix_whose_head_was_evicted_is_still_found_by_its_window(demo_model_path, tmp_path):
+    # A sliding-window sequence releases its head blocks as it moves on, and they are the first
+    # reused: here the first request runs 15 blocks long in a pool of 12. The second shares 176
+    # prompt tokens; its window needs only the last two of those 11 blocks, still cached. The
+    # lookup ended at the first evicted block and recomputed all 176 tokens.
+    from pathlib import Path
+
+    hf = _build("mistral_swa", Path(demo_model_path), tmp_path)
+    engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=12,
+                                    block_size=16, sampling_defaults="openai", max_num_batched_tokens=24,
+                                    max_prefill_tokens_while_decoding=24, enable_prefix_caching=True))
+    try:
+        rng = random.Random(2)
+        first = [rng.randrange(10, hf.config.vocab_size) for _ in range(191)]
+        second = first[:176] + [rng.randrange(10, hf.config.vocab_size) for _ in range(30)]
+        outs = []
+        for prompt, n in ((first, 40), (second, 8)):
+            got = []
+            engine.add_request(prompt, engine.parse_params({"temperature": 0, "max_new_tokens": n, "ignore_eos": True}),
+                               lambda out: got.append(out if not got else got.pop().merge(out)))
+            for _ in range(500):
+                if not engine.has_unfinished():
+                    break
+                engine.step()
+            assert not engine.has_unfinished() and got[0].finished
+            outs.append(got[0])
+        _assert_hf_greedy(hf, [first], outs[:1], 40)
         _assert_hf_greedy(hf, [second], outs[1:], 8)
         assert [o.cached_tokens for o in outs] == [0, 176]
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

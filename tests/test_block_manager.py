@@ -383,6 +383,49 @@ def test_sliding_window_release_keeps_shared_and_cached_blocks():
     assert bm.match_prefix(_tokens_seq(prefix + [9])) == shared
 
 
+def test_sliding_window_prefix_is_found_when_blocks_behind_its_window_were_evicted():
+    # Window 8, blocks of 4. A long sequence releases its head blocks as it moves on, so they are
+    # the first evicted. A prompt sharing its prefix needs only the blocks its first computed
+    # token sees: the hash chain is over tokens, so those are found without the evicted head.
+    # The lookup stopped at the first miss, block 0, and recomputed the whole prefix.
+    bm = BlockManager(num_blocks=9, block_size=4, enable_prefix_caching=True, sliding_window=8)
+    prefix = list(range(100, 124))  # 6 full blocks
+    a = _tokens_seq(prefix + [1])
+    bm.allocate(a, 25)
+    a.num_computed_tokens = 24
+    bm.register_full_blocks(a)
+    held = list(a.block_table)
+    assert bm.free_behind_window(a) == 4  # the query at 24 sees 17..24: blocks 0-3 released
+    c = _seq(12)
+    bm.allocate(c, 12)  # two never-used blocks, then the oldest released: prefix block 0
+    assert held[0] in c.block_table and bm.num_cached_blocks == 5
+    b = _tokens_seq(prefix + [7, 8, 9])
+    hits = bm.match_prefix(b)
+    assert hits == [None] + held[1:6]
+    # b's first computed token, at 24, sees 17..24: blocks 4 and 5, both held by a
+    assert bm.can_admit(b, hits, 27)
+    assert bm.take_prefix(b, hits) == 24 and b.block_table == [0, 0, 0, 0] + held[4:6] and b.num_window_freed == 4
+    assert [bm.ref_count(x) for x in held[4:6]] == [2, 2]
+    # A miss inside the window shortens the match to the longest prefix whose window is whole:
+    # with block 4 gone, 4 blocks (the query at 16 sees 9..16: blocks 2 and 3).
+    bm.free(b)
+    bm.free(a)
+    bm.free(c)
+    bm._by_hash.pop(next(h for h, blk in bm._by_hash.items() if blk == held[4]))
+    assert bm.match_prefix(_tokens_seq(prefix + [7])) == [None] + held[1:4]
+    # Full attention reads every block: the match still ends at the first miss.
+    full = BlockManager(num_blocks=9, block_size=4, enable_prefix_caching=True)
+    d = _tokens_seq(prefix + [1])
+    full.allocate(d, 25)
+    d.num_computed_tokens = 24
+    full.register_full_blocks(d)
+    head = d.block_table[0]
+    full.free(d)
+    assert len(full.match_prefix(_tokens_seq(prefix + [7]))) == 6
+    full._by_hash.pop(next(h for h, blk in full._by_hash.items() if blk == head))
+    assert full.match_prefix(_tokens_seq(prefix + [7])) == []
+
+
 def test_flat_steps_cut_chunks_to_fit_while_others_decode():
     """flat_step_tokens (EngineConfig.flat_prefill_tokens): while streams decode, a chunk takes at
     most what the flat size leaves beside the decodes, so the whole step stays flat (on CUDA a
