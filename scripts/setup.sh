@@ -10,6 +10,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import tritonclient, torch, transformers, xgrammar, fastapi, openai" 2>/dev/null \
    || ! cmp -s requirements.txt .venv/.requirements.installed; then
+  # The venv takes about 2.7 GB; pip's own error for a full disk names no size.
+  need_kb=$((3500 * 1024))
+  free_kb=$(df -Pk .venv | awk 'NR == 2 {print $4}')
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt "$need_kb" ]; then
+    echo "[setup] not enough disk for .venv: about 3.5 GB needed, $((free_kb / 1024)) MB free on $(df -P .venv | awk 'NR == 2 {print $6}')" >&2
+    exit 1
+  fi
   echo "[setup] installing pinned requirements (first run takes a few minutes)"
   .venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
   .venv/bin/python -m pip install -q --no-cache-dir -r requirements.txt -c constraints.txt
