@@ -173,10 +173,17 @@ def test_sliding_window_release_with_prefix_caching_keeps_outputs_exact(demo_mod
         engine.shutdown()
 
 
-def test_a_cached_prefix_longer_than_the_pool_is_taken_from_its_window(demo_model_path, tmp_path):
-    # Review: the pool is sized for a window (12 blocks here), but admitting a prompt took every
-    # cached block of its prefix, those behind the window too: 11 cached blocks and the new ones
-    # never fit, and the request waited forever. Only the blocks its window sees are taken now.
+@pytest.mark.parametrize("first_new", [1, 40])
+def test_a_cached_prefix_on_a_window_sized_pool(first_new, demo_model_path, tmp_path):
+    # Mistral, window 32, a pool of 12 blocks of 16; the second prompt shares 176 tokens (11
+    # blocks) with the first.
+    # first_new=1: the first stops at 192 tokens, so the whole prefix is still cached. Admitting
+    # the second took every cached block of it, those behind the window too: 11 cached blocks and
+    # the new ones never fit, and the request waited forever. Only the blocks its window sees
+    # are taken now.
+    # first_new=40: the first runs 15 blocks long. Its head blocks, released as it moved on, are
+    # the first reused; the second's window needs only the last two prefix blocks, still cached.
+    # The lookup ended at the first evicted block and recomputed all 176 tokens.
     from pathlib import Path
 
     hf = _build("mistral_swa", Path(demo_model_path), tmp_path)
@@ -184,56 +191,21 @@ def test_a_cached_prefix_longer_than_the_pool_is_taken_from_its_window(demo_mode
                                     block_size=16, sampling_defaults="openai", max_num_batched_tokens=24,
                                     max_prefill_tokens_while_decoding=24, enable_prefix_caching=True))
     try:
-        rng = random.Random(1)
+        rng = random.Random(first_new)
         first = [rng.randrange(10, hf.config.vocab_size) for _ in range(191)]
         second = first[:176] + [rng.randrange(10, hf.config.vocab_size) for _ in range(30)]
-        # The first stops at 192 tokens, 12 blocks: the whole prefix is still cached.
         outs = []
-        for prompt, n in ((first, 1), (second, 8)):
+        for prompt, n in ((first, first_new), (second, 8)):
             got = []
             engine.add_request(prompt, engine.parse_params({"temperature": 0, "max_new_tokens": n, "ignore_eos": True}),
                                lambda out: got.append(out if not got else got.pop().merge(out)))
-            for _ in range(500):  # bounded: the bug was a request that waits for ever
+            for _ in range(500):  # bounded: one bug was a request that waits for ever
                 if not engine.has_unfinished():
                     break
                 engine.step()
             assert not engine.has_unfinished() and got[0].finished
             outs.append(got[0])
-        _assert_hf_greedy(hf, [first], outs[:1], 1)
-        _assert_hf_greedy(hf, [second], outs[1:], 8)
-        assert [o.cached_tokens for o in outs] == [0, 176]
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    finally:
-        engine.shutdown()
-
-
-def test_a_cached_prefix_whose_head_was_evicted_is_still_found_by_its_window(demo_model_path, tmp_path):
-    # A sliding-window sequence releases its head blocks as it moves on, and they are the first
-    # reused: here the first request runs 15 blocks long in a pool of 12. The second shares 176
-    # prompt tokens; its window needs only the last two of those 11 blocks, still cached. The
-    # lookup ended at the first evicted block and recomputed all 176 tokens.
-    from pathlib import Path
-
-    hf = _build("mistral_swa", Path(demo_model_path), tmp_path)
-    engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=12,
-                                    block_size=16, sampling_defaults="openai", max_num_batched_tokens=24,
-                                    max_prefill_tokens_while_decoding=24, enable_prefix_caching=True))
-    try:
-        rng = random.Random(2)
-        first = [rng.randrange(10, hf.config.vocab_size) for _ in range(191)]
-        second = first[:176] + [rng.randrange(10, hf.config.vocab_size) for _ in range(30)]
-        outs = []
-        for prompt, n in ((first, 40), (second, 8)):
-            got = []
-            engine.add_request(prompt, engine.parse_params({"temperature": 0, "max_new_tokens": n, "ignore_eos": True}),
-                               lambda out: got.append(out if not got else got.pop().merge(out)))
-            for _ in range(500):
-                if not engine.has_unfinished():
-                    break
-                engine.step()
-            assert not engine.has_unfinished() and got[0].finished
-            outs.append(got[0])
-        _assert_hf_greedy(hf, [first], outs[:1], 40)
+        _assert_hf_greedy(hf, [first], outs[:1], first_new)
         _assert_hf_greedy(hf, [second], outs[1:], 8)
         assert [o.cached_tokens for o in outs] == [0, 176]
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
