@@ -41,6 +41,7 @@ AnyRequest = Union[ChatCompletionRequest, CompletionRequest]
 # What a parameter may be and leave the search as it is (None: not given).
 _NEUTRAL: dict[str, tuple] = {
     "stop": (None, [], ""),
+    "stop_regex": (None, []),
     "prompt_logprobs": (None,),
     "frequency_penalty": (None, 0.0),
     "presence_penalty": (None, 0.0),

@@ -223,6 +223,7 @@ class _SamplingFields(_Body):
     logits_processors: Optional[list[Any]] = None
     return_tokens_as_token_ids: Optional[bool] = None
     # SGLang extra parameters
+    stop_regex: Optional[Union[str, list[str]]] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     json_schema: Optional[Union[str, dict[str, Any]]] = None

@@ -279,6 +279,8 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
     if req.stop is not None and req.stop != []:
         # "" reaches the engine, which refuses an empty stop string as it does [""].
         sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.stop_regex:
+        sp["stop_regex"] = [req.stop_regex] if isinstance(req.stop_regex, str) else list(req.stop_regex)
     if req.stop_token_ids:
         sp["stop_token_ids"] = list(req.stop_token_ids)
     if req.ignore_eos:

@@ -117,9 +117,9 @@ PARSE_FUNCTION_CALL_FIELDS = ["text", "tool_call_parser", "tools"]
 # the frontend accepts is covered (test_every_accepted_field_is_covered).
 BEYOND_SEEDS = {
     "generate": ["video_data", "priority"],
-    "chat": ["allowed_token_ids", "regex", "ebnf", "json_schema", "no_stop_trim", "rid", "lora_path",
+    "chat": ["allowed_token_ids", "stop_regex", "regex", "ebnf", "json_schema", "no_stop_trim", "rid", "lora_path",
              "return_hidden_states", "separate_reasoning", "stream_reasoning", "include_reasoning"],
-    "completions": ["request_id", "regex", "ebnf", "json_schema", "structural_tag", "no_stop_trim", "rid",
+    "completions": ["request_id", "stop_regex", "regex", "ebnf", "json_schema", "structural_tag", "no_stop_trim", "rid",
                     "lora_path", "custom_logit_processor", "custom_params", "return_hidden_states"],
     "parse_function_call": [],
 }
@@ -439,6 +439,7 @@ def _shared_cases(chat: bool) -> dict[str, Case]:
                                request_id="req-42"),
         "rid": frontend(lambda ex: ex.request.request_id == "rid-42" and ex.body["id"].endswith("-rid-42"),
                         rid="rid-42"),
+        "stop_regex": engine(sp_has(stop_regex=["E[A-Z]D"]), stop_regex="E[A-Z]D"),
         "regex": engine(sp_has(regex="(yes|no)"), regex="(yes|no)"),
         "ebnf": engine(sp_has(ebnf='root ::= "a"'), ebnf='root ::= "a"'),
         "json_schema": engine(lambda ex: json.loads(ex.sp.json_schema) == SCHEMA, json_schema=json.dumps(SCHEMA)),

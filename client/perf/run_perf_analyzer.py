@@ -106,7 +106,7 @@ def ensure_installed(install: bool = False) -> None:
         )
     if any(m.startswith("libcudart") for m in missing):
         # at constraints.txt's pin, as everything else is installed
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "nvidia-cuda-runtime-cu12",
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-cache-dir", "nvidia-cuda-runtime-cu12",
                         "-c", str(REPO_ROOT / "constraints.txt")], check=True)
     if any(m.startswith("libb64") for m in missing):
         apt = ["apt-get"] if os.geteuid() == 0 else ["sudo", "-n", "apt-get"]
