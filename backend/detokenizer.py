@@ -22,12 +22,23 @@ in skipped special tokens) leaves them in place and the next window simply grows
 
 Tokenization-space cleanup is never applied: it rewrites text across token boundaries (" ." ->
 "."), so decoded windows would not concatenate to the decoded whole.
+
+Byte-fallback tokenizers (Llama 2, Mistral, Gemma: `<0xNN>` tokens and the ByteFallback decoder)
+need one more rule. That decoder turns a run of byte tokens that is not valid UTF-8 as a whole
+into one U+FFFD per byte, so a later stray byte garbles the valid characters before it in the
+same run: decode is not prefix-stable, a merged window decodes to other text than its pushes
+did, and a first window that starts inside a prompt character garbles the output's first
+characters. `make_decoder` therefore decodes each byte that is not part of a well-formed
+character as U+FFFD on its own (the tokens of U+FFFD's own bytes stand in for it), and keeps the
+valid characters around it: the same text as the tokenizer's wherever the bytes are valid.
 """
 
 from __future__ import annotations
 
+import re
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET: prompt tokens of context for the first window.
 INITIAL_PREFIX_TOKENS = 5
@@ -42,8 +53,111 @@ def _as_int_list(ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_REPLACEMENT_BYTES = (0xEF, 0xBF, 0xBD)  # U+FFFD in UTF-8
+
+
+class _ByteFallback:
+    """A ByteFallback tokenizer's byte tokens, and the ids its decode skips as special."""
+
+    def __init__(self, byte_of: dict[int, int], special_ids: frozenset[int]) -> None:
+        self.byte_of = byte_of
+        id_of = {b: i for i, b in byte_of.items()}
+        self.replacement = [id_of[b] for b in _REPLACEMENT_BYTES]
+        self.special_ids = special_ids
+
+    def well_formed(self, ids: list[int], skip_special_tokens: bool) -> list[int]:
+        """`ids` with every byte token that is not part of a well-formed UTF-8 character (in its
+        run of byte tokens) replaced by the three byte tokens of U+FFFD."""
+        byte_of = self.byte_of
+        if not any(t in byte_of for t in ids):
+            return ids
+        if skip_special_tokens:  # skipped tokens do not end a run: the decoder never sees them
+            ids = [t for t in ids if t not in self.special_ids]
+        out: list[int] = []
+        i, n = 0, len(ids)
+        while i < n:
+            if ids[i] not in byte_of:
+                out.append(ids[i])
+                i += 1
+                continue
+            j = i
+            while j < n and ids[j] in byte_of:
+                j += 1
+            run = [byte_of[t] for t in ids[i:j]]
+            k = 0
+            while k < len(run):
+                width = _char_width(run, k)
+                if width:
+                    out.extend(ids[i + k : i + k + width])
+                    k += width
+                else:
+                    out.extend(self.replacement)
+                    k += 1
+            i = j
+        return out
+
+
+def _char_width(data: list[int], at: int) -> int:
+    """Bytes in the well-formed UTF-8 character starting at data[at]; 0 if none starts there
+    (an invalid byte, or a character cut off by the end of the run). Unicode's table 3-7, as
+    Python's and Rust's strict decoders apply it."""
+    b = data[at]
+    if b < 0x80:
+        return 1
+    if 0xC2 <= b <= 0xDF:
+        width, lo, hi = 2, 0x80, 0xBF
+    elif b == 0xE0:
+        width, lo, hi = 3, 0xA0, 0xBF
+    elif b == 0xED:
+        width, lo, hi = 3, 0x80, 0x9F
+    elif 0xE1 <= b <= 0xEF:
+        width, lo, hi = 3, 0x80, 0xBF
+    elif b == 0xF0:
+        width, lo, hi = 4, 0x90, 0xBF
+    elif 0xF1 <= b <= 0xF3:
+        width, lo, hi = 4, 0x80, 0xBF
+    elif b == 0xF4:
+        width, lo, hi = 4, 0x80, 0x8F
+    else:
+        return 0
+    if at + width > len(data) or not lo <= data[at + 1] <= hi:
+        return 0
+    if any(not 0x80 <= data[at + k] <= 0xBF for k in range(2, width)):
+        return 0
+    return width
+
+
+_byte_fallback_cache: "weakref.WeakKeyDictionary[Any, Optional[_ByteFallback]]" = weakref.WeakKeyDictionary()
+
+
+def _byte_fallback(tokenizer: Any, backend: Any) -> Optional[_ByteFallback]:
+    """The tokenizer's byte tokens when its decoder has ByteFallback (looked up once)."""
+    try:
+        return _byte_fallback_cache[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    found: Optional[_ByteFallback] = None
+    decoder = backend.decoder
+    if decoder is not None and b'"ByteFallback"' in decoder.__getstate__():
+        byte_of = {}
+        for token, i in backend.get_vocab(with_added_tokens=True).items():
+            m = _BYTE_TOKEN.fullmatch(token)
+            if m:
+                byte_of[i] = int(m.group(1), 16)
+        if set(_REPLACEMENT_BYTES) <= set(byte_of.values()):
+            special = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+            found = _ByteFallback(byte_of, special)
+    try:
+        _byte_fallback_cache[tokenizer] = found
+    except TypeError:
+        pass
+    return found
+
+
 def make_decoder(tokenizer: Any, *, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> DecodeFn:
-    """A `ids -> text` function equal to `tokenizer.decode(ids, ..., clean_up_tokenization_spaces=False)`.
+    """A `ids -> text` function equal to `tokenizer.decode(ids, ..., clean_up_tokenization_spaces=False)`,
+    except that a byte-fallback tokenizer's invalid bytes are U+FFFD one by one (module doc).
 
     For fast (Rust `tokenizers`) tokenizers it calls the Rust decoder directly: transformers'
     decode adds Python overhead per call and, for fast tokenizers, ignores
@@ -52,6 +166,14 @@ def make_decoder(tokenizer: Any, *, skip_special_tokens: bool = True, spaces_bet
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is not None:
         rust_decode = backend.decode
+        byte_fallback = _byte_fallback(tokenizer, backend)
+        if byte_fallback is not None:
+            well_formed = byte_fallback.well_formed
+
+            def decode_byte_fallback(ids: list[int]) -> str:
+                return rust_decode(well_formed(ids, skip_special_tokens), skip_special_tokens=skip_special_tokens)
+
+            return decode_byte_fallback
 
         def decode(ids: list[int]) -> str:
             return rust_decode(ids, skip_special_tokens=skip_special_tokens)

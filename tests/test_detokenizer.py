@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from backend.detokenizer import IncrementalDetokenizer, decode_delta
+from backend.detokenizer import IncrementalDetokenizer, decode_delta, make_decoder
 from backend.tokenizer import load_tokenizer
 from backend.triton_utils import postprocess_arrays
 from conftest import FakeRequest, load_triton_model
@@ -29,6 +29,43 @@ PROMPT = "<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n"
 @pytest.fixture(scope="module")
 def tok(demo_model_path):
     return load_tokenizer(demo_model_path)
+
+
+def build_byte_fallback_tokenizer(out_dir) -> None:
+    """A Llama-2-style tokenizer: BPE with byte fallback (the 256 `<0xNN>` tokens are plain vocab
+    entries), "▁" for spaces, Llama 2's decoder chain; a vocabulary small enough that CJK and
+    emoji fall back to bytes."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trainer_tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer_tok.normalizer = normalizer
+    corpus = ["Hello world, the quick brown fox jumps over the lazy dog. stop done"] * 40 + ["世界 你好"] * 10
+    trainer_tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=["\u2581"]))
+    trained = json.loads(trainer_tok.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in sorted(trained["vocab"], key=trained["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    bf = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    bf.normalizer = normalizer
+    bf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    bf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>", "<|im_end|>")])
+    PreTrainedTokenizerFast(tokenizer_object=bf, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            additional_special_tokens=["<|im_end|>"]).save_pretrained(str(out_dir))
+
+
+@pytest.fixture(scope="module")
+def bf_tok(tmp_path_factory):
+    out = tmp_path_factory.mktemp("byte_fallback_tokenizer")
+    build_byte_fallback_tokenizer(out)
+    return load_tokenizer(str(out))
+
+
+def _byte(tok, b: int) -> int:
+    return tok.convert_tokens_to_ids(f"<0x{b:02X}>")
 
 
 def _incomplete(tok, token_id: int) -> bool:
@@ -145,6 +182,87 @@ def test_merging_pushes_with_delta_offsets(tok):
             window = detok.all_ids[deltas[p].window_start : deltas[q].read_offset]
             want = "".join(d.text for d in deltas[p : q + 1])
             assert decode_delta(tok, window, deltas[p].prefix_len) == want
+
+
+def test_byte_fallback_text_is_the_same_however_responses_are_merged(bf_tok):
+    # Review (s19): a ByteFallback decoder turns a byte run that is not valid UTF-8 as a whole
+    # into one U+FFFD per byte, valid characters included. "é" was streamed, then garbled when
+    # the non-streaming response decoded its merged window: 'é��� the' streamed, '���� the' not.
+    tok = bf_tok
+    the = tok.encode("the", add_special_tokens=False)
+    ids = [_byte(tok, 0xC3), _byte(tok, 0xA9), _byte(tok, 0xE4), _byte(tok, 0xB8)] + the
+    detok = IncrementalDetokenizer(tok, tok.encode("Hello world", add_special_tokens=False))
+    mark = detok.mark()
+    streamed = "".join(detok.push([i]).text for i in ids) + detok.finish()
+    window, prefix_len = detok.window_since(mark, final=True)
+    assert streamed == decode_delta(tok, window, prefix_len, final=True) == "é\ufffd\ufffd the"
+    # Valid bytes decode as the tokenizer decodes them.
+    ok = tok.encode("naïve 世界 🙂 done", add_special_tokens=False)
+    assert any(i == _byte(tok, 0xF0) for i in ok)
+    assert make_decoder(tok)(ok) == tok.decode(ok) == "naïve 世界 🙂 done"
+    # A skipped special token between a character's bytes does not split it, as in the tokenizer.
+    split = [_byte(tok, 0xC3), tok.convert_tokens_to_ids("</s>"), _byte(tok, 0xA9)]
+    assert make_decoder(tok)(split) == tok.decode(split, skip_special_tokens=True) == "é"
+    assert make_decoder(tok, skip_special_tokens=False)(split) == "\ufffd</s>\ufffd"
+
+
+@pytest.mark.parametrize("prompt, output", [("Emoji: 🙂🙂", "👍 done"), ("日本語の文章：猫", "犬です")])
+def test_byte_fallback_first_window_inside_a_prompt_character(bf_tok, prompt, output):
+    # Review (s19): the first window starts 5 tokens before the prompt's end, here inside a
+    # character spelled in bytes; the decoder turned that whole run, the output's first
+    # character included, into U+FFFD ('���� done'), and a stop string on it never matched.
+    tok = bf_tok
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
+    out_ids = tok.encode(prompt + output, add_special_tokens=False)[len(prompt_ids):]
+    assert tok.decode(prompt_ids[-5:]).startswith("\ufffd")  # the window starts mid-character
+    got, _ = _stream(tok, prompt_ids, out_ids, [1] * len(out_ids), skip=True)
+    assert got == output
+
+
+def test_byte_fallback_random_bytes_stream_and_merge_alike(bf_tok):
+    tok = bf_tok
+    rng = random.Random(5)
+    byte_ids = [_byte(tok, b) for b in range(256)]
+    prompt = tok.encode("Hello 世界", add_special_tokens=False)
+    valid = 0
+    for _ in range(300):
+        soup = rng.random() < 0.8  # else only valid text
+        ids = [rng.choice(byte_ids) if rng.random() < 0.7 else rng.randrange(len(tok))
+               for _ in range(rng.randrange(1, 30) if soup else 0)]
+        if not soup or rng.random() < 0.5:  # valid characters, split over byte tokens
+            ids += tok.encode(rng.choice(["世界", " 🙂", "é the", "你好 fox"]), add_special_tokens=False)
+        chunks = []
+        while sum(chunks) < len(ids):
+            chunks.append(rng.randint(1, 4))
+        skip = rng.random() < 0.7
+        got, _ = _stream(tok, prompt, ids, chunks, skip)
+        # The reference: the output decoded after the prompt (a leading space is kept there).
+        decode = make_decoder(tok, skip_special_tokens=skip)
+        before = decode(prompt)
+        assert decode(prompt + ids).startswith(before)
+        assert got == decode(prompt + ids)[len(before):]
+        hf_before = tok.decode(prompt, skip_special_tokens=skip)
+        hf_whole = tok.decode(prompt + ids, skip_special_tokens=skip)
+        if "\ufffd" not in hf_whole:  # valid bytes: the tokenizer's own text
+            assert got == hf_whole[len(hf_before):]
+            valid += 1
+        # Any grouping of the pushes into responses decodes to the same text.
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        mark, texts, responses, i = detok.mark(), [], [], 0
+        while i < len(ids):
+            n = rng.randint(1, 3)
+            texts.append(detok.push(ids[i : i + n]).text)
+            i += n
+            final = i >= len(ids)
+            if final:
+                texts.append(detok.finish())
+            if final or rng.random() < 0.3:
+                window, prefix_len = detok.window_since(mark, final=final)
+                assert decode_delta(tok, window, prefix_len, skip_special_tokens=skip, final=final) == "".join(texts)
+                responses.append("".join(texts))
+                mark, texts = detok.mark(), []
+        assert "".join(responses) == got
+    assert valid >= 10, valid
 
 
 def test_window_stays_small(tok):
