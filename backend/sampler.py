@@ -178,7 +178,7 @@ class TokenCounts:
                 if self.seen is not None:
                     self.seen_len[slot] = 0
                     self._seen_sets.pop(slot, None)
-                if not r.prompt_is_placeholder:
+                if not r.prompt_is_placeholder and r.params.repetition_penalty_counts_prompt:
                     prompt = torch.as_tensor(r.token_ids[: r.num_prompt_tokens], dtype=torch.long, device=device)
                     prompt = prompt[(prompt >= 0) & (prompt < V)]
                     self.prompt_mask[slot, prompt] = True

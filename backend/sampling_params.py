@@ -84,6 +84,10 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # SGLang's repetition_penalty scales the tokens generated so far; vLLM's (and HF's) the
+    # prompt's too. This picks vLLM's: the OpenAI endpoints set it on every request, so the
+    # model's default penalty (generation_config.json) counts the prompt there as well.
+    repetition_penalty_counts_prompt: bool = False
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     stop_regex: list[str] = Field(default_factory=list)

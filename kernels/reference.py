@@ -45,7 +45,8 @@ def apply_penalties(
     presence_penalty: torch.Tensor,
     repetition_penalty: torch.Tensor,
 ) -> torch.Tensor:
-    """Repetition penalty (HF/SGLang, on tokens seen in prompt or output), then OpenAI
+    """Repetition penalty (on tokens seen in the output or marked in the prompt mask: HF's and
+    vLLM's rule with the prompt marked, SGLang's with an empty mask), then OpenAI
     frequency/presence penalties (on output tokens only), in vLLM's order."""
     cnt = output_token_counts
     in_output = cnt > 0

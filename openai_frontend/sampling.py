@@ -269,6 +269,9 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
     # Sent even at its neutral value: an explicit 1.0 must win over the model's default.
     if req.repetition_penalty is not None:
         sp["repetition_penalty"] = req.repetition_penalty
+    # vLLM's meaning, whether the value is the request's or the model's default: prompt tokens
+    # count as repeated too (the engine's own, SGLang's, counts only generated ones).
+    sp["repetition_penalty_counts_prompt"] = True
     if req.min_tokens:
         if max_tokens is not None and req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens must be less than or equal to {param}={max_tokens}, got {req.min_tokens}",

@@ -55,8 +55,10 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 @torch.inference_mode()
-def reference_greedy(model, prompt, max_new, *, freq=0.0, pres=0.0, rep=1.0, min_new=0, eos=(), bias=None, allowed=None):
-    """Greedy decoding on HF logits with the kernels' torch references, full forward each step."""
+def reference_greedy(model, prompt, max_new, *, freq=0.0, pres=0.0, rep=1.0, rep_prompt=False, min_new=0, eos=(),
+                     bias=None, allowed=None):
+    """Greedy decoding on HF logits with the kernels' torch references, full forward each step.
+    rep_prompt: the repetition penalty counts prompt tokens too (vLLM's), not only output (SGLang's)."""
     ids = list(prompt)
     out, lps = [], []
     V = model.config.vocab_size
@@ -70,7 +72,8 @@ def reference_greedy(model, prompt, max_new, *, freq=0.0, pres=0.0, rep=1.0, min
             logits[0, ~keep] = float("-inf")
         counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V)[None].to(torch.int32) if out else torch.zeros(1, V, dtype=torch.int32)
         pmask = torch.zeros(1, V, dtype=torch.bool)
-        pmask[0, prompt] = True
+        if rep_prompt:
+            pmask[0, prompt] = True
         logits = ref.apply_penalties(logits, counts, pmask, torch.tensor([freq]), torch.tensor([pres]), torch.tensor([rep]))
         if len(out) < min_new:
             logits[0, list(eos)] = float("-inf")
@@ -82,17 +85,29 @@ def reference_greedy(model, prompt, max_new, *, freq=0.0, pres=0.0, rep=1.0, min
 
 
 def test_penalties_and_min_new_tokens_match_reference(engine, hf_model):
+    # repetition_penalty_counts_prompt: vLLM's repetition penalty (prompt and output tokens); the
+    # engine's own is SGLang's (output tokens only).
     cases = [
         dict(frequency_penalty=1.5, presence_penalty=0.0, repetition_penalty=1.0),
         dict(frequency_penalty=0.0, presence_penalty=1.2, repetition_penalty=1.3),
         dict(frequency_penalty=-0.5, presence_penalty=0.5, repetition_penalty=0.8),
+        dict(frequency_penalty=0.0, presence_penalty=1.2, repetition_penalty=1.3, repetition_penalty_counts_prompt=True),
+        dict(frequency_penalty=-0.5, presence_penalty=0.5, repetition_penalty=0.8, repetition_penalty_counts_prompt=True),
     ]
-    prompts = [_prompt(20 + 7 * i, i) for i in range(len(cases))]
+    # Each prompt ends in its own greedy continuation: the tokens the model would repeat are in
+    # the prompt, so the two repetition rules draw different tokens.
+    bases = [_prompt(20 + 7 * i, i) for i in (2, 1, 0, 4, 5)]
+    prompts = [base + reference_greedy(hf_model, base, 8)[0] for base in bases]
     params = [engine.parse_params({"temperature": 0, "max_new_tokens": 12, "ignore_eos": True, **c}) for c in cases]
     outs = engine.generate(prompts, params)  # one batch, each row with its own penalties
     for prompt, c, out in zip(prompts, cases, outs):
-        want, _ = reference_greedy(hf_model, prompt, 12, freq=c["frequency_penalty"], pres=c["presence_penalty"], rep=c["repetition_penalty"])
+        want, _ = reference_greedy(hf_model, prompt, 12, freq=c["frequency_penalty"], pres=c["presence_penalty"],
+                                   rep=c["repetition_penalty"], rep_prompt=c.get("repetition_penalty_counts_prompt", False))
         assert out.new_token_ids == want, c
+        other, _ = reference_greedy(hf_model, prompt, 12, freq=c["frequency_penalty"], pres=c["presence_penalty"],
+                                    rep=c["repetition_penalty"], rep_prompt=not c.get("repetition_penalty_counts_prompt", False))
+        if c["repetition_penalty"] != 1.0:
+            assert other != want, f"the two rules draw the same tokens for {c}: the case proves nothing"
 
     # min_new_tokens: EOS is masked until reached, then allowed again.
     eos = sorted(engine.eos_ids)
@@ -518,13 +533,14 @@ def test_greedy_penalized_argmax_equals_the_full_pass(monkeypatch, native):
         sampler, rows, want = Sampler(V), [], []
         for b in range(B):
             params = SamplingParams(temperature=0, repetition_penalty=rng.choice([1.0, 1.05, 1.5, 2.0]),
-                                    frequency_penalty=rng.choice([0.0, 0.0, 0.7]), presence_penalty=rng.choice([0.0, 1.0]))
+                                    frequency_penalty=rng.choice([0.0, 0.0, 0.7]), presence_penalty=rng.choice([0.0, 1.0]),
+                                    repetition_penalty_counts_prompt=rng.random() < 0.5)
             prompt = [rng.randrange(V) for _ in range(rng.randint(1, 30))]
             output = [rng.randrange(V) for _ in range(rng.randint(0, 30))]
             rows.append(SamplingRow(params=params, seed=0, step=len(output), seq_id=b, num_prompt_tokens=len(prompt),
                                     token_ids=prompt + output if params.has_penalties else ()))
             counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=V).to(torch.int32)[None]
-            pmask = (torch.bincount(torch.tensor(prompt), minlength=V) > 0)[None]
+            pmask = (torch.bincount(torch.tensor(prompt), minlength=V) > 0)[None] & params.repetition_penalty_counts_prompt
             penalized = ref.apply_penalties(logits[b : b + 1].clone(), counts, pmask, torch.tensor([params.frequency_penalty]),
                                             torch.tensor([params.presence_penalty]), torch.tensor([params.repetition_penalty]))
             want.append(int(penalized.argmax()))
@@ -540,29 +556,32 @@ def test_token_counts_stay_equal_to_a_full_recount():
     """Penalty counts are kept incrementally (only new tokens scattered each step); slots are
     reused after release and grown past their initial size."""
     from backend.sampler import SamplingRow, TokenCounts
+    from backend.sampling_params import SamplingParams
 
     V = 50
     counts = TokenCounts(V)
     rng = random.Random(3)
-    params = object()
+    # Even sequences count their prompt for the repetition penalty (vLLM's), odd ones do not (SGLang's).
+    vllm, sglang = SamplingParams(repetition_penalty_counts_prompt=True), SamplingParams()
     seqs = {i: ([rng.randrange(V) for _ in range(rng.randint(1, 9))], []) for i in range(20)}
     for step in range(12):
         live = [i for i in seqs if (i + step) % 5]  # not every sequence samples every step
         for i in live:
             seqs[i][1].extend(rng.randrange(V) for _ in range(rng.choice([1, 1, 3])))
-        rows = [SamplingRow(params=params, seed=0, step=0, seq_id=i, token_ids=seqs[i][0] + seqs[i][1],
-                            num_prompt_tokens=len(seqs[i][0])) for i in live]
+        rows = [SamplingRow(params=sglang if i % 2 else vllm, seed=0, step=0, seq_id=i,
+                            token_ids=seqs[i][0] + seqs[i][1], num_prompt_tokens=len(seqs[i][0])) for i in live]
         got_counts, got_prompt = counts.rows(rows, torch.device("cpu"))
         slots = counts.update(rows, torch.device("cpu")).tolist()  # nothing new: just their slots
         for r, i in enumerate(live):
             want = torch.bincount(torch.tensor(seqs[i][1], dtype=torch.long), minlength=V).to(torch.int32)
             assert torch.equal(got_counts[r], want)
-            assert torch.equal(got_prompt[r], torch.bincount(torch.tensor(seqs[i][0]), minlength=V) > 0)
+            prompt = seqs[i][0] if i % 2 == 0 else []
+            assert torch.equal(got_prompt[r], torch.bincount(torch.tensor(prompt, dtype=torch.long), minlength=V) > 0)
             # The slot's seen list (for the C++ penalties' sparse pass): every token with a count
-            # or in the prompt, once.
+            # or in a counted prompt, once.
             seen = counts.seen[slots[r], : counts.seen_len[slots[r]]].tolist()
             assert len(seen) == len(set(seen))
-            assert sorted(seen) == sorted(set(seqs[i][0]) | set(seqs[i][1]))
+            assert sorted(seen) == sorted(set(prompt) | set(seqs[i][1]))
         if step == 6:  # finished sequences give their rows back; new ones must start from zero
             for i in list(seqs)[:5]:
                 counts.release(i)
@@ -573,7 +592,7 @@ def test_token_counts_stay_equal_to_a_full_recount():
     assert counts.counts.shape[0] >= 20
     # A prompt with more distinct tokens than the seen table's width widens it for every slot.
     wide = list(range(0, 3000, 7))
-    row = SamplingRow(params=params, seed=0, step=0, seq_id=999, token_ids=wide + [5, 5], num_prompt_tokens=len(wide))
+    row = SamplingRow(params=vllm, seed=0, step=0, seq_id=999, token_ids=wide + [5, 5], num_prompt_tokens=len(wide))
     big = TokenCounts(4000)
     (slot,) = big.update([row], torch.device("cpu")).tolist()
     assert sorted(big.seen[slot, : big.seen_len[slot]].tolist()) == sorted(set(wide) | {5})

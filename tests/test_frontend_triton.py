@@ -402,6 +402,37 @@ def test_random_generate_requests_stream_exactly_what_they_return(base_url):
                 assert _close(meta_got[key], meta_want[key]), (case, i, key, body)
 
 
+def test_repetition_penalty_is_sglangs_on_generate_and_vllms_on_openai(base_url):
+    """SGLang's repetition_penalty scales tokens generated so far, so it changes nothing at the
+    first output position; vLLM's scales the prompt's tokens too (QA s19_sampling: /generate
+    penalized the prompt). A logit_bias makes the prompt's last token the favourite, without
+    saturating it."""
+    prompt = [911, 1204, 377, 2049, 58, 1433]
+    bias = {str(prompt[-1]): 9.0}
+
+    def generate(rep: float) -> tuple:
+        r = requests.post(base_url + "/generate", json={
+            "input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0, "logit_bias": bias, "repetition_penalty": rep}})
+        assert r.status_code == 200, r.text
+        first = r.json()["meta_info"]["output_token_logprobs"][0]
+        return first[1], round(first[0], 5)
+
+    def completion(rep: float) -> tuple:
+        r = requests.post(base_url + "/v1/completions", json={
+            "model": "demo", "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 0,
+            "logit_bias": bias, "repetition_penalty": rep, "return_tokens_as_token_ids": True})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        return int(lp["tokens"][0].removeprefix("token_id:")), round(lp["token_logprobs"][0], 5)
+
+    plain = generate(1.0)
+    assert plain[0] == prompt[-1]
+    assert generate(1.8) == plain  # nothing generated yet: nothing to penalize
+    assert completion(1.0) == plain
+    assert completion(1.8) != plain  # the prompt's tokens count
+
+
 def test_tokenize_and_detokenize_as_the_server_does(triton, base_url, tok):
     # vLLM's tokenizer API, answered by the server's own preprocessing / postprocessing models.
     text = "Hello, 世界 🙂 spaces  kept"

@@ -23,6 +23,8 @@ from openai_frontend.settings import Settings
 from openai_frontend.testing import FakeLLMClient, serve_in_thread, text_chunks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The OpenAI endpoints ask for vLLM's repetition penalty, which counts prompt tokens too.
+VLLM_REPETITION = {"repetition_penalty_counts_prompt": True}
 MODEL = "demo-model"
 MESSAGES = [{"role": "user", "content": "Say hello"}]
 PIECES = ["Hel", "lo", ",", " wor", "ld", "!"]
@@ -135,6 +137,7 @@ def test_chat_non_streaming(client, fake):
     assert req.chat_template_kwargs == {"enable_thinking": False}
     assert req.sampling_params == {
         "max_new_tokens": 12, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "min_p": 0.1, "seed": 3, "stop": ["END"],
+        **VLLM_REPETITION,
     }
 
 
@@ -143,8 +146,10 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(client, fake):
                                    extra_body={"allowed_token_ids": [17, 42, 99]})
     client.completions.create(model=MODEL, prompt="x", logit_bias={"5": 100})
     assert fake.requests[0].sampling_params == {"max_new_tokens": None,  # chat: up to the end of the context
-                                                "logit_bias": {"17": -100, "42": 2.5}, "allowed_token_ids": [17, 42, 99]}
-    assert fake.requests[1].sampling_params == {"max_new_tokens": 16, "logit_bias": {"5": 100}}  # 16: legacy default
+                                                "logit_bias": {"17": -100, "42": 2.5}, "allowed_token_ids": [17, 42, 99],
+                                                **VLLM_REPETITION}
+    assert fake.requests[1].sampling_params == {"max_new_tokens": 16, "logit_bias": {"5": 100},  # 16: legacy default
+                                                **VLLM_REPETITION}
 
 
 def test_chat_content_parts_and_tool_messages(client, fake):
@@ -321,10 +326,10 @@ def test_completions(client, fake):
     assert r.choices[0].text == "".join(PIECES)
     assert r.object == "text_completion"
     assert fake.requests[0].text_input == "Once upon"
-    assert fake.requests[0].sampling_params == {"max_new_tokens": 6}
+    assert fake.requests[0].sampling_params == {"max_new_tokens": 6, **VLLM_REPETITION}
     fake.requests.clear()
     r = client.completions.create(model=MODEL, prompt="P")
-    assert fake.requests[0].sampling_params == {"max_new_tokens": 16}  # OpenAI's default for completions
+    assert fake.requests[0].sampling_params == {"max_new_tokens": 16, **VLLM_REPETITION}  # OpenAI's default for completions
     for empty in ("", ["a", ""], [], [[]]):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, prompt=empty)
