@@ -685,7 +685,7 @@ class LLMEngine:
             first = start + (len(chunk[0]) - 1 if rows is True else rows[0] if rows else 0)
             if seq.params.wants_prompt_logprobs:
                 # Logits at position p score prompt token p + 1: p in [lo, P - 2].
-                lo = max(first, max(seq.params.logprob_start_len, 1) - 1)
+                lo = max(first, seq.params.logprob_start_len)
                 hi = min(first + count, seq.num_prompt_tokens - 1)
                 if hi > lo:
                     self._prompt_logprobs(seq, lo, logits[row + lo - first : row + hi - first])
@@ -886,8 +886,9 @@ class LLMEngine:
         lsl = seq.params.logprob_start_len
         if not seq.params.wants_prompt_logprobs or start >= seq.num_prompt_tokens - 1:
             return samples
-        # Logits at position p give the logprob of prompt token p + 1, for tokens [max(lsl, 1), P).
-        lo = max(lsl, 1) - 1
+        # Logits at position p give the logprob of prompt token p + 1, for tokens (lsl, P): token
+        # lsl itself is reported without one, as SGLang does (_unscored_prompt_logprob).
+        lo = lsl
         hi = min(start + n, seq.num_prompt_tokens - 1)  # exclusive; P - 1 is the sampling row
         rows = [p - start for p in range(max(start, lo), hi)]
         if samples:
@@ -913,13 +914,20 @@ class LLMEngine:
         entries["input_token_ranks"] = [i.rank for i in items]
         tracked.state.add_logprobs(entries)
 
-    def _first_prompt_logprob(self, tracked: _Tracked) -> None:
-        """The first prompt token has no logprob (nothing precedes it): SGLang reports it as
-        None. Added once, on admission, so a one-token prompt (no logits rows at all) and a
-        prompt recomputed after a preemption report it exactly once."""
+    def _unscored_prompt_logprob(self, tracked: _Tracked) -> None:
+        """SGLang's prompt logprobs start at token logprob_start_len (the last prompt token when
+        it is -1, the default) with None, logprob or not: only the tokens after it are scored
+        (token 0 has no logprob in any case). So its clients skip or drop that first entry, and
+        a loglikelihood summed over the entries counts the same tokens here as there. Added once,
+        on admission, so a one-token prompt (no logits rows at all) and a prompt recomputed
+        after a preemption report it exactly once. An embedded prompt has no token ids to name."""
         seq, params = tracked.seq, tracked.seq.params
+        if seq.prompt_embeds is not None:
+            return
+        pos = params.logprob_start_len if params.logprob_start_len >= 0 else seq.num_prompt_tokens - 1
+        token = seq.token_ids[pos]
         entries: dict[str, list] = {
-            "input_token_logprobs": [[None, seq.token_ids[0], self._token_text(seq.token_ids[0], params)]],
+            "input_token_logprobs": [[None, token, self._token_text(token, params)]],
             "input_token_ranks": [None],
         }
         if params.top_logprobs_num:
@@ -1001,8 +1009,8 @@ class LLMEngine:
                     rid = tracked.seq.request_id
                     self._tracked[rid] = tracked
                     self._num_predicting += tracked.seq.prediction is not None
-                    if tracked.seq.params.wants_prompt_logprobs and tracked.seq.params.logprob_start_len == 0:
-                        self._first_prompt_logprob(tracked)
+                    if tracked.seq.params.return_logprob:
+                        self._unscored_prompt_logprob(tracked)
                     if tracked.seq.max_new_tokens == 0 and not tracked.seq.params.needs_prompt_rows:
                         self._end(rid, FinishReason.LENGTH)
                     elif tracked.grammar_future is not None:

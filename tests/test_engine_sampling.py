@@ -217,13 +217,22 @@ def test_output_and_prompt_logprobs_match_hf(engine, hf_model):
     for entry, ref_lp in zip(out.logprobs["output_token_ids_logprobs"], lps):
         assert [t for _, t, _ in entry] == [5, 17]
         assert all(math.isclose(lp, float(ref_lp[t]), abs_tol=1e-4) for lp, t, _ in entry)
-    # Prompt logprobs from position 2: token t's logprob given tokens < t.
+    # Prompt logprobs from position 2: token t's logprob given tokens < t. As SGLang, the entry
+    # of token 2 itself has none (QA s19_sampling: it had one, and a sum over the entries
+    # counted one token more than SGLang's).
     with torch.inference_mode():
         full = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
     inp = out.logprobs["input_token_logprobs"]
     assert [t for _, t, _ in inp] == prompt[2:]
-    for (lp, tok, _), pos in zip(inp, range(2, len(prompt))):
+    assert inp[0][0] is None and out.logprobs["input_top_logprobs"][0] is None
+    for (lp, tok, _), pos in zip(inp[1:], range(3, len(prompt))):
         assert math.isclose(lp, float(full[pos - 1, tok]), abs_tol=1e-4)
+    assert len(out.logprobs["input_top_logprobs"]) == len(inp)
+    # The default, -1: SGLang starts at the last prompt token, so one entry, without a logprob.
+    p = engine.parse_params({"temperature": 0, "max_new_tokens": 2, "return_logprob": True, "top_logprobs_num": 2})
+    (out,) = engine.generate([prompt], [p])
+    assert out.logprobs["input_token_logprobs"] == [[None, prompt[-1], None]]
+    assert out.logprobs["input_top_logprobs"] == [None] and out.cached_tokens is not None
 
 
 def test_max_new_tokens_0_scores_the_prompt(engine, hf_model):

@@ -92,7 +92,10 @@ def test_with_prompt_logprobs_both_are_right(engine, hf_model):
         a, b = both.logprobs[key], alone.logprobs[key]
         assert len(a) == len(b), key
     assert [t for _, t, _ in both.logprobs["input_token_logprobs"]] == prompt[3:]
-    for (lp_a, t_a, _), (lp_b, t_b, _) in zip(both.logprobs["input_token_logprobs"], alone.logprobs["input_token_logprobs"]):
+    first_a, first_b = both.logprobs["input_token_logprobs"][0], alone.logprobs["input_token_logprobs"][0]
+    assert first_a == first_b and first_a[0] is None  # SGLang's: token logprob_start_len unscored
+    for (lp_a, t_a, _), (lp_b, t_b, _) in zip(both.logprobs["input_token_logprobs"][1:],
+                                              alone.logprobs["input_token_logprobs"][1:]):
         assert t_a == t_b and math.isclose(lp_a, lp_b, abs_tol=1e-4)
 
 

@@ -136,7 +136,7 @@ def test_hidden_states_and_output_logprobs_work(engine, hf_model):
 def test_penalties_and_processors_see_no_prompt_tokens():
     # The placeholders are not the prompt's tokens: a repetition penalty must not push them down.
     counts = TokenCounts(16)
-    params = type("P", (), {})()
+    params = type("P", (), {"repetition_penalty_counts_prompt": True})()  # vLLM's rule: the prompt would count
     row = SamplingRow(params=params, seed=0, step=0, seq_id=1, token_ids=[3, 3, 3, 5], num_prompt_tokens=3,
                       prompt_is_placeholder=True)
     plain = SamplingRow(params=params, seed=0, step=0, seq_id=2, token_ids=[3, 3, 3, 5], num_prompt_tokens=3)
