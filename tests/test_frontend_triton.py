@@ -684,18 +684,20 @@ def test_client_disconnect_before_the_response_frees_kv_blocks(triton, base_url)
 def test_a_request_past_the_stream_timeout_is_aborted_in_the_engine(triton):
     """--stream-timeout: the client gets its 504 (streaming: an error event), and the engine
     stops the request (QA: it generated on to its length for nobody)."""
-    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, abort_model="llm", stream_timeout=1.0)
+    # On an idle machine the demo model writes 1000 tokens in under a second (the test's timeout
+    # was 1 s): four samples of 1000 take seconds, ten times this timeout and more.
+    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, abort_model="llm", stream_timeout=0.3)
     with serve_in_thread(create_app(settings)) as url:
         for stream in (False, True):
             aborted = _aborted(triton)
             t0 = time.monotonic()
             r = httpx.post(url + "/v1/completions", timeout=60, json={
-                "model": MODEL, "prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "stream": stream})
+                "model": MODEL, "prompt": "go on", "max_tokens": 1000, "n": 4, "ignore_eos": True, "stream": stream})
             if stream:
                 assert r.status_code == 200 and "timed out" in r.text
             else:
-                assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
-            _wait_aborted(triton, aborted + 1)  # 1000 tokens take seconds more (and would end as "length")
+                assert r.status_code == 504 and "timed out" in r.json()["error"]["message"], r.text
+            _wait_aborted(triton, aborted + 1)  # 4 x 1000 tokens take seconds more (and would end as "length")
             wait_kv_blocks_free(_metrics_url(triton), timeout=10)
             assert time.monotonic() - t0 < 8
 
