@@ -144,6 +144,27 @@ def test_truncated_character_is_flushed_by_finish(tok):
     assert detok.finish() == ""  # idempotent
 
 
+def _responses_in_random_groups(tok, prompt_ids, ids, rng, skip) -> list[str]:
+    """Push `ids` a few at a time and close responses covering random runs of pushes; each
+    response's window must decode (as postprocessing does) to the text of its pushes."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip)
+    mark, texts, responses, i = detok.mark(), [], [], 0
+    while i < len(ids):
+        n = rng.randint(1, 3)
+        texts.append(detok.push(ids[i : i + n]).text)
+        i += n
+        final = i >= len(ids)
+        if final:
+            texts.append(detok.finish())
+        if final or rng.random() < 0.3:
+            window, prefix_len = detok.window_since(mark, final=final)
+            got = decode_delta(tok, window, prefix_len, skip_special_tokens=skip, final=final)
+            assert got == "".join(texts)
+            responses.append(got)
+            mark, texts = detok.mark(), []
+    return responses
+
+
 def test_aggregated_windows_equal_concatenated_pushes(tok):
     rng = random.Random(7)
     partial = [i for i in range(len(tok)) if "\ufffd" in tok.decode([i])]
@@ -152,22 +173,7 @@ def test_aggregated_windows_equal_concatenated_pushes(tok):
         ids = tok.encode(text, add_special_tokens=False)
         if trial % 2:
             ids = [rng.choice(partial) for _ in range(rng.randrange(1, 20))] + ids
-        detok = IncrementalDetokenizer(tok, tok.encode(PROMPT, add_special_tokens=False))
-        mark, texts, responses = detok.mark(), [], []
-        i = 0
-        while i < len(ids):
-            n = rng.randint(1, 3)
-            texts.append(detok.push(ids[i : i + n]).text)
-            i += n
-            final = i >= len(ids)
-            if final:
-                texts.append(detok.finish())
-            if final or rng.random() < 0.3:  # close a response covering several pushes
-                window, prefix_len = detok.window_since(mark, final=final)
-                got = decode_delta(tok, window, prefix_len, final=final)
-                assert got == "".join(texts)
-                responses.append(got)
-                mark, texts = detok.mark(), []
+        responses = _responses_in_random_groups(tok, tok.encode(PROMPT, add_special_tokens=False), ids, rng, True)
         assert "".join(responses) == tok.decode(ids, skip_special_tokens=True)
 
 
@@ -247,21 +253,7 @@ def test_byte_fallback_random_bytes_stream_and_merge_alike(bf_tok):
             assert got == hf_whole[len(hf_before):]
             valid += 1
         # Any grouping of the pushes into responses decodes to the same text.
-        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
-        mark, texts, responses, i = detok.mark(), [], [], 0
-        while i < len(ids):
-            n = rng.randint(1, 3)
-            texts.append(detok.push(ids[i : i + n]).text)
-            i += n
-            final = i >= len(ids)
-            if final:
-                texts.append(detok.finish())
-            if final or rng.random() < 0.3:
-                window, prefix_len = detok.window_since(mark, final=final)
-                assert decode_delta(tok, window, prefix_len, skip_special_tokens=skip, final=final) == "".join(texts)
-                responses.append("".join(texts))
-                mark, texts = detok.mark(), []
-        assert "".join(responses) == got
+        assert "".join(_responses_in_random_groups(tok, prompt, ids, rng, skip)) == got
     assert valid >= 10, valid
 
 
