@@ -258,6 +258,14 @@ _TYPED = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"
 # passes as a date); other formats are annotations, as JSON Schema 2020-12 has them by default.
 _XGRAMMAR_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
                                "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+# Formats whose xgrammar 0.2.8 pattern is not JSON-string aware: its "[^~]" takes a raw '"', '\\'
+# or control character, so the string could end early and the document run on past the schema
+# (extra keys under additionalProperties false) or stop being JSON. The same languages as a
+# "pattern" (RFC 6901; a relative pointer's prefix count, then "#" or a pointer), which is.
+_FORMAT_PATTERNS = {
+    "json-pointer": "^(/([^/~]|~[01])*)*$",
+    "relative-json-pointer": "^(0|[1-9][0-9]*)(#|(/([^/~]|~[01])*)*)$",
+}
 _MISSING = object()
 
 
@@ -464,8 +472,9 @@ _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 def _bounded_strings(schema: Any) -> Any:
     """A copy of ``schema`` where every ``minLength``/``maxLength`` without a ``pattern`` or a format
-    xgrammar knows is the equivalent ``pattern`` (see the module docstring: xgrammar#800). Data
-    (enum, const, default, examples) is never touched."""
+    xgrammar knows is the equivalent ``pattern`` (see the module docstring: xgrammar#800), and so
+    is each format of _FORMAT_PATTERNS (_check_enforceable refuses a length or pattern beside a
+    known format). Data (enum, const, default, examples) is never touched."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -478,6 +487,10 @@ def _bounded_strings(schema: Any) -> Any:
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
             out[key] = [_bounded_strings(v) for v in out[key]]
+    fmt = out.get("format")
+    if isinstance(fmt, str) and fmt in _FORMAT_PATTERNS and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = _FORMAT_PATTERNS[fmt]
     lo, hi = out.get("minLength"), out.get("maxLength")
     if (lo is not None or hi is not None) and "pattern" not in out and out.get("format") not in _XGRAMMAR_FORMATS:
         lo = int(lo) if isinstance(lo, (int, float)) else 0
@@ -556,7 +569,8 @@ class GrammarState:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (CPU int32 [B, ceil(vocab/32)], as from
         ``allocate_bitmask``). Other rows are left alone. Stop tokens are set only where the grammar
-        may end. Once terminated, the row allows nothing but stop tokens."""
+        may end. A terminated matcher has no next token: xgrammar raises, and the engine ends the
+        sequence at termination, so it never asks."""
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
             raise ValueError(
                 f"bitmask must be a 2-D CPU int32 tensor, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}"

@@ -298,6 +298,30 @@ def test_known_formats_are_enforced_as_patterns(fmt, good, bad):
     assert not xgrammar_accepts(schema, json.dumps(bad))
 
 
+# Bad documents: a raw quote ending the string early, raw control characters, a lone backslash
+# (unterminated), an invalid escape, and strings outside the format.
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("json-pointer", ["", "/", "/a", "/a~0b/~1c", "/0/é 🙂"],
+     ['"/a"b"', '"/a\nb"', '"/a\tb"', '"/a\x01"', '"/a\\"', '"/a\\q"', '"/a~2"']),
+    ("relative-json-pointer", ["0", "1#", "12/a/~1"], ['"0/a"b"', '"0/a\nb"', '"01/a"', '"#"']),
+])
+def test_json_pointer_formats_keep_their_strings_json(fmt, good, bad):
+    # Review (s19): xgrammar's own pattern for these formats admitted a raw quote or control
+    # character, so the grammar took '"/a"b"' (no JSON), and {"ptr": "/a", "evil": "x"} under
+    # additionalProperties false. They compile as the equivalent pattern, which is JSON-aware.
+    schema = {"type": "string", "format": fmt}
+    _check_json_schema(schema)
+    for text in good:
+        doc = json.dumps(text, ensure_ascii=False)
+        assert valid(schema, doc) and xgrammar_accepts(schema, doc), text
+    for doc in bad:
+        assert not xgrammar_accepts(schema, doc), doc
+    ptr = "/a" if fmt == "json-pointer" else "0/a"
+    strict = {"type": "object", "properties": {"ptr": schema}, "required": ["ptr"], "additionalProperties": False}
+    assert xgrammar_accepts(strict, f'{{"ptr": "{ptr}"}}')
+    assert not xgrammar_accepts(strict, f'{{"ptr": "{ptr}", "evil": "x"}}')
+
+
 def test_format_is_a_pattern_without_calendar_checks():
     """xgrammar 0.2.8 compiles "format": "date" to a pattern with day 01-31 in any month (documented
     in docs/STRUCTURED_OUTPUT.md), and does not enforce formats it does not know."""
