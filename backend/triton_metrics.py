@@ -85,7 +85,8 @@ class RequestTiming:
     TTFT is arrival to the first output carrying tokens; inter-token latency is the gap between
     a sample's outputs divided over the tokens the later one carries (observed once per token);
     end-to-end is arrival to the output that ends the request, whose finish reason is counted
-    (`error` when the engine failed it, `abort` when any sample was aborted).
+    (`error` when the engine failed it, `abort` when any sample was aborted). A request the engine
+    ended for an invalid argument counts as rejected (`invalid_argument`) instead.
     """
 
     __slots__ = ("metrics", "arrival", "first_token", "last_token", "remaining", "reason", "done")
@@ -115,13 +116,20 @@ class RequestTiming:
                     m.itl.observe((now - prev) / k, k)
                 self.last_token[out.index] = now
             if out.error is not None:
-                self.reason, self.remaining = "error", 0
+                # A request the engine refused for its own arguments (a grammar that does not
+                # compile, a duplicate id, its logits processor failing) is the client's mistake:
+                # counted with the refusals execute makes, not as the engine failing it.
+                invalid = getattr(out, "error_code", "internal") == "invalid_arg"
+                self.reason, self.remaining = ("invalid_argument" if invalid else "error"), 0
             elif out.finished:
                 self.remaining -= 1
                 if self.reason != "abort":
                     self.reason = out.finish_reason or "abort"
             if self.remaining <= 0:
                 self.done = True
+                if self.reason == "invalid_argument":
+                    m._rejected["invalid_argument"] += 1
+                    return
                 m.e2e.observe(now - self.arrival)
                 m.finished[self.reason] = m.finished.get(self.reason, 0) + 1
 

@@ -113,9 +113,9 @@ def fake_value(name: str, **labels) -> float:
     return sum(m.value for m in family.metrics if m.labels == labels)
 
 
-def _out(new_ids=(), finish=None, error=None, index=0):
+def _out(new_ids=(), finish=None, error=None, index=0, error_code="internal"):
     return types.SimpleNamespace(
-        new_token_ids=list(new_ids), finish_reason=finish, error=error, index=index,
+        new_token_ids=list(new_ids), finish_reason=finish, error=error, index=index, error_code=error_code,
         finished=finish is not None or error is not None,
     )
 
@@ -145,6 +145,7 @@ def test_request_timing_histograms_and_finish_reasons(new_metrics, monkeypatch):
     run([(2.0, _out([1], finish="stop"))])
     run([(0.01, _out([], finish="abort"))])  # cancelled before any token: no TTFT
     run([(0.03, _out([5])), (0.5, _out([], error="boom"))])
+    run([(0.2, _out([], error="invalid regex", error_code="invalid_arg"))])  # the engine refused it: rejected
     run([(0.03, _out([7], index=0)), (0.01, _out([8], index=1)), (0.05, _out([9], index=0, finish="length")),
          (0.04, _out([], index=1, finish="abort"))], n=2)  # n=2: an aborted sample makes the request abort
     metrics.rejected("overloaded")
@@ -153,7 +154,7 @@ def test_request_timing_histograms_and_finish_reasons(new_metrics, monkeypatch):
     metrics.update(_stats())
 
     assert fake_value("llm_request_rejected_total", reason="overloaded") == 2
-    assert fake_value("llm_request_rejected_total", reason="invalid_argument") == 1
+    assert fake_value("llm_request_rejected_total", reason="invalid_argument") == 2
     assert {r: fake_value("llm_request_finished_total", finish_reason=r) for r in ("stop", "length", "abort", "error")} \
         == {"stop": 1, "length": 1, "abort": 2, "error": 1}
     assert fake_value("llm_time_to_first_token_seconds_count") == 4
@@ -344,11 +345,15 @@ def test_rejected_requests_are_counted_apart(server, client):
     for bad in ([5000000], []):  # out of the vocabulary; empty: refused in execute
         with pytest.raises(InferenceServerException):
             _run(client, bad, 4)
+    # Refused by the engine after admission (the grammar compiles off the batch): QA s19_soak
+    # saw these counted as finish_reason "error", the engine failing.
+    with pytest.raises(InferenceServerException, match="invalid regex"):
+        _run(client, [5, 6, 7], 4, regex="(unclosed")
     deadline = time.monotonic() + 10
-    while delta(after := scrape(server), before, "llm_request_rejected_total", reason="invalid_argument") < 2:
+    while delta(after := scrape(server), before, "llm_request_rejected_total", reason="invalid_argument") < 3:
         assert time.monotonic() < deadline, "rejections not published"
         time.sleep(0.2)
-    assert delta(after, before, "llm_request_rejected_total", reason="invalid_argument") == 2
+    assert delta(after, before, "llm_request_rejected_total", reason="invalid_argument") == 3
     assert delta(after, before, "llm_request_rejected_total", reason="overloaded") == 0
     for r in ("stop", "length", "abort", "error"):
         assert delta(after, before, "llm_request_finished_total", finish_reason=r) == 0
