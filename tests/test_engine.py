@@ -62,8 +62,14 @@ def engine(demo_model_path):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+# HF generate applies the model's default repetition penalty (generation_config.json: 1.05) to
+# the prompt's tokens too: vLLM's rule, not the engine's own (SGLang's, output tokens only).
+HF_REPETITION = {"repetition_penalty_counts_prompt": True}
+
+
 def greedy(engine: LLMEngine, **extra):
-    return engine.parse_params({"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True, **extra})
+    return engine.parse_params({"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True, **HF_REPETITION,
+                                **extra})
 
 
 def test_staggered_mixed_batch_equals_hf_generate(engine, hf_model):
@@ -384,7 +390,8 @@ def test_random_traffic_with_aborts_preemption_and_sharing_stays_exact(demo_mode
         while step <= 80 or eng.has_unfinished():
             for i, (arrive, prompt, n, abort_at, max_new) in enumerate(plan):
                 if arrive == step:
-                    params = eng.parse_params({"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True, "n": n})
+                    params = eng.parse_params({"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True, "n": n,
+                                               **HF_REPETITION})
                     ids[i] = eng.add_request(prompt, params, lambda o, i=i: _collect(outs, (i, o.index), o))
                 if abort_at == step:
                     eng.abort(ids[i])

@@ -47,7 +47,9 @@ def hf_greedy(hf, ids: list[int], max_new: int = MAX_NEW) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-GREEDY = json.dumps({"temperature": 0, "ignore_eos": True})
+# HF generate applies the model's default repetition penalty (1.05) to the prompt's tokens too:
+# vLLM's rule, which the engine follows when asked (its own is SGLang's, output tokens only).
+GREEDY = json.dumps({"temperature": 0, "ignore_eos": True, "repetition_penalty_counts_prompt": True})
 
 
 def kv_blocks_used(server: LocalTritonServer) -> float:
