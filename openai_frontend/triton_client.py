@@ -232,11 +232,82 @@ def _batch_item_of(client_id: str, rid: Optional[str]) -> bool:
             and client_id[len(rid) + 1 :].isdigit())
 
 
+class ResponseReader:
+    """A gRPC response stream read by a task of its own, so that no read is ever cancelled.
+
+    grpc.aio (1.85) leaks a read when the task awaiting it is cancelled: the batch's op array,
+    and the received message with the transport read buffer it pins (8 to 64 KB; grpc/grpc#43360).
+    A client disconnect cancels the HTTP handler's task, which used to await the read itself: the
+    frontend grew by ~1.4 KB of native memory per disconnected stream. Consumers here wait on a
+    queue instead; `close()` cancels the call in gRPC core, which ends a read in flight with the
+    call rather than abandoning it.
+    """
+
+    __slots__ = ("_responses", "_queue", "_task", "_reading", "_abandoned", "_ended")
+
+    # Responses read ahead of the consumer: beyond these, gRPC's flow control holds the rest.
+    READ_AHEAD = 8
+
+    def __init__(self, responses: Any) -> None:
+        self._responses = responses  # tritonclient's iterator: cancel() cancels the call
+        self._queue: asyncio.Queue = asyncio.Queue(self.READ_AHEAD)
+        self._reading = False
+        self._abandoned = False
+        self._ended: Optional[BaseException] = None
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        responses = self._responses
+        while True:
+            self._reading = True
+            try:
+                item: Any = await responses.__anext__()
+            except StopAsyncIteration as exc:
+                item = exc
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this task cancelled (the loop closing), not the call
+                item = exc  # the call was cancelled (cancel(), close()): grpc.aio raises this
+            except Exception as exc:
+                item = exc
+            finally:
+                self._reading = False
+            if self._abandoned:
+                return
+            await self._queue.put(item)
+            if isinstance(item, BaseException):
+                return
+
+    def __aiter__(self) -> "ResponseReader":
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._ended is not None:
+            raise self._ended
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._ended = StopAsyncIteration() if isinstance(item, StopAsyncIteration) else item
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        """Cancel the call; the consumer then reads how it ended (grpc.aio: CancelledError)."""
+        self._responses.cancel()
+
+    def close(self) -> None:
+        """Cancel the call for a consumer that has gone: nothing more is queued."""
+        self._abandoned = True
+        self._responses.cancel()
+        if not self._reading:
+            self._task.cancel()  # waiting for queue space, not for gRPC
+
+
 # How long a one-response llm call may take to end after its answer (it ends at once).
 CALL_END_WAIT_S = 2.0
 
 
-async def _until_the_call_ends(responses: Any) -> None:
+async def _until_the_call_ends(responses: ResponseReader) -> None:
     """Read a one-response call until the server ends it. Triton 2.51 answers an abort (its reply
     goes out after the aborted stream's last response) and ends the call a moment later; a
     channel closed in between (the frontend shutting down) left a request behind that kept `llm`
@@ -246,7 +317,9 @@ async def _until_the_call_ends(responses: Any) -> None:
         async with asyncio.timeout(CALL_END_WAIT_S):
             async for _ in responses:
                 pass
-    except (TimeoutError, grpc.RpcError):
+    except TimeoutError:
+        responses.close()
+    except grpc.RpcError:
         pass
 
 
@@ -570,7 +643,7 @@ class TritonLLMClient:
             await done.wait()
 
         try:
-            responses = self._get().stream_infer(requests(), stream_timeout=self.stream_timeout)
+            responses = ResponseReader(self._get().stream_infer(requests(), stream_timeout=self.stream_timeout))
         except InferenceServerException as exc:
             raise unavailable(f"Triton server unavailable: {exc.message()}") from None
         loop = asyncio.get_running_loop()
@@ -637,7 +710,7 @@ class TritonLLMClient:
             if not streams and self._streams.get(request.request_id) is streams:
                 del self._streams[request.request_id]
             if not finished:
-                responses.cancel()
+                responses.close()
                 if self.abort_model:
                     task = asyncio.ensure_future(self._abort(request_id))
                     self._aborts.add(task)
@@ -760,7 +833,7 @@ class TritonLLMClient:
             yield payload
 
         answer: Optional[dict[str, Any]] = None
-        responses = self._get().stream_infer(one())
+        responses = ResponseReader(self._get().stream_infer(one()))
         try:
             async with asyncio.timeout(timeout):
                 async for result, error in responses:
@@ -777,7 +850,11 @@ class TritonLLMClient:
         except grpc.RpcError as exc:
             raise map_rpc_error(exc) from None
         except TimeoutError:
+            responses.close()
             raise unavailable(f"the llm model did not answer the {what} request") from None
+        except BaseException:
+            responses.close()
+            raise
         await _until_the_call_ends(responses)
         return answer
 

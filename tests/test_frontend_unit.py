@@ -2255,6 +2255,7 @@ class _OneAnswerCall:
         self.end_after = end_after
         self.sent = False
         self.ended = False
+        self.cancelled = None  # an asyncio.Event once read: set by cancel(), as gRPC ends the call
 
     def stream_infer(self, requests):
         return self
@@ -2270,10 +2271,15 @@ class _OneAnswerCall:
             answer = self.answer
             return type("Result", (), {"as_numpy": lambda _, name: answer})(), None
         if self.end_after is None:
-            await asyncio.Event().wait()
+            self.cancelled = asyncio.Event()
+            await self.cancelled.wait()
+            raise asyncio.CancelledError()  # grpc.aio's end of a read on a cancelled call
         await asyncio.sleep(self.end_after)
         self.ended = True
         raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
 
 @pytest.mark.parametrize("end_after", [0.05, None])
@@ -2293,6 +2299,7 @@ def test_a_one_response_llm_call_is_read_until_the_server_ends_it(monkeypatch, e
     answer = asyncio.run(client._llm_request([], "abort", 5, "abort.x"))
     assert answer == {"aborted": 1}
     assert call.ended == (end_after is not None)
+    assert (call.cancelled is not None and call.cancelled.is_set()) == (end_after is None)  # cut at the wait
     assert time.monotonic() - t0 < 1.0
 
 
