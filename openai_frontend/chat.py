@@ -234,7 +234,9 @@ class ChatHandler:
                 reasoning, text = split_reasoning(fmt, text)
                 message["content"] = text
                 if req.include_reasoning:
-                    message["reasoning_content"] = reasoning
+                    # an empty section (Qwen3's "<think>\n\n</think>" when it does not think) is
+                    # null, as in SGLang, and as the stream, which sends no reasoning delta for it
+                    message["reasoning_content"] = reasoning or None
             finish = c.finish or "stop"
             if plan.parser_name:
                 normal, calls = parse_as_streamed(get_parser(plan.parser_name), text, plan.tools, plan.forced)

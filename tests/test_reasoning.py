@@ -152,6 +152,17 @@ def test_reasoning_then_tool_call_streamed_equals_whole(served, size):
     assert got["finish"] == ["tool_calls"]
 
 
+@pytest.mark.parametrize("output", ["<think>\n\n</think>\n\nanswer", "<think></think>answer"])
+def test_an_empty_reasoning_section_is_null_streamed_or_not(served, output):
+    """QA s20: Qwen3's section when it does not think was "" whole and absent streamed (SGLang: null)."""
+    client, fake, _ = served
+    fake.script = lambda req: text_chunks(_pieces(output, 3))
+    msg = client.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message
+    assert msg.model_extra["reasoning_content"] is None and msg.content == "answer"
+    got = _collect(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))
+    assert (got["reasoning_events"], got["content"]) == (0, "answer")
+
+
 def test_reasoning_request_switches(served):
     client, fake, url = served
     text = "<think>a b c</think>answer"
