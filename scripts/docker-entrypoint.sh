@@ -15,7 +15,9 @@
 #                                     still says OK. Killing the server ends the hung streams: the
 #                                     frontend reports an error on each of them;
 # - the frontend exited            -> start it again.
-# More than MAX_RESTARTS restarts within RESTART_WINDOW seconds -> exit 1 (let the orchestrator act).
+# A restarted tritonserver that does not come up is started again too; only a failing first start
+# exits at once (1). More than MAX_RESTARTS restarts within RESTART_WINDOW seconds -> exit 1 (let
+# the orchestrator act).
 # SIGTERM/SIGINT: stop the frontend (uvicorn drains in-flight streams), then tritonserver (it
 # waits up to EXIT_TIMEOUT seconds for in-flight requests), then exit 0.
 #
@@ -179,6 +181,16 @@ note_restart() {
   fi
 }
 
+# After the first start: a server that does not come up (stopped from outside while it loaded,
+# before this loop's readiness poll had seen it, or failing to load) is started again, within
+# the restart budget (note_restart gives up past it). Only a failing first start is fatal.
+start_triton_again() {
+  until start_triton; do
+    stop_pid "$TRITON_PID" 5 # one still loading after READY_TIMEOUT
+    note_restart
+  done
+}
+
 restart_triton() {
   log "stopping tritonserver: $1"
   # In-flight requests of a dead stub never finish, so no grace beyond a few seconds.
@@ -191,7 +203,7 @@ restart_triton() {
     log "restarting tritonserver: $1"
   fi
   note_restart
-  start_triton || shutdown 1
+  start_triton_again
 }
 
 shutdown() {
@@ -224,7 +236,7 @@ while [ "$STOPPING" = 0 ]; do
     wait "$TRITON_PID" 2>/dev/null && rc=0 || rc=$?
     log "tritonserver exited (status $rc)"
     note_restart
-    start_triton || shutdown 1
+    start_triton_again
   elif ! llm_stub_alive; then
     restart_triton "the llm model's Python stub process is gone"
   fi

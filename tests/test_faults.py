@@ -450,6 +450,22 @@ def test_killed_postprocessing_stub_stops_the_server_and_service_resumes(entry):
     assert drained, m
 
 
+def test_a_restarted_tritonserver_stopped_while_it_loads_is_started_again(entry):
+    """CI: the supervisor gave up (exit 1) when a tritonserver it had restarted was stopped before
+    its readiness poll had seen it up (SIGTERM a moment after a restart): only a failing first
+    start is fatal; later ones are restarts, within the restart budget."""
+    first = entry.tritonserver_pid()
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not (second := [p for p in _children(entry.process.pid) if _exe_name(p) == "tritonserver" and p != first]):
+        assert time.monotonic() < deadline, entry.supervisor_lines()
+        time.sleep(0.05)
+    os.kill(second[0], signal.SIGTERM)  # loading takes seconds: stopped before it is ready
+    entry.wait_serving(240)
+    assert entry.tritonserver_pid() not in (first, second[0])
+    assert "tritonserver exited while loading" in entry.log(), entry.supervisor_lines()
+
+
 def test_tritonserver_stopping_ends_frontend_streams_with_503(entry):
     """QA: SIGTERM to tritonserver alone (an orchestrator stopping its container) kept the
     frontend's streams open and silent until their clients gave up: Triton 2.51, stopping, holds
