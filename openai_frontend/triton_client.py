@@ -303,6 +303,12 @@ class ResponseReader:
             self._task.cancel()  # waiting for queue space, not for gRPC
 
 
+def _retrieve_exception(task: asyncio.Future) -> None:
+    """A done callback: a shielded call whose awaiter left raises to nobody (no asyncio warning)."""
+    if not task.cancelled():
+        task.exception()
+
+
 # How long a one-response llm call may take to end after its answer (it ends at once).
 CALL_END_WAIT_S = 2.0
 
@@ -777,9 +783,15 @@ class TritonLLMClient:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
     async def _infer(self, model: str, inputs: list[InferInput], output: str) -> np.ndarray:
+        # The call runs in a task of its own, shielded: a cancellation of this task (a client
+        # disconnect during a beam search's tokenize) would otherwise reach the task awaiting
+        # gRPC's batch, which grpc.aio leaks (see ResponseReader). The call itself, a few
+        # milliseconds' work in the server, is left to finish.
+        call = asyncio.ensure_future(self._get().infer(model, inputs, outputs=[InferRequestedOutput(output)],
+                                                       client_timeout=self.stream_timeout))
+        call.add_done_callback(_retrieve_exception)
         try:
-            result = await self._get().infer(model, inputs, outputs=[InferRequestedOutput(output)],
-                                             client_timeout=self.stream_timeout)
+            result = await asyncio.shield(call)
         except InferenceServerException as exc:
             raise map_infer_error(exc) from None
         except grpc.RpcError as exc:

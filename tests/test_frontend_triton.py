@@ -652,6 +652,17 @@ def cancelled_grpc_reads(monkeypatch):
             raise
 
     monkeypatch.setattr(_call._StreamResponseMixin, "_read", _read)
+
+    unary = _call.UnaryUnaryCall._invoke
+
+    async def _invoke(self):  # grpc.aio's own catches the cancellation (returns EOF): look after it
+        result = await unary(self)
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            count[0] += 1
+        return result
+
+    monkeypatch.setattr(_call.UnaryUnaryCall, "_invoke", _invoke)
     return count
 
 
@@ -932,6 +943,26 @@ def test_client_disconnect_stops_a_beam_search(triton):
         steps = scrape_metric(_metrics_url(triton), "llm_engine_steps_total")
         time.sleep(1.5)  # the engine publishes every 1 s while busy, and at once when idle
         assert scrape_metric(_metrics_url(triton), "llm_engine_steps_total") == steps
+
+
+def test_a_disconnect_during_a_beam_searchs_tokenize_leaves_the_grpc_call_alone(triton, cancelled_grpc_reads):
+    """Beam search tokenizes the prompt with a unary call to preprocessing; a client leaving
+    meanwhile cancelled the task awaiting it (review s20), which grpc.aio leaks."""
+    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, abort_model="llm")
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 400_000}],
+                       "use_beam_search": True, "n": 2, "max_tokens": 5}).encode()
+    with serve_in_thread(create_app(settings)) as url:
+        url = httpx.URL(url)
+        with socket.create_connection((url.host, url.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.3)  # tokenizing 400,000 words takes preprocessing a second or more
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(1)  # not answered yet: the tokenize was still in flight
+        time.sleep(3)  # the shielded call finishes on its own
+    assert cancelled_grpc_reads[0] == 0
+    wait_kv_blocks_free(_metrics_url(triton), timeout=10)
 
 
 def test_frontend_metrics(base_url):
