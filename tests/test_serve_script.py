@@ -72,3 +72,44 @@ def test_sweep_shm_removes_only_the_regions_of_stubs_that_are_gone(tmp_path):
     assert run.returncode == 0 and "removed 1 " in run.stderr, run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [regions["mapped"].name, regions["new"].name, other.name])
+
+
+def test_sweep_shm_kills_the_stubs_whose_tritonserver_is_gone(tmp_path):
+    """A tritonserver stopped while it loaded its models left a stub that never got its initialize
+    message, waiting for it for ever (Triton 2.51; seen after a fault test in CI) with its memory
+    and its region. The sweep kills such stubs of this repository's models; a live server's stay."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    stub = tmp_path / "triton_python_backend_stub"  # a stand-in with a stub's command line
+    stub.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(300)\n")
+    stub.chmod(0o755)
+    args = [str(stub), str(repo / "model_repository" / "postprocessing" / "1" / "model.py"),
+            "triton_python_backend_shm_region_test"]
+    orphan = subprocess.Popen(args)  # its parent (this process) is no tritonserver
+    server = tmp_path / "tritonserver"  # a parent named as tritonserver is, starting its stub
+    shutil.copy(shutil.which("sh"), server)
+    parent = subprocess.Popen([str(server), "-c", '"$@" & wait', "sh", *args], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not [p for p in Path("/proc").glob("[0-9]*") if p.name != str(orphan.pid)
+                   and str(stub) in (p / "cmdline").read_bytes().decode(errors="replace")
+                   if (p / "cmdline").exists()]:
+            assert time.monotonic() < deadline, "the live server's stub did not start"
+            time.sleep(0.05)
+        run = subprocess.run([str(repo / "scripts" / "sweep-shm.sh")], env={**os.environ, "SHM_DIR": str(tmp_path)},
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0 and f"killed 1 Triton stub(s) whose tritonserver is gone: {orphan.pid}" in run.stderr, \
+            run.stderr
+        assert orphan.wait(timeout=10) == -signal.SIGKILL
+        assert parent.poll() is None  # its stub lives on
+    finally:
+        orphan.kill()
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
