@@ -49,6 +49,7 @@ class Entrypoint:
             "TRITON_BACKEND_DIR": str(triton_home() / "backends"),
             "PYTHON": sys.executable, "LLM_MODEL_PATH": str(model_path), "SERVED_MODEL_NAME": "demo",
             "LLM_NUM_KV_BLOCKS": "128", "LLM_MAX_MODEL_LEN": "512", "WATCHDOG_INTERVAL": "1", "EXIT_TIMEOUT": "5",
+            "MAX_RESTARTS": "20",  # this module restarts tritonserver on purpose, six times and more
             "FRONTEND_ARGS": "--log-level warning", "TRITON_ARGS": "--log-verbose=0",
         })
         self.log_path = log_path
@@ -83,7 +84,12 @@ class Entrypoint:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if _completion(self.url, timeout=10).status_code == 200:
+                # Serving, and the supervisor has seen its latest tritonserver ready (it polls once a
+                # second): a test that stops the server sooner would test that poll's timing instead.
+                starts = [line for line in self.supervisor_lines().splitlines()
+                          if "tritonserver started" in line or "tritonserver ready" in line]
+                if (_completion(self.url, timeout=10).status_code == 200
+                        and (not starts or "tritonserver ready" in starts[-1])):
                     return
             except httpx.HTTPError:
                 pass
