@@ -18,11 +18,15 @@ orphans=()
 for status in /proc/[0-9]*/status; do
   pid=${status#/proc/}
   pid=${pid%/status}
-  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = triton_python_b ] || continue # the stub, as the kernel names it
+  # Builtins only up to here: this runs for every process on the host.
+  read -r comm <"/proc/$pid/comm" 2>/dev/null || continue
+  [ "$comm" = triton_python_b ] || continue # the stub, as the kernel names it
   cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || continue
   case "$cmd" in *"triton_python_backend_stub $repo/model_repository/"*) ;; *) continue ;; esac
   ppid=$(sed -n 's/^PPid:[[:space:]]*//p' "$status" 2>/dev/null)
-  [ "$(cat "/proc/$ppid/comm" 2>/dev/null)" = tritonserver ] && continue
+  parent=""
+  read -r parent <"/proc/$ppid/comm" 2>/dev/null
+  [ "$parent" = tritonserver ] && continue
   kill -9 "$pid" 2>/dev/null && orphans+=("$pid")
 done
 if [ "${#orphans[@]}" -gt 0 ]; then
