@@ -48,7 +48,7 @@ class Entrypoint:
             "TRITONSERVER": str(triton_home() / "bin" / "tritonserver"),
             "TRITON_BACKEND_DIR": str(triton_home() / "backends"),
             "PYTHON": sys.executable, "LLM_MODEL_PATH": str(model_path), "SERVED_MODEL_NAME": "demo",
-            "LLM_NUM_KV_BLOCKS": "128", "LLM_MAX_MODEL_LEN": "512", "WATCHDOG_INTERVAL": "1", "EXIT_TIMEOUT": "5",
+            "LLM_NUM_KV_BLOCKS": "512", "LLM_MAX_MODEL_LEN": "4096", "WATCHDOG_INTERVAL": "1", "EXIT_TIMEOUT": "5",
             "MAX_RESTARTS": "20",  # this module restarts tritonserver on purpose, six times and more
             "FRONTEND_ARGS": "--log-level warning", "TRITON_ARGS": "--log-verbose=0",
         })
@@ -199,6 +199,14 @@ def _completion(base_url: str, max_tokens: int = 4, timeout: float = 30.0) -> ht
 
 # ------------------------------------------------------------------------------ cancel storms
 def test_cancel_storm_through_the_frontend_frees_all_blocks(entry):
+    """Every stream is disconnected after its first chunks, so every one must end aborted.
+
+    Each stream is long (3000 tokens): the demo model generates ~400 tokens a second for a stream
+    that runs alone, and under CPU contention this client took 1.5 s from opening its first
+    streams to closing them (it opens 40). At 400 tokens, those first streams had run to their
+    length before their client went away (a QA loop with 3 busy processes beside it: 2 to 28 of
+    40 per storm, each closed 1.5 s after it started and finished 0.2 s after its close).
+    """
     n = 40
     before = _finished(entry.metrics_url, settle=True)
 
@@ -208,7 +216,7 @@ def test_cancel_storm_through_the_frontend_frees_all_blocks(entry):
 
         async def one(i):
             stream = await client.completions.create(
-                model="demo", prompt=f"Storm {i}", stream=True, max_tokens=400, temperature=0,
+                model="demo", prompt=f"Storm {i}", stream=True, max_tokens=3000, temperature=0,
                 extra_body={"ignore_eos": True},
             )
             chunks = 0
@@ -229,7 +237,7 @@ def test_cancel_storm_through_the_frontend_frees_all_blocks(entry):
     t0 = time.monotonic()
     received = asyncio.run(storm())
     assert len(received) == n
-    # 40 x 400 tokens would take minutes here: draining quickly means the engine stopped them.
+    # 40 x 3000 tokens would take minutes here: draining quickly means the engine stopped them.
     # Metrics are published at most once a second while busy: the gauges may still show the
     # idle engine from before the storm, so wait for the aborts to be counted first.
     after = _wait_finished(entry.metrics_url, lambda f: f["abort"] - before["abort"] >= n, timeout=20)
