@@ -102,6 +102,21 @@ def _stream_error(error: Any, url: str) -> Exception:
     return error
 
 
+def _may_still_run(error: Any, answered: bool) -> bool:
+    """Whether the engine may still be generating for a stream that ended with `error`.
+
+    An error after responses came may leave the request running: a transport error, and also
+    the server's own error when an ensemble step failed (Triton 2.51 does not stop the ensemble's
+    other steps: after a failed postprocessing step the llm request generates on to max_tokens).
+    Before any response, only a step's internal error (say postprocessing's, on the first
+    response) does; a refusal, or nothing listening at the URL, leaves nothing to abort. Nor
+    does a stub that is gone."""
+    message = str(error).lower()
+    if "stub process" in message:
+        return False
+    return answered or "internal error" in message
+
+
 def _send(client: grpcclient.InferenceServerClient, answers: "queue.Queue[tuple[Any, Any]]", url: str,
           **request: Any) -> None:
     """async_stream_infer, raising the reason when the stream already failed."""
@@ -155,11 +170,7 @@ class TritonStreamClient:
                 except queue.Empty:
                     raise StreamTimeout(f"no response within {timeout:g} s") from None
                 if error is not None:
-                    # The server's own error answers (and ends) the request. A transport error
-                    # (a gRPC status) after responses came may leave it running: abort that one;
-                    # before any (nothing listening there, say) there is nothing to abort.
-                    transport = isinstance(error, InferenceServerException) and error.status() is not None
-                    finished = not (transport and answered)
+                    finished = not _may_still_run(error, answered)
                     raise _stream_error(error, self.url)
                 answered = True
                 response = result.get_response()

@@ -329,6 +329,19 @@ async def _until_the_call_ends(responses: ResponseReader) -> None:
         pass
 
 
+def _may_still_run(failure: APIError, message: str, answered: bool) -> bool:
+    """Whether llm may still be generating for a stream that ended with `failure`.
+
+    Triton 2.51 does not stop an ensemble's running steps when one of them fails: after a failed
+    postprocessing step the stream ends with that error while its llm request generates on to
+    max_tokens (seen with a failure injected mid-stream), so such a stream is aborted like a
+    disconnected one. Not a request refused before it ran (an error before any response, other
+    than a step's internal one), nor one whose stub is gone (nothing left to abort there)."""
+    if "stub process" in message.lower():
+        return False
+    return answered or failure.status_code == 500
+
+
 def _is_final(response: Any) -> bool:
     params = response.parameters
     return "triton_final_response" in params and params["triton_final_response"].bool_param
@@ -668,8 +681,10 @@ class TritonLLMClient:
         try:
             async for result, error in responses:
                 if error is not None:
-                    finished = True
-                    raise map_stream_error(error.message() if isinstance(error, InferenceServerException) else str(error))
+                    text = error.message() if isinstance(error, InferenceServerException) else str(error)
+                    failure = map_stream_error(text)
+                    finished = not _may_still_run(failure, text, watched.last is not None)
+                    raise failure
                 watched.last = loop.time()
                 response = result.get_response()
                 final = _is_final(response)

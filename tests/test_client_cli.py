@@ -186,6 +186,64 @@ class FakeStreamClient:
                    "meta_info": json.dumps({"index": index})}
 
 
+class _FailingTriton:
+    """A fake tritonclient gRPC client: the ensemble request gets `answers` responses, then the
+    error `message`; an abort request (to llm) is recorded and answered."""
+
+    aborts: list = []
+
+    def __init__(self, url, answers=1, message="postprocessing internal error: RuntimeError: boom"):
+        self.answers, self.message = answers, message
+
+    def start_stream(self, callback):
+        self.callback = callback
+
+    def async_stream_infer(self, model_name, inputs, request_id, **_):
+        from types import SimpleNamespace
+
+        from tritonclient.utils import InferenceServerException
+
+        response = SimpleNamespace(parameters={}, outputs=[SimpleNamespace(name="text_output")])
+        result = SimpleNamespace(get_response=lambda: response, as_numpy=lambda name: np.array([b"a"], dtype=np.object_))
+        if model_name == "llm":
+            self.aborts.append(request_id)
+            self.callback(result, None)
+            return
+        for _ in range(self.answers):
+            self.callback(result, None)
+        self.callback(None, InferenceServerException(self.message))
+
+    def stop_stream(self, cancel_requests=False):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("answers, message, aborted", [
+    # A failed postprocessing step ends the ensemble's stream while its llm step generates on
+    # (Triton 2.51 does not stop an ensemble's other steps): the library aborts it, as on a break.
+    (1, "postprocessing internal error: RuntimeError: boom", True),
+    (0, "postprocessing internal error: RuntimeError: boom", True),
+    (1, "in ensemble 'ensemble', some step failed", True),
+    (0, "invalid sampling parameter top_p: must be in (0, 1]", False),  # refused: nothing runs
+    (1, "Stub process 'llm_0_0' is not healthy.", False),  # nothing left to abort on
+])
+def test_a_stream_that_fails_after_the_engine_started_is_aborted(monkeypatch, answers, message, aborted):
+    import client.triton_stream as triton_stream
+    from tritonclient.utils import InferenceServerException
+
+    monkeypatch.setattr(_FailingTriton, "aborts", [])
+    monkeypatch.setattr(triton_stream.grpcclient, "InferenceServerClient",
+                        lambda url: _FailingTriton(url, answers, message))
+    got = []
+    with pytest.raises(InferenceServerException):
+        for chunk in TritonStreamClient("fake:1").stream_generate("ensemble", {"text_input": "hi"}, request_id="r1"):
+            got.append(chunk)
+    assert len(got) == answers
+    assert _FailingTriton.aborts == (["abort.r1"] if aborted else [])
+
+
 def test_generate_text_keeps_samples_apart():
     fake = FakeStreamClient()
     result = generate_text("hi", client=fake, json_params={"n": 2})

@@ -1128,6 +1128,74 @@ def test_decode_response_fast_path():
     assert not _is_final(_infer_response({"text_output": "x"}))
 
 
+class _FailingStream:
+    """A fake ensemble stream: `responses` (ModelInferResponse) then an error with `message`."""
+
+    def __init__(self, responses: list, message: str) -> None:
+        self.items = [(type("Result", (), {"get_response": lambda _, r=r: r})(), None) for r in responses]
+        self.message = message
+
+    def stream_infer(self, requests, stream_timeout=None):
+        return self
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from tritonclient.utils import InferenceServerException
+
+        if self.items:
+            return self.items.pop(0)
+        if self.message is not None:
+            message, self.message = self.message, None
+            return None, InferenceServerException(message)
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("answered, message, aborted", [
+    # A postprocessing step failing mid-stream ended the client's stream while llm generated on to
+    # max_tokens (Triton 2.51 does not stop an ensemble's other steps): aborted like a disconnect.
+    (True, "postprocessing internal error: RuntimeError: boom", True),
+    (False, "postprocessing internal error: RuntimeError: boom", True),  # its first response failed
+    (True, "in ensemble 'ensemble', invalid argument", True),
+    # Refused before it ran: nothing to abort (an abort there would only add work to an overload).
+    (False, "invalid sampling parameter top_p: must be in (0, 1]", False),
+    (False, "llm engine overloaded: 64 requests waiting", False),
+    # Its stub is gone: nothing to abort on.
+    (True, "Failed to process the request(s) for model 'llm_0_0', message: Stub process 'llm_0_0' is not healthy.",
+     False),
+])
+def test_a_stream_that_fails_after_llm_started_is_aborted(answered, message, aborted):
+    import asyncio
+
+    from openai_frontend.engine_types import EngineRequest
+    from openai_frontend.errors import APIError
+    from openai_frontend.triton_client import TritonLLMClient
+
+    client = TritonLLMClient("localhost:1", abort_model="llm")
+    first = _infer_response({"text_output": "a", "output_ids": [5], "finish_reason": ""})
+    client._client = _FailingStream([first] if answered else [], message)
+    sent = []
+
+    async def abort(request_id: str) -> None:
+        sent.append(request_id)
+
+    client._abort = abort
+
+    async def run():
+        chunks = []
+        with pytest.raises(APIError):
+            async for chunk in client.generate(EngineRequest({"max_new_tokens": 50}, text_input="hi")):
+                chunks.append(chunk)
+        return chunks
+
+    assert len(asyncio.run(run())) == int(answered)
+    assert len(sent) == int(aborted), (message, sent)
+
+
 def test_error_mapping():
     from openai_frontend.triton_client import map_stream_error
 
