@@ -177,6 +177,6 @@ class Context:
         adapter's name is its own)."""
         if model and model in self.adapter_names():
             return model
-        if model and model != self.model_name and model != self.settings.triton_model:
+        if model and model not in self.settings.model_aliases:
             raise model_not_found(model)
         return self.model_name

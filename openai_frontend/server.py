@@ -595,9 +595,20 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         loaded = await lora_update({"op": "load", "name": body.lora_name, "path": body.lora_path})
         return json_response({"success": True, "error_message": "", "loaded_adapters": loaded})
 
+    async def lora_unload(name: str, not_found_status: int) -> dict[str, str]:
+        try:
+            return await lora_update({"op": "unload", "name": name})
+        except APIError as exc:
+            if exc.status_code != 400 or not exc.message.endswith("is not loaded"):
+                raise
+            # vLLM answers 404 "The lora adapter 'x' cannot be found."; SGLang a 400. Either way
+            # the field at fault is the name the request sent.
+            message = f"The lora adapter '{name}' cannot be found." if not_found_status == 404 else exc.message
+            raise APIError(not_found_status, message, param="lora_name") from None
+
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
-        loaded = await lora_update({"op": "unload", "name": body.lora_name})
+        loaded = await lora_unload(body.lora_name, 400)
         return json_response({"success": True, "error_message": "", "loaded_adapters": loaded})
 
     @app.post("/v1/load_lora_adapter")
@@ -607,7 +618,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.post("/v1/unload_lora_adapter")
     async def v1_unload_lora_adapter(body: UnloadLoraAdapterRequest) -> Response:
-        await lora_update({"op": "unload", "name": body.lora_name})
+        await lora_unload(body.lora_name, 404)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.post("/abort_request", operation_id="abort_request_post")

@@ -53,8 +53,13 @@ class Settings:
 
     @property
     def model_aliases(self) -> frozenset[str]:
-        """The names a request's `model` may give the base model (Context.check_model)."""
-        return frozenset({self.served_model_name, self.triton_model})
+        """The names a request's `model` may give the base model (Context.check_model). Without
+        --model-name, also the tokenizer's directory as given: vLLM and SGLang name a model by its
+        path (`--model /models/X`) unless told otherwise, and their clients send that."""
+        names = {self.served_model_name, self.triton_model}
+        if not self.model_name and self.tokenizer_path:
+            names |= {self.tokenizer_path, self.tokenizer_path.rstrip("/")}
+        return frozenset(names)
 
     def lora_name_error(self, name: str, adapters: tuple[str, ...] = ()) -> Optional[str]:
         """Why `name` cannot name a new LoRA adapter (None when it can): a request's `model` has

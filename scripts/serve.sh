@@ -7,7 +7,13 @@
 #                    [--logits-processor-pattern REGEX] [--reasoning-parser NAME]
 #                    [--lora-modules name=path,name2=path2] [--allow-runtime-lora-updating]
 #                    [--kv-cache-dtype auto|bfloat16|fp8|...] [--speculative-config JSON]
-#                    [--graceful-shutdown-timeout 10]
+#                    [--graceful-shutdown-timeout 10] [--served-model-name NAME] [--stream-timeout S]
+#                    [--enable-custom-logit-processor] [-- FRONTEND OPTIONS...]
+# --served-model-name: the name /v1/models lists and requests give (default: the model directory's
+# name; without it, requests may also name the model by its path, as in vLLM and SGLang).
+# --enable-custom-logit-processor: SGLang's custom_logit_processor, in the engine and the frontend.
+# Everything after `--` goes to the frontend as is (python -m openai_frontend --help: --max-n,
+# --max-body-bytes, --retry-after, --frontend-id, ...).
 # Stopping it (SIGTERM, SIGINT, Ctrl-C) stops the frontend first, which lets in-flight requests and
 # streams finish for up to --graceful-shutdown-timeout seconds, then cancels the rest (aborted in
 # the engine, their connections closed); then tritonserver (which gives requests made to it
@@ -23,7 +29,7 @@ MODEL_PATH=models/demo
 [ -z "${LLM_MODEL_PATH:-}" ] || MODEL_PATH=$(abspath "$LLM_MODEL_PATH")
 HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002 FRONTEND_PORT=9000 FRONTEND=1 FRONTEND_WORKERS=auto
 TOOL_CALL_PARSER=${TOOL_CALL_PARSER:-qwen25} API_KEY=${OPENAI_FRONTEND_API_KEY:-} REASONING_PARSER= RUNTIME_LORA=
-SHUTDOWN_TIMEOUT=10
+SHUTDOWN_TIMEOUT=10 SERVED_MODEL_NAME= STREAM_TIMEOUT= CUSTOM_LOGIT_PROCESSOR= FRONTEND_EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --model-path) MODEL_PATH=$(abspath "$2"); shift 2 ;;
@@ -49,6 +55,10 @@ while [ $# -gt 0 ]; do
     --kv-cache-dtype) export LLM_KV_CACHE_DTYPE=$2; shift 2 ;;
     --speculative-config) export LLM_SPECULATIVE_CONFIG=$2; shift 2 ;;
     --graceful-shutdown-timeout) SHUTDOWN_TIMEOUT=$2; shift 2 ;;
+    --served-model-name) SERVED_MODEL_NAME=$2; shift 2 ;;
+    --stream-timeout) STREAM_TIMEOUT=$2; shift 2 ;;
+    --enable-custom-logit-processor) CUSTOM_LOGIT_PROCESSOR=1; export LLM_ENABLE_CUSTOM_LOGIT_PROCESSOR=1; shift ;;
+    --) shift; FRONTEND_EXTRA=("$@"); break ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "unknown option $1 (--help lists them)" >&2; exit 2 ;;
   esac
@@ -160,7 +170,9 @@ if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
   OPENAI_FRONTEND_API_KEY="$API_KEY" setsid .venv/bin/python -m openai_frontend --triton-url "localhost:$GRPC_PORT" \
     --port "$FRONTEND_PORT" --workers "$FRONTEND_WORKERS" --tokenizer-path "$LLM_MODEL_PATH" --tool-call-parser "$TOOL_CALL_PARSER" \
     ${REASONING_PARSER:+--reasoning-parser "$REASONING_PARSER"} ${LLM_LORA_MODULES:+--lora-modules "$LLM_LORA_MODULES"} \
-    ${RUNTIME_LORA:+--allow-runtime-lora-updating} --graceful-shutdown-timeout "$SHUTDOWN_TIMEOUT" &
+    ${RUNTIME_LORA:+--allow-runtime-lora-updating} --graceful-shutdown-timeout "$SHUTDOWN_TIMEOUT" \
+    ${SERVED_MODEL_NAME:+--served-model-name "$SERVED_MODEL_NAME"} ${STREAM_TIMEOUT:+--stream-timeout "$STREAM_TIMEOUT"} \
+    ${CUSTOM_LOGIT_PROCESSOR:+--enable-custom-logit-processor} "${FRONTEND_EXTRA[@]}" &
   FRONTEND_PID=$!
   pids+=($!)
 fi

@@ -154,3 +154,33 @@ def test_an_adapter_unloaded_through_another_worker_is_not_found_there_too():
         # an explicit lora_path (SGLang's extra) naming it stays the parameter's error
         r = httpx.post(b + "/v1/completions", json={"model": "demo", "lora_path": "sql", "prompt": "p", "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+
+
+@pytest.mark.parametrize("unload, status, message", [
+    ("/unload_lora_adapter", 400, "LoRA adapter 'gone' is not loaded"),  # SGLang: a 400
+    ("/v1/unload_lora_adapter", 404, "The lora adapter 'gone' cannot be found."),  # vLLM's NotFoundError
+])
+def test_unloading_an_adapter_that_is_not_loaded_names_lora_name(unload, status, message):
+    # QA: a 400 that blamed `lora_path`, a field an unload request does not have.
+    fake = _fake({"sql": "/sql"})
+    settings = Settings(model_name="demo", allow_runtime_lora_updating=True)
+    with serve_in_thread(create_app(settings, client=fake)) as url:
+        r = httpx.post(url + unload, json={"lora_name": "gone"})
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == "lora_name"
+        assert fake.adapters == {"sql": "/sql"}
+
+
+def test_without_a_model_name_requests_may_name_the_model_by_its_path():
+    # vLLM and SGLang name a model by the path they were given unless told otherwise (QA: a
+    # client sending `/models/X` got 404 model_not_found); /v1/models lists the short name.
+    fake = _fake({})
+    with serve_in_thread(create_app(Settings(tokenizer_path="/models/Qwen2-0.5B/"), client=fake)) as url:
+        assert _models(url) == [("Qwen2-0.5B", None)]
+        for name in ("Qwen2-0.5B", "/models/Qwen2-0.5B", "/models/Qwen2-0.5B/"):
+            assert _complete(url, name).status_code == 200, name
+        assert _complete(url, "/models/other").status_code == 404
+    with serve_in_thread(create_app(Settings(model_name="demo", tokenizer_path="/models/Qwen2-0.5B"),
+                                    client=fake)) as url:  # --served-model-name: that name only, as in vLLM
+        assert _complete(url, "/models/Qwen2-0.5B").status_code == 404
+        assert _complete(url, "demo").status_code == 200

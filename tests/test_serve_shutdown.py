@@ -195,6 +195,28 @@ def test_a_second_ctrl_c_cancels_at_once_and_still_aborts_in_the_engine(demo_mod
         _kill(proc, ports)
 
 
+def test_frontend_options_pass_through(demo_model_path, tmp_path):
+    # QA: the README's frontend options (a served name, custom logit processors, --max-n, ...)
+    # could not be reached through scripts/serve.sh, the README's first command.
+    proc, url, ports, log = _start(demo_model_path, tmp_path, "--served-model-name", "my-model",
+                                   "--enable-custom-logit-processor", "--", "--max-n", "2")
+    try:
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["my-model"]
+        body = {"model": "my-model", "prompt": "Hi", "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        r = httpx.post(url + "/v1/completions", json={**body, "n": 3}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        # Enabled in the frontend and the engine: this bad processor is the engine's to refuse
+        # for what it is, not a feature that is off.
+        r = httpx.post(url + "/generate", json={"text": "Hi", "custom_logit_processor": "{}"}, timeout=60)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "enable" not in message and "disabled" not in message, r.text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        _kill(proc, ports)
+
+
 def test_help_lists_the_options_and_an_unknown_one_says_where_to_look():
     ok = subprocess.run([str(REPO / "scripts/serve.sh"), "--help"], capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0 and "--graceful-shutdown-timeout" in ok.stdout and "#" not in ok.stdout[:5], ok
