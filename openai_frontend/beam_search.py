@@ -14,6 +14,13 @@ the last partial block of each step's prefill. Logprobs are the model's own: the
 turn the model's default penalties off, and with `temperature` > 0 they are of the scaled
 distribution, as vLLM's v0 engine computed them.
 
+A search is one request to its client: its steps carry its id, it holds a client-named id for
+its whole run (a second request under it is refused), /abort_request by that id (or abort_all)
+ends it with finish_reason "abort" and the beams it had, and `--stream-timeout` bounds the whole
+search (504), not each step. Under --workers, an abort received by another worker ends the steps
+it finds in flight, which ends the search too; a second request under its id sent to another
+worker is not refused (the engine refuses duplicates by single requests, and the steps are many).
+
 Nothing is known before the last step, so beam search does not stream. Logprobs come from
 the steps' alternatives (each beam's tokens and up to the steps' top-k, `echo` prepends the
 prompt text). Parameters that would change the search (stop strings, penalties, top-k/p,
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Optional, Sequence, TypeVar, Union
 
 from openai_frontend.engine_types import EngineChunk, EngineClient, EngineRequest, TokenLogprob
-from openai_frontend.errors import bad_request
+from openai_frontend.errors import APIError, bad_request
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.sampling import constraint_from_request
 from openai_frontend.streams import Item
@@ -72,10 +79,11 @@ class BeamSpec:
     top_logprobs: Optional[int] = None  # None: the client asked for no logprobs
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids: they end a beam even with ignore_eos
     keep_stop: bool = False  # include_stop_str_in_output: the stop token's text stays
+    timeout: Optional[float] = None  # seconds for the whole search (--stream-timeout); None: no limit
 
 
 def beam_spec(req: AnyRequest, lora: Optional[str] = None, max_model_len: Optional[int] = None,
-              eos: Optional[frozenset[int]] = None) -> Optional[BeamSpec]:
+              eos: Optional[frozenset[int]] = None, timeout: Optional[float] = None) -> Optional[BeamSpec]:
     """The request's beam search, checked, or None when it asks for none. `eos`: the engine's
     end-of-sequence ids (Context.eos_token_ids)."""
     if not req.use_beam_search:
@@ -130,7 +138,7 @@ def beam_spec(req: AnyRequest, lora: Optional[str] = None, max_model_len: Option
         keep_stop=bool(req.include_stop_str_in_output),
         max_model_len=max_model_len, step_params=step,
         skip_special_tokens=req.skip_special_tokens, spaces_between_special_tokens=req.spaces_between_special_tokens,
-        top_logprobs=top_logprobs,
+        top_logprobs=top_logprobs, timeout=timeout,
     )
 
 
@@ -196,10 +204,14 @@ def _meta(path: list[_Beam], top: Optional[int], cached_tokens: Optional[int]) -
     return json.dumps(meta, ensure_ascii=False) if meta else ""
 
 
-async def _alternatives(client: EngineClient, ids: list[int], spec: BeamSpec) -> tuple[list[TokenLogprob], Optional[int]]:
+async def _alternatives(client: EngineClient, prompt: EngineRequest, ids: list[int], spec: BeamSpec,
+                        aborted: asyncio.Event) -> tuple[list[TokenLogprob], Optional[int]]:
     """The most likely next tokens after `ids` (2 x width, or the client's top_logprobs if more),
-    and how many of `ids` the prefix cache served."""
-    stream = client.generate(EngineRequest(sampling_params=spec.step_params, input_ids=ids, stream=False))
+    and how many of `ids` the prefix cache served. A step aborted in the engine (an abort another
+    frontend worker sent by the search's id) aborts the search."""
+    step = EngineRequest(sampling_params=spec.step_params, input_ids=ids, stream=False,
+                         request_id=prompt.request_id, batch_item=prompt.batch_item)
+    stream = client.generate(step)
     top: list[TokenLogprob] = []
     cached: Optional[int] = None
     try:
@@ -208,12 +220,20 @@ async def _alternatives(client: EngineClient, ids: list[int], spec: BeamSpec) ->
             if lps:
                 top = lps[0].top
             cached = chunk.cached_tokens if chunk.cached_tokens is not None else cached
+            if chunk.finish_reason == "abort":
+                aborted.set()
     finally:
         await stream.aclose()
     return top, cached
 
 
 async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -> list[EngineChunk]:
+    async with client.hold(prompt) as aborted:
+        return await _search_held(client, prompt, spec, aborted)
+
+
+async def _search_held(client: EngineClient, prompt: EngineRequest, spec: BeamSpec,
+                       aborted: asyncio.Event) -> list[EngineChunk]:
     ids = list(prompt.input_ids) if prompt.input_ids is not None else await client.tokenize(prompt)
     steps = spec.max_tokens
     if spec.max_model_len is not None:
@@ -228,7 +248,11 @@ async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -
     live, finished = [_Beam()], []
     cached: Optional[int] = None
     for step in range(steps):
-        found = await _all([_alternatives(client, ids + beam.tokens(), spec) for beam in live])
+        if aborted.is_set():
+            break
+        found = await _all([_alternatives(client, prompt, ids + beam.tokens(), spec, aborted) for beam in live])
+        if aborted.is_set():
+            break  # this step's alternatives are partial: the beams stay as they were
         tops = [top for top, _ in found]
         if step == 0:
             cached = found[0][1]
@@ -248,6 +272,11 @@ async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -
         live = grown[: spec.width]
         if not live:
             break
+    if aborted.is_set():
+        # Ended by /abort_request: the live beams end "abort" with what they have, as a single
+        # request keeps what it generated; before the first step that is the empty beam, per choice.
+        live = [_Beam(beam.parent, beam.token, beam.cum_logprob, beam.length, "abort", beam.logprob) for beam in live]
+        live += [_Beam(finish="abort")] * (spec.width - len(live) - len(finished))
     best = sorted(finished + live, key=lambda b: _score(b, len(ids), spec.length_penalty), reverse=True)[: spec.width]
     paths = [b.path() for b in best]
     texts = await _all([
@@ -266,7 +295,13 @@ async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -
 
 async def beam_search_choices(client: EngineClient, prompts: Sequence[EngineRequest], spec: BeamSpec) -> AsyncIterator[Item]:
     """Each prompt's best beams, as choices prompt * width + rank (best first), one chunk each."""
-    results = await _all([_search(client, p, spec) for p in prompts])
+    try:
+        async with asyncio.timeout(spec.timeout):
+            results = await _all([_search(client, p, spec) for p in prompts])
+    except TimeoutError:
+        # Its steps were cancelled on the way out, so aborted in the engine as a timed-out stream is.
+        raise APIError(504, f"Triton request timed out: the beam search ran past the stream timeout "
+                            f"({spec.timeout:g} s)") from None
     for p, chunks in enumerate(results):
         for rank, chunk in enumerate(chunks):
             yield p * spec.width + rank, chunk

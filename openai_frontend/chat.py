@@ -135,7 +135,7 @@ class ChatHandler:
             raise bad_request("messages must not be empty", param="messages")
         lora = adapter_for(req, ctx.adapter_names())
         beams = beam_spec(req, lora, *((await ctx.max_model_len(), await ctx.eos_token_ids()) if req.use_beam_search
-                                       else (None, None)))
+                                       else (None, None)), timeout=ctx.settings.stream_timeout)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser)
         if beams is not None and plan.constraint is not None:
             raise bad_request("tool_choice required or a named function is not supported with use_beam_search",

@@ -78,7 +78,7 @@ class CompletionHandler:
         samples = samples_per_prompt(req.best_of, req.n, req.stream, ctx.settings.max_n)
         lora = adapter_for(req, ctx.adapter_names())
         beams = beam_spec(req, lora, *((await ctx.max_model_len(), await ctx.eos_token_ids()) if req.use_beam_search
-                                       else (None, None)))
+                                       else (None, None)), timeout=ctx.settings.stream_timeout)
         prompts = split_prompts(req.prompt)
         if len(prompts) * samples > ctx.settings.max_n * 4:
             raise bad_request(f"too many samples: {len(prompts)} prompts x {samples}", param="prompt")

@@ -7,9 +7,10 @@ fake client that yields them directly.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Protocol
+from typing import Any, AsyncContextManager, AsyncIterator, Optional, Protocol
 
 
 @dataclass(slots=True)
@@ -198,6 +199,11 @@ class EngineClient(Protocol):
     ) -> str: ...
 
     async def is_ready(self) -> bool: ...
+
+    def hold(self, request: EngineRequest) -> AsyncContextManager[asyncio.Event]:
+        """Hold a request made of many engine requests (beam search): its id claimed, and an event
+        that /abort_request naming it sets (TritonLLMClient.hold)."""
+        ...
 
     async def lora_update(self, command: dict[str, Any]) -> dict[str, str]: ...
 

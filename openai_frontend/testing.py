@@ -59,6 +59,7 @@ class FakeLLMClient:
         self.ready = True
         self.adapters: dict[str, str] = {}  # what lora_update loads, name -> path
         self.aborts: list[tuple[Optional[str], bool]] = []  # abort_requests calls
+        self.held: list[tuple[str, asyncio.Event]] = []  # hold()'s requests in progress
         self.stats: dict[str, Any] = {}  # the engine counters engine_info reports
 
     async def lora_update(self, command: dict[str, Any]) -> dict[str, str]:
@@ -74,7 +75,20 @@ class FakeLLMClient:
 
     async def abort_requests(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
         self.aborts.append((rid, abort_all))
-        return 0
+        held = [event for request_id, event in self.held if abort_all or request_id == rid]
+        for event in held:
+            event.set()
+        return len(held)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, request: EngineRequest) -> AsyncIterator[asyncio.Event]:
+        """TritonLLMClient.hold, without its claims: the event is set by abort_requests."""
+        entry = (request.request_id, asyncio.Event())
+        self.held.append(entry)
+        try:
+            yield entry[1]
+        finally:
+            self.held.remove(entry)
 
     async def reset_prefix_cache(self) -> int:
         return 0

@@ -22,6 +22,7 @@ tritonserver comes back. A stream that goes silent while tritonserver is stoppin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -564,6 +565,8 @@ class TritonLLMClient:
         self._claimed: set[str] = set()
         # How many of the streams under a client id are batch items (EngineRequest.batch_item).
         self._batch_items: dict[str, int] = {}
+        # Requests held by id (hold): their abort events, each with whether it is a batch item.
+        self._held: dict[str, dict[asyncio.Event, bool]] = {}
         self.out_of_order_responses = 0  # see _out_of_order
         self._open: dict[str, _OpenStream] = {}  # by Triton request id, for _watch_stopping
         self._stopping_watch: Optional[asyncio.Task] = None
@@ -632,14 +635,7 @@ class TritonLLMClient:
         Closing the iterator before the end (or cancelling the task consuming it) cancels the
         gRPC stream, which cancels the request in Triton.
         """
-        claims: set[str] = set()
-        if request.client_named:
-            rid = request.request_id or ""
-            claims = {rid} | ({f"{rid}_{i}" for i in range(request.n)} if request.n > 1 else set())
-            taken = sorted(claims & self._claimed) or ([rid] if rid in self._streams else [])
-            if taken:
-                raise APIError(400, f"Duplicate request ID detected: {taken[0]}", param="rid")
-            # Claimed below with the stream, with no await between: atomic on the event loop.
+        claims = self._claims(request)  # claimed below with the stream, with no await between
         inputs = build_inputs(request)
         # Unique per stream (client-supplied ids may repeat), traceable to the client's id, and
         # abortable by it from any process sharing this frontend id (abort_requests). A name the
@@ -742,6 +738,38 @@ class TritonLLMClient:
                     # the loop, and the engine generated on for a client that was gone.
                     await asyncio.wait({task}, timeout=ABORT_WAIT_S)
 
+    def _claims(self, request: EngineRequest) -> set[str]:
+        """The names a client-named request goes by: its id and, with n > 1, its samples'
+        `<rid>_<i>` (SGLang names them so, and refuses a second request under any while it runs).
+        Raises the 400 when one is taken; the caller claims them (adds them to _claimed)."""
+        if not request.client_named:
+            return set()
+        rid = request.request_id or ""
+        claims = {rid} | ({f"{rid}_{i}" for i in range(request.n)} if request.n > 1 else set())
+        taken = sorted(claims & self._claimed) or ([rid] if rid in self._streams or rid in self._held else [])
+        if taken:
+            raise APIError(400, f"Duplicate request ID detected: {taken[0]}", param="rid")
+        return claims
+
+    @contextlib.asynccontextmanager
+    async def hold(self, request: EngineRequest) -> AsyncIterator[asyncio.Event]:
+        """Hold `request`'s id for work made of many engine requests, one after another (a beam
+        search's steps, which carry the same id): a client-named id is claimed as a stream's is,
+        and an /abort_request naming it (its rid, its batch's, or abort_all) sets the event
+        yielded, also between two steps, when no stream of it is in flight to be aborted."""
+        claims = self._claims(request)
+        self._claimed |= claims
+        aborted = asyncio.Event()
+        held = self._held.setdefault(request.request_id, {})
+        held[aborted] = request.batch_item
+        try:
+            yield aborted
+        finally:
+            self._claimed -= claims
+            del held[aborted]
+            if not held and self._held.get(request.request_id) is held:
+                del self._held[request.request_id]
+
     def _stopped_error(self) -> APIError:
         return unavailable(f"Triton server is stopping (it or model '{self.model_name}' is not ready) and the "
                            f"stream got no response for {STOPPING_SILENCE_S:.0f} s")
@@ -758,16 +786,23 @@ class TritonLLMClient:
         --workers, and replicas given the same --frontend-id."""
         if not self.abort_model:
             raise APIError(400, "aborting requests needs the frontend's --abort-model (the engine model)")
-        targets = [
-            triton_id
-            for client_id, ids in self._streams.items()
-            if abort_all or client_id == rid or (client_id in self._batch_items and _batch_item_of(client_id, rid))
-            for triton_id in ids
-        ]
+        def named(client_id: str, batch_item: bool) -> bool:
+            return abort_all or client_id == rid or (batch_item and _batch_item_of(client_id, rid))
+
+        targets = [triton_id for client_id, ids in self._streams.items()
+                   if named(client_id, client_id in self._batch_items) for triton_id in ids]
+        # A held request (hold) counts once, not as its steps in flight.
+        held = [(client_id, event) for client_id, events in self._held.items()
+                for event, batch_item in events.items() if named(client_id, batch_item)]
+        for _, event in held:
+            event.set()
+        held_ids = {client_id for client_id, _ in held}
+        count = len(held) + sum(len(ids) for client_id, ids in self._streams.items()
+                                if client_id not in held_ids and named(client_id, client_id in self._batch_items))
         await asyncio.gather(*(self._abort(triton_id) for triton_id in targets))
         command = json.dumps({"frontend": self.frontend_id, "rid": None if abort_all else rid})
         meta = await self._llm_control([_bytes_input("abort_client", command)], "abort_client", 10)
-        return len(targets) + int(meta["aborted"])
+        return count + int(meta["aborted"])
 
     async def tokenize(self, request: EngineRequest) -> list[int]:
         """The prompt's token ids as the server computes them for generation: the

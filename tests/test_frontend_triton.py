@@ -945,6 +945,50 @@ def test_client_disconnect_stops_a_beam_search(triton):
         assert scrape_metric(_metrics_url(triton), "llm_engine_steps_total") == steps
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_abort_request_ends_a_beam_search_with_what_it_had(triton, route):
+    """QA: /abort_request by rid answered {"aborted": 0} and the search ran on to max_tokens (its
+    steps were sent under no id), and abort_all could end it with empty "stop" choices; a /generate
+    request naming its rid was not refused. It is one request to its client, as in SGLang."""
+    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, abort_model="llm")
+    prompt = {"prompt": "wait for it"} if route == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "wait for it"}]}
+    body = {"model": MODEL, **prompt, "max_tokens": 3000, "n": 3, "use_beam_search": True}
+    with serve_in_thread(create_app(settings)) as url:
+        for how in ({"rid": "beams-1"}, {"abort_all": True}):
+            result: dict = {}
+            search = threading.Thread(target=lambda: result.update(r=httpx.post(
+                url + route, json={**body, "rid": "beams-1"}, timeout=120)))
+            search.start()
+            time.sleep(1.0)  # some steps in
+            dup = httpx.post(url + "/generate", json={"text": "x", "rid": "beams-1"}, timeout=30)
+            assert dup.status_code == 400 and "Duplicate request ID" in dup.text, dup.text
+            t0 = time.monotonic()
+            aborted = httpx.post(url + "/abort_request", json=how, timeout=30)
+            assert aborted.status_code == 200 and aborted.json()["aborted"] >= 1, aborted.text
+            search.join(30)
+            assert not search.is_alive() and time.monotonic() - t0 < 5
+            r = result["r"]
+            assert r.status_code == 200, r.text
+            choices, usage = r.json()["choices"], r.json()["usage"]
+            assert len(choices) == 3 and {c["finish_reason"] for c in choices} == {"abort"}, choices
+            assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] < 3 * 3000, usage
+            wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+
+
+def test_the_stream_timeout_bounds_a_whole_beam_search(triton):
+    """QA: --stream-timeout was per engine stream, and a beam search is hundreds of short ones:
+    a search of 7.5 s answered 200 past a 2 s timeout."""
+    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, abort_model="llm", stream_timeout=1.5)
+    body = {"model": MODEL, "prompt": "wait for it", "max_tokens": 3000, "n": 3, "use_beam_search": True}
+    with serve_in_thread(create_app(settings)) as url:
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 504 and "beam search" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < 5
+        wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+
+
 def test_a_disconnect_during_a_beam_searchs_tokenize_leaves_the_grpc_call_alone(triton, cancelled_grpc_reads):
     """Beam search tokenizes the prompt with a unary call to preprocessing; a client leaving
     meanwhile cancelled the task awaiting it (review s20), which grpc.aio leaks."""

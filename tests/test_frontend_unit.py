@@ -493,6 +493,46 @@ def test_beam_search_keeps_the_best_beams_not_the_greedy_path(beam_client):
     assert [c.message.content for c in r.choices] == ["Q" * 2]  # the fake tokenizes the messages' JSON
 
 
+@pytest.mark.parametrize("after_steps", [0, 1])
+def test_an_aborted_beam_search_ends_every_choice_abort_with_the_beams_it_had(after_steps):
+    """/abort_request ends a search as one request: each of its `n` choices ends "abort" with its
+    beam so far (QA: an abort between steps went unseen, and one that emptied a step ended the
+    search with no choices, which the handlers filled as empty "stop" ones)."""
+    import asyncio
+
+    from openai_frontend.beam_search import beam_search_choices, beam_spec
+    from openai_frontend.engine_types import EngineRequest
+    from openai_frontend.protocol import CompletionRequest
+
+    started = []  # the steps' first beams, as the fake engine starts them (each then takes 0.2 s)
+
+    def lm(req):
+        started.append(req)
+        return _beam_lm(req)
+
+    fake = FakeLLMClient(lm, delay=0.2, eos_token_ids=[EOS])
+    spec = beam_spec(CompletionRequest(model=MODEL, prompt="x", n=2, max_tokens=3, use_beam_search=True),
+                     eos=frozenset({EOS}))
+
+    async def run():
+        async def collect():
+            return [item async for item in beam_search_choices(fake, [EngineRequest({}, input_ids=[ord("x")],
+                                                                                     request_id="r")], spec)]
+        task = asyncio.create_task(collect())
+        while len(started) < 1 + after_steps:  # step 0 has one beam; step 1 starts after it
+            await asyncio.sleep(0.01)
+        assert await fake.abort_requests("r") == 1  # during step `after_steps`
+        return await task
+
+    chunks = asyncio.run(run())
+    beams = [(i, c.finish_reason, c.token_ids, c.prompt_tokens) for i, c in chunks]
+    if after_steps == 0:
+        assert beams == [(0, "abort", [], 1), (1, "abort", [], 1)]
+    else:  # one step kept: its two best extensions, best first
+        assert beams == [(0, "abort", [ord("A")], 1), (1, "abort", [ord("B")], 1)]
+    assert all(r.request_id == "r" for r in fake.requests)  # the steps carry the search's id
+
+
 def test_beam_search_scores_extreme_length_penalties_without_overflow(beam_client):
     """QA: length ** length_penalty overflowed a float at 400 (a 500). The key is computed in
     logs; it orders beams exactly as the quotient does wherever the quotient is finite."""
