@@ -279,7 +279,7 @@ class LLMEngine:
         # Queued requests that the next step can start (free running slots) are not waiting:
         # otherwise a burst arriving between two steps is refused before max_num_seqs fill up,
         # and how many get in depends on how the arrivals fall between steps.
-        queued = len(self.scheduler.waiting) + self._inbox_seqs
+        queued = len(self.scheduler.waiting) + self._inbox_seqs + len(self._compiling)
         waiting = max(0, queued - max(0, self.scheduler.max_num_seqs - len(self.scheduler.running)))
         if waiting >= self.config.max_waiting_requests:
             raise EngineOverloaded(
@@ -507,7 +507,9 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            # A sequence waiting for its grammar to compile waits too (vLLM v1 queues it as
+            # WAITING_FOR_FSM): otherwise a monitor saw an idle engine while it waited.
+            num_waiting=len(self.scheduler.waiting) + len(self._compiling),
             num_kv_blocks=self.block_manager.num_blocks,
             num_free_kv_blocks=self.block_manager.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,

@@ -417,6 +417,37 @@ def test_random_traffic_with_aborts_preemption_and_sharing_stays_exact(demo_mode
     assert aborted > 0
 
 
+def test_requests_waiting_for_their_grammar_count_as_waiting(demo_model_path):
+    """QA: a request whose grammar was still compiling showed neither running nor waiting (an
+    idle engine to a monitor), and did not count toward max_waiting_requests. vLLM v1 queues such
+    a request as waiting (WAITING_FOR_FSM)."""
+    import concurrent.futures
+
+    from backend.engine import EngineOverloaded
+
+    eng = make_engine(demo_model_path, num_kv_blocks=64, block_size=16, max_model_len=512, max_num_seqs=2,
+                      max_waiting_requests=2)
+    try:
+        # A grammar compiles for ever.
+        eng._submit_grammar = lambda params: None if params.constraint is None else concurrent.futures.Future()
+        prompts = _prompts(eng, 5, seed=4)
+        schema = eng.parse_params({"json_schema": '{"type": "object"}', "max_new_tokens": 4})
+        ids = [eng.add_request(p, schema, lambda out: None) for p in prompts[:3]]
+        eng.step()
+        stats = eng.stats()
+        assert (stats.num_running, stats.num_waiting) == (0, 3)
+        eng.add_request(prompts[3], greedy(eng), lambda out: None)  # 3 + 1 queued, 2 free slots: 2 wait
+        with pytest.raises(EngineOverloaded, match="2 sequences are already waiting"):
+            eng.add_request(prompts[4], greedy(eng), lambda out: None)
+        for rid in ids:
+            eng.abort(rid)
+        while eng.step():
+            pass
+        assert eng.stats().num_waiting == 0 and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
 def test_a_burst_between_steps_fills_the_running_slots_before_it_is_refused(demo_model_path):
     """max_waiting_requests counts only what the next step cannot start: with 2 running slots and
     2 waiting places, 4 requests arriving before the engine steps are all taken, the 5th refused."""
