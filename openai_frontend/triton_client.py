@@ -778,7 +778,8 @@ class TritonLLMClient:
         """End in-flight requests early, as SGLang's /abort_request does: each one finishes
         normally with finish_reason "abort" (what it generated so far is kept). `rid` names a
         request by the id its client knows (and a batch's prompts, see _batch_item_of); `abort_all`
-        takes every request of this frontend. Returns the number of streams aborted.
+        takes every request of this frontend. Returns the number of streams aborted (a held request,
+        a beam search, counts once).
 
         This process's own streams are aborted by their Triton ids, which also stops one still
         in the ensemble's preprocessing step (the engine remembers such an abort). Then the
@@ -786,6 +787,7 @@ class TritonLLMClient:
         --workers, and replicas given the same --frontend-id."""
         if not self.abort_model:
             raise APIError(400, "aborting requests needs the frontend's --abort-model (the engine model)")
+
         def named(client_id: str, batch_item: bool) -> bool:
             return abort_all or client_id == rid or (batch_item and _batch_item_of(client_id, rid))
 
