@@ -35,7 +35,7 @@ from backend.outputs import OutputState, RequestOutput, StopRegexTimeout
 from backend.predicted_outputs import DEFAULT_DRAFT_TOKENS, Prediction, PredictionProposer
 from backend.quantized_checkpoint import CALIBRATION_TEXT
 from backend.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, logprobs_at
-from backend.sampling_params import SamplingParams, load_model_defaults, parse_sampling_params
+from backend.sampling_params import SamplingParams, load_default_max_tokens, load_model_defaults, parse_sampling_params
 from backend.scheduler import ScheduledSeq, Scheduler
 from backend.sequence import FinishReason, Sequence
 from backend.speculative import NgramProposer, speculates
@@ -200,6 +200,7 @@ class LLMEngine:
         self._compiling: list[_Tracked] = []
         self._groups: dict[str, list[str]] = {}
         self.defaults = load_model_defaults(model_path) if config.sampling_defaults == "model" else {}
+        self.default_max_tokens = load_default_max_tokens(model_path) if config.sampling_defaults == "model" else None
         self.eos_ids = frozenset(_eos_token_ids(model_path, self.tokenizer))
         self.vocab_size = self.model.config.vocab_size
         self._embeds_placeholder = _placeholder_id(self.tokenizer, self.eos_ids)
@@ -558,6 +559,7 @@ class LLMEngine:
             torch_threads=self.torch_threads,
         )
         return {"config": config, "vocab_size": self.vocab_size, "eos_token_ids": sorted(self.eos_ids),
+                "default_max_tokens": self.default_max_tokens,
                 "lora_adapters": self.lora_adapters(), "stats": dataclasses.asdict(self.stats())}
 
     def has_unfinished(self) -> bool:

@@ -411,6 +411,17 @@ def load_model_defaults(model_path: Union[str, Path]) -> dict[str, Any]:
     return defaults
 
 
+def load_default_max_tokens(model_path: Union[str, Path]) -> Optional[int]:
+    """generation_config.json's `max_new_tokens`: vLLM's default `max_tokens` for an OpenAI request
+    that sets none (a default, not a ceiling: vllm-project/vllm#34063). SGLang ignores it, and so
+    does /generate (its default stays 128); the engine reports it, the frontend applies it."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.exists():
+        return None
+    value = read_json(path).get("max_new_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def parse_sampling_params(raw: dict[str, Any], defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
     """Validate a request's parameters on top of the server's defaults.
 

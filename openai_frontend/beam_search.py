@@ -83,9 +83,11 @@ class BeamSpec:
 
 
 def beam_spec(req: AnyRequest, lora: Optional[str] = None, max_model_len: Optional[int] = None,
-              eos: Optional[frozenset[int]] = None, timeout: Optional[float] = None) -> Optional[BeamSpec]:
+              eos: Optional[frozenset[int]] = None, timeout: Optional[float] = None,
+              default_max_tokens: Optional[int] = None) -> Optional[BeamSpec]:
     """The request's beam search, checked, or None when it asks for none. `eos`: the engine's
-    end-of-sequence ids (Context.eos_token_ids)."""
+    end-of-sequence ids (Context.eos_token_ids); `default_max_tokens`: the model's, for a request
+    that sets none (Context.default_max_tokens)."""
     if not req.use_beam_search:
         if req.length_penalty != 1.0:
             raise bad_request("length_penalty is only used with use_beam_search", param="length_penalty")
@@ -112,6 +114,8 @@ def beam_spec(req: AnyRequest, lora: Optional[str] = None, max_model_len: Option
         max_tokens = req.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise bad_request("with use_beam_search, max_tokens must be at least 1", param="max_tokens")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
     if isinstance(req, ChatCompletionRequest):
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:

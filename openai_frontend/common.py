@@ -131,6 +131,16 @@ class Context:
             log.debug("engine max_model_len unknown: %s", exc)
             return self.files.max_model_len
 
+    async def default_max_tokens(self) -> Optional[int]:
+        """The model's generation_config.json `max_new_tokens`, as the engine reports it: the
+        `max_tokens` of an OpenAI request that sets none, as in vLLM; None when it has none (or
+        the engine cannot be asked: the request then runs to the end of the context)."""
+        try:
+            value = (await self._engine_facts()).get("default_max_tokens")
+        except APIError:
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
     async def eos_token_ids(self) -> Optional[frozenset[int]]:
         """The ids that end a generation, as the engine found them (generation_config.json,
         config.json, the tokenizer's); None when its engine_info does not say."""

@@ -417,6 +417,27 @@ def test_random_traffic_with_aborts_preemption_and_sharing_stays_exact(demo_mode
     assert aborted > 0
 
 
+def test_engine_info_reports_the_models_default_max_tokens(demo_model_path, tmp_path):
+    # generation_config.json's max_new_tokens, for the frontend to apply as vLLM does; not with
+    # sampling_defaults=openai, which ignores the file's defaults.
+    import json
+    from pathlib import Path
+
+    for f in Path(demo_model_path).iterdir():
+        if f.name != "generation_config.json":
+            (tmp_path / f.name).symlink_to(f.resolve())
+    cfg = json.loads((Path(demo_model_path) / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**cfg, "max_new_tokens": 7}))
+    for defaults, want in (("model", 7), ("openai", None)):
+        eng = make_engine(str(tmp_path), num_kv_blocks=16, block_size=16, max_model_len=128, sampling_defaults=defaults)
+        try:
+            assert eng.info()["default_max_tokens"] == want
+            # /generate keeps SGLang's default: the file's value is the OpenAI endpoints' (frontend)
+            assert eng.parse_params({}).max_new_tokens == 128
+        finally:
+            eng.shutdown()
+
+
 def test_requests_waiting_for_their_grammar_count_as_waiting(demo_model_path):
     """QA: a request whose grammar was still compiling showed neither running nor waiting (an
     idle engine to a monitor), and did not count toward max_waiting_requests. vLLM v1 queues such

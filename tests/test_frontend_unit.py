@@ -1236,6 +1236,35 @@ def test_a_stream_that_fails_after_llm_started_is_aborted(answered, message, abo
     assert len(sent) == int(aborted), (message, sent)
 
 
+def test_the_models_max_new_tokens_is_the_openai_default_max_tokens(tmp_path):
+    """QA: a model whose generation_config.json sets max_new_tokens 7 ran a chat without
+    max_tokens to the end of its 32k context. vLLM takes it as the default max_tokens, not as a
+    ceiling (vllm-project/vllm#34063); SGLang ignores it, and /generate does too."""
+    from backend.sampling_params import load_default_max_tokens
+
+    for cfg, want in (({"max_new_tokens": 7}, 7), ({"max_new_tokens": 0}, None), ({"max_new_tokens": True}, None),
+                      ({"temperature": 0.6}, None)):
+        (tmp_path / "generation_config.json").write_text(json.dumps(cfg))
+        assert load_default_max_tokens(tmp_path) == want, cfg
+    assert load_default_max_tokens(tmp_path / "nowhere") is None
+
+    class Engine(FakeLLMClient):
+        async def engine_info(self):
+            return {**await super().engine_info(), "default_max_tokens": 7}
+
+    fake = Engine()
+    with serve_in_thread(create_app(Settings(model_name=MODEL), client=fake)) as url:
+        chat = {"model": MODEL, "messages": MESSAGES}
+        for body, want in (({**chat}, 7), ({**chat, "max_tokens": 50}, 50), ({**chat, "max_completion_tokens": 3}, 3),
+                           ({"model": MODEL, "prompt": "x"}, 16),  # a completion's own default, as in vLLM
+                           ({"model": MODEL, "prompt": "x", "max_tokens": None}, 7)):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            assert httpx.post(url + path, json=body).status_code == 200
+            assert fake.requests[-1].sampling_params["max_new_tokens"] == want, body
+        assert httpx.post(url + "/generate", json={"text": "x"}).status_code == 200
+        assert "max_new_tokens" not in fake.requests[-1].sampling_params  # SGLang's default (128), in the engine
+
+
 def test_error_mapping():
     from openai_frontend.triton_client import map_stream_error
 
