@@ -978,7 +978,7 @@ class LLMEngine:
             seed=seq.seed,
             step=seq.num_output_tokens + ahead,
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids if params.has_penalties or params.logits_processors else (),
+            token_ids=seq.token_ids if params.has_penalties or params.logits_processors or tracked.custom_processor else (),
             num_prompt_tokens=seq.num_prompt_tokens,
             prompt_is_placeholder=seq.prompt_embeds is not None,
             suppress_ids=suppress,

@@ -485,6 +485,27 @@ def _apply_row_processors(logits: torch.Tensor, i: int, r: SamplingRow, errors: 
     logits[i] = row.to(device=logits.device, dtype=logits.dtype)
 
 
+class _RequestView:
+    """What SGLang passes a custom logit processor as `custom_params["__req__"]` (its Req), as far
+    as processors read it: the prompt's ids and the output so far (SGLang's own thinking-budget and
+    no-repeat-n-gram processors read `origin_input_ids` and `output_ids`)."""
+
+    __slots__ = ("_row",)
+
+    def __init__(self, row: SamplingRow) -> None:
+        self._row = row
+
+    @property
+    def origin_input_ids(self) -> list[int]:
+        row = self._row
+        return [] if row.prompt_is_placeholder else list(row.token_ids[: row.num_prompt_tokens])
+
+    @property
+    def output_ids(self) -> list[int]:
+        row = self._row
+        return list(row.token_ids[row.num_prompt_tokens :]) + list(row.pending)
+
+
 def _apply_custom(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int], errors: dict[int, str]) -> torch.Tensor:
     # One call per distinct processor, with the rows that use it, as SGLang batches them. A
     # processor that raises or returns a bad tensor fails only the rows it was given (recorded
@@ -494,7 +515,7 @@ def _apply_custom(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int],
         groups.setdefault(id(rows[i].custom_processor), []).append(i)
     for members in groups.values():
         proc: Callable = rows[members[0]].custom_processor
-        params = [dict(rows[i].params.custom_params or {}) for i in members]
+        params = [{**(rows[i].params.custom_params or {}), "__req__": _RequestView(rows[i])} for i in members]
         try:
             out = proc(logits[members].clone(), params)
             if not isinstance(out, torch.Tensor) or out.shape != (len(members), logits.shape[1]):

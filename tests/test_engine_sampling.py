@@ -487,6 +487,33 @@ class ForceToken(CustomLogitProcessor):
         return logits
 
 
+class ForceOutputLength(CustomLogitProcessor):
+    """Reads SGLang's `__req__`: forces token 100 + the output's length so far, while the prompt it
+    sees is the one given in custom_params (else token 0)."""
+
+    def __call__(self, logits, custom_param_list=None):
+        for i, params in enumerate(custom_param_list):
+            req = params["__req__"]
+            logits[i, :] = float("-inf")
+            ok = list(req.origin_input_ids) == params["prompt"]
+            logits[i, 100 + len(req.output_ids) if ok else 0] = 0.0
+        return logits
+
+
+def test_custom_logit_processors_see_the_request_as_in_sglang(demo_model_path):
+    # SGLang passes each row's Req as custom_params["__req__"]; its thinking-budget and n-gram
+    # processors read origin_input_ids and output_ids (QA: they failed here, no such key).
+    eng = make_engine(demo_model_path, enable_custom_logit_processor=True)
+    try:
+        p = eng.parse_params({"temperature": 0, "max_new_tokens": 6, "ignore_eos": True,
+                              "custom_logit_processor": ForceOutputLength.to_str(),
+                              "custom_params": {"prompt": [5, 6, 7]}})
+        (out,) = eng.generate([[5, 6, 7]], [p])
+        assert out.new_token_ids == [100, 101, 102, 103, 104, 105] and out.error is None
+    finally:
+        eng.shutdown()
+
+
 def test_custom_logit_processor_needs_the_flag(demo_model_path, engine):
     serialized = ForceToken.to_str()
     with pytest.raises(RequestError, match="disabled"):
