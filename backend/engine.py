@@ -311,7 +311,8 @@ class LLMEngine:
         compiled = self._submit_grammar(params)
         room = self.max_model_len - len(prompt_ids)
         if params.max_new_tokens is None:
-            max_new = room
+            default = self.default_max_tokens if params.max_new_tokens_from_model else None
+            max_new = room if default is None else min(default, room)
         elif params.max_new_tokens > room and "max_new_tokens" in params.model_fields_set:
             # Asked for, not defaulted: refused, as SGLang and vLLM do, rather than cut short.
             raise RequestError(

@@ -88,6 +88,10 @@ class SamplingParams(BaseModel):
     # prompt's too. This picks vLLM's: the OpenAI endpoints set it on every request, so the
     # model's default penalty (generation_config.json) counts the prompt there as well.
     repetition_penalty_counts_prompt: bool = False
+    # vLLM's length default, which the OpenAI endpoints ask for: with max_new_tokens null, the
+    # model's generation_config.json max_new_tokens (a default, capped by the context's room, never
+    # refused), else the room. SGLang ignores that file's value, and so does /generate.
+    max_new_tokens_from_model: bool = False
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     stop_regex: list[str] = Field(default_factory=list)
@@ -414,7 +418,7 @@ def load_model_defaults(model_path: Union[str, Path]) -> dict[str, Any]:
 def load_default_max_tokens(model_path: Union[str, Path]) -> Optional[int]:
     """generation_config.json's `max_new_tokens`: vLLM's default `max_tokens` for an OpenAI request
     that sets none (a default, not a ceiling: vllm-project/vllm#34063). SGLang ignores it, and so
-    does /generate (its default stays 128); the engine reports it, the frontend applies it."""
+    does /generate (its default stays 128): requests ask for it (max_new_tokens_from_model)."""
     path = Path(model_path) / "generation_config.json"
     if not path.exists():
         return None

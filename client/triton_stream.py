@@ -102,17 +102,17 @@ def _stream_error(error: Any, url: str) -> Exception:
     return error
 
 
-def _may_still_run(error: Any, answered: bool) -> bool:
+def _may_still_run(error: Any, answered: bool, engine_model: str) -> bool:
     """Whether the engine may still be generating for a stream that ended with `error`.
 
     An error after responses came may leave the request running: a transport error, and also
     the server's own error when an ensemble step failed (Triton 2.51 does not stop the ensemble's
     other steps: after a failed postprocessing step the llm request generates on to max_tokens).
     Before any response, only a step's internal error (say postprocessing's, on the first
-    response) does; a refusal, or nothing listening at the URL, leaves nothing to abort. Nor
-    does a stub that is gone."""
+    response) does; a refusal, or nothing listening at the URL, leaves nothing to abort. Nor does
+    the engine model's stub gone (another step's dead stub leaves the engine's request running)."""
     message = str(error).lower()
-    if "stub process" in message:
+    if f"stub process '{engine_model.lower()}_" in message:
         return False
     return answered or "internal error" in message
 
@@ -170,7 +170,7 @@ class TritonStreamClient:
                 except queue.Empty:
                     raise StreamTimeout(f"no response within {timeout:g} s") from None
                 if error is not None:
-                    finished = not _may_still_run(error, answered)
+                    finished = not _may_still_run(error, answered, self.abort_model or "llm")
                     raise _stream_error(error, self.url)
                 answered = True
                 response = result.get_response()

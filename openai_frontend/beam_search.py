@@ -83,8 +83,8 @@ class BeamSpec:
 
 
 def beam_spec(req: AnyRequest, lora: Optional[str] = None, max_model_len: Optional[int] = None,
-              eos: Optional[frozenset[int]] = None, timeout: Optional[float] = None,
-              default_max_tokens: Optional[int] = None) -> Optional[BeamSpec]:
+              eos: Optional[frozenset[int]] = None, default_max_tokens: Optional[int] = None,
+              timeout: Optional[float] = None) -> Optional[BeamSpec]:
     """The request's beam search, checked, or None when it asks for none. `eos`: the engine's
     end-of-sequence ids (Context.eos_token_ids); `default_max_tokens`: the model's, for a request
     that sets none (Context.default_max_tokens)."""
@@ -232,12 +232,28 @@ async def _alternatives(client: EngineClient, prompt: EngineRequest, ids: list[i
 
 
 async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -> list[EngineChunk]:
+    # Held while the engine works for it: an abort after the last step would count a search
+    # that it did not stop (review).
     async with client.hold(prompt) as aborted:
-        return await _search_held(client, prompt, spec, aborted)
+        ids, best, cached = await _search_held(client, prompt, spec, aborted)
+    paths = [b.path() for b in best]
+    texts = await _all([
+        client.detokenize([b.token for b in (path[:-1] if path and path[-1].finish == "stop" and not spec.keep_stop
+                                             else path)],
+                          skip_special_tokens=spec.skip_special_tokens,
+                          spaces_between_special_tokens=spec.spaces_between_special_tokens, validate=False)
+        for path in paths
+    ])
+    return [
+        EngineChunk(text, [b.token for b in path], beam.finish, len(ids), beam.length,
+                    _meta(path, spec.top_logprobs, cached))
+        for beam, path, text in zip(best, paths, texts)
+    ]
 
 
 async def _search_held(client: EngineClient, prompt: EngineRequest, spec: BeamSpec,
-                       aborted: asyncio.Event) -> list[EngineChunk]:
+                       aborted: asyncio.Event) -> tuple[list[int], list[_Beam], Optional[int]]:
+    """The prompt's ids, its best beams (best first) and the prefix-cache hits of its first step."""
     ids = list(prompt.input_ids) if prompt.input_ids is not None else await client.tokenize(prompt)
     steps = spec.max_tokens
     if spec.max_model_len is not None:
@@ -282,19 +298,7 @@ async def _search_held(client: EngineClient, prompt: EngineRequest, spec: BeamSp
         live = [_Beam(beam.parent, beam.token, beam.cum_logprob, beam.length, "abort", beam.logprob) for beam in live]
         live += [_Beam(finish="abort")] * (spec.width - len(live) - len(finished))
     best = sorted(finished + live, key=lambda b: _score(b, len(ids), spec.length_penalty), reverse=True)[: spec.width]
-    paths = [b.path() for b in best]
-    texts = await _all([
-        client.detokenize([b.token for b in (path[:-1] if path and path[-1].finish == "stop" and not spec.keep_stop
-                                             else path)],
-                          skip_special_tokens=spec.skip_special_tokens,
-                          spaces_between_special_tokens=spec.spaces_between_special_tokens, validate=False)
-        for path in paths
-    ])
-    return [
-        EngineChunk(text, [b.token for b in path], beam.finish, len(ids), beam.length,
-                    _meta(path, spec.top_logprobs, cached))
-        for beam, path, text in zip(best, paths, texts)
-    ]
+    return ids, best, cached
 
 
 async def beam_search_choices(client: EngineClient, prompts: Sequence[EngineRequest], spec: BeamSpec) -> AsyncIterator[Item]:

@@ -134,15 +134,13 @@ class ChatHandler:
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
         lora = adapter_for(req, ctx.adapter_names())
-        default_max_tokens = await ctx.default_max_tokens()
-        beams = beam_spec(req, lora, *((await ctx.max_model_len(), await ctx.eos_token_ids()) if req.use_beam_search
-                                       else (None, None)), timeout=ctx.settings.stream_timeout,
-                          default_max_tokens=default_max_tokens)
+        beams = beam_spec(req, lora, *((await ctx.max_model_len(), await ctx.eos_token_ids(), await ctx.default_max_tokens())
+                                       if req.use_beam_search else (None, None, None)), timeout=ctx.settings.stream_timeout)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser)
         if beams is not None and plan.constraint is not None:
             raise bad_request("tool_choice required or a named function is not supported with use_beam_search",
                               param="tool_choice")
-        sp = build_sampling_params(req, default_max_tokens)
+        sp = build_sampling_params(req)
         if lora:
             sp["lora_path"] = lora
         if samples > req.n:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -110,16 +111,35 @@ class Context:
     _engine_info: Optional[dict[str, Any]] = None
     _engine_info_at: float = 0.0
 
+    _facts_lock: Optional[asyncio.Lock] = None
+    _facts_asked_at: float = float("-inf")
+    _facts_error: Optional[APIError] = None
+
+    def _facts_stale(self) -> bool:
+        return self._engine_info is None or time.monotonic() - self._engine_info_at > ENGINE_INFO_TTL_S
+
     async def _engine_facts(self) -> dict[str, Any]:
         """engine_info, as last answered within ENGINE_INFO_TTL_S; the last answer while the
-        engine cannot be asked. Raises APIError before it has ever answered."""
-        if self._engine_info is None or time.monotonic() - self._engine_info_at > ENGINE_INFO_TTL_S:
-            try:
-                self._engine_info = await self.client.engine_info()
-                self._engine_info_at = time.monotonic()
-            except APIError:
-                if self._engine_info is None:
-                    raise
+        engine cannot be asked. Raises APIError before it has ever answered. One call at a time:
+        a burst of requests waits for the same answer rather than sending one each (review)."""
+        if self._facts_stale():
+            if self._facts_lock is None:
+                self._facts_lock = asyncio.Lock()
+            waited_from = time.monotonic()
+            async with self._facts_lock:
+                if self._facts_asked_at >= waited_from:  # asked meanwhile: that answer, or its error
+                    if self._engine_info is None:
+                        raise self._facts_error or APIError(503, "the engine has not answered engine_info")
+                elif self._facts_stale():
+                    try:
+                        self._engine_info = await self.client.engine_info()
+                        self._engine_info_at = time.monotonic()
+                    except APIError as exc:
+                        self._facts_error = exc
+                        if self._engine_info is None:
+                            raise
+                    finally:
+                        self._facts_asked_at = time.monotonic()
         return self._engine_info
 
     async def max_model_len(self) -> Optional[int]:

@@ -77,14 +77,12 @@ class CompletionHandler:
         check_unsupported(req, ctx.settings)
         samples = samples_per_prompt(req.best_of, req.n, req.stream, ctx.settings.max_n)
         lora = adapter_for(req, ctx.adapter_names())
-        default_max_tokens = await ctx.default_max_tokens()
-        beams = beam_spec(req, lora, *((await ctx.max_model_len(), await ctx.eos_token_ids()) if req.use_beam_search
-                                       else (None, None)), timeout=ctx.settings.stream_timeout,
-                          default_max_tokens=default_max_tokens)
+        beams = beam_spec(req, lora, *((await ctx.max_model_len(), await ctx.eos_token_ids(), await ctx.default_max_tokens())
+                                       if req.use_beam_search else (None, None, None)), timeout=ctx.settings.stream_timeout)
         prompts = split_prompts(req.prompt)
         if len(prompts) * samples > ctx.settings.max_n * 4:
             raise bad_request(f"too many samples: {len(prompts)} prompts x {samples}", param="prompt")
-        sp = build_sampling_params(req, default_max_tokens)
+        sp = build_sampling_params(req)
         if lora:
             sp["lora_path"] = lora
         if samples > req.n:

@@ -238,9 +238,8 @@ def openai_param(exc: APIError, req: AnyRequest) -> APIError:
     return exc
 
 
-def build_sampling_params(req: AnyRequest, default_max_tokens: Optional[int] = None) -> dict[str, Any]:
-    """The SGLang sampling parameters of the request (`n` travels in EngineRequest.n).
-    `default_max_tokens`: the model's (Context.default_max_tokens), for a request that sets none."""
+def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
+    """The SGLang sampling parameters of the request (`n` travels in EngineRequest.n)."""
     sp: dict[str, Any] = {}
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -253,8 +252,11 @@ def build_sampling_params(req: AnyRequest, default_max_tokens: Optional[int] = N
         if not scoring:
             also = "" if isinstance(req, ChatCompletionRequest) else " (0 only with echo, to score the prompt)"
             raise bad_request(f"{param} must be at least 1{also}, got {max_tokens}", param=param)
-    # None: up to the end of the context, as vLLM (the engine's own default would be 128).
-    sp["max_new_tokens"] = max_tokens if max_tokens is not None else default_max_tokens
+    # None: as vLLM, the model's generation_config max_new_tokens, capped by the context's room
+    # (the engine knows both), or up to the end of the context (the engine's own default: 128).
+    sp["max_new_tokens"] = max_tokens
+    if max_tokens is None:
+        sp["max_new_tokens_from_model"] = True
     if req.temperature is not None:
         sp["temperature"] = req.temperature
     if req.top_p is not None:

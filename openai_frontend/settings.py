@@ -54,8 +54,9 @@ class Settings:
     @property
     def model_aliases(self) -> frozenset[str]:
         """The names a request's `model` may give the base model (Context.check_model). Without
-        --model-name, also the tokenizer's directory as given: vLLM and SGLang name a model by its
-        path (`--model /models/X`) unless told otherwise, and their clients send that."""
+        --model-name, also --tokenizer-path as the frontend was given it (scripts/serve.sh gives
+        the absolute path): vLLM and SGLang name a model by its path (`--model /models/X`) unless
+        told otherwise, and their clients send that."""
         names = {self.served_model_name, self.triton_model}
         if not self.model_name and self.tokenizer_path:
             names |= {self.tokenizer_path, self.tokenizer_path.rstrip("/")}
@@ -65,8 +66,9 @@ class Settings:
         """Why `name` cannot name a new LoRA adapter (None when it can): a request's `model` has
         to tell the base model and every adapter apart."""
         if name in self.model_aliases:
-            which = "the served model's name" if name == self.served_model_name else (
-                "the Triton model's name, which requests may give for the served model")
+            which = ("the served model's name" if name == self.served_model_name
+                     else "the Triton model's name, which requests may give for the served model"
+                     if name == self.triton_model else "the served model's path, which requests may give for it")
             return f"'{name}' is {which}; a LoRA adapter needs a name of its own"
         if name in adapters:
             return f"LoRA adapter '{name}' is already loaded"

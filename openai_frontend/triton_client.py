@@ -330,15 +330,16 @@ async def _until_the_call_ends(responses: ResponseReader) -> None:
         pass
 
 
-def _may_still_run(failure: APIError, message: str, answered: bool) -> bool:
+def _may_still_run(failure: APIError, message: str, answered: bool, engine_model: str) -> bool:
     """Whether llm may still be generating for a stream that ended with `failure`.
 
     Triton 2.51 does not stop an ensemble's running steps when one of them fails: after a failed
     postprocessing step the stream ends with that error while its llm request generates on to
     max_tokens (seen with a failure injected mid-stream), so such a stream is aborted like a
     disconnected one. Not a request refused before it ran (an error before any response, other
-    than a step's internal one), nor one whose stub is gone (nothing left to abort there)."""
-    if "stub process" in message.lower():
+    than a step's internal one), nor one whose engine model's stub is gone (nothing left to abort
+    there; another step's dead stub leaves it running)."""
+    if f"stub process '{engine_model.lower()}_" in message.lower():
         return False
     return answered or failure.status_code == 500
 
@@ -679,7 +680,7 @@ class TritonLLMClient:
                 if error is not None:
                     text = error.message() if isinstance(error, InferenceServerException) else str(error)
                     failure = map_stream_error(text)
-                    finished = not _may_still_run(failure, text, watched.last is not None)
+                    finished = not _may_still_run(failure, text, watched.last is not None, self.abort_model or "llm")
                     raise failure
                 watched.last = loop.time()
                 response = result.get_response()

@@ -228,6 +228,7 @@ class _FailingTriton:
     (1, "in ensemble 'ensemble', some step failed", True),
     (0, "invalid sampling parameter top_p: must be in (0, 1]", False),  # refused: nothing runs
     (1, "Stub process 'llm_0_0' is not healthy.", False),  # nothing left to abort on
+    (1, "Stub process 'postprocessing_0_0' is not healthy.", True),  # the engine runs on
 ])
 def test_a_stream_that_fails_after_the_engine_started_is_aborted(monkeypatch, answers, message, aborted):
     import client.triton_stream as triton_stream

@@ -417,7 +417,7 @@ def test_random_traffic_with_aborts_preemption_and_sharing_stays_exact(demo_mode
     assert aborted > 0
 
 
-def test_engine_info_reports_the_models_default_max_tokens(demo_model_path, tmp_path):
+def test_the_models_default_max_tokens_for_requests_that_ask_for_it(demo_model_path, tmp_path):
     # generation_config.json's max_new_tokens, for the frontend to apply as vLLM does; not with
     # sampling_defaults=openai, which ignores the file's defaults.
     import json
@@ -432,8 +432,16 @@ def test_engine_info_reports_the_models_default_max_tokens(demo_model_path, tmp_
         eng = make_engine(str(tmp_path), num_kv_blocks=16, block_size=16, max_model_len=128, sampling_defaults=defaults)
         try:
             assert eng.info()["default_max_tokens"] == want
-            # /generate keeps SGLang's default: the file's value is the OpenAI endpoints' (frontend)
+            # /generate keeps SGLang's default: the file's value is for requests that ask for it
             assert eng.parse_params({}).max_new_tokens == 128
+            asked = eng.parse_params({"max_new_tokens": None, "max_new_tokens_from_model": True, "ignore_eos": True,
+                                      "temperature": 0})
+            null = eng.parse_params({"max_new_tokens": None, "ignore_eos": True, "temperature": 0})
+            short, capped, whole = eng.generate([[5, 6, 7], [5] * 124, [5] * 120], [asked, asked, null])
+            assert len(short.new_token_ids) == (7 if want else 125)
+            # a default the prompt leaves no room for is cut to the room, never refused (review)
+            assert len(capped.new_token_ids) == 4 and capped.error is None
+            assert len(whole.new_token_ids) == 8  # null alone: the whole room
         finally:
             eng.shutdown()
 

@@ -180,6 +180,9 @@ def test_without_a_model_name_requests_may_name_the_model_by_its_path():
         for name in ("Qwen2-0.5B", "/models/Qwen2-0.5B", "/models/Qwen2-0.5B/"):
             assert _complete(url, name).status_code == 200, name
         assert _complete(url, "/models/other").status_code == 404
+    assert Settings(tokenizer_path="/models/Qwen2-0.5B").lora_name_error("/models/Qwen2-0.5B") == (
+        "'/models/Qwen2-0.5B' is the served model's path, which requests may give for it; a LoRA adapter needs "
+        "a name of its own")
     with serve_in_thread(create_app(Settings(model_name="demo", tokenizer_path="/models/Qwen2-0.5B"),
                                     client=fake)) as url:  # --served-model-name: that name only, as in vLLM
         assert _complete(url, "/models/Qwen2-0.5B").status_code == 404

@@ -145,7 +145,8 @@ def test_logit_bias_and_allowed_token_ids_reach_the_engine(client, fake):
     client.chat.completions.create(model=MODEL, messages=MESSAGES, logit_bias={"17": -100, "42": 2.5},
                                    extra_body={"allowed_token_ids": [17, 42, 99]})
     client.completions.create(model=MODEL, prompt="x", logit_bias={"5": 100})
-    assert fake.requests[0].sampling_params == {"max_new_tokens": None,  # chat: up to the end of the context
+    assert fake.requests[0].sampling_params == {"max_new_tokens": None, "max_new_tokens_from_model": True,  # chat:
+                                                # the model's default, or up to the end of the context
                                                 "logit_bias": {"17": -100, "42": 2.5}, "allowed_token_ids": [17, 42, 99],
                                                 **VLLM_REPETITION}
     assert fake.requests[1].sampling_params == {"max_new_tokens": 16, "logit_bias": {"5": 100},  # 16: legacy default
@@ -1207,6 +1208,9 @@ class _FailingStream:
     # Its stub is gone: nothing to abort on.
     (True, "Failed to process the request(s) for model 'llm_0_0', message: Stub process 'llm_0_0' is not healthy.",
      False),
+    # Another step's stub is gone: llm runs on (review).
+    (True, "Failed to process the request(s) for model 'postprocessing_0_0', message: Stub process "
+           "'postprocessing_0_0' is not healthy.", True),
 ])
 def test_a_stream_that_fails_after_llm_started_is_aborted(answered, message, aborted):
     import asyncio
@@ -1236,10 +1240,42 @@ def test_a_stream_that_fails_after_llm_started_is_aborted(answered, message, abo
     assert len(sent) == int(aborted), (message, sent)
 
 
-def test_the_models_max_new_tokens_is_the_openai_default_max_tokens(tmp_path):
+def test_a_burst_asks_the_engine_for_its_facts_once(monkeypatch):
+    """Review: each request of a burst sent its own engine_info when the answer was stale (at
+    start, and every ENGINE_INFO_TTL_S); one call is in flight, and waiters share its answer or
+    its error."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from openai_frontend import common
+
+    class Engine:
+        calls = 0
+        fail = False
+
+        async def engine_info(self):
+            self.calls += 1
+            await asyncio.sleep(0.05)
+            if self.fail:
+                raise APIError(503, "Triton server unavailable")
+            return {"config": {"max_model_len": 256}, "eos_token_ids": [7]}
+
+    async def burst(ctx):
+        return await asyncio.gather(*(ctx.max_model_len() for _ in range(20)), return_exceptions=True)
+
+    engine = Engine()
+    ctx = common.Context(Settings(model_name=MODEL), engine, SimpleNamespace(max_model_len=4096))
+    assert asyncio.run(burst(ctx)) == [256] * 20 and engine.calls == 1
+    engine.fail = True
+    fresh = common.Context(Settings(model_name=MODEL), engine, SimpleNamespace(max_model_len=4096))
+    assert asyncio.run(burst(fresh)) == [4096] * 20 and engine.calls == 2  # never answered: config.json's
+
+
+def test_the_openai_endpoints_ask_for_the_models_default_max_tokens(tmp_path):
     """QA: a model whose generation_config.json sets max_new_tokens 7 ran a chat without
-    max_tokens to the end of its 32k context. vLLM takes it as the default max_tokens, not as a
-    ceiling (vllm-project/vllm#34063); SGLang ignores it, and /generate does too."""
+    max_tokens to the end of its 32k context. vLLM takes it as the default max_tokens, capped by
+    the context's room (vllm-project/vllm#34063); SGLang ignores it, and /generate does too. The
+    engine applies it (it knows the file and the prompt's length): requests ask for it."""
     from backend.sampling_params import load_default_max_tokens
 
     for cfg, want in (({"max_new_tokens": 7}, 7), ({"max_new_tokens": 0}, None), ({"max_new_tokens": True}, None),
@@ -1248,21 +1284,18 @@ def test_the_models_max_new_tokens_is_the_openai_default_max_tokens(tmp_path):
         assert load_default_max_tokens(tmp_path) == want, cfg
     assert load_default_max_tokens(tmp_path / "nowhere") is None
 
-    class Engine(FakeLLMClient):
-        async def engine_info(self):
-            return {**await super().engine_info(), "default_max_tokens": 7}
-
-    fake = Engine()
+    fake = FakeLLMClient()
     with serve_in_thread(create_app(Settings(model_name=MODEL), client=fake)) as url:
         chat = {"model": MODEL, "messages": MESSAGES}
-        for body, want in (({**chat}, 7), ({**chat, "max_tokens": 50}, 50), ({**chat, "max_completion_tokens": 3}, 3),
+        for body, want in (({**chat}, None), ({**chat, "max_tokens": 50}, 50), ({**chat, "max_completion_tokens": 3}, 3),
                            ({"model": MODEL, "prompt": "x"}, 16),  # a completion's own default, as in vLLM
-                           ({"model": MODEL, "prompt": "x", "max_tokens": None}, 7)):
+                           ({"model": MODEL, "prompt": "x", "max_tokens": None}, None)):
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
             assert httpx.post(url + path, json=body).status_code == 200
-            assert fake.requests[-1].sampling_params["max_new_tokens"] == want, body
-        assert httpx.post(url + "/generate", json={"text": "x"}).status_code == 200
-        assert "max_new_tokens" not in fake.requests[-1].sampling_params  # SGLang's default (128), in the engine
+            sp = fake.requests[-1].sampling_params
+            assert sp["max_new_tokens"] == want and sp.get("max_new_tokens_from_model", False) == (want is None), body
+        assert httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": None}}).status_code == 200
+        assert "max_new_tokens_from_model" not in fake.requests[-1].sampling_params  # SGLang's rule
 
 
 def test_error_mapping():
