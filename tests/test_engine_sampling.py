@@ -174,29 +174,43 @@ def test_logit_bias_and_allowed_token_ids_are_validated(engine):
 @pytest.mark.parametrize("mode", ["processed", "raw_logprobs"])
 def test_logprobs_mode_picks_the_distribution_reported(demo_model_path, hf_model, mode):
     """processed (SGLang's): the drawn-from distribution, after penalties, logit_bias and
-    temperature; raw_logprobs (vLLM's default): the model's own, whatever the request asks."""
+    temperature; raw_logprobs (vLLM's default): the model's own, whatever the request asks.
+    SGLang's repetition_penalty counts output tokens only: the prompt ends with the tokens the
+    model finds most likely next, so a penalty that counted it would show (QA: random prompt
+    tokens carried too little probability to tell the two rules apart)."""
+    base = _prompt(20, 4)
+    with torch.inference_mode():
+        likely = hf_model(torch.tensor([base])).logits[0, -1].float().topk(8).indices.tolist()
+    prompt = base + likely
     eng = make_engine(demo_model_path, logprobs_mode=mode)
     try:
-        prompt = _prompt(20, 4)
         p = eng.parse_params({"temperature": 0.5, "seed": 3, "max_new_tokens": 5, "ignore_eos": True,
                               "repetition_penalty": 1.3, "logit_bias": {"7": 5.0}, "return_logprob": True,
                               "top_logprobs_num": 2})
         (out,) = eng.generate([prompt], [p])
     finally:
         eng.shutdown()
+    def processed(logits: torch.Tensor, seen_ids: list[int]) -> torch.Tensor:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[seen_ids] = True
+        logits = logits.clone()
+        logits[7] += 5.0
+        return torch.log_softmax(torch.where(seen, torch.where(logits > 0, logits / 1.3, logits * 1.3), logits) / 0.5, -1)
+
     ids = list(prompt)
+    rules_differ = 0.0
     with torch.inference_mode():
         for (lp, tok, _), top in zip(out.logprobs["output_token_logprobs"], out.logprobs["output_top_logprobs"]):
             logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
-            if mode == "processed":
-                seen = torch.zeros_like(logits, dtype=torch.bool)
-                seen[ids] = True
-                logits[7] += 5.0
-                logits = torch.where(seen, torch.where(logits > 0, logits / 1.3, logits * 1.3), logits) / 0.5
             want = torch.log_softmax(logits, -1)
+            if mode == "processed":
+                want = processed(logits, ids[len(prompt):])
+                rules_differ = max(rules_differ, abs(float(processed(logits, ids)[tok]) - float(want[tok])))
             assert math.isclose(lp, float(want[tok]), abs_tol=1e-4), (mode, lp, float(want[tok]))
             assert [t for _, t, _ in top] == want.topk(2).indices.tolist()
             ids.append(tok)
+    if mode == "processed":
+        assert rules_differ > 1e-3  # 10 x the tolerance: the test can tell a penalty that counted the prompt
 
 
 def test_output_and_prompt_logprobs_match_hf(engine, hf_model):
