@@ -73,9 +73,20 @@ def decode_json(text: str) -> Any:
     return value
 
 
+# A code point JSON can escape but UTF-8 cannot carry: a lone surrogate (`"\ud83d"` without its
+# pair). Decoded strings hold a pair as one character, so any surrogate left is a lone one.
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def _escape_surrogate(m: "re.Match[str]") -> str:
+    return f"\\u{ord(m.group()):04x}"
+
+
 def dumps(value: Any) -> str:
-    """The canonical argument serialization (what SGLang sends as ``parameters``)."""
-    return json.dumps(value, ensure_ascii=False)
+    """The canonical argument serialization (what SGLang sends as ``parameters``), kept to valid
+    UTF-8: a lone surrogate the model wrote as an escape stays one (it failed the response, 500)."""
+    text = json.dumps(value, ensure_ascii=False)
+    return _SURROGATE_RE.sub(_escape_surrogate, text) if _SURROGATE_RE.search(text) else text
 
 
 @dataclass
@@ -102,6 +113,9 @@ _VALUE, _VALUE_OR_CLOSE, _KEY, _KEY_OR_CLOSE, _COLON, _COMMA_OR_CLOSE = range(6)
 
 def _canonical_char(ch: str) -> str:
     # json.dumps(ensure_ascii=False) escapes only '"', '\\' and C0 controls; reuse it for those.
+    # A lone surrogate stays an escape, as in dumps.
+    if "\ud800" <= ch <= "\udfff":
+        return f"\\u{ord(ch):04x}"
     return json.dumps(ch, ensure_ascii=False)[1:-1]
 
 
