@@ -222,8 +222,10 @@ class OutputState:
             end = base + j + len(push)
             self.pending.append(_Step(d.text, list(d.window_ids), end - len(d.window_ids), d.prefix_len, d.read_offset))
             if hit is None:
-                # Text under min_tokens is searched for nothing, only for what to hold back.
-                counts = before + j + 1 > params.min_tokens
+                # Text under min_tokens is searched for nothing, only for what to hold back; nor is
+                # a kept stop token's own text: the token is the stop (vLLM and SGLang check stop
+                # tokens first), "<|im_end|>" does not end on the stop string "|i" (QA).
+                counts = before + j + 1 > params.min_tokens and not (stop_token and j == len(new_ids) - 1)
                 hit, partial_at = self._search(len(d.text) if counts else 0)
                 if (hit is None and counts and push and push[0] in self.special_stops
                         and not (stop_token and j == len(new_ids) - 1)):

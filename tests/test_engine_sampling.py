@@ -697,3 +697,37 @@ def test_logits_processors_by_qualified_name(demo_model_path, engine):
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     finally:
         eng.shutdown()
+
+
+class ForceIds(CustomLogitProcessor):
+    """Forces custom_params["ids"], one per step (SGLang's `__req__` gives the output so far)."""
+
+    def __call__(self, logits, custom_param_list=None):
+        for i, params in enumerate(custom_param_list):
+            ids = params["ids"]
+            logits[i, :] = float("-inf")
+            logits[i, ids[min(len(params["__req__"].output_ids), len(ids) - 1)]] = 0.0
+        return logits
+
+
+def test_a_kept_stop_tokens_own_text_does_not_match_a_stop_string(demo_model_path):
+    """QA: with the stop token's text kept (no_stop_trim, include_stop_str_in_output), a stop
+    string inside it ("|i" in "<|im_end|>") won: the text was cut inside the token and the stop
+    reported was the string. The token is the stop, as vLLM and SGLang check stop tokens first."""
+    eng = make_engine(demo_model_path, enable_custom_logit_processor=True)
+    try:
+        tok = eng.tokenizer
+        (im_end,) = tok.encode("<|im_end|>", add_special_tokens=False)
+        hello = tok.encode("Hello world", add_special_tokens=False)
+        for keep in ({"no_stop_trim": True}, {"include_stop_str_in_output": True}):
+            # "|i" inside "<|im_end|>" (EOS); "orl" inside " world" when that token is a stop token
+            for stop, stop_ids, ids, last in ((["|i"], {}, hello + [im_end], im_end),
+                                              (["orl"], {"stop_token_ids": [hello[-1]]}, hello, hello[-1])):
+                p = eng.parse_params({"temperature": 0, "max_new_tokens": 20, "skip_special_tokens": False,
+                                      "stop": stop, **keep, **stop_ids,
+                                      "custom_logit_processor": ForceIds.to_str(), "custom_params": {"ids": ids}})
+                (out,) = eng.generate([[5, 6, 7]], [p])
+                assert out.new_token_ids == ids, (keep, stop_ids)
+                assert (out.text, out.finish_reason, out.stop_reason) == (tok.decode(ids), "stop", last), (keep, stop_ids)
+    finally:
+        eng.shutdown()
