@@ -227,8 +227,7 @@ class OutputState:
                 # tokens first), "<|im_end|>" does not end on the stop string "|i" (QA).
                 counts = before + j + 1 > params.min_tokens and not (stop_token and j == len(new_ids) - 1)
                 hit, partial_at = self._search(len(d.text) if counts else 0)
-                if (hit is None and counts and push and push[0] in self.special_stops
-                        and not (stop_token and j == len(new_ids) - 1)):
+                if hit is None and counts and push and push[0] in self.special_stops:
                     hit = (len(self.released_tail) + self._pending_chars(), self.special_stops[push[0]])
                 if hit is not None:  # measured only then: this runs for every token watched
                     hit_end = self._pending_chars()
