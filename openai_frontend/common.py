@@ -111,36 +111,31 @@ class Context:
     _engine_info: Optional[dict[str, Any]] = None
     _engine_info_at: float = 0.0
 
-    _facts_lock: Optional[asyncio.Lock] = None
-    _facts_asked_at: float = float("-inf")
-    _facts_error: Optional[APIError] = None
-
-    def _facts_stale(self) -> bool:
-        return self._engine_info is None or time.monotonic() - self._engine_info_at > ENGINE_INFO_TTL_S
+    _facts_call: Optional[asyncio.Task] = None  # the engine_info call in flight, shared
 
     async def _engine_facts(self) -> dict[str, Any]:
         """engine_info, as last answered within ENGINE_INFO_TTL_S; the last answer while the
         engine cannot be asked. Raises APIError before it has ever answered. One call at a time:
-        a burst of requests waits for the same answer rather than sending one each (review)."""
-        if self._facts_stale():
-            if self._facts_lock is None:
-                self._facts_lock = asyncio.Lock()
-            waited_from = time.monotonic()
-            async with self._facts_lock:
-                if self._facts_asked_at >= waited_from:  # asked meanwhile: that answer, or its error
-                    if self._engine_info is None:
-                        raise self._facts_error or APIError(503, "the engine has not answered engine_info")
-                elif self._facts_stale():
-                    try:
-                        self._engine_info = await self.client.engine_info()
-                        self._engine_info_at = time.monotonic()
-                    except APIError as exc:
-                        self._facts_error = exc
-                        if self._engine_info is None:
-                            raise
-                    finally:
-                        self._facts_asked_at = time.monotonic()
+        a burst of requests waits for the same answer (or error) rather than sending one each."""
+        if self._engine_info is None or time.monotonic() - self._engine_info_at > ENGINE_INFO_TTL_S:
+            if self._facts_call is None:
+                self._facts_call = asyncio.ensure_future(self._ask_engine())
+                # Its error is read here even when every waiter left (no "never retrieved" warning).
+                self._facts_call.add_done_callback(lambda t: t.cancelled() or t.exception())
+            try:
+                # Shielded: a waiter whose client left must not cancel the others' answer.
+                await asyncio.shield(self._facts_call)
+            except APIError:
+                if self._engine_info is None:
+                    raise
         return self._engine_info
+
+    async def _ask_engine(self) -> None:
+        try:
+            self._engine_info = await self.client.engine_info()
+            self._engine_info_at = time.monotonic()
+        finally:
+            self._facts_call = None
 
     async def max_model_len(self) -> Optional[int]:
         """The engine's context length (its max_model_len setting may be below the model's);
