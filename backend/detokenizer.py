@@ -315,6 +315,18 @@ class IncrementalDetokenizer:
         text, window, prefix_len, start = self._advance(final=False)
         return DetokDelta(text, window, prefix_len, start, self.read_offset)
 
+    def held_text(self) -> str:
+        """The complete characters of the text held back for half a character: what finish()
+        would flush, less its trailing U+FFFD. A prefix of the text those tokens release once
+        the character completes, so stop strings may be searched in it at once (SGLang finds a
+        stop in the token that writes it, not in the one after)."""
+        if self.read_offset == len(self.all_ids):
+            return ""
+        window = self.all_ids[self.prefix_offset :]
+        full = self._decode(window)
+        prev = self._decode(window[: self.read_offset - self.prefix_offset])
+        return full[len(prev) :].rstrip(REPLACEMENT_CHAR)
+
     def finish(self) -> str:
         """Flush text held back for an incomplete character (as U+FFFD); call at the end."""
         return self._advance(final=True)[0]

@@ -214,10 +214,12 @@ class OutputState:
         base = seq.num_tokens - len(new_ids)
         hit: Optional[tuple[int, str]] = None
         hit_end = 0  # where the text of the token that completed the stop ends (in pending text)
+        hit_held = False  # the stop ends in text held back for half a character
         partial_at: Optional[int] = None
         # Only a hidden stop token: one empty push still makes the step that text held back for
         # half a character can be flushed into.
-        for j, push in enumerate([[t] for t in ids] or [[]]):
+        pushes = [[t] for t in ids] or [[]]
+        for j, push in enumerate(pushes):
             d = self.detok.push(push)
             end = base + j + len(push)
             self.pending.append(_Step(d.text, list(d.window_ids), end - len(d.window_ids), d.prefix_len, d.read_offset))
@@ -226,11 +228,16 @@ class OutputState:
                 # a kept stop token's own text: the token is the stop (vLLM and SGLang check stop
                 # tokens first), "<|im_end|>" does not end on the stop string "|i" (QA).
                 counts = before + j + 1 > params.min_tokens and not (stop_token and j == len(new_ids) - 1)
-                hit, partial_at = self._search(len(d.text) if counts else 0)
+                # A token ending in half a character (" amanh" + a lead byte) releases nothing
+                # yet, but a stop in its complete characters ends the sequence on it: one token
+                # later, the finish reason could already be an EOS sampled after it.
+                held = self.detok.held_text() if counts and push and not d.text else ""
+                hit, partial_at = self._search(len(d.text) + len(held) if counts else 0, held)
                 if hit is None and counts and push and push[0] in self.special_stops:
                     hit = (len(self.released_tail) + self._pending_chars(), self.special_stops[push[0]])
                 if hit is not None:  # measured only then: this runs for every token watched
-                    hit_end = self._pending_chars()
+                    hit_end = self._pending_chars() + len(held)
+                    hit_held = bool(held) and j == len(pushes) - 1
         self.pending_new_ids.extend(new_ids)
         if hit is None:
             self._end_by_tokens(seq, stop_token, grammar_done)
@@ -242,6 +249,8 @@ class OutputState:
                 self.pending[-1] = replace(self.pending[-1], text=self.pending[-1].text + flushed)
                 if hit is None and seq.num_output_tokens > params.min_tokens:
                     hit, _ = self._search(len(flushed))
+                    hit_end = self._pending_chars()
+                elif hit_held:  # no_stop_trim: the completing token's text as decoded, U+FFFD too
                     hit_end = self._pending_chars()
         if hit is not None:
             pos, stop = hit
@@ -277,10 +286,11 @@ class OutputState:
     def _pending_chars(self) -> int:
         return sum(len(s.text) for s in self.pending)
 
-    def _search(self, fresh: int) -> tuple[Optional[tuple[int, str]], Optional[int]]:
+    def _search(self, fresh: int, held: str = "") -> tuple[Optional[tuple[int, str]], Optional[int]]:
         """(the earliest stop match ending in the last `fresh` characters, as (pos, stop) in
-        released_tail + pending text; where a stop regex match still in progress begins)."""
-        hay = self.released_tail + "".join(s.text for s in self.pending)
+        released_tail + pending text + `held` text; where a stop regex match still in progress
+        begins)."""
+        hay = self.released_tail + "".join(s.text for s in self.pending) + held
         # The text before the fresh part was searched when it came (or came too early to count).
         fresh_from = len(hay) - fresh
         hit = _find_stop(hay, self.stops, fresh_from)

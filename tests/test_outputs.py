@@ -173,3 +173,66 @@ def test_a_stop_token_alone_after_half_a_character_flushes_it_as_without_stops(t
         assert out.finish_reason == "stop" and out.stop_reason == eos
         texts.append(text)
     assert texts[0] == texts[1] and texts[0].endswith("\ufffd")
+
+
+def _half_character_token(tok) -> tuple[int, int, str]:
+    """(a token whose text is a few characters and then the lead byte of one more, a token that
+    completes that character, the complete characters' text)."""
+    for i in range(tok.vocab_size):
+        if i in tok.all_special_ids:
+            continue
+        text = tok.decode([i])
+        if text.endswith("\ufffd") and len(text) >= 5 and "\ufffd" not in text[:-1] and text[:-1].isascii():
+            for j in range(tok.vocab_size):
+                whole = tok.decode([i, j])
+                if "\ufffd" not in whole and whole.startswith(text[:-1]) and len(whole) > len(text) - 1:
+                    return i, j, text[:-1]
+    raise AssertionError("the demo tokenizer has no such token")
+
+
+def test_a_stop_in_a_token_that_ends_in_half_a_character_ends_the_sequence_on_that_token(tok, pieces):
+    """QA: " amanh" + a lead byte is held back until the character completes; the stop "man" in it
+    was found one token late, and a sequence ending on that token (EOS next, or length) reported
+    "man" from the flushed text over its real finish reason. SGLang finds it in that token."""
+    half, completer, head = _half_character_token(tok)
+    stop = head[2:-1]  # inside the complete characters, ending before the last of them
+    start = len(head) - len(stop) - 1
+    after = pieces[0]
+    for steps in ([1, 1, 1], [3]):
+        text, out, seq = _run(tok, [half, completer, after], steps, [stop])
+        assert (text, out.finish_reason, out.stop_reason) == (head[:start], "stop", stop)
+        if steps == [1, 1, 1]:
+            assert seq.num_output_tokens == 1
+        assert _run(tok, [half, completer, after], steps, [stop], keep=INCLUDE)[0] == head[:start] + stop
+    # SGLang's no_stop_trim: the text as decoded up to the token that completed the stop.
+    assert _run(tok, [half, completer, after], [1, 1, 1], [stop], keep=UNTOUCHED)[0] == tok.decode([half])
+    # Half a character alone never matches a stop early; it still counts once completed.
+    whole = tok.decode([half, completer])
+    tail_stop = whole[len(head) - 1 :]  # the last complete character and the completed one
+    text, out, seq = _run(tok, [half, completer, after], [1, 1, 1], [tail_stop])
+    assert (text, out.stop_reason, seq.num_output_tokens) == (head[:-1], tail_stop, 2)
+    # Under min_tokens the held-back text is not searched; once completed it is the text of the
+    # token that completed it, as vLLM's detokenizer sees it, and counts then.
+    text, out, seq = _run(tok, [half, completer, after], [1, 1, 1], [stop], min_tokens=1)
+    assert (text, out.stop_reason, seq.num_output_tokens) == (head[:start], stop, 2)
+
+
+def test_a_stop_in_half_a_character_wins_over_the_eos_that_would_follow(tok):
+    half, _, head = _half_character_token(tok)
+    stop = head[2:-1]
+    eos = 4093
+    params = SamplingParams(max_new_tokens=8, stop=[stop])
+    prompt = tok("a prompt").input_ids
+    seq = Sequence(request_id="r", token_ids=list(prompt), params=params, max_new_tokens=8)
+    state = OutputState(detok=IncrementalDetokenizer(tok, prompt), stops=[stop], eos_ids=frozenset({eos}))
+    seq.token_ids.append(half)
+    out = state.on_tokens(seq, [half])
+    assert out.finished and (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == head[: len(head) - len(stop) - 1]
+    # A length limit on that token: the stop string still names the end, as vLLM reports it.
+    params = SamplingParams(max_new_tokens=1, stop=[stop])
+    seq = Sequence(request_id="r", token_ids=list(prompt), params=params, max_new_tokens=1)
+    state = OutputState(detok=IncrementalDetokenizer(tok, prompt), stops=[stop], eos_ids=frozenset({eos}))
+    seq.token_ids.append(half)
+    out = state.on_tokens(seq, [half])
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
