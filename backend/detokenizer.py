@@ -191,16 +191,22 @@ def make_decoder(tokenizer: Any, *, skip_special_tokens: bool = True, spaces_bet
     return slow_decode
 
 
-def _delta(decode: DecodeFn, ids: list[int], prefix_len: int, final: bool) -> str:
+def _delta_or_held(decode: DecodeFn, ids: list[int], prefix_len: int, final: bool) -> tuple[str, Optional[str]]:
+    """(the window's new text, None), or ("", the window's whole decode) when it ends in half a
+    character and is held back."""
     if not 0 <= prefix_len <= len(ids):
         raise ValueError(f"prefix_len {prefix_len} outside the window of {len(ids)} tokens")
     if prefix_len == len(ids):
-        return ""
+        return "", None
     full = decode(ids)
     if not final and full.endswith(REPLACEMENT_CHAR):
-        return ""
+        return "", full
     prev = decode(ids[:prefix_len]) if prefix_len else ""
-    return full[len(prev) :]
+    return full[len(prev) :], None
+
+
+def _delta(decode: DecodeFn, ids: list[int], prefix_len: int, final: bool) -> str:
+    return _delta_or_held(decode, ids, prefix_len, final)[0]
 
 
 def decode_delta(
@@ -287,6 +293,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(self.read_offset - INITIAL_PREFIX_TOKENS, 0)
         self._chunks: list[str] = []
         self._text_cache: str | None = ""
+        self._held_decode: Optional[str] = None  # the window's decode while it is held back
 
     @property
     def output_ids(self) -> list[int]:
@@ -302,7 +309,7 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> tuple[str, list[int], int, int]:
         start, prefix_len = self.prefix_offset, self.read_offset - self.prefix_offset
         window = self.all_ids[start:]
-        text = _delta(self._decode, window, prefix_len, final)
+        text, self._held_decode = _delta_or_held(self._decode, window, prefix_len, final)
         if text:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.all_ids)
             self._chunks.append(text)
@@ -316,16 +323,15 @@ class IncrementalDetokenizer:
         return DetokDelta(text, window, prefix_len, start, self.read_offset)
 
     def held_text(self) -> str:
-        """The complete characters of the text held back for half a character: what finish()
-        would flush, less its trailing U+FFFD. A prefix of the text those tokens release once
-        the character completes, so stop strings may be searched in it at once (SGLang finds a
-        stop in the token that writes it, not in the one after)."""
-        if self.read_offset == len(self.all_ids):
+        """The text the last push held back for half a character, as finish() would flush it
+        (U+FFFD for the half character): "" when that push released text or added none. Stop
+        strings are searched in it at once, as SGLang decodes a stop check's tail (U+FFFD and
+        all), so a stop ends the output on the token that writes it, not on the one after."""
+        if self._held_decode is None:
             return ""
-        window = self.all_ids[self.prefix_offset :]
-        full = self._decode(window)
-        prev = self._decode(window[: self.read_offset - self.prefix_offset])
-        return full[len(prev) :].rstrip(REPLACEMENT_CHAR)
+        released = self.read_offset - self.prefix_offset
+        prev = self._decode(self.all_ids[self.prefix_offset : self.read_offset]) if released else ""
+        return self._held_decode[len(prev) :]
 
     def finish(self) -> str:
         """Flush text held back for an incomplete character (as U+FFFD); call at the end."""

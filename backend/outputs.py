@@ -124,6 +124,8 @@ class OutputState:
     pending_new_ids: list[int] = field(default_factory=list)
     pending_logprobs: dict[str, list] = field(default_factory=dict)
     hidden_tokens: int = 0  # trailing tokens kept out of the text (a matched stop token)
+    held_seen: str = ""  # the detokenizer's held-back text as of the last token (searched or not)
+    held_late: bool = False  # held_seen began under min_tokens: searched once released
     # return_hidden_states: positions whose hidden state is accounted for (a preemption's
     # recompute runs them again), and the prompt's rows until the prompt is complete.
     hidden_done: int = 0
@@ -214,12 +216,10 @@ class OutputState:
         base = seq.num_tokens - len(new_ids)
         hit: Optional[tuple[int, str]] = None
         hit_end = 0  # where the text of the token that completed the stop ends (in pending text)
-        hit_held = False  # the stop ends in text held back for half a character
         partial_at: Optional[int] = None
         # Only a hidden stop token: one empty push still makes the step that text held back for
         # half a character can be flushed into.
-        pushes = [[t] for t in ids] or [[]]
-        for j, push in enumerate(pushes):
+        for j, push in enumerate([[t] for t in ids] or [[]]):
             d = self.detok.push(push)
             end = base + j + len(push)
             self.pending.append(_Step(d.text, list(d.window_ids), end - len(d.window_ids), d.prefix_len, d.read_offset))
@@ -229,15 +229,15 @@ class OutputState:
                 # tokens first), "<|im_end|>" does not end on the stop string "|i" (QA).
                 counts = before + j + 1 > params.min_tokens and not (stop_token and j == len(new_ids) - 1)
                 # A token ending in half a character (" amanh" + a lead byte) releases nothing
-                # yet, but a stop in its complete characters ends the sequence on it: one token
-                # later, the finish reason could already be an EOS sampled after it.
-                held = self.detok.held_text() if counts and push and not d.text else ""
-                hit, partial_at = self._search(len(d.text) + len(held) if counts else 0, held)
+                # yet, but a stop in its text ends the sequence on it: one token later, the finish
+                # reason could already be an EOS sampled after it.
+                held = self.detok.held_text() if push else ""
+                fresh_held = self._fresh_held(held, counts)
+                hit, partial_at = self._search(len(d.text) + fresh_held if counts else 0, held)
                 if hit is None and counts and push and push[0] in self.special_stops:
                     hit = (len(self.released_tail) + self._pending_chars(), self.special_stops[push[0]])
                 if hit is not None:  # measured only then: this runs for every token watched
                     hit_end = self._pending_chars() + len(held)
-                    hit_held = bool(held) and j == len(pushes) - 1
         self.pending_new_ids.extend(new_ids)
         if hit is None:
             self._end_by_tokens(seq, stop_token, grammar_done)
@@ -249,8 +249,6 @@ class OutputState:
                 self.pending[-1] = replace(self.pending[-1], text=self.pending[-1].text + flushed)
                 if hit is None and seq.num_output_tokens > params.min_tokens:
                     hit, _ = self._search(len(flushed))
-                    hit_end = self._pending_chars()
-                elif hit_held:  # no_stop_trim: the completing token's text as decoded, U+FFFD too
                     hit_end = self._pending_chars()
         if hit is not None:
             pos, stop = hit
@@ -282,6 +280,18 @@ class OutputState:
             acc += len(step.text)
             n += 1
         return self._release(seq, n)
+
+    def _fresh_held(self, held: str, counts: bool) -> int:
+        """How much of the held-back text to search as new: what this token added to it (a
+        skipped special token adds nothing). Text that began to be held under min_tokens is not
+        searched until released, where all of it counts, as in vLLM's detokenizer."""
+        if not held:
+            self.held_late = False
+        elif not self.held_seen:
+            self.held_late = not counts
+        fresh = 0 if self.held_late else len(held) - _common_prefix_len(held, self.held_seen)
+        self.held_seen = held
+        return fresh
 
     def _pending_chars(self) -> int:
         return sum(len(s.text) for s in self.pending)
@@ -410,6 +420,14 @@ def _find_stop_regex(text: str, patterns: list[Any], fresh_from: int) -> tuple[O
         except TimeoutError:
             raise StopRegexTimeout(f"stop_regex {pat.pattern!r} took too long to evaluate") from None
     return best, partial
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:

@@ -236,3 +236,59 @@ def test_a_stop_in_half_a_character_wins_over_the_eos_that_would_follow(tok):
     seq.token_ids.append(half)
     out = state.on_tokens(seq, [half])
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def _feed(tok, ids: list[int], stops=(), regexes=(), min_tokens: int = 0):
+    import regex as re_mod
+
+    params = SamplingParams(max_new_tokens=len(ids), ignore_eos=True, stop=list(stops),
+                            stop_regex=list(regexes) or None, min_tokens=min_tokens)
+    prompt = tok("a prompt").input_ids
+    seq = Sequence(request_id="r", token_ids=list(prompt), params=params, max_new_tokens=len(ids))
+    state = OutputState(detok=IncrementalDetokenizer(tok, prompt), stops=list(stops), eos_ids=frozenset({4093}),
+                        stop_regexes=[re_mod.compile(r) for r in regexes])
+    text = ""
+    for t in ids:
+        seq.token_ids.append(t)
+        out = state.on_tokens(seq, [t])
+        text += out.text
+        if out.finished:
+            break
+    return text, out, seq.num_output_tokens, state
+
+
+def test_held_back_text_keeps_its_half_character_for_stop_regexes(tok, pieces):
+    """QA: the held text was searched without its U+FFFD, so `h$` matched at the end of
+    " amanh" though no text ever ends there; SGLang's tail keeps the U+FFFD."""
+    half, completer, head = _half_character_token(tok)
+    ids = [half, completer, pieces[0], pieces[1]]
+    last = head[-1]
+    for rx in (f"{last}$", f"{last}\\Z", f"\\w+{last}$"):
+        text, out, n, _ = _feed(tok, ids, regexes=[rx])
+        assert (out.finish_reason, text, n) == ("length", tok.decode(ids), 4), rx
+    # A regex that the held text's complete characters satisfy still ends on that token.
+    text, out, n, _ = _feed(tok, ids, regexes=[head[2:] + "\\b"])
+    assert (out.finish_reason, out.stop_reason, text, n) == ("stop", head[2:], head[:2], 1)
+
+
+def test_held_back_text_counts_under_min_tokens_where_it_is_released(tok, pieces):
+    """QA: a skipped special token after a half character held under min_tokens found the stop
+    in the held text as if that token had written it (vLLM: where the text is released)."""
+    half, completer, head = _half_character_token(tok)
+    stop = head[2:-1]
+    for ids, want_n in (([half, 4093, completer, pieces[0]], 3),  # EOS under ignore_eos: skipped
+                        ([half, half, completer, pieces[0]], 3),  # a second half char, counting
+                        ([half, completer, pieces[0]], 2)):
+        text, out, n, _ = _feed(tok, ids, stops=[stop], min_tokens=1)
+        assert (out.stop_reason, text, n) == (stop, head[: len(head) - len(stop) - 1], want_n), ids
+    # Without min_tokens, a skipped token after the half character finds nothing new in it.
+    text, out, n, _ = _feed(tok, [half, 4093, completer], stops=["zz"])
+    assert out.finish_reason == "length" and n == 3
+
+
+def test_a_skipped_special_token_costs_no_held_text_decode(tok, pieces):
+    _, _, _, state = _feed(tok, [pieces[0]], stops=["zz"])
+    calls = []
+    decode = state.detok._decode
+    state.detok._decode = lambda ids: calls.append(1) or decode(ids)
+    assert state.detok.held_text() == "" and not calls
