@@ -9,7 +9,7 @@ a window always ends on a step boundary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import regex
 
@@ -214,7 +214,7 @@ class OutputState:
         params = seq.params
         before = seq.num_output_tokens - len(new_ids)  # output tokens before this step
         base = seq.num_tokens - len(new_ids)
-        hit: Optional[tuple[int, str]] = None
+        hit: Optional[_Hit] = None
         hit_end = 0  # where the text of the token that completed the stop ends (in pending text)
         partial_at: Optional[int] = None
         # Only a hidden stop token: one empty push still makes the step that text held back for
@@ -235,7 +235,8 @@ class OutputState:
                 fresh_held = self._fresh_held(held, counts)
                 hit, partial_at = self._search(len(d.text) + fresh_held if counts else 0, held)
                 if hit is None and counts and push and push[0] in self.special_stops:
-                    hit = (len(self.released_tail) + self._pending_chars(), self.special_stops[push[0]])
+                    stop = self.special_stops[push[0]]
+                    hit = _Hit(len(self.released_tail) + self._pending_chars(), len(stop), stop)
                 if hit is not None:  # measured only then: this runs for every token watched
                     hit_end = self._pending_chars() + len(held)
         self.pending_new_ids.extend(new_ids)
@@ -251,15 +252,15 @@ class OutputState:
                     hit, _ = self._search(len(flushed))
                     hit_end = self._pending_chars()
         if hit is not None:
-            pos, stop = hit
-            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+            pos, length, matched = hit
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, matched
             seq.matched_eos = False
             pending_len = self._pending_chars()
             start = pos - len(self.released_tail)
             if params.no_stop_trim:  # SGLang's: the text as decoded, up to the completing token
                 keep = hit_end
             elif params.include_stop_str_in_output:  # vLLM's: up to the stop string's end
-                keep = min(start + len(stop), hit_end)
+                keep = min(start + length, hit_end)
             else:
                 keep = start
             return self._release(seq, len(self.pending), trim=pending_len - max(keep, 0), final=True)
@@ -296,10 +297,9 @@ class OutputState:
     def _pending_chars(self) -> int:
         return sum(len(s.text) for s in self.pending)
 
-    def _search(self, fresh: int, held: str = "") -> tuple[Optional[tuple[int, str]], Optional[int]]:
-        """(the earliest stop match ending in the last `fresh` characters, as (pos, stop) in
-        released_tail + pending text + `held` text; where a stop regex match still in progress
-        begins)."""
+    def _search(self, fresh: int, held: str = "") -> tuple[Optional["_Hit"], Optional[int]]:
+        """(the earliest stop match ending in the last `fresh` characters of released_tail +
+        pending text + `held` text; where a stop regex match still in progress begins)."""
         hay = self.released_tail + "".join(s.text for s in self.pending) + held
         # The text before the fresh part was searched when it came (or came too early to count).
         fresh_from = len(hay) - fresh
@@ -307,7 +307,7 @@ class OutputState:
         partial_at: Optional[int] = None
         if self.stop_regexes:
             rx_hit, partial_at = _find_stop_regex(hay, self.stop_regexes, fresh_from)
-            if rx_hit is not None and (hit is None or rx_hit[0] < hit[0]):
+            if rx_hit is not None and (hit is None or rx_hit.pos < hit.pos):
                 hit = rx_hit
         return hit, partial_at
 
@@ -383,24 +383,33 @@ def spec_meta(seq: Sequence) -> dict[str, Any]:
     }
 
 
-def _find_stop(text: str, stops: list[str], fresh_from: int) -> Optional[tuple[int, str]]:
-    """The earliest match that ends after text[:fresh_from], as (pos, stop)."""
-    best: Optional[tuple[int, str]] = None
+class _Hit(NamedTuple):
+    """A stop found in the text: where it begins, how many characters it spans there, and what
+    the finish reason reports (the stop string; a stop regex's pattern, as SGLang reports it)."""
+
+    pos: int
+    length: int
+    matched: str
+
+
+def _find_stop(text: str, stops: list[str], fresh_from: int) -> Optional[_Hit]:
+    """The earliest match that ends after text[:fresh_from]."""
+    best: Optional[_Hit] = None
     for s in stops:
         pos = text.find(s, max(0, fresh_from - len(s) + 1))
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, s)
+        if pos != -1 and (best is None or pos < best.pos):
+            best = _Hit(pos, len(s), s)
     return best
 
 
-def _find_stop_regex(text: str, patterns: list[Any], fresh_from: int) -> tuple[Optional[tuple[int, str]], Optional[int]]:
-    """(earliest complete match as (pos, matched text), start of a match still in progress).
+def _find_stop_regex(text: str, patterns: list[Any], fresh_from: int) -> tuple[Optional[_Hit], Optional[int]]:
+    """(earliest complete match, start of a match still in progress).
 
     A partial match (the `regex` module's partial=True) reaching the end of the text means the
     next tokens may complete it: that text is held back, as for a prefix of a stop string.
     Matches ending inside text[:fresh_from] were checked before (or may not count) and are skipped.
     """
-    best: Optional[tuple[int, str]] = None
+    best: Optional[_Hit] = None
     partial: Optional[int] = None
     for pat in patterns:
         pos = 0
@@ -413,8 +422,8 @@ def _find_stop_regex(text: str, patterns: list[Any], fresh_from: int) -> tuple[O
                     partial = m.start() if partial is None else min(partial, m.start())
                     break
                 if m.end() > fresh_from and m.end() > m.start():
-                    if best is None or m.start() < best[0]:
-                        best = (m.start(), m.group(0))
+                    if best is None or m.start() < best.pos:
+                        best = _Hit(m.start(), m.end() - m.start(), pat.pattern)
                     break
                 pos = m.start() + 1
         except TimeoutError:

@@ -487,7 +487,8 @@ def test_stop_regex_trims_and_streams_the_same(engine):
         engine.shutdown()
     streamed = "".join(o.text for o in pieces)
     final = pieces[-1]
-    assert final.finish_reason == "stop" and final.stop_reason == target
+    # The finish reason names the pattern, as SGLang's FINISHED_MATCHED_REGEX(matched=pattern).
+    assert final.finish_reason == "stop" and final.stop_reason == pattern
     assert streamed == text[: text.index(target)]
     with pytest.raises(Exception, match="stop_regex"):
         engine.parse_params({"stop_regex": ["("]})

@@ -268,7 +268,8 @@ def test_held_back_text_keeps_its_half_character_for_stop_regexes(tok, pieces):
         assert (out.finish_reason, text, n) == ("length", tok.decode(ids), 4), rx
     # A regex that the held text's complete characters satisfy still ends on that token.
     text, out, n, _ = _feed(tok, ids, regexes=[head[2:] + "\\b"])
-    assert (out.finish_reason, out.stop_reason, text, n) == ("stop", head[2:], head[:2], 1)
+    # It is reported by its pattern, as SGLang reports a stop regex (matched: the pattern).
+    assert (out.finish_reason, out.stop_reason, text, n) == ("stop", head[2:] + "\\b", head[:2], 1)
 
 
 def test_held_back_text_counts_under_min_tokens_where_it_is_released(tok, pieces):
