@@ -297,7 +297,7 @@ class OutputState:
     def _pending_chars(self) -> int:
         return sum(len(s.text) for s in self.pending)
 
-    def _search(self, fresh: int, held: str = "") -> tuple[Optional["_Hit"], Optional[int]]:
+    def _search(self, fresh: int, held: str = "") -> tuple[Optional[_Hit], Optional[int]]:
         """(the earliest stop match ending in the last `fresh` characters of released_tail +
         pending text + `held` text; where a stop regex match still in progress begins)."""
         hay = self.released_tail + "".join(s.text for s in self.pending) + held
