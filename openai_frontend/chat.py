@@ -138,22 +138,27 @@ class ChatHandler:
                                        if req.use_beam_search else (None, None, None)), timeout=ctx.settings.stream_timeout)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser)
         if beams is not None and plan.constraint is not None:
-            raise bad_request("tool_choice required or a named function is not supported with use_beam_search",
-                              param="tool_choice")
+            if plan.forced:
+                raise bad_request("tool_choice required or a named function is not supported with use_beam_search",
+                                  param="tool_choice")
+            raise bad_request("strict function calling is not supported with use_beam_search",
+                              param="tools")
         sp = build_sampling_params(req)
         if lora:
             sp["lora_path"] = lora
         if samples > req.n:
             sp = with_sampled_logprobs(sp)
         if plan.constraint is not None:
-            taken = [k for k in CONSTRAINT_KEYS if k in sp]
-            if taken:
+            if not any(k in sp for k in CONSTRAINT_KEYS):
+                sp[plan.constraint[0]] = plan.constraint[1]
+            elif plan.forced:
                 raise bad_request(
                     f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'function'} "
                     "cannot be combined with another structured-output constraint",
                     param="tool_choice",
                 )
-            sp[plan.constraint[0]] = plan.constraint[1]
+            # else strict tools under auto beside the request's own constraint (response_format):
+            # that leaves the output no room for a call, so there is no call to hold to a schema.
         sp = _constrain_content_only(sp, _reasoning_format(req, ctx.settings.reasoning_parser), req)
         messages = normalize_messages(req.messages)
         requests = [

@@ -250,22 +250,21 @@ def _info_field(info: Any, key: str) -> Optional[str]:
     return getattr(info, key, None)
 
 
-def structural_tag(parser: Any, tools: Sequence[ChatTool], single: bool, parallel: bool) -> Optional[dict[str, Any]]:
-    """An xgrammar structural tag forcing tool calls in the parser's own format, or None when the
-    parser cannot describe its format with JSON arguments.
-
-    A named function (`single`): exactly that one call. `required`: one or more calls (one when
-    not `parallel`) to the declared functions, separated by newlines, and nothing else: no text
-    before, between or after them (a model that has called its tools ends its turn)."""
+def _call_tags(parser: Any, tools: Sequence[ChatTool]) -> Optional[tuple[list[dict[str, Any]], list[str]]]:
+    """(an xgrammar tag per tool: one call in the parser's own format, its arguments under the
+    tool's schema; the strings that begin a call), or None when the parser cannot describe its
+    format with JSON arguments."""
     structure_info = getattr(parser, "structure_info", None)
     if structure_info is None:
         return None
-    tags = []
+    tags: list[dict[str, Any]] = []
+    triggers: list[str] = []
     try:
         for tool in tools:
             info = structure_info(tool.function.name)
             begin, end = _info_field(info, "begin"), _info_field(info, "end")
-            if not begin or end is None:
+            trigger = _info_field(info, "trigger") or begin
+            if not begin or end is None or not begin.startswith(trigger):
                 return None
             tags.append({
                 "type": "tag",
@@ -273,8 +272,24 @@ def structural_tag(parser: Any, tools: Sequence[ChatTool], single: bool, paralle
                 "content": {"type": "json_schema", "json_schema": _parameters(tool)},
                 "end": end,
             })
+            if trigger not in triggers:
+                triggers.append(trigger)
     except NotImplementedError:
         return None
+    return tags, triggers
+
+
+def structural_tag(parser: Any, tools: Sequence[ChatTool], single: bool, parallel: bool) -> Optional[dict[str, Any]]:
+    """An xgrammar structural tag forcing tool calls in the parser's own format, or None when the
+    parser cannot describe its format with JSON arguments.
+
+    A named function (`single`): exactly that one call. `required`: one or more calls (one when
+    not `parallel`) to the declared functions, separated by newlines, and nothing else: no text
+    before, between or after them (a model that has called its tools ends its turn)."""
+    found = _call_tags(parser, tools)
+    if found is None:
+        return None
+    tags = found[0]
     if single:
         return {"type": "structural_tag", "format": tags[0]}
     return {
@@ -286,6 +301,21 @@ def structural_tag(parser: Any, tools: Sequence[ChatTool], single: bool, paralle
             "at_least_one": True,
             "stop_after_first": not parallel,
         },
+    }
+
+
+def strict_auto_tag(parser: Any, tools: Sequence[ChatTool], parallel: bool) -> Optional[dict[str, Any]]:
+    """For tool_choice auto with strict tools: text is free until the model begins a call, which
+    must then be a call to one of `tools` with arguments valid under its schema (OpenAI's strict
+    function calling; SGLang constrains auto the same way when a tool is strict). None when the
+    parser cannot describe its format with JSON arguments."""
+    found = _call_tags(parser, tools)
+    if found is None:
+        return None
+    tags, triggers = found
+    return {
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": not parallel},
     }
 
 
@@ -326,7 +356,19 @@ def plan_tools(
             raise bad_request(
                 '"auto" tool choice requires the server to be started with --tool-call-parser', param="tool_choice"
             )
-        return ToolPlan(configured_parser, None, as_dicts, as_dicts, parallel)
+        constraint = None
+        strict = [i for i, t in enumerate(tools) if t.function.strict]
+        if strict:
+            tag = strict_auto_tag(get_parser(configured_parser), tools, parallel)
+            if tag is None:
+                raise bad_request(
+                    f"strict function calling with tool_choice auto is not supported by the {configured_parser} "
+                    "tool-call parser (its calls are not JSON arguments); use tool_choice required or a named "
+                    "function, or strict false",
+                    param=f"tools[{strict[0]}].function.strict",
+                )
+            constraint = ("structural_tag", json.dumps(tag, ensure_ascii=False))
+        return ToolPlan(configured_parser, constraint, as_dicts, as_dicts, parallel)
     if isinstance(choice, NamedToolChoice):
         selected = [t for t in tools if t.function.name == choice.function.name]
         if not selected:

@@ -2526,3 +2526,52 @@ def test_requests_cut_by_a_forced_stop_get_an_openai_style_503():
     lines = got["stream"]
     assert lines[-1] == "[DONE]" and "shutting down" in json.loads(lines[-2])["error"]["message"], lines[-3:]
     assert fake.finished.count("closed") == 2  # both engine streams were closed
+
+
+def test_strict_tools_under_auto_hold_calls_to_their_schema(qwen):
+    """QA: `strict: true` (what the SDK's pydantic_function_tool sends) was accepted and ignored
+    under tool_choice auto: a call could break its schema and `.parse()` failed in the client.
+    Text stays free; a call, once begun, must be a declared function with valid arguments, as
+    SGLang constrains auto when a tool is strict."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    client, qfake, _ = qwen
+    strict_weather = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    qfake.script = lambda req: text_chunks(_pieces("Let me check.\n" + QWEN_CALL, 6))
+    for parallel in (None, False):
+        kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[strict_weather, TIME], **kw)
+        assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+        tag = json.loads(qfake.requests[-1].sampling_params["structural_tag"])
+        assert tag["format"]["type"] == "triggered_tags" and tag["format"]["triggers"] == ["<tool_call>"]
+        grammar = xgr.Grammar.from_structural_tag(json.dumps(tag))
+        second = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+        assert accepts(grammar, "Let me check.\n" + QWEN_CALL)
+        assert accepts(grammar, "Just text, no call.")
+        assert accepts(grammar, QWEN_CALL + "\n" + second) is (parallel is None)
+        bad_args = '<tool_call>\n{"name": "get_weather", "arguments": {"city": 5, "unit": "kelvin"}}\n</tool_call>'
+        assert not accepts(grammar, bad_args)
+        assert not accepts(grammar, '<tool_call>\n{"name": "get_nothing", "arguments": {}}\n</tool_call>')
+    # Without a strict tool, auto stays unconstrained.
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME])
+    assert "structural_tag" not in qfake.requests[-1].sampling_params
+    # Beside a response_format the output has no room for a call: nothing to hold, nothing refused.
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[strict_weather],
+                                   response_format={"type": "json_object"})
+    sp = qfake.requests[-1].sampling_params
+    assert "structural_tag" not in sp and "json_schema" in sp
+
+
+def test_strict_tools_under_auto_are_refused_where_the_format_cannot_hold_them():
+    from openai_frontend.errors import APIError
+    from openai_frontend.protocol import ChatTool
+    from openai_frontend.tools import plan_tools
+
+    tools = [ChatTool.model_validate(TIME),
+             ChatTool.model_validate({**WEATHER, "function": {**WEATHER["function"], "strict": True}})]
+    with pytest.raises(APIError) as err:
+        plan_tools(tools, "auto", None, "pythonic")
+    assert err.value.status_code == 400 and err.value.param == "tools[1].function.strict"
+    assert "pythonic" in str(err.value) and "strict false" in str(err.value)
+    assert plan_tools(tools, "required", None, "pythonic").constraint is not None
