@@ -160,18 +160,16 @@ def _constraints(req: AnyRequest) -> list[tuple[str, str, Any]]:
     if rf is not None:
         kind = rf.get("type")
         if kind == "json_object":
+            _only_fields(rf, ("type",), "response_format")
             found.append(("response_format", "json_schema", '{"type": "object"}'))
         elif kind == "json_schema":
-            spec = rf.get("json_schema")
-            schema = None
-            if isinstance(spec, dict):
-                schema = spec.get("schema", spec.get("schema_"))
-            if schema is None:
-                raise bad_request("response_format json_schema requires json_schema.schema", param="response_format")
-            found.append(("response_format", "json_schema", _dumps(schema)))
-        elif kind == "structural_tag":
+            _only_fields(rf, ("type", "json_schema"), "response_format")
+            found.append(("response_format", "json_schema", _dumps(_json_schema_format(rf.get("json_schema")))))
+        elif kind == "structural_tag":  # the engine's structural-tag parser checks the rest
             found.append(("response_format", "structural_tag", json.dumps(rf, ensure_ascii=False)))
-        elif kind != "text":
+        elif kind == "text":
+            _only_fields(rf, ("type",), "response_format")
+        else:
             raise bad_request(f"unknown response_format type {kind!r}", param="response_format")
     if req.guided_json is not None:
         found.append(("guided_json", "json_schema", _dumps(req.guided_json)))
@@ -192,6 +190,34 @@ def _constraints(req: AnyRequest) -> list[tuple[str, str, Any]]:
     if req.structural_tag is not None:
         found.append(("structural_tag", "structural_tag", _dumps(req.structural_tag)))
     return found
+
+
+def _only_fields(obj: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    """A field the type does not take is refused, not ignored: `{"type": "text", "json_schema":
+    ...}` would otherwise drop the schema and answer free text."""
+    for key in obj:
+        if key not in allowed:
+            raise bad_request(f"{where}.{key} is not a field of response_format type {obj.get('type')!r} "
+                              f"(allowed: {', '.join(allowed)})", param=f"{where}.{key}")
+
+
+def _json_schema_format(spec: Any) -> Any:
+    """The schema of OpenAI's `response_format.json_schema` ({name, description, schema, strict}),
+    checked as OpenAI and vLLM check it: `name` is required."""
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad_request(f"{where} must be an object with name and schema", param=where)
+    _only_fields(spec, ("name", "description", "schema", "schema_", "strict"), where)
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad_request(f"{where}.name is required (a non-empty string)", param=f"{where}.name")
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise bad_request(f"{where}.description must be a string", param=f"{where}.description")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad_request(f"{where}.strict must be a boolean", param=f"{where}.strict")
+    schema = spec.get("schema", spec.get("schema_"))
+    if schema is None:
+        raise bad_request("response_format json_schema requires json_schema.schema", param="response_format")
+    return schema
 
 
 def adapter_for(req: AnyRequest, adapters: tuple[str, ...]) -> Optional[str]:

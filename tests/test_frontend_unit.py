@@ -1104,6 +1104,31 @@ def test_structured_output_params(client, fake):
         client.completions.create(model=MODEL, prompt="x", extra_body={"guided_regex": "a", "guided_json": schema})
 
 
+def test_response_format_fields_are_checked_not_dropped(client, fake):
+    """SDK QA: fields a response_format type does not take passed silently, a json_schema without
+    its required name too, and {"type": "text", "json_schema": ...} answered free text."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"type": "json_schema", "json_schema": {"schema": schema}}, "response_format.json_schema.name"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "bogus": 1}},
+         "response_format.json_schema.bogus"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": "yes"}},
+         "response_format.json_schema.strict"),
+        ({"type": "json_schema", "json_schema": "x"}, "response_format.json_schema"),
+        ({"type": "json_object", "foo": 1}, "response_format.foo"),
+        ({"type": "text", "json_schema": {"name": "x", "schema": schema}}, "response_format.json_schema"),
+    ]
+    for rf, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=rf)
+        assert _error(err)["param"] == param, rf
+    ok = {"type": "json_schema", "json_schema": {"name": "x", "description": "d", "schema": schema, "strict": True}}
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=ok)
+    assert json.loads(fake.requests[-1].sampling_params["json_schema"]) == schema
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "text"})
+    assert not any(k in fake.requests[-1].sampling_params for k in ("json_schema", "regex", "structural_tag"))
+
+
 def test_json_array_scanner_partial_inputs():
     from openai_frontend.tools import JsonArrayToolParser
 
