@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Optional, Sequence, TypeVar, Union
 
 from openai_frontend.engine_types import EngineChunk, EngineClient, EngineRequest, TokenLogprob
-from openai_frontend.errors import APIError, bad_request
+from openai_frontend.errors import bad_request, timed_out
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.sampling import constraint_from_request
 from openai_frontend.streams import Item
@@ -308,8 +308,7 @@ async def beam_search_choices(client: EngineClient, prompts: Sequence[EngineRequ
             results = await _all([_search(client, p, spec) for p in prompts])
     except TimeoutError:
         # Its steps were cancelled on the way out, so aborted in the engine as a timed-out stream is.
-        raise APIError(504, f"Triton request timed out: the beam search ran past the stream timeout "
-                            f"({spec.timeout:g} s)") from None
+        raise timed_out(f"Triton request timed out: the beam search ran past the stream timeout ({spec.timeout:g} s)") from None
     for p, chunks in enumerate(results):
         for rank, chunk in enumerate(chunks):
             yield p * spec.width + rank, chunk

@@ -66,5 +66,11 @@ def unavailable(message: str, retry_after: int = 1, code: Optional[str] = None) 
     return APIError(503, message, code=code, headers={"Retry-After": str(retry_after)})
 
 
+def timed_out(message: str) -> APIError:
+    """504: the request ran past the server's own time limit (--stream-timeout). The OpenAI SDK
+    retries every 5xx unless told not to; a retry would run as long and time out again."""
+    return APIError(504, message, headers={"x-should-retry": "false"})
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")

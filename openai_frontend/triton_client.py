@@ -38,7 +38,7 @@ from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
 from openai_frontend.engine_types import EngineChunk, EngineRequest
-from openai_frontend.errors import APIError, unavailable
+from openai_frontend.errors import APIError, timed_out, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -472,7 +472,7 @@ def map_rpc_error(err: grpc.RpcError) -> APIError:
     if code == grpc.StatusCode.NOT_FOUND:
         return unavailable(f"Triton model unavailable: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return APIError(504, f"Triton request timed out: {details}")
+        return timed_out(f"Triton request timed out: {details}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return APIError(429, details)
     if code == grpc.StatusCode.CANCELLED:
@@ -489,7 +489,7 @@ def map_infer_error(exc: InferenceServerException) -> APIError:
     if _connection_lost(status, msg) or "NOT_FOUND" in status or "unknown model" in msg.lower():
         return unavailable(f"Triton model unavailable: {msg}")
     if "DEADLINE_EXCEEDED" in status:
-        return APIError(504, f"Triton request timed out: {msg}")
+        return timed_out(f"Triton request timed out: {msg}")
     return APIError(500, f"Triton error ({status or 'unknown'}): {msg}")
 
 

@@ -733,6 +733,7 @@ def test_a_request_past_the_stream_timeout_is_aborted_in_the_engine(triton):
                 assert r.status_code == 200 and "timed out" in r.text
             else:
                 assert r.status_code == 504 and "timed out" in r.json()["error"]["message"], r.text
+                assert r.headers["x-should-retry"] == "false"  # the OpenAI SDK would run it 3 times
             _wait_aborted(triton, aborted + 1)  # 4 x 1000 tokens take seconds more (and would end as "length")
             wait_kv_blocks_free(_metrics_url(triton), timeout=10)
             assert time.monotonic() - t0 < 8
@@ -985,6 +986,7 @@ def test_the_stream_timeout_bounds_a_whole_beam_search(triton):
         t0 = time.monotonic()
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 504 and "beam search" in r.json()["error"]["message"], r.text
+        assert r.headers["x-should-retry"] == "false"
         assert time.monotonic() - t0 < 5
         wait_kv_blocks_free(_metrics_url(triton), timeout=10)
 

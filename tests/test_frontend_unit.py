@@ -1420,6 +1420,8 @@ def test_rpc_errors_map_lost_connections_to_503(code, details, status):
         assert err.status_code == status, (code, details, err.message)
         if status == 503:
             assert err.headers and "Retry-After" in err.headers
+        # The server's own time limit: a retry would run as long (the SDK retries 5xx unless told).
+        assert (err.headers or {}).get("x-should-retry") == ("false" if status == 504 else None)
 
 
 
