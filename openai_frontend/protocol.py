@@ -88,6 +88,9 @@ class _Body(_Strict):
 class StreamOptions(_Strict):
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False  # vLLM: usage on every chunk
+    # OpenAI pads stream events with random "obfuscation" text; this server sends none, so only
+    # false (or unset) is accepted (sampling.py).
+    include_obfuscation: Optional[bool] = None
 
 
 class FunctionDefinition(_Strict):
@@ -264,6 +267,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: Optional[bool] = None
     metadata: Optional[dict[str, Any]] = None  # tags for stored completions: accepted, no effect on generation
+    safety_identifier: Optional[str] = None  # end-user id (OpenAI's successor of `user`): no effect on generation
+    prompt_cache_key: Optional[str] = None  # a cache-routing hint: prefix caching here is automatic
+    prompt_cache_retention: Optional[str] = None  # "in_memory" (this server's cache) only
 
     # vLLM chat extras
     echo: bool = False
@@ -292,6 +298,7 @@ class ChatCompletionRequest(_SamplingFields):
     service_tier: Optional[str] = None
     store: Optional[bool] = None
     web_search_options: Optional[Any] = None
+    verbosity: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------------------------

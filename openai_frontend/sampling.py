@@ -59,6 +59,9 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
     check_stop(req.stop, req.stop_token_ids, settings)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    if req.stream_options is not None and req.stream_options.include_obfuscation:
+        raise unsupported("stream_options.include_obfuscation", "stream events carry no obfuscation padding here; "
+                          "send false or leave it out")
     if req.prompt_logprobs is not None:
         if req.stream:
             raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
@@ -109,6 +112,10 @@ def _check_chat(req: ChatCompletionRequest) -> None:
         raise unsupported("store")
     if req.web_search_options is not None:
         raise unsupported("web_search_options")
+    if req.verbosity is not None:
+        raise unsupported("verbosity")
+    if req.prompt_cache_retention not in (None, "in_memory"):
+        raise unsupported("prompt_cache_retention", "the prefix cache is in memory only")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")

@@ -65,7 +65,7 @@ GENERATE_SAMPLING_PARAMS = [
 
 # /v1/chat/completions, OpenAI's own request fields (003 builds on them: "compatible with
 # OpenAI's Chat Completions API"). verbosity, prompt_cache_key and safety_identifier are OpenAI's
-# newest; protocol.py does not know them, so they take the generic unknown-field 400.
+# newest, typed parameters of the current SDK.
 OPENAI_CHAT_FIELDS = [
     "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias",
     "logprobs", "max_completion_tokens", "max_tokens", "metadata", "modalities", "n",
@@ -117,7 +117,7 @@ PARSE_FUNCTION_CALL_FIELDS = ["text", "tool_call_parser", "tools"]
 # the frontend accepts is covered (test_every_accepted_field_is_covered).
 BEYOND_SEEDS = {
     "generate": ["video_data", "priority"],
-    "chat": ["allowed_token_ids", "stop_regex", "regex", "ebnf", "json_schema", "no_stop_trim", "rid", "lora_path",
+    "chat": ["prompt_cache_retention", "allowed_token_ids", "stop_regex", "regex", "ebnf", "json_schema", "no_stop_trim", "rid", "lora_path",
              "return_hidden_states", "separate_reasoning", "stream_reasoning", "include_reasoning"],
     "completions": ["request_id", "stop_regex", "regex", "ebnf", "json_schema", "structural_tag", "no_stop_trim", "rid",
                     "lora_path", "custom_logit_processor", "custom_params", "return_hidden_states"],
@@ -138,6 +138,11 @@ ACCEPTED_WITHOUT_EFFECT: dict[str, dict[str, str]] = {
         "user": "OpenAI's end-user id for the provider's abuse monitoring; never changes the output "
                 "(vLLM accepts and ignores it too)",
         "metadata": "tags for OpenAI's stored completions; nothing is stored here (store: true is refused)",
+        "safety_identifier": "OpenAI's successor of `user` (an end-user id for abuse monitoring); never "
+                             "changes the output",
+        "prompt_cache_key": "a hint OpenAI routes requests by for cache hits; the prefix cache here is "
+                            "automatic and shared, so the hint changes nothing",
+        "prompt_cache_retention": "'in_memory' is what the prefix cache here is (other values are refused)",
     },
     "completions": {
         "user": "OpenAI's end-user id for the provider's abuse monitoring; never changes the output "
@@ -488,8 +493,9 @@ CHAT_CASES: dict[str, Case] = {
     "functions": refused(functions=[WEATHER["function"]]),
     "function_call": refused(function_call="auto"),
     "verbosity": refused(verbosity="low"),
-    "prompt_cache_key": refused(prompt_cache_key="contract"),
-    "safety_identifier": refused(safety_identifier="user-hash"),
+    "prompt_cache_key": no_effect(prompt_cache_key="contract"),
+    "safety_identifier": no_effect(safety_identifier="user-hash"),
+    "prompt_cache_retention": no_effect(prompt_cache_retention="in_memory"),
     # vLLM: the reply starts with the last message when it is the assistant's.
     "echo": frontend(lambda ex: ex.texts() == ["Sure: " + OUTPUT], messages=PREFILL, echo=True),
     "add_generation_prompt": engine(request_has(add_generation_prompt=False), add_generation_prompt=False),

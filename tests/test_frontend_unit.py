@@ -2602,3 +2602,23 @@ def test_strict_tools_under_auto_are_refused_where_the_format_cannot_hold_them()
     assert err.value.status_code == 400 and err.value.param == "tools[1].function.strict"
     assert "pythonic" in str(err.value) and "strict false" in str(err.value)
     assert plan_tools(tools, "required", None, "pythonic").constraint is not None
+
+
+def test_the_current_sdks_newer_fields_work_or_are_refused_by_name(client, fake):
+    """SDK QA: safety_identifier / prompt_cache_key are metadata and hints (accepted, like user);
+    what this server cannot do is refused by name: obfuscation padding, other cache retentions,
+    verbosity."""
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, safety_identifier="u-1", prompt_cache_key="k",
+                                   prompt_cache_retention="in_memory")
+    for stream in (client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                  stream_options={"include_obfuscation": False}),
+                   client.completions.create(model=MODEL, prompt="x", stream=True,
+                                             stream_options={"include_obfuscation": False, "include_usage": True})):
+        assert list(stream)
+    for kw, param in (({"stream": True, "stream_options": {"include_obfuscation": True}},
+                       "stream_options.include_obfuscation"),
+                      ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
+                      ({"verbosity": "low"}, "verbosity")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, **kw)
+        assert _error(err)["param"] == param, kw
