@@ -67,8 +67,9 @@ def _load_json(value: Any, what: str) -> Any:
     return value
 
 
-def _content_text(content: Any, index: int) -> str:
-    """OpenAI message content (string, None or list of parts) as the string templates expect."""
+def _content_text(content: Any, index: int, role: Any = None) -> str:
+    """OpenAI message content (string, None or list of parts) as the string templates expect; an
+    assistant's refusal parts are text, as vLLM reads them."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -80,6 +81,9 @@ def _content_text(content: Any, index: int) -> str:
                 texts.append(part)
             elif isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
+            elif (role == "assistant" and isinstance(part, Mapping) and part.get("type") == "refusal"
+                  and isinstance(part.get("refusal"), str)):
+                texts.append(part["refusal"])
             else:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise ValueError(f"messages[{index}].content: unsupported content part {kind!r} (only text)")
@@ -124,7 +128,7 @@ def normalize_messages(messages: Any) -> list[dict]:
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{i}].role must be a non-empty string")
         m = dict(msg)
-        m["content"] = _content_text(msg.get("content"), i)
+        m["content"] = _content_text(msg.get("content"), i, msg.get("role"))
         if m.get("tool_calls") is not None:
             m["tool_calls"] = _tool_calls(m["tool_calls"], i)
         else:

@@ -42,8 +42,8 @@ from openai_frontend.tools import (
 def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template wants them.
 
-    Text-part lists become one string (vLLM's "string" content format); non-text parts are
-    refused. Assistant tool_call arguments given as JSON strings become objects, as SGLang does,
+    Text-part lists become one string (vLLM's "string" content format), an assistant's refusal
+    parts counting as text; other parts are refused. Assistant tool_call arguments given as JSON strings become objects, as SGLang does,
     since chat templates render them with `tojson`.
     """
     out = []
@@ -61,6 +61,13 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                         raise bad_request(f"a text content part needs a string 'text' (messages[{i}].content[{j}])",
                                           param="messages")
                     texts.append(part["text"])
+                elif kind == "refusal" and d.get("role") == "assistant":
+                    # An assistant's earlier refusal, as OpenAI returns it: text to the template,
+                    # as vLLM reads it.
+                    if not isinstance(part.get("refusal"), str):
+                        raise bad_request(f"a refusal content part needs a string 'refusal' "
+                                          f"(messages[{i}].content[{j}])", param="messages")
+                    texts.append(part["refusal"])
                 else:
                     raise unsupported("messages", f"content part type '{kind}' (only text is supported)")
             d["content"] = "\n".join(texts)

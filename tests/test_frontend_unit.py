@@ -2622,3 +2622,17 @@ def test_the_current_sdks_newer_fields_work_or_are_refused_by_name(client, fake)
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, **kw)
         assert _error(err)["param"] == param, kw
+
+
+def test_an_assistant_refusal_part_in_history_is_text(client, fake):
+    """SDK QA: an assistant message with a `refusal` content part (as OpenAI returns refusals)
+    was a 400; vLLM reads it as text. Elsewhere it is still refused."""
+    history = [{"role": "user", "content": "do the bad thing"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+               {"role": "user", "content": "ok, say hello"}]
+    client.chat.completions.create(model=MODEL, messages=history)
+    assert fake.requests[-1].messages[1]["content"] == "I can't help with that."
+    for bad in ([{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}],
+                [{"role": "assistant", "content": [{"type": "refusal", "refusal": 5}]}]):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=bad)
