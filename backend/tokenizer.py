@@ -129,6 +129,14 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise ValueError(f"messages[{i}].role must be a non-empty string")
         m = dict(msg)
         m["content"] = _content_text(msg.get("content"), i, msg.get("role"))
+        if role == "assistant" and m.get("refusal") is not None:
+            # OpenAI's assistant `refusal` is part of what the model said; templates never read
+            # the key, so it joins the text as a refusal part does.
+            if not isinstance(m["refusal"], str):
+                raise ValueError(f"messages[{i}].refusal must be a string")
+            m["content"] = "\n".join(t for t in (m["content"], m.pop("refusal")) if t)
+        if role == "assistant" and m.get("audio") is not None:
+            raise ValueError(f"messages[{i}].audio: audio replies are not supported (this server has no audio)")
         if m.get("tool_calls") is not None:
             m["tool_calls"] = _tool_calls(m["tool_calls"], i)
         else:

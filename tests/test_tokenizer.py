@@ -138,6 +138,11 @@ def test_content_parts_and_continue_final_message(tok):
     assert "<|im_start|>assistant\nNo.<|im_end|>" in render_chat(tok, refusal)
     with pytest.raises(ValueError, match="refusal"):
         render_chat(tok, [{"role": "user", "content": [{"type": "refusal", "refusal": "No."}]}])
+    # So is the message-level `refusal` OpenAI returns (SDK QA: the template dropped it unseen).
+    level = [{"role": "assistant", "content": None, "refusal": "No."}, {"role": "user", "content": "ok"}]
+    assert "<|im_start|>assistant\nNo.<|im_end|>" in render_chat(tok, level)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.audio"):
+        render_chat(tok, [{"role": "assistant", "content": None, "audio": {"id": "audio_1"}}])
 
 
 def test_chat_template_kwargs_and_custom_template(tok):
