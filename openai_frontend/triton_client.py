@@ -474,10 +474,15 @@ def map_rpc_error(err: grpc.RpcError) -> APIError:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return timed_out(f"Triton request timed out: {details}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return APIError(429, details)
+        return _queue_full(details)
     if code == grpc.StatusCode.CANCELLED:
         return unavailable(f"Triton cancelled the request: {details}")
     return APIError(500, f"Triton error ({code.name if code else 'unknown'}): {details}")
+
+
+def _queue_full(message: str) -> APIError:
+    """429: Triton's own request queue is full (max_queue_size); come back later."""
+    return APIError(429, message, headers={"Retry-After": "1"})
 
 
 def map_infer_error(exc: InferenceServerException) -> APIError:
@@ -490,6 +495,8 @@ def map_infer_error(exc: InferenceServerException) -> APIError:
         return unavailable(f"Triton model unavailable: {msg}")
     if "DEADLINE_EXCEEDED" in status:
         return timed_out(f"Triton request timed out: {msg}")
+    if "RESOURCE_EXHAUSTED" in status:
+        return _queue_full(msg)
     return APIError(500, f"Triton error ({status or 'unknown'}): {msg}")
 
 

@@ -1405,6 +1405,7 @@ class _RpcError(grpc.RpcError):
     (grpc.StatusCode.NOT_FOUND, "Request for unknown model", 503),
     (grpc.StatusCode.INVALID_ARGUMENT, "unsupported parameter 'n'", 400),
     (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", 504),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "Exceeds maximum queue size", 429),
     (grpc.StatusCode.INTERNAL, "model raised: boom", 500),
     (grpc.StatusCode.UNKNOWN, "something else", 500),
 ])
@@ -1418,7 +1419,7 @@ def test_rpc_errors_map_lost_connections_to_503(code, details, status):
     for err in (map_rpc_error(_RpcError(code, details)),
                 map_infer_error(InferenceServerException(details, status=str(code)))):
         assert err.status_code == status, (code, details, err.message)
-        if status == 503:
+        if status in (503, 429):
             assert err.headers and "Retry-After" in err.headers
         # The server's own time limit: a retry would run as long (the SDK retries 5xx unless told).
         assert (err.headers or {}).get("x-should-retry") == ("false" if status == 504 else None)
