@@ -308,7 +308,8 @@ async def beam_search_choices(client: EngineClient, prompts: Sequence[EngineRequ
             results = await _all([_search(client, p, spec) for p in prompts])
     except TimeoutError:
         # Its steps were cancelled on the way out, so aborted in the engine as a timed-out stream is.
-        raise timed_out(f"Triton request timed out: the beam search ran past the stream timeout ({spec.timeout:g} s)") from None
+        raise timed_out(f"Triton request timed out: the beam search ran past the stream timeout "
+                        f"({spec.timeout:g} s)") from None
     for p, chunks in enumerate(results):
         for rank, chunk in enumerate(chunks):
             yield p * spec.width + rank, chunk

@@ -43,8 +43,8 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template wants them.
 
     Text-part lists become one string (vLLM's "string" content format), an assistant's refusal
-    parts counting as text; other parts are refused. Assistant tool_call arguments given as JSON strings become objects, as SGLang does,
-    since chat templates render them with `tojson`.
+    parts counting as text; other parts are refused. Assistant tool_call arguments given as JSON
+    strings become objects, as SGLang does, since chat templates render them with `tojson`.
     """
     out = []
     for i, msg in enumerate(messages):

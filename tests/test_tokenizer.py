@@ -134,7 +134,8 @@ def test_content_parts_and_continue_final_message(tok):
     got = render_chat(tok, msgs, add_generation_prompt=False, continue_final_message=True)
     assert got.endswith("<|im_start|>user\nline one\nline two<|im_end|>\n<|im_start|>assistant\nOnce upon")
     # An assistant's refusal part (as OpenAI returns refusals) is text, as vLLM reads it.
-    refusal = [{"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, {"role": "user", "content": "ok"}]
+    refusal = [{"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+               {"role": "user", "content": "ok"}]
     assert "<|im_start|>assistant\nNo.<|im_end|>" in render_chat(tok, refusal)
     with pytest.raises(ValueError, match="refusal"):
         render_chat(tok, [{"role": "user", "content": [{"type": "refusal", "refusal": "No."}]}])
