@@ -101,13 +101,15 @@ def _tool_calls(calls: Any, index: int) -> list[dict]:
             raise ValueError(f"messages[{index}].tool_calls[{j}] must be an object")
         call = dict(call)
         fn = call.get("function")
-        if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+        if isinstance(fn, Mapping) and (fn.get("arguments") is None or isinstance(fn.get("arguments"), str)):
             # OpenAI sends arguments as a JSON string; templates (Qwen's `arguments | tojson`)
-            # expect an object, or they would render a doubly-encoded string. vLLM does the same.
+            # expect an object, or they would render a doubly-encoded string. As vLLM: none or ""
+            # (a call without arguments) is {}, and text that is not JSON is refused.
+            args = fn.get("arguments")
             try:
-                call["function"] = {**fn, "arguments": json.loads(fn["arguments"])}
-            except json.JSONDecodeError:
-                pass
+                call["function"] = {**fn, "arguments": json.loads(args) if args else {}}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"messages[{index}].tool_calls[{j}].function.arguments is not valid JSON: {exc}") from None
         out.append(call)
     return out
 
@@ -137,9 +139,9 @@ def normalize_messages(messages: Any) -> list[dict]:
             m["content"] = "\n".join(t for t in (m["content"], m.pop("refusal")) if t)
         if role == "assistant" and m.get("audio") is not None:
             raise ValueError(f"messages[{i}].audio: audio replies are not supported (this server has no audio)")
-        if m.get("tool_calls") is not None:
+        if m.get("tool_calls"):
             m["tool_calls"] = _tool_calls(m["tool_calls"], i)
-        else:
+        else:  # none or [] (some clients send it): the template's plain assistant path, as vLLM's
             m.pop("tool_calls", None)
         out.append(m)
     return out

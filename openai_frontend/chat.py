@@ -9,7 +9,6 @@ reasoning and tool-call parsers over the whole text, so both give the same answe
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -43,8 +42,8 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template wants them.
 
     Text-part lists become one string (vLLM's "string" content format), an assistant's refusal
-    parts counting as text; other parts are refused. Assistant tool_call arguments given as JSON
-    strings become objects, as SGLang does, since chat templates render them with `tojson`.
+    parts counting as text; other parts are refused. Tool-call arguments stay as sent: the
+    preprocessing model decodes them (backend/tokenizer.py), once.
     """
     out = []
     for i, msg in enumerate(messages):
@@ -71,15 +70,6 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 else:
                     raise unsupported("messages", f"content part type '{kind}' (only text is supported)")
             d["content"] = "\n".join(texts)
-        tool_calls = d.get("tool_calls")
-        if isinstance(tool_calls, list):
-            for call in tool_calls:
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
-                        pass
         out.append(d)
     return out
 

@@ -126,6 +126,25 @@ def test_tool_call_round_trip(tok):
     )
 
 
+def test_tool_call_arguments_as_vllm_reads_them(tok):
+    """Chat QA against vLLM's _postprocess_messages: arguments "" or none are {} (they rendered as
+    the string ""), text that is not JSON is refused (it rendered as a string), a JSON string of a
+    JSON string is decoded once (the frontend and preprocessing each decoded it), and
+    `tool_calls: []` takes the template's plain assistant path."""
+    def call(args):
+        return [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "noop", "arguments": args}}]}]
+    for args in ("", None, "{}"):
+        assert '{"name": "noop", "arguments": {}}' in render_chat(tok, call(args)), args
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments is not valid JSON"):
+        render_chat(tok, call("{bad"))
+    assert '"arguments": "{\\"a\\": 1}"' in render_chat(tok, call(json.dumps('{"a": 1}')))
+    empty = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "hi", "tool_calls": []}]
+    # Llama 3.1's template tests `'tool_calls' in message` (and raises unless there is one call).
+    keyed = "{% for m in messages %}{% if 'tool_calls' in m %}[calls]{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    assert render_chat(tok, empty, chat_template=keyed) == "xhi"
+
+
 def test_content_parts_and_continue_final_message(tok):
     msgs = [
         {"role": "user", "content": [{"type": "text", "text": "line one"}, {"type": "text", "text": "line two"}]},
