@@ -1240,13 +1240,15 @@ def test_triton_restart_then_overload(triton, base_url, demo_model_path):
         time.sleep(0.5)
     assert httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
 
-    # 2 running + 2 waiting fit; the rest are refused as overloaded: 503 + Retry-After
+    # 2 running + 2 waiting fit; the rest are refused as overloaded: 503 + Retry-After. Each runs
+    # long enough (about a second) that all 10 are in flight together however slowly the
+    # threads start on a busy host (with 60 tokens, one CI run saw the first ones end first).
     results: list[tuple[int, dict, dict]] = []
     lock = threading.Lock()
 
     def one() -> None:
         r = httpx.post(base_url + "/v1/completions", timeout=120, json={
-            "model": MODEL, "prompt": "go", "max_tokens": 60, "ignore_eos": True, "stream": True})
+            "model": MODEL, "prompt": "go", "max_tokens": 400, "ignore_eos": True, "stream": True})
         with lock:
             results.append((r.status_code, dict(r.headers), r.json() if r.status_code != 200 else {}))
 
