@@ -748,9 +748,6 @@ def test_structure_info_round_trips(fmt):
     text = info.begin + json.dumps(args, ensure_ascii=False) + info.end
     assert parse_whole(fmt, text) == ("", [("get_weather", json.dumps(args, ensure_ascii=False))])
     assert_stream_matches(fmt, text, n_random=2)
-    tag = parser.structural_tag(TOOLS[:2])
-    assert tag["type"] == "structural_tag" and tag["triggers"] == [info.trigger]
-    assert [s["begin"] for s in tag["structures"]] == [parser.structure_info(n).begin for n in ("get_weather", "get_time")]
 
 
 def test_pythonic_has_no_json_structure():

@@ -239,20 +239,6 @@ class BaseToolParser:
         """begin/end around one call's JSON arguments, to force a call of ``tool_name``."""
         raise NotImplementedError(f"{type(self).__name__} has no JSON-arguments structure")
 
-    def structural_tag(self, tools: Sequence[Any]) -> dict[str, Any]:
-        """An xgrammar ``structural_tag`` response format allowing calls to any of ``tools``
-        (OpenAI tool dicts), as SGLang builds it for ``tool_choice``."""
-        structures, triggers = [], []
-        for tool in tools:
-            fn = tool.get("function", tool) if isinstance(tool, dict) else tool.function
-            name = fn["name"] if isinstance(fn, dict) else fn.name
-            params = (fn.get("parameters") if isinstance(fn, dict) else fn.parameters) or {"type": "object"}
-            info = self.structure_info(name)
-            structures.append({"begin": info.begin, "schema": params, "end": info.end})
-            if info.trigger not in triggers:
-                triggers.append(info.trigger)
-        return {"type": "structural_tag", "structures": structures, "triggers": triggers}
-
     # -- for subclasses -------------------------------------------------------------------------
     def _parse_complete(
         self, text: str, names: Optional[frozenset[str]]
