@@ -37,7 +37,7 @@ from backend.quantized_checkpoint import CALIBRATION_TEXT
 from backend.sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, logprobs_at
 from backend.sampling_params import SamplingParams, load_default_max_tokens, load_model_defaults, parse_sampling_params
 from backend.scheduler import ScheduledSeq, Scheduler
-from backend.sequence import FinishReason, Sequence
+from backend.sequence import FinishReason, Sequence, sample_request_id
 from backend.speculative import NgramProposer, speculates
 from backend.tokenizer import load_tokenizer
 from kernels import cpu_sampling
@@ -336,7 +336,7 @@ class LLMEngine:
         cacheable = params.logprob_start_len < 0 and not params.return_hidden_states and embeds is None
         children: list[_Tracked] = []
         for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            child_id = sample_request_id(request_id, index, params.n)
             seq = Sequence(
                 request_id=child_id,
                 token_ids=list(prompt_ids),
@@ -1115,7 +1115,7 @@ class LLMEngine:
 
         for ids, p, e in zip(prompts, params, embeds):
             rid = self.add_request(ids, p, collect, input_embeds=e)
-            order.extend([rid] if p.n == 1 else [f"{rid}#{i}" for i in range(p.n)])
+            order.extend(sample_request_id(rid, i, p.n) for i in range(p.n))
         while self.has_unfinished():
             self.step()
         return [results[rid] for rid in order]

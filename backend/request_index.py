@@ -24,7 +24,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
+
+from backend.sequence import sample_request_id
 
 
 def client_of(triton_id: str) -> Optional[tuple[str, str]]:
@@ -60,6 +62,14 @@ def is_batch_item(triton_id: str) -> bool:
     return triton_id.rpartition(".")[2].removeprefix(NAMED_SUFFIX).startswith(BATCH_ITEM_SUFFIX)
 
 
+def sample_of(rid: str, client_id: str) -> Optional[int]:
+    """i when `rid` is `<client_id>_<i>`: with n > 1, sample i of the request `client_id` reports
+    that id (meta_info.id), and an abort by it ends that sample only, as SGLang's parallel
+    samples each have a rid of their own."""
+    head, sep, tail = rid.rpartition("_")
+    return int(tail) if sep and head == client_id and tail.isdigit() else None
+
+
 def names_client(rid: str, client_id: str, batch_item: bool = True) -> bool:
     """Whether an abort for `rid` takes the request of `client_id`: the request itself, or, when
     it is a batch item, prompt i of the batch request `rid`, whose ids are `<rid>_<i>` on
@@ -80,11 +90,13 @@ class TritonRequestIndex:
         self._clock = clock
         self._lock = threading.Lock()
         self._engine_ids: dict[str, set[str]] = {}
+        self._samples: dict[str, int] = {}  # engine id -> its n, when n > 1
+        self._aborted_samples: dict[str, set[int]] = {}  # engine id -> samples abort_client ended
         self._named: dict[tuple[str, str], str] = {}  # (client id, frontend id) -> its running Triton id
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # triton id -> when
         self._finished: OrderedDict[str, float] = OrderedDict()  # triton id -> when its last request ended
 
-    def add(self, triton_id: str, engine_id: str) -> bool:
+    def add(self, triton_id: str, engine_id: str, n: int = 1) -> bool:
         """Index a new engine request; True when an abort for its Triton id came first. Raises
         DuplicateRequestId when its client named it and that name is running already."""
         with self._lock:
@@ -97,6 +109,8 @@ class TritonRequestIndex:
             if self._early_aborts.pop(triton_id, None) is not None:
                 return True
             self._engine_ids.setdefault(triton_id, set()).add(engine_id)
+            if n > 1:
+                self._samples[engine_id] = n
             if named is not None:
                 self._named[named] = triton_id
             return False
@@ -106,6 +120,7 @@ class TritonRequestIndex:
             ids = self._engine_ids.get(triton_id)
             if ids is not None:
                 ids.discard(engine_id)
+                self._drop_samples((engine_id,))
                 if not ids:
                     del self._engine_ids[triton_id]
                     self._unname(triton_id)
@@ -121,6 +136,7 @@ class TritonRequestIndex:
         with self._lock:
             ids = self._engine_ids.pop(triton_id, None)
             if ids:
+                self._drop_samples(ids)
                 self._unname(triton_id)
                 # Ended here, so forget() will not see it end: a repeated abort must find it
                 # finished, not be remembered as one that came first for the next request.
@@ -133,17 +149,40 @@ class TritonRequestIndex:
 
     def abort_client(self, frontend: str, rid: Optional[str]) -> tuple[int, set[str]]:
         """Every running request frontend `frontend` sent (for client `rid` only, see
-        names_client, when given): how many Triton requests, and their engine requests."""
+        names_client, when given), or the one sample `rid` names (sample_of): how many Triton
+        requests or samples, and the engine requests to end."""
         with self._lock:
-            taken = [t for t in self._engine_ids
-                     if (c := client_of(t)) is not None and c[1] == frontend
-                     and (rid is None or names_client(rid, c[0], is_batch_item(t)))]
+            taken, samples = [], []
+            for t, ids in self._engine_ids.items():
+                c = client_of(t)
+                if c is None or c[1] != frontend:
+                    continue
+                if rid is None or names_client(rid, c[0], is_batch_item(t)):
+                    taken.append(t)
+                elif (i := sample_of(rid, c[0])) is not None:
+                    samples += [(e, i) for e in ids if i < self._samples.get(e, 0)]
             engine_ids: set[str] = set()
             for triton_id in taken:
-                engine_ids |= self._engine_ids.pop(triton_id)
+                ids = self._engine_ids.pop(triton_id)
+                self._drop_samples(ids)
+                engine_ids |= ids
                 self._unname(triton_id)
                 self._remember(self._finished, triton_id)
-            return len(taken), engine_ids
+            # A sample's request runs on for its siblings, so it stays indexed; a second abort of
+            # the same sample finds nothing new to end.
+            count = len(taken)
+            for engine_id, i in samples:
+                ended = self._aborted_samples.setdefault(engine_id, set())
+                if i not in ended:
+                    ended.add(i)
+                    engine_ids.add(sample_request_id(engine_id, i, self._samples[engine_id]))
+                    count += 1
+            return count, engine_ids
+
+    def _drop_samples(self, engine_ids: Iterable[str]) -> None:
+        for engine_id in engine_ids:
+            self._samples.pop(engine_id, None)
+            self._aborted_samples.pop(engine_id, None)
 
     def _remember(self, table: OrderedDict[str, float], triton_id: str) -> None:
         table[triton_id] = self._clock()

@@ -12,6 +12,11 @@ from backend.sampling_params import SamplingParams
 _seq_ids = itertools.count()
 
 
+def sample_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine id of sample `index` of a request with `n` samples (the request's own when n is 1)."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

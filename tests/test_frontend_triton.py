@@ -826,6 +826,51 @@ def test_abort_request_ends_streams_with_finish_reason_abort(triton, base_url):
     assert httpx.post(base_url + "/abort_request", json={"rid": "x", "bogus": 1}).status_code == 400
 
 
+def test_abort_request_by_a_sample_id_ends_that_sample_only(triton, base_url):
+    """QA: with n > 1 the samples report ids <rid>_<i> (and a request under one is refused), but an
+    abort by one matched nothing and the sample ran to its end. As SGLang's parallel samples each
+    have a rid of their own, it now ends that sample alone; <rid> ends the rest."""
+    aborted = _aborted(triton)
+    body = {"text": "tell me", "stream": True, "rid": "pair", "sampling_params": {"max_new_tokens": None,
+                                                                                   "ignore_eos": True, "n": 2}}
+    events: list = []
+
+    def read() -> None:
+        with httpx.Client(timeout=60) as http, http.stream("POST", base_url + "/generate", json=body) as r:
+            assert r.status_code == 200, r.read()
+            events.extend(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+
+    def finals() -> dict:
+        return {e["index"]: e["meta_info"] for e in list(events) if e["meta_info"].get("finish_reason")}
+
+    t = threading.Thread(target=read)
+    t.start()
+    deadline = time.monotonic() + 30
+    while len({e["index"] for e in list(events)}) < 2:
+        assert time.monotonic() < deadline and t.is_alive()
+        time.sleep(0.02)
+    r = httpx.post(base_url + "/abort_request", json={"rid": "pair_1"})
+    assert r.status_code == 200 and r.json() == {"aborted": 1}, r.text
+    while 1 not in finals():
+        assert time.monotonic() < deadline and t.is_alive()
+        time.sleep(0.02)
+    assert finals()[1]["finish_reason"]["type"] == "abort" and finals()[1]["id"] == "pair_1"
+    # The sibling runs on; the same sample again, or one the request does not have, is nothing.
+    tokens_then = sum(1 for e in list(events) if e["index"] == 0)
+    while sum(1 for e in list(events) if e["index"] == 0) < tokens_then + 3:
+        assert time.monotonic() < deadline and 0 not in finals()
+        time.sleep(0.02)
+    for rid in ("pair_1", "pair_2"):
+        assert httpx.post(base_url + "/abort_request", json={"rid": rid}).json() == {"aborted": 0}, rid
+    assert httpx.post(base_url + "/abort_request", json={"rid": "pair"}).json() == {"aborted": 1}
+    t.join(30)
+    assert not t.is_alive()
+    done = finals()
+    assert done[0]["finish_reason"]["type"] == "abort" and done[0]["completion_tokens"] > done[1]["completion_tokens"]
+    wait_kv_blocks_free(_metrics_url(triton), timeout=10)
+    _wait_aborted(triton, aborted + 1)
+
+
 def test_health_generate_goes_through_the_engine(triton, base_url):
     steps = scrape_metric(_metrics_url(triton), "llm_engine_steps_total") or 0.0
     r = httpx.get(base_url + "/health_generate", timeout=30)

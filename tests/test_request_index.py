@@ -2,7 +2,7 @@
 
 import pytest
 
-from backend.request_index import TritonRequestIndex, client_of, names_client
+from backend.request_index import TritonRequestIndex, client_of, names_client, sample_of
 
 
 def test_request_index_aborts_known_and_early_requests():
@@ -106,3 +106,24 @@ def test_a_client_named_id_runs_once_per_frontend():
     assert idx.add(third, "e7") is False
     assert idx.abort_client("fe1", "job-1")[0] >= 1
     assert idx.add(f"job-1@fe1.{NAMED_SUFFIX}hhhh", "e8") is False
+
+
+def test_abort_client_ends_one_sample_by_its_id():
+    # QA: sample i of an n > 1 request reports the id <rid>_<i>; an abort by it matched nothing.
+    assert sample_of("R_1", "R") == 1 and sample_of("R_0_2", "R_0") == 2
+    for rid, client_id in (("R_1", "S"), ("R_", "R"), ("R_x", "R"), ("R", "R"), ("R-1", "R")):
+        assert sample_of(rid, client_id) is None, (rid, client_id)
+    index = TritonRequestIndex()
+    index.add("R@fe.1", "e1", n=3)
+    index.add("S@fe.2", "e2")  # n = 1: its only sample is S itself
+    index.add("B_0@fe.b-3", "e3", n=2)  # prompt 0 of batch B
+    assert index.abort_client("fe", "R_2") == (1, {"e1#2"})
+    assert index.abort_client("fe", "R_2") == (0, set())  # counted once
+    assert index.abort_client("fe", "R_3") == (0, set()) and index.abort_client("fe", "S_0") == (0, set())
+    assert index.abort_client("other", "R_1") == (0, set())
+    assert index.abort_client("fe", "B_0_1") == (1, {"e3#1"})
+    assert len(index) == 3  # the requests run on for their other samples
+    assert index.abort_client("fe", "R") == (1, {"e1"})
+    index.forget("B_0@fe.b-3", "e3")
+    index.add("B_0@fe.b-4", "e3", n=2)  # an engine id is never reused; were it, nothing would linger
+    assert index.abort_client("fe", "B_0_1") == (1, {"e3#1"})

@@ -178,7 +178,7 @@ class TritonPythonModel:
                 )
                 # Indexed before the engine sees it, so a fast finish cannot precede the entry.
                 engine_id = uuid.uuid4().hex
-                aborted_first = bool(triton_id) and self._requests.add(triton_id, engine_id)  # may refuse it
+                aborted_first = bool(triton_id) and self._requests.add(triton_id, engine_id, params.n)  # may refuse
                 self._acks.opened(engine_id)
                 responder.on_sent = lambda e=engine_id: self._acks.sent(e)
                 if triton_id:
