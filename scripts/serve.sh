@@ -16,8 +16,10 @@
 # --max-body-bytes, --retry-after, --frontend-id, ...).
 # Stopping it (SIGTERM, SIGINT, Ctrl-C) stops the frontend first, which lets in-flight requests and
 # streams finish for up to --graceful-shutdown-timeout seconds, then cancels the rest (aborted in
-# the engine, their connections closed); then tritonserver (which gives requests made to it
-# directly as long). A second Ctrl-C or signal cancels the frontend's streams at once (still
+# the engine, their connections closed); then tritonserver, which gives requests made to it
+# directly up to its exit timeout (the same seconds and 10 more; Triton 2.51 stops passing an
+# ensemble's responses on once told to stop, so a direct ensemble stream stalls there) and is
+# killed 10 s after that. A second Ctrl-C or signal cancels the frontend's streams at once (still
 # aborting them in the engine, so tritonserver then finds nothing in flight).
 # Every other engine setting: env LLM_<NAME> (README, "Engine settings").
 set -euo pipefail
@@ -105,6 +107,15 @@ cleanup() {
     local stubs stub
     stubs=$(pgrep -P "$TRITON_PID" -f triton_python_backend_stub || true)
     kill -TERM "$TRITON_PID" 2>/dev/null || true
+    # Its exit timeout does not bound it: a tritonserver 2.51 whose timeout expired with a direct
+    # client's stream open logged "Exiting immediately" and then waited for that client to hang up
+    # (QA: 600 s, a tritonclient's default timeout; perf_analyzer never does). 10 s past it, SIGKILL.
+    local deadline=$((SECONDS + SHUTDOWN_TIMEOUT + 20))
+    while alive "$TRITON_PID" && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.5; done
+    if alive "$TRITON_PID"; then
+      echo "serve.sh: tritonserver still running 10 s past its exit timeout: SIGKILL" >&2
+      kill -KILL "$TRITON_PID" 2>/dev/null || true
+    fi
     reap "$TRITON_PID"
     # A tritonserver 2.51 that reaches its exit timeout with requests in flight crashes, and can
     # leave a stub behind (with the model's memory): give them 3 s, then SIGKILL.
@@ -125,7 +136,8 @@ cleanup() {
 # A second Ctrl-C or signal while the frontend stops: a second SIGINT makes uvicorn cancel its
 # streams at once (its --workers' too; it still sends their aborts), and tritonserver is stopped
 # next as usual (not alongside: it would refuse those aborts and wait for the requests). A third:
-# SIGKILL. While tritonserver stops, its exit timeout (the same seconds, and 10 more to unload) bounds it.
+# SIGKILL. While tritonserver stops, its exit timeout (the same seconds, and 10 more to unload),
+# and then our SIGKILL 10 s later, bound it.
 FORCED=0
 stop_now() {
   alive "$FRONTEND_PID" || return 0

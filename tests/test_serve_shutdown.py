@@ -222,3 +222,48 @@ def test_help_lists_the_options_and_an_unknown_one_says_where_to_look():
     assert ok.returncode == 0 and "--graceful-shutdown-timeout" in ok.stdout and "#" not in ok.stdout[:5], ok
     bad = subprocess.run([str(REPO / "scripts/serve.sh"), "--bogus"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "unknown option --bogus (--help lists them)" in bad.stderr, bad
+
+
+def test_tritonserver_held_by_a_direct_client_is_killed_after_its_exit_timeout(demo_model_path, tmp_path):
+    # QA: a client streaming from the ensemble straight over gRPC (python -m client, perf_analyzer)
+    # kept tritonserver, its stubs and serve.sh alive after SIGTERM until the client gave up (600 s
+    # with the client's default timeout): Triton 2.51 stops passing the ensemble's responses on,
+    # logs "Exit timeout expired. Exiting immediately." and then still waits for the client.
+    grace = 1
+    ports = [free_port() for _ in range(3)]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(REPO / "scripts/serve.sh"), "--model-path", str(demo_model_path), "--no-frontend",
+             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+             "--graceful-shutdown-timeout", str(grace)],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    client = None
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        client = subprocess.Popen(
+            [str(REPO / ".venv/bin/python"), "-m", "client", "--url", f"localhost:{ports[1]}", "--max-tokens", "3500",
+             "--json-params", '{"ignore_eos": true}', "--timeout", "300", "Hello"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert client.stdout.read(1)  # streaming
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=grace + 10 + 10 + 20)
+        stopped = time.monotonic() - t0
+        assert rc == 143 and stopped < grace + 10 + 10 + 8, (rc, stopped, log.read_text()[-3000:])
+        _assert_all_gone(proc, ports)
+    finally:
+        if client is not None:
+            client.kill()
+            client.wait()
+        if proc.poll() is None or _group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
