@@ -54,6 +54,11 @@ DEFAULT_TOKENIZER = os.environ.get("LLM_MODEL_PATH", str(REPO_ROOT / "models" / 
 MODELS = ("ensemble", "llm")
 
 
+# meta_info lists a streamed response gives for its own tokens only (the rest are totals so far):
+# a sample's meta_info joins them, as SGLang's last streamed meta_info holds the whole lists.
+PER_RESPONSE_LISTS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs", "hidden_states")
+
+
 @dataclass
 class StreamPiece:
     """One response of the stream, as the caller sees it."""
@@ -104,7 +109,12 @@ class GenerateResult:
         self.finish_reason = piece.finish_reason or self.finish_reason
         self.prompt_tokens = piece.prompt_tokens or self.prompt_tokens
         self.completion_tokens = piece.completion_tokens or self.completion_tokens
-        self.meta_info = piece.meta_info or self.meta_info
+        if piece.meta_info:
+            merged = {**self.meta_info, **piece.meta_info}
+            for key in PER_RESPONSE_LISTS:  # each streamed response has only its own tokens' entries
+                if isinstance(self.meta_info.get(key), list) and isinstance(piece.meta_info.get(key), list):
+                    merged[key] = self.meta_info[key] + piece.meta_info[key]
+            self.meta_info = merged
         self.total_s = piece.time_s
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import uuid
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -60,11 +60,23 @@ _LIST_INPUTS = ("input_ids", "stop_words")
 
 def to_array(name: str, value: Any) -> np.ndarray:
     dtype = INPUT_DTYPES.get(name)
-    if isinstance(value, np.ndarray):
-        return value if dtype is None else value.astype(dtype)
-    if name in _LIST_INPUTS:
-        return np.asarray(list(value), dtype=dtype)
-    return np.asarray([value], dtype=dtype)
+    if not isinstance(value, np.ndarray):
+        value = list(value) if name in _LIST_INPUTS else [value]
+        if dtype is not None and np.issubdtype(dtype, np.integer):
+            _check_range(name, value, dtype)
+        return np.asarray(value, dtype=dtype)
+    if dtype is not None and np.issubdtype(dtype, np.integer) and value.dtype.kind in "iu" and value.size:
+        _check_range(name, [value.min(), value.max()], dtype)
+    return value if dtype is None else value.astype(dtype)
+
+
+def _check_range(name: str, values: Sequence[Any], dtype: Any) -> None:
+    # numpy 1.x casts an integer past the tensor's type by wrapping it: 2**32 + 5 was sent as
+    # token 5, and 5e9 was refused under the wrapped value's name.
+    info = np.iinfo(dtype)
+    bad = [v for v in values if isinstance(v, (int, np.integer)) and not info.min <= int(v) <= info.max]
+    if bad:
+        raise ValueError(f"{name} out of range for {np.dtype(dtype).name} [{info.min}, {info.max}]: {int(bad[0])}")
 
 
 def make_inputs(values: dict[str, Any]) -> list[grpcclient.InferInput]:

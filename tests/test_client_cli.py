@@ -307,6 +307,38 @@ def test_ensemble_and_llm_paths_agree(server, demo_model_path):
     assert generate_text(prompt, url=server.grpc_url, **GREEDY).token_ids == ens.token_ids
 
 
+def test_streamed_logprobs_are_joined_as_the_unstreamed_ones(server):
+    # QA: a sample's meta_info was the last response's, so a streamed generation kept one token's
+    # logprobs (--stats printed 1 of 8); each streamed response has only its own tokens' entries.
+    params = {**GREEDY, "json_params": {"ignore_eos": True, "return_logprob": True, "top_logprobs_num": 2}}
+    whole = generate_text("Hello", url=server.grpc_url, stream=False, **params)
+    streamed = generate_text("Hello", url=server.grpc_url, **params)
+    assert streamed.num_responses > 1 and streamed.token_ids == whole.token_ids
+    def entries(meta: dict) -> list:
+        return [meta["output_token_logprobs"], *meta["output_top_logprobs"]]
+
+    assert len(whole.meta_info["output_token_logprobs"]) == len(whole.meta_info["output_top_logprobs"]) == MAX_NEW
+    for got, want in zip(entries(streamed.meta_info), entries(whole.meta_info), strict=True):
+        assert [e[1] for e in got] == [e[1] for e in want]
+        assert [e[0] for e in got] == pytest.approx([e[0] for e in want], abs=1e-4)
+    assert [e[1] for e in streamed.meta_info["output_token_logprobs"]] == whole.token_ids
+
+
+def test_ids_past_the_tensor_type_are_refused_not_wrapped():
+    # QA: numpy 1.x wrapped 2**32 + 5 to 5 (the engine generated from token 5), and 5e9 was refused
+    # under its wrapped value.
+    from client.triton_stream import to_array
+
+    assert to_array("input_ids", [1, 2]).tolist() == [1, 2]
+    assert to_array("random_seed", 2**64 - 1).tolist() == [2**64 - 1]
+    for name, value in (("input_ids", [2**32 + 5]), ("input_ids", np.array([5, 2**40])), ("random_seed", -1),
+                        ("max_tokens", 2**31)):
+        with pytest.raises(ValueError, match=f"{name} out of range"):
+            to_array(name, value)
+    r = run_cli("--url", "localhost:1", "--input-ids", "4294967301")
+    assert r.returncode == 1 and "input_ids out of range for int32" in r.stderr and "4294967301" in r.stderr, r
+
+
 def test_cli_streams_text_and_ids(server, demo_model_path):
     prompt = "Hello, world"
     ref = generate_text(prompt, url=server.grpc_url, **GREEDY)
