@@ -628,3 +628,42 @@ def test_the_library_knows_every_input_tensors_type():
         for name, kind in re.findall(r'name: "(\w+)", data_type: (TYPE_\w+)', inputs):
             assert INPUT_DTYPES.get(name) is triton_types[kind], (model, name, kind)
 
+
+
+def _short_perf_inputs(path) -> None:
+    entry = {"text_input": ["Hello there"], "max_tokens": [4], "stream": [True],
+             "sampling_parameters": ['{"ignore_eos": true, "max_new_tokens": 4}']}
+    path.write_text(json.dumps({"data": [entry] * 4}))
+
+
+def test_perf_sweep_reruns_into_the_same_directory(server, tmp_path):
+    # QA: a second run with the same --out failed every level (perf_analyzer refuses an existing
+    # --profile-export-file) beside the first run's merged csv; a level given twice failed the same way.
+    from client.perf import run_perf_analyzer as pa
+
+    if pa.missing_libraries():
+        pytest.skip(f"perf_analyzer cannot load {pa.missing_libraries()} (run_perf_analyzer.py --install)")
+    data = tmp_path / "inputs.json"
+    _short_perf_inputs(data)
+    out = tmp_path / "perf"
+    for run in range(2):
+        summary = pa.sweep("ensemble", server.grpc_url, data, [1, 2, 1], out, request_count=4, log=lambda *_: None)
+        assert list(summary["levels"]) == ["1", "2"], run
+        for c, level in summary["levels"].items():
+            assert "error" not in level, (run, c, level.get("error"))
+            assert level["profile"]["requests"] >= 4 and level["profile"]["output_tokens"] >= 16, (run, c, level)
+        assert (out / "perf_analyzer.csv").exists() and json.loads((out / "summary.json").read_text()) == summary
+
+
+def test_perf_runner_says_what_is_wrong_before_it_runs(tmp_path, monkeypatch, capsys):
+    from client.perf import run_perf_analyzer as pa
+
+    monkeypatch.setenv("PERF_ANALYZER", str(tmp_path / "nowhere"))
+    assert pa.main(["--out", str(tmp_path / "o")]) == 2  # was a FileNotFoundError traceback
+    assert "error: perf_analyzer not found at" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    for args, said in ((["--out", str(tmp_path / "file")], "is a file"), (["--request-count", "0"], "at least 1"),
+                       (["--concurrency", "8", "-1"], "at least 1")):
+        with pytest.raises(SystemExit) as exit_:
+            pa.main(args)
+        assert exit_.value.code == 2 and said in capsys.readouterr().err, args

@@ -218,6 +218,13 @@ def sweep(
     """Run the sweep; returns (and writes to out_dir/summary.json) the merged results."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # A rerun into the same directory replaces what a run writes there: perf_analyzer refuses a
+    # --profile-export-file that exists (every level failed), and a stale merged csv sat beside a
+    # summary that said nothing measured.
+    for stale in [*out_dir.glob("perf_c*.csv"), *out_dir.glob("perf_c*.log"), *out_dir.glob("profile_c*.json"),
+                  out_dir / "perf_analyzer.csv", out_dir / "summary.json"]:
+        stale.unlink(missing_ok=True)
+    concurrency = list(dict.fromkeys(concurrency))  # a level twice would overwrite its own files
     input_data = Path(input_data or PERF_DIR / ("ensemble_text.json" if model == "ensemble" else "llm_ids.json"))
     rows: list[dict[str, str]] = []
     summary: dict[str, Any] = {"model": model, "url": url, "input_data": str(input_data), "out": str(out_dir),
@@ -280,6 +287,13 @@ def print_summary(summary: dict[str, Any]) -> None:
               f"{f(pr.get('ttft_ms_p99'), 9)} {f(pr.get('itl_ms_p50'), 8, 2)} {f(pr.get('itl_ms_p99'), 8, 2)}")
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="ensemble", choices=["ensemble", "llm"])
@@ -288,15 +302,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "empty on a CPU host)")
     ap.add_argument("--input-data", type=Path, default=None,
                     help="default: client/perf/ensemble_text.json (ensemble) or client/perf/llm_ids.json (llm)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--request-count", type=int, default=None,
+    ap.add_argument("--concurrency", type=_positive, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--request-count", type=_positive, default=None,
                     help="requests per measurement window (default max(2*concurrency, 16))")
-    ap.add_argument("--out", type=Path, default=None, help="default: perf_results/<model>-<timestamp>")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: perf_results/<model>-<timestamp>; a rerun into one replaces the files a run writes")
     ap.add_argument("--install", action="store_true", help="install libb64-0d / nvidia-cuda-runtime-cu12 if missing")
     ap.add_argument("extra", nargs="*", help="after --: more perf_analyzer arguments")
     args = ap.parse_args(argv)
-    ensure_installed(args.install)
     out = args.out or Path("perf_results") / f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out} is a file, not a directory")
+    try:
+        binary = perf_analyzer_binary()
+        if not binary.is_file():
+            raise FileNotFoundError(f"perf_analyzer not found at {binary} ($PERF_ANALYZER)")
+        ensure_installed(args.install)
+    except (FileNotFoundError, RuntimeError, subprocess.CalledProcessError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     summary = sweep(args.model, args.url, args.input_data, args.concurrency, out, args.request_count,
                     args.metrics_url, extra=args.extra)
     print_summary(summary)
