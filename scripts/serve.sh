@@ -34,6 +34,12 @@ TOOL_CALL_PARSER=${TOOL_CALL_PARSER:-qwen25} API_KEY=${OPENAI_FRONTEND_API_KEY:-
 SHUTDOWN_TIMEOUT=10 SERVED_MODEL_NAME= STREAM_TIMEOUT= CUSTOM_LOGIT_PROCESSOR= FRONTEND_EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
+    --model-path|--http-port|--grpc-port|--metrics-port|--frontend-port|--frontend-workers|--tool-call-parser|--api-key|--chat-template|--logits-processor-pattern|\
+    --reasoning-parser|--lora-modules|--kv-cache-dtype|--speculative-config|--graceful-shutdown-timeout|\
+    --served-model-name|--stream-timeout)
+      [ $# -ge 2 ] || { echo "serve.sh: $1 needs a value (--help lists the options)" >&2; exit 2; } ;;
+  esac
+  case "$1" in
     --model-path) MODEL_PATH=$(abspath "$2"); shift 2 ;;
     --http-port) HTTP_PORT=$2; shift 2 ;;
     --grpc-port) GRPC_PORT=$2; shift 2 ;;
