@@ -224,8 +224,7 @@ def test_help_lists_the_options_and_an_unknown_one_says_where_to_look():
     assert bad.returncode == 2 and "unknown option --bogus (--help lists them)" in bad.stderr, bad
     # QA: an option's value left out was bash's "$2: unbound variable".
     bare = subprocess.run([str(REPO / "scripts/serve.sh"), "--grpc-port"], capture_output=True, text=True, timeout=30)
-    assert bare.returncode == 2 and bare.stderr == "serve.sh: --grpc-port needs a value (--help lists the options)
-", bare
+    assert bare.returncode == 2 and bare.stderr == "serve.sh: --grpc-port needs a value (--help lists the options)\n", bare
 
 
 def test_tritonserver_held_by_a_direct_client_is_killed_after_its_exit_timeout(demo_model_path, tmp_path):
