@@ -26,6 +26,7 @@
 #   SERVED_MODEL_NAME   model name clients use (default: the model directory's name)
 #   HTTP_PORT GRPC_PORT METRICS_PORT FRONTEND_PORT   8000 8001 8002 9000
 #   FRONTEND            1 (0: tritonserver only)
+#   TOOL_CALL_PARSER    the frontend's --tool-call-parser (default qwen25, as scripts/serve.sh; empty: none)
 #   TRITONSERVER        tritonserver binary (default: tritonserver on PATH)
 #   TRITON_BACKEND_DIR  backend directory (default /opt/tritonserver/backends)
 #   PYTHON              interpreter with the project's dependencies (default python3 on PATH)
@@ -46,6 +47,7 @@ GRPC_PORT=${GRPC_PORT:-8001}
 METRICS_PORT=${METRICS_PORT:-8002}
 FRONTEND_PORT=${FRONTEND_PORT:-9000}
 FRONTEND=${FRONTEND:-1}
+TOOL_CALL_PARSER=${TOOL_CALL_PARSER-qwen25}
 SERVED_MODEL_NAME=${SERVED_MODEL_NAME:-$(basename "$LLM_MODEL_PATH")}
 TRITON_ARGS=${TRITON_ARGS:-}
 FRONTEND_ARGS=${FRONTEND_ARGS:-}
@@ -130,7 +132,8 @@ start_frontend() {
   [ "$FRONTEND" = 1 ] || return 0
   # shellcheck disable=SC2086 # FRONTEND_ARGS is a word list on purpose
   "$PYTHON" -m openai_frontend --host 0.0.0.0 --port "$FRONTEND_PORT" --triton-url "127.0.0.1:$GRPC_PORT" \
-    --tokenizer-path "$LLM_MODEL_PATH" --model-name "$SERVED_MODEL_NAME" $FRONTEND_ARGS &
+    --tokenizer-path "$LLM_MODEL_PATH" --model-name "$SERVED_MODEL_NAME" \
+    ${TOOL_CALL_PARSER:+--tool-call-parser "$TOOL_CALL_PARSER"} $FRONTEND_ARGS &
   FRONTEND_PID=$!
   log "frontend started (pid $FRONTEND_PID) on port $FRONTEND_PORT as model '$SERVED_MODEL_NAME'"
 }

@@ -248,6 +248,12 @@ def test_cancel_storm_through_the_frontend_frees_all_blocks(entry):
     assert _wait_no_open_requests(entry.url) == 0
     assert time.monotonic() - t0 < 60
     assert _completion(entry.url).status_code == 200
+    # QA: the container's frontend had no --tool-call-parser (scripts/serve.sh's is qwen25), so a
+    # served demo model's tool calls came back as text; the server's parser answers here.
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    r = httpx.post(entry.url + "/parse_function_call", json={"text": text, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, timeout=30)
+    assert r.status_code == 200 and r.json()["calls"][0]["name"] == "f", r.text
 
 
 def test_cancel_storm_on_llm_over_grpc_frees_all_blocks(entry):
