@@ -95,8 +95,17 @@ class _Choice:
         self.prediction: Optional[tuple[int, int]] = None  # (accepted, rejected) prediction tokens
 
 
-def _reasoning_format(req: ChatCompletionRequest, parser: Optional[str]) -> Optional[ReasoningFormat]:
-    return get_reasoning_format(parser) if parser and req.separate_reasoning else None
+def _reasoning_format(req: ChatCompletionRequest, parser: Optional[str], plan: ToolPlan) -> Optional[ReasoningFormat]:
+    """The format the answer is split by: the server's, unless the request keeps the reasoning in
+    its content (separate_reasoning false). A forced tool choice splits it all the same: its calls
+    follow the reasoning, and its content is null either way (the reasoning then is not sent)."""
+    if not parser or not (req.separate_reasoning or plan.forced):
+        return None
+    return get_reasoning_format(parser)
+
+
+def _include_reasoning(req: ChatCompletionRequest) -> bool:
+    return req.include_reasoning and req.separate_reasoning
 
 
 def _constrain_content_only(sp: dict[str, Any], fmt: Optional[ReasoningFormat],
@@ -156,7 +165,11 @@ class ChatHandler:
                 )
             # else strict tools under auto beside the request's own constraint (response_format):
             # that leaves the output no room for a call, so there is no call to hold to a schema.
-        sp = _constrain_content_only(sp, _reasoning_format(req, ctx.settings.reasoning_parser), req)
+        # The server's parser, not the request's separate_reasoning, says the model thinks first:
+        # that switch only decides how the answer is split (SGLang; QA: separate_reasoning false
+        # held the reasoning itself to the JSON schema).
+        parser = ctx.settings.reasoning_parser
+        sp = _constrain_content_only(sp, get_reasoning_format(parser) if parser else None, req)
         messages = normalize_messages(req.messages)
         requests = [
             EngineRequest(
@@ -228,14 +241,14 @@ class ChatHandler:
         finally:
             await it.aclose()
         out = []
-        fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser)
+        fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser, plan)
         for i, c in enumerate(choices):
             text = "".join(c.texts)
             message: dict[str, Any] = {"role": role, "content": text}
             if fmt is not None:
                 reasoning, text = split_reasoning(fmt, text)
                 message["content"] = text
-                if req.include_reasoning:
+                if _include_reasoning(req):
                     # an empty section (Qwen3's "<think>\n\n</think>" when it does not think) is
                     # null, as in SGLang, and as the stream, which sends no reasoning delta for it
                     message["reasoning_content"] = reasoning or None
@@ -287,7 +300,7 @@ class ChatHandler:
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)  # vLLM: both are needed
         head = f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},"model":{dumps(model)},"choices":[{{"index":'
-        fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser)
+        fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser, plan)
         choices = [
             _Choice(ToolCallStreamer(get_parser(plan.parser_name), plan.tools, plan.parallel, plan.forced)
                     if plan.parser_name else None, fmt, req.return_hidden_states)
@@ -331,7 +344,7 @@ class ChatHandler:
                 if chunk.finish_reason:
                     more_thought, more_text = c.reasoning.finish()
                     thought, text = thought + more_thought, text + more_text
-                if not req.include_reasoning:
+                if not _include_reasoning(req):
                     thought = ""
                 elif not req.stream_reasoning:
                     c.held_reasoning += thought

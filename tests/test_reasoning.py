@@ -224,10 +224,13 @@ def test_constraints_apply_after_the_reasoning(served):
     client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="required")
     fmt = json.loads(fake.requests[-1].sampling_params["structural_tag"])["format"]
     assert fmt["type"] == "or" and fmt["elements"][0]["elements"][0]["end"] == "</think>"
-    # separate_reasoning false: the constraint is the plain one again
+    # separate_reasoning false only leaves the reasoning in content: the model still thinks first,
+    # so the constraint still follows the reasoning (SGLang; QA: the plain regex held the reasoning)
     client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"guided_regex": "[0-9]+",
                                                                                "separate_reasoning": False})
-    assert fake.requests[-1].sampling_params.get("regex") == "[0-9]+"
+    sp = fake.requests[-1].sampling_params
+    assert "regex" not in sp and json.loads(sp["structural_tag"])["format"]["elements"][1] == {
+        "type": "regex", "pattern": "[0-9]+"}
     for extra, param in [({"guided_json": schema, "guided_whitespace_pattern": ""}, "guided_whitespace_pattern"),
                          ({"structural_tag": {"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}],
                                               "triggers": ["<a"]}}, "structural_tag")]:
@@ -250,3 +253,27 @@ def test_a_constraint_that_is_not_json_is_a_400_naming_its_parameter(served):
                 client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=stream, extra_body=extra)
             assert err.value.body["param"] == param and "not valid JSON" in err.value.body["message"], err.value.body
     assert len(fake.requests) == sent
+
+
+@pytest.mark.parametrize("tool_parser", ["qwen25", None])
+def test_a_forced_tool_call_after_reasoning_parses_with_separate_reasoning_false(tool_parser):
+    # QA: a constraint follows the reasoning also under separate_reasoning false; a forced call's
+    # text, reasoning first, must then still read as the call (the JSON array fallback found none).
+    fake = FakeLLMClient()
+    settings = Settings(model_name=MODEL, tool_call_parser=tool_parser, reasoning_parser="qwen3")
+    call = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' if tool_parser
+            else '[{"name": "get_weather", "parameters": {"city": "Paris"}}]')
+    fake.script = lambda req: text_chunks(_pieces("<think>Need the weather.</think>\n\n" + call, 4))
+    with serve_in_thread(create_app(settings, client=fake)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        kw = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+                  extra_body={"separate_reasoning": False})
+        r = client.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        assert "structural_tag" in fake.requests[-1].sampling_params  # the model may think first
+        assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+        assert msg.content is None and "reasoning_content" not in msg.model_extra
+        assert r.choices[0].finish_reason == "tool_calls"
+        got = _collect(client.chat.completions.create(**kw, stream=True))
+        assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == [("get_weather", '{"city": "Paris"}')]
+        assert (got["content"], got["reasoning_events"], got["finish"]) == ("", 0, ["tool_calls"])
