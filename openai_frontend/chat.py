@@ -247,7 +247,9 @@ class ChatHandler:
             message: dict[str, Any] = {"role": role, "content": text}
             if fmt is not None:
                 reasoning, text = split_reasoning(fmt, text)
-                message["content"] = text
+                # An output that is all reasoning (cut short by max_tokens, or EOS after </think>)
+                # has no content: null, as vLLM's reasoning parsers give it.
+                message["content"] = text if text or reasoning is None else None
                 if _include_reasoning(req):
                     # an empty section (Qwen3's "<think>\n\n</think>" when it does not think) is
                     # null, as in SGLang, and as the stream, which sends no reasoning delta for it
@@ -261,7 +263,8 @@ class ChatHandler:
                 # not in `tools` is dropped there (as SGLang's parsers drop it), so here too.
                 # A forced tool_choice constrains the output to calls: no text of it is the
                 # model's answer (OpenAI returns null there).
-                message["content"] = None if plan.forced else (normal or None) if calls else normal
+                message["content"] = None if plan.forced or (calls or message["content"] is None) and not normal \
+                    else normal
                 if calls:
                     message["tool_calls"] = [
                         {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

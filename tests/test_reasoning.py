@@ -277,3 +277,16 @@ def test_a_forced_tool_call_after_reasoning_parses_with_separate_reasoning_false
         got = _collect(client.chat.completions.create(**kw, stream=True))
         assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == [("get_weather", '{"city": "Paris"}')]
         assert (got["content"], got["reasoning_events"], got["finish"]) == ("", 0, ["tool_calls"])
+
+
+@pytest.mark.parametrize("output", ["<think>still thinking", "<think>done</think>"])
+def test_an_output_that_is_all_reasoning_has_null_content(served, output):
+    # QA: content was "" (vLLM: null), though an empty reasoning section is null already.
+    client, fake, _ = served
+    fake.script = lambda req: text_chunks(_pieces(output, 3))
+    msg = client.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message
+    assert msg.content is None and msg.model_extra["reasoning_content"] in ("still thinking", "done")
+    with_tools = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER]).choices[0].message
+    assert with_tools.content is None and not with_tools.tool_calls
+    got = _collect(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))
+    assert got["content"] == "" and got["reasoning"] == msg.model_extra["reasoning_content"]
