@@ -137,6 +137,12 @@ def normalize_messages(messages: Any) -> list[dict]:
             if not isinstance(m["refusal"], str):
                 raise ValueError(f"messages[{i}].refusal must be a string")
             m["content"] = "\n".join(t for t in (m["content"], m.pop("refusal")) if t)
+        if role == "assistant":
+            # vLLM since 0.11 returns an answer's thinking as `reasoning`, SGLang as
+            # `reasoning_content`; a client sends back either, and templates read either.
+            for have, alias in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
+                if m.get(have) is not None and m.get(alias) is None:
+                    m[alias] = m[have]
         if role == "assistant" and m.get("audio") is not None:
             raise ValueError(f"messages[{i}].audio: audio replies are not supported (this server has no audio)")
         if m.get("tool_calls"):

@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: OpenAI chat on the ensemble (chat template applied in Triton).
 
 Streaming emits preformatted `chat.completion.chunk` events: per choice a role chunk,
-reasoning deltas (`reasoning_content`, with --reasoning-parser), content deltas, tool-call deltas
+reasoning deltas (`reasoning` and `reasoning_content`, with --reasoning-parser), content deltas, tool-call deltas
 (id/type/name first, then argument fragments), the finish reason, an optional usage chunk, then
 `data: [DONE]`. Non-streaming aggregates the same engine stream and runs the same incremental
 reasoning and tool-call parsers over the whole text, so both give the same answer.
@@ -253,7 +253,8 @@ class ChatHandler:
                 if _include_reasoning(req):
                     # an empty section (Qwen3's "<think>\n\n</think>" when it does not think) is
                     # null, as in SGLang, and as the stream, which sends no reasoning delta for it
-                    message["reasoning_content"] = reasoning or None
+                    # Both names: vLLM's since 0.11, and SGLang's (and vLLM's before).
+                    message["reasoning"] = message["reasoning_content"] = reasoning or None
             finish = c.finish or "stop"
             if plan.parser_name:
                 normal, calls = parse_as_streamed(get_parser(plan.parser_name), text, plan.tools, plan.forced)
@@ -375,7 +376,8 @@ class ChatHandler:
             forced = c.tools is not None and c.tools.forced
             items: list[str] = []
             if thought:
-                items.append('{"reasoning_content":' + dumps(thought) + "}")
+                thought_json = dumps(thought)  # under both names, as the whole message has it
+                items.append(f'{{"reasoning":{thought_json},"reasoning_content":{thought_json}}}')
             if text or (logprobs != "null" and not thought and not forced):
                 items.append('{"content":' + dumps(text) + "}")
             if deltas:

@@ -119,13 +119,14 @@ def _pieces(text: str, size: int) -> list[str]:
 
 
 def _collect(stream) -> dict:
-    got = {"reasoning": "", "content": "", "calls": {}, "finish": [], "reasoning_events": 0}
+    got = {"reasoning": "", "reasoning_new_name": "", "content": "", "calls": {}, "finish": [], "reasoning_events": 0}
     for chunk in stream:
         for c in chunk.choices:
             extra = c.delta.model_extra or {}
             if extra.get("reasoning_content"):
                 got["reasoning"] += extra["reasoning_content"]
                 got["reasoning_events"] += 1
+            got["reasoning_new_name"] += extra.get("reasoning") or ""
             got["content"] += c.delta.content or ""
             for d in c.delta.tool_calls or []:
                 call = got["calls"].setdefault(d.index, {"name": "", "arguments": ""})
@@ -146,8 +147,10 @@ def test_reasoning_then_tool_call_streamed_equals_whole(served, size):
     assert msg.content == "Let me check."
     assert [(t.function.name, t.function.arguments) for t in msg.tool_calls] == [("get_weather", '{"city": "Paris"}')]
     assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"]  # vLLM 0.11+'s name, and SGLang's
     got = _collect(client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], stream=True))
     assert got["reasoning"] == msg.model_extra["reasoning_content"] and got["content"] == msg.content
+    assert got["reasoning_new_name"] == got["reasoning"]
     assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == [("get_weather", '{"city": "Paris"}')]
     assert got["finish"] == ["tool_calls"]
 

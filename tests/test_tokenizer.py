@@ -396,3 +396,17 @@ def test_preprocessing_model_py(fake_pb_utils, demo_model_path, monkeypatch):
     assert responses[1].error is not None and "messages[0]" in responses[1].error.message()
     assert responses[1].error.code() == "INVALID_ARG"
     assert "exactly one of" in responses[2].error.message()
+
+
+def test_an_assistants_reasoning_reaches_the_template_under_either_name():
+    # QA: vLLM (0.11+) returns thinking as `reasoning`, SGLang as `reasoning_content`; a client
+    # sends back what it got, and a template reads one of them (Qwen3's: reasoning_content).
+    from backend.tokenizer import normalize_messages
+
+    for key in ("reasoning", "reasoning_content"):
+        [_, m] = normalize_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", key: "t"}])
+        assert m["reasoning"] == m["reasoning_content"] == "t", key
+    [m] = normalize_messages([{"role": "assistant", "content": "a", "reasoning": "new", "reasoning_content": "old"}])
+    assert (m["reasoning"], m["reasoning_content"]) == ("new", "old")  # both given: as sent
+    [m] = normalize_messages([{"role": "user", "content": "q", "reasoning": "x"}])
+    assert "reasoning_content" not in m
