@@ -1,8 +1,9 @@
 """The llm model's tensor contract, on numpy arrays so it is testable without a Triton server.
 
-Inputs follow what users of Triton LLM ensembles know (TensorRT-LLM / vLLM backend names);
-`sampling_parameters` is a JSON object of SGLang sampling parameters, and the scalar tensors,
-when present, override it.
+Inputs follow what users of Triton LLM ensembles know (the TensorRT-LLM / vLLM backend names
+they share); `sampling_parameters` is a JSON object of SGLang sampling parameters, and request
+parameters are sampling parameters too. A scalar tensor and another source that give one
+parameter must agree (a request that gives two values is refused); `stop_words` and `stop` both apply.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ LLM_INPUTS = ("input_ids", "input_embeds", "stream", "stop_words", "sampling_par
               "abort_client", "lora_update", "reset_prefix_cache", "engine_info", *SCALAR_INPUTS)
 
 
+def error_message(exc: Exception, arrays: Mapping[str, Any]) -> str:
+    """What a refused request is told: the message as raised when it already names each
+    parameter as the client sent it (InputConflict), else named_as_sent."""
+    return str(exc) if getattr(exc, "as_sent", False) else named_as_sent(str(exc), arrays)
+
+
 def named_as_sent(message: str, arrays: Mapping[str, Any]) -> str:
     """An error message about a request, each sampling parameter that came from a scalar input
     tensor of another name (max_tokens, random_seed) named as that tensor: the name the client
@@ -39,6 +46,24 @@ def named_as_sent(message: str, arrays: Mapping[str, Any]) -> str:
         if tensor != name and tensor in arrays:
             message = re.sub(rf"\b{name}\b", tensor, message)
     return message
+
+
+class InputConflict(SamplingParamsError):
+    """Two ways of giving one parameter disagree; the message names each as the client sent it."""
+
+    as_sent = True
+
+
+def _same(raw: dict[str, Any], name: str, value: Any, source: str, where: Mapping[str, str]) -> None:
+    # An input tensor once overrode the parameter given as well, without a word (QA: a stop,
+    # max_new_tokens or seed request parameter beside a TensorRT-LLM body's tensors did nothing).
+    if name not in raw or raw[name] == value:
+        return
+    given = raw[name]
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (given, value))
+    if not (numbers and math.isclose(given, value, rel_tol=1e-6)):  # an FP32 tensor's 0.7 is 0.699999988
+        raise InputConflict(f"{source} ({value!r}) and {name} {where.get(name, '')} ({raw[name]!r}) differ: "
+                            "give it once")
 
 
 def _scalar(arr: np.ndarray, name: str = "input") -> Any:
@@ -101,20 +126,31 @@ def parse_llm_inputs(arrays: dict[str, np.ndarray], parameters: str = "") -> tup
     extra = request_parameters(parameters)
     twice = sorted(k for k in extra if k in raw)
     if twice:
-        raise SamplingParamsError(
+        raise InputConflict(
             f"{', '.join(twice)} given both as a request parameter and in sampling_parameters: give it once")
+    where = {**{k: "in sampling_parameters" for k in raw}, **{k: "as a request parameter" for k in extra}}
     raw.update(extra)
     for tensor, name in SCALAR_INPUTS.items():
         if tensor in arrays:
-            raw[name] = _scalar(arrays[tensor], tensor)
+            value = _scalar(arrays[tensor], tensor)
+            if tensor == "random_seed" and isinstance(value, int) and 2**63 <= value < 2**64:
+                # A UINT64 tensor, as TensorRT-LLM's seed: the upper half is the int64 seeds of the
+                # same bits (vLLM and SGLang seeds are int64).
+                value -= 2**64
+            _same(raw, name, value, f"the input {tensor}", where)
+            raw[name] = value
     if "stop_words" in arrays:
         # Empty strings pad a batch's lists to one length: skipped, as TensorRT-LLM's
         # preprocessing (to_word_list_format) skips them.
         words = [w for w in (_text(x, "stop_words") for x in arrays["stop_words"].reshape(-1)) if w]
         if words:
-            raw["stop"] = words
+            # Beside a `stop` parameter (a TensorRT-LLM body always carries stop_words): both apply.
+            given = raw.get("stop")
+            given = [given] if isinstance(given, str) else list(given) if isinstance(given, list) else []
+            raw["stop"] = list(dict.fromkeys([*words, *given]))
     if "stream" in arrays:
         stream = bool(_scalar(arrays["stream"], "stream"))
+        _same(raw, "stream", stream, "the input stream", where)
         raw.pop("stream", None)
     else:
         stream = raw.pop("stream", False)

@@ -85,10 +85,46 @@ def test_request_parameters_are_sampling_parameters():
     params = json.dumps({"max_new_tokens": 4, "temperature": 0, "triton_enable_empty_final_response": True})
     _, raw, stream = parse_llm_inputs({"input_ids": ids}, params)
     assert raw == {"max_new_tokens": 4, "temperature": 0} and not stream
-    # The tensors still win over any other source, as over sampling_parameters.
-    _, raw, _ = parse_llm_inputs({"input_ids": ids, "temperature": np.array([0.5], dtype=np.float32)}, params)
-    assert raw["temperature"] == 0.5
+    # A tensor and another source that agree are one value (an FP32 tensor's 0.7 too); ones that
+    # differ are refused, each named as sent (QA: the tensor won without a word, so a TensorRT-LLM
+    # body's max_tokens and stop_words silently undid max_new_tokens and stop).
+    _, raw, _ = parse_llm_inputs({"input_ids": ids, "temperature": np.array([0], dtype=np.float32)}, params)
+    assert raw["temperature"] == 0
     sp = np.array([b'{"max_new_tokens": 8}'], dtype=object)
+    sp07 = np.array([b'{"temperature": 0.7}'], dtype=object)
+    _, raw, _ = parse_llm_inputs({"input_ids": ids, "sampling_parameters": sp07,
+                                  "temperature": np.array([0.7], dtype=np.float32)})
+    assert raw["temperature"] == pytest.approx(0.7)
+    for arrays, parameters, message in [
+        ({"temperature": np.array([0.5], dtype=np.float32)}, params,
+         "the input temperature (0.5) and temperature as a request parameter (0) differ: give it once"),
+        ({"max_tokens": np.array([16], dtype=np.int32)}, params,
+         "the input max_tokens (16) and max_new_tokens as a request parameter (4) differ: give it once"),
+        ({"max_tokens": np.array([16], dtype=np.int32), "sampling_parameters": sp}, "",
+         "the input max_tokens (16) and max_new_tokens in sampling_parameters (8) differ: give it once"),
+        ({"random_seed": np.array([5], dtype=np.uint64)}, json.dumps({"seed": 6}),
+         "the input random_seed (5) and seed as a request parameter (6) differ: give it once"),
+        ({"stream": np.array([False])}, json.dumps({"stream": True}),
+         "the input stream (False) and stream as a request parameter (True) differ: give it once"),
+    ]:
+        with pytest.raises(SamplingParamsError) as err:
+            parse_llm_inputs({"input_ids": ids, **arrays}, parameters)
+        assert str(err.value) == message
+        from backend.triton_io import error_message
+
+        assert error_message(err.value, arrays) == message  # not renamed after the tensor
+    # QA: named after the max_tokens tensor, this said "max_tokens given both ..." of max_new_tokens
+    twice = {"sampling_parameters": sp, "max_tokens": np.array([8], dtype=np.int32)}
+    with pytest.raises(SamplingParamsError) as err:
+        parse_llm_inputs({"input_ids": ids, **twice}, params)
+    assert error_message(err.value, twice).startswith("max_new_tokens given both as a request parameter")
+    # stop_words and a stop parameter both apply
+    words = np.array([b"zzzz", b""], dtype=object)
+    _, raw, _ = parse_llm_inputs({"input_ids": ids, "stop_words": words}, json.dumps({"stop": "clap"}))
+    assert raw["stop"] == ["zzzz", "clap"]
+    # random_seed is UINT64, as TensorRT-LLM's seed: its upper half is the int64 seeds of the same bits
+    _, raw, _ = parse_llm_inputs({"input_ids": ids, "random_seed": np.array([2**64 - 1], dtype=np.uint64)})
+    assert raw["seed"] == -1
     with pytest.raises(SamplingParamsError, match="max_new_tokens given both as a request parameter"):
         parse_llm_inputs({"input_ids": ids, "sampling_parameters": sp}, params)
     assert parse_llm_inputs({"input_ids": ids}, "")[1] == {}

@@ -30,10 +30,10 @@ from backend.triton_io import (  # noqa: E402
     control,
     control_input,
     engine_config_overrides,
+    error_message,
     llm_output_arrays,
     llm_setting,
     meta_array,
-    named_as_sent,
     parse_abort_client,
     parse_abort_request_id,
     parse_llm_inputs,
@@ -194,7 +194,7 @@ class TritonPythonModel:
                     self.engine.abort(engine_id)
             except (RequestError, SamplingParamsError, DuplicateRequestId) as exc:
                 self._metrics.rejected("invalid_argument")
-                error = pb_utils.TritonError(named_as_sent(str(exc), arrays), pb_utils.TritonError.INVALID_ARG)
+                error = pb_utils.TritonError(error_message(exc, arrays), pb_utils.TritonError.INVALID_ARG)
                 guarded.send(pb_utils.InferenceResponse(error=error), final=True)
             except EngineOverloaded as exc:
                 self._metrics.rejected("overloaded")
