@@ -33,10 +33,33 @@ UNSUPPORTED: dict[str, str] = {
     "routed_experts_start_len": "routed_experts_start_len is not supported (no MoE models)",
 }
 
+# TensorRT-LLM backend names a request body of its users carries (the generate endpoint's keys and
+# gRPC parameters arrive as sampling parameters), each pointing at what does the job here.
+UNSUPPORTED.update({
+    "bad_words": "bad_words (TensorRT-LLM) is not supported: use logit_bias, or a regex/ebnf constraint",
+    "beam_width": "beam_width (TensorRT-LLM) is not supported here: beam search runs through the frontend "
+                  "(use_beam_search with n as the width)",
+    "exclude_input_in_output": "the output never includes the prompt (exclude_input_in_output false is not supported)",
+    "return_log_probs": "use return_logprob (SGLang's name), with top_logprobs_num",
+    "return_context_logits": "logits are not returned: use return_logprob with logprob_start_len for the prompt",
+    "return_generation_logits": "logits are not returned: use return_logprob with top_logprobs_num",
+    "num_return_sequences": "use n",
+    "end_id": "use stop_token_ids (the model's EOS ids stop generation unless ignore_eos)",
+    "pad_id": "there is no padding to set: sequences are not padded into batches",
+    "min_length": "use min_new_tokens (SGLang's name, an EOS floor) or min_tokens (vLLM's, stops too)",
+})
+
 # Values of an unsupported parameter that mean "off" are accepted: clients often send defaults.
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "return_routed_experts": (False,),
     "routed_experts_start_len": (0,),
+    "bad_words": ("", []),
+    "beam_width": (1,),
+    "exclude_input_in_output": (True,),
+    "return_log_probs": (False,),
+    "return_context_logits": (False,),
+    "return_generation_logits": (False,),
+    "num_return_sequences": (1,),
 }
 
 # The structured-output constraints a request may carry (at most one).
@@ -436,8 +459,8 @@ def parse_sampling_params(raw: dict[str, Any], defaults: Optional[dict[str, Any]
         if value is None and key != "max_new_tokens":  # an explicit null limit: the whole context
             continue
         if key in UNSUPPORTED:
-            if value in _OFF_VALUES.get(key, ()):
-                continue
+            if any(value == off and type(value) is type(off) for off in _OFF_VALUES.get(key, ())):
+                continue  # (typed: True == 1 is no beam_width)
             raise SamplingParamsError(f"unsupported parameter '{key}': {UNSUPPORTED[key]}")
         merged[key] = value
     unknown = [k for k in merged if k not in SamplingParams.model_fields]

@@ -30,6 +30,20 @@ def test_unsupported_parameters_are_refused_not_ignored():
     assert parse_sampling_params({"n": 1, "return_logprob": False}).max_new_tokens == 128
 
 
+def test_tensorrt_llm_names_are_refused_with_the_way_here_or_accepted_when_off():
+    # QA: a TensorRT-LLM backend body ({"bad_words": "", "stop_words": "", ...}, its client's
+    # beam_width 1 / exclude_input_in_output true) was "unknown sampling parameter(s)".
+    off = {"bad_words": "", "beam_width": 1, "exclude_input_in_output": True, "return_log_probs": False,
+           "return_context_logits": False, "return_generation_logits": False, "num_return_sequences": 1}
+    assert parse_sampling_params(off).max_new_tokens == 128
+    for raw, says in [({"bad_words": ["x"]}, "logit_bias"), ({"beam_width": 2}, "use_beam_search"),
+                      ({"beam_width": True}, "use_beam_search"), ({"exclude_input_in_output": False}, "never includes"),
+                      ({"return_log_probs": True}, "return_logprob"), ({"num_return_sequences": 2}, "use n"),
+                      ({"end_id": 2}, "stop_token_ids"), ({"pad_id": 0}, "padding"), ({"min_length": 4}, "min_new_tokens")]:
+        with pytest.raises(SamplingParamsError, match=f"unsupported parameter '{next(iter(raw))}'.*{says}"):
+            parse_sampling_params(raw)
+
+
 @pytest.mark.parametrize("raw, name", [
     ({"max_new_tokens": "8"}, "max_new_tokens"), ({"max_new_tokens": True}, "max_new_tokens"),
     ({"max_new_tokens": 8.0}, "max_new_tokens"), ({"ignore_eos": "yes"}, "ignore_eos"),

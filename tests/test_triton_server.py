@@ -238,8 +238,18 @@ def test_generate_keys_that_are_no_inputs_are_sampling_parameters(server):
         assert json.loads(raw)["completion_tokens"] == 3, raw
         status, raw = _http(server, f"/v2/models/{model}/generate", {**body, "temprature": 0})
         assert status == 400 and b"unknown sampling parameter(s): temprature" in raw, raw
-        status, raw = _http(server, f"/v2/models/{model}/generate", {**body, "end_id": 2, "beam_width": 2})
-        assert status == 400 and b"beam_width, end_id" in raw, raw
+        status, raw = _http(server, f"/v2/models/{model}/generate", {**body, "end_ids": 2, "beam_widths": 2})
+        assert status == 400 and b"beam_widths, end_ids" in raw, raw
+        # TensorRT-LLM's names: its README's body ("off" values) runs; others say what to use here.
+        status, raw = _http(server, f"/v2/models/{model}/generate", {**body, "bad_words": "", "beam_width": 1})
+        assert status == 200 and json.loads(raw)["completion_tokens"] == 3, raw
+        status, raw = _http(server, f"/v2/models/{model}/generate", {**body, "end_id": 2})
+        assert status == 400 and b"unsupported parameter 'end_id': use stop_token_ids" in raw, raw
+        # A tensor and a request parameter that disagree: refused, each named as sent (QA: the
+        # tensor won without a word).
+        status, raw = _http(server, f"/v2/models/{model}/generate", {**body, "max_tokens": 16})
+        assert status == 400 and (b"the input max_tokens (16) and max_new_tokens as a request parameter (3) "
+                                  b"differ: give it once") in raw, raw
 
 
 def test_cancelled_stream_frees_its_blocks(server, client, hf):
