@@ -61,7 +61,10 @@ def _same(raw: dict[str, Any], name: str, value: Any, source: str, where: Mappin
         return
     given = raw[name]
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (given, value))
-    if not (numbers and math.isclose(given, value, rel_tol=1e-6)):  # an FP32 tensor's 0.7 is 0.699999988
+    # Only a float may be near: an FP32 tensor's 0.7 is 0.699999988. Whole numbers (a seed, a
+    # limit) must match exactly.
+    floats = numbers and any(isinstance(v, float) for v in (given, value))
+    if not (floats and math.isclose(given, value, rel_tol=1e-6)):
         raise InputConflict(f"{source} ({value!r}) and {name} {where.get(name, '')} ({raw[name]!r}) differ: "
                             "give it once")
 
@@ -146,8 +149,9 @@ def parse_llm_inputs(arrays: dict[str, np.ndarray], parameters: str = "") -> tup
         if words:
             # Beside a `stop` parameter (a TensorRT-LLM body always carries stop_words): both apply.
             given = raw.get("stop")
-            given = [given] if isinstance(given, str) else list(given) if isinstance(given, list) else []
-            raw["stop"] = list(dict.fromkeys([*words, *given]))
+            if given is None or isinstance(given, (str, list)):  # anything else is validation's to refuse
+                given = [given] if isinstance(given, str) else given or []
+                raw["stop"] = list(dict.fromkeys([*words, *given]))
     if "stream" in arrays:
         stream = bool(_scalar(arrays["stream"], "stream"))
         _same(raw, "stream", stream, "the input stream", where)

@@ -65,18 +65,23 @@ def to_array(name: str, value: Any) -> np.ndarray:
         if dtype is not None and np.issubdtype(dtype, np.integer):
             _check_range(name, value, dtype)
         return np.asarray(value, dtype=dtype)
-    if dtype is not None and np.issubdtype(dtype, np.integer) and value.dtype.kind in "iu" and value.size:
-        _check_range(name, [value.min(), value.max()], dtype)
+    if dtype is not None and np.issubdtype(dtype, np.integer) and value.dtype.kind in "iuf" and value.size:
+        _check_range(name, value.reshape(-1).tolist() if value.dtype.kind == "f" else [value.min(), value.max()],
+                     dtype)
     return value if dtype is None else value.astype(dtype)
 
 
 def _check_range(name: str, values: Sequence[Any], dtype: Any) -> None:
     # numpy 1.x casts an integer past the tensor's type by wrapping it: 2**32 + 5 was sent as
-    # token 5, and 5e9 was refused under the wrapped value's name.
+    # token 5, and 5e9 was refused under the wrapped value's name. A float is cast too (5e9
+    # wrapped, 2.5 truncated): only a whole one in range goes.
     info = np.iinfo(dtype)
-    bad = [v for v in values if isinstance(v, (int, np.integer)) and not info.min <= int(v) <= info.max]
-    if bad:
-        raise ValueError(f"{name} out of range for {np.dtype(dtype).name} [{info.min}, {info.max}]: {int(bad[0])}")
+    for v in values:
+        if isinstance(v, (float, np.floating)) and not float(v).is_integer():
+            raise ValueError(f"{name} must be a whole number for {np.dtype(dtype).name}: {v}")
+        if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) \
+                and not info.min <= v <= info.max:
+            raise ValueError(f"{name} out of range for {np.dtype(dtype).name} [{info.min}, {info.max}]: {v}")
 
 
 def make_inputs(values: dict[str, Any]) -> list[grpcclient.InferInput]:

@@ -331,8 +331,12 @@ def test_ids_past_the_tensor_type_are_refused_not_wrapped():
 
     assert to_array("input_ids", [1, 2]).tolist() == [1, 2]
     assert to_array("random_seed", 2**64 - 1).tolist() == [2**64 - 1]
+    assert to_array("max_tokens", 8.0).tolist() == [8]  # a whole float is that integer
+    with pytest.raises(ValueError, match="max_tokens must be a whole number"):
+        to_array("max_tokens", 2.5)
     for name, value in (("input_ids", [2**32 + 5]), ("input_ids", np.array([5, 2**40])), ("random_seed", -1),
-                        ("max_tokens", 2**31)):
+                        ("max_tokens", 2**31), ("max_tokens", 5e9), ("input_ids", np.array([5e9])),
+                        ("top_k", 3e10)):
         with pytest.raises(ValueError, match=f"{name} out of range"):
             to_array(name, value)
     r = run_cli("--url", "localhost:1", "--input-ids", "4294967301")

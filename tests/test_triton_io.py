@@ -106,6 +106,9 @@ def test_request_parameters_are_sampling_parameters():
          "the input random_seed (5) and seed as a request parameter (6) differ: give it once"),
         ({"stream": np.array([False])}, json.dumps({"stream": True}),
          "the input stream (False) and stream as a request parameter (True) differ: give it once"),
+        # Review: whole numbers near each other (rel_tol 1e-6) passed, the tensor's winning.
+        ({"random_seed": np.array([4000000000], dtype=np.uint64)}, json.dumps({"seed": 4000003000}),
+         "the input random_seed (4000000000) and seed as a request parameter (4000003000) differ: give it once"),
     ]:
         with pytest.raises(SamplingParamsError) as err:
             parse_llm_inputs({"input_ids": ids, **arrays}, parameters)
@@ -122,6 +125,9 @@ def test_request_parameters_are_sampling_parameters():
     words = np.array([b"zzzz", b""], dtype=object)
     _, raw, _ = parse_llm_inputs({"input_ids": ids, "stop_words": words}, json.dumps({"stop": "clap"}))
     assert raw["stop"] == ["zzzz", "clap"]
+    # Review: a stop that is no string or list was dropped beside stop_words; validation refuses it
+    _, raw, _ = parse_llm_inputs({"input_ids": ids, "stop_words": words}, json.dumps({"stop": 5}))
+    assert raw["stop"] == 5
     # random_seed is UINT64, as TensorRT-LLM's seed: its upper half is the int64 seeds of the same bits
     _, raw, _ = parse_llm_inputs({"input_ids": ids, "random_seed": np.array([2**64 - 1], dtype=np.uint64)})
     assert raw["seed"] == -1
