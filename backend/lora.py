@@ -91,7 +91,9 @@ def parse_lora_modules(spec: Any) -> dict[str, str]:
     if isinstance(spec, dict):
         return {str(k): str(v) for k, v in spec.items()}
     out: dict[str, str] = {}
-    for item in re.split(r"[,\s]+", str(spec).strip()):
+    # Entries are split at commas, and at spaces only before the next `name=`: a path may hold
+    # spaces (QA: "a=/tmp/my adapter" was refused over its fragment "adapter").
+    for item in re.split(r"\s*,\s*|\s+(?=[^\s=,]+=)", str(spec).strip()):
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise LoraError(f"lora_modules entries are name=path, got {item!r}")

@@ -54,8 +54,9 @@ while [ $# -gt 0 ]; do
     --logits-processor-pattern) export LLM_LOGITS_PROCESSOR_PATTERN=$2; shift 2 ;;
     --reasoning-parser) REASONING_PARSER=$2; shift 2 ;;
     --lora-modules)
-      mods=()
-      for item in ${2//,/ }; do
+      mods=() items=()
+      IFS=, read -ra items <<< "$2"  # split at commas only: a path may hold spaces or glob characters
+      for item in "${items[@]}"; do
         case "$item" in *=*) mods+=("${item%%=*}=$(abspath "${item#*=}")") ;; *) mods+=("$item") ;; esac
       done
       LLM_LORA_MODULES=$(IFS=,; printf '%s' "${mods[*]}"); export LLM_LORA_MODULES; shift 2 ;;

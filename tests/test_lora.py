@@ -163,6 +163,9 @@ def test_adapter_errors_are_clear(engine, demo_model_path, tmp_path):
     with pytest.raises(RequestError, match="LoRA adapter 'nope' is not loaded; loaded adapters: attn, sql"):
         engine.add_request([1, 2, 3], engine.parse_params({"lora_path": "nope"}), lambda o: None)
     assert parse_lora_modules("a=/x, b=/y") == {"a": "/x", "b": "/y"}
+    # vLLM's space-separated form, and a path with a space in it (QA: refused over "adapter")
+    assert parse_lora_modules("a=/x b=/y") == {"a": "/x", "b": "/y"}
+    assert parse_lora_modules("a=/tmp/my adapter,b=/y") == {"a": "/tmp/my adapter", "b": "/y"}
     with pytest.raises(LoraError, match="name=path"):
         parse_lora_modules("just-a-path")
     bad = tmp_path / "bad"
