@@ -81,8 +81,9 @@ class EngineConfig(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     seed: int = 0
     # Requests the next step cannot start (past max_num_seqs) wait; past this many waiting ones they
-    # are refused as overloaded (bounded memory under load).
-    max_waiting_requests: int = Field(default=1024, ge=0)
+    # are refused as overloaded (bounded memory under load). At least 1: a request is counted as
+    # waiting until a step starts it, so 0 refused every request, an idle server's too (QA).
+    max_waiting_requests: int = Field(default=1024, ge=1)
     # Content-addressed sharing of full KV blocks between requests with a common prefix.
     enable_prefix_caching: bool = True
     # Loading a serialized CustomLogitProcessor runs code from the request: off unless enabled.

@@ -214,11 +214,17 @@ _OTHER_LLM_ENV = frozenset({
 })
 
 
-def unknown_llm_env(params: dict[str, str], env: Mapping[str, str]) -> list[str]:
+def unknown_llm_env(env: Mapping[str, str]) -> list[str]:
     """The LLM_* environment variables that name no setting: a typo (LLM_MAX_NUM_SEQ) was ignored
-    without a word (QA). Every llm setting is a config.pbtxt parameter."""
-    known = {f"LLM_{name.upper()}" for name in params} | _OTHER_LLM_ENV
+    without a word (QA)."""
+    known = {f"LLM_{name.upper()}" for name in LLM_SETTINGS} | _OTHER_LLM_ENV
     return sorted(name for name in env if name.startswith("LLM_") and name not in known)
+
+
+def unknown_llm_params(params: Mapping[str, str]) -> list[str]:
+    """config.pbtxt parameters of the llm model that name no setting (QA: a typo, max_num_seq,
+    was ignored, and made LLM_MAX_NUM_SEQ look known). The model refuses to load with them."""
+    return sorted(name for name in params if name not in LLM_SETTINGS)
 
 
 # The EngineConfig fields an llm setting sets, and how to read the setting's text.
@@ -255,6 +261,12 @@ ENGINE_SETTINGS: dict[str, Any] = {
 }
 
 
+# The llm model's own settings, read by model_repository/llm/1/model.py before the engine exists.
+SERVING_SETTINGS = ("model_path", "engine_process", "stream_interval", "allow_runtime_lora_updating",
+                    "max_responses_per_step", "response_senders")
+LLM_SETTINGS = frozenset(ENGINE_SETTINGS) | frozenset(SERVING_SETTINGS)
+
+
 def engine_config_overrides(params: dict[str, str], env: dict[str, str]) -> dict[str, Any]:
     """EngineConfig fields from config.pbtxt parameters; env LLM_<NAME> wins; 'auto' means default."""
     out: dict[str, Any] = {}
@@ -288,8 +300,9 @@ def read_setting(params: dict[str, str], env: Mapping[str, str], name: str, cast
 
 def llm_setting(params: dict[str, str], env: Mapping[str, str], name: str) -> Optional[str]:
     """One llm model setting: env LLM_<NAME> wins over the config.pbtxt parameter; unset, empty
-    or 'auto' is None (the default)."""
-    value = env.get(f"LLM_{name.upper()}", params.get(name))
+    or 'auto' is None (the default). An empty variable (`docker -e X=`, compose's `${X:-}`) is
+    unset: the parameter applies (QA: it replaced the parameter with the default)."""
+    value = env.get(f"LLM_{name.upper()}") or params.get(name)
     return None if value is None or value == "" or value == "auto" else value
 
 

@@ -33,7 +33,8 @@ GREEDY = json.dumps({"temperature": 0, "ignore_eos": True})
 @pytest.fixture(scope="module")
 def server(start_triton):
     with start_triton(num_kv_blocks=256, max_model_len=1024, name="engine-process",
-                      env={"LLM_ENGINE_PROCESS": "separate"}) as srv:
+                      # cpu:0, not cpu: QA: the model compared the text, so it got the GPU defaults
+                      env={"LLM_ENGINE_PROCESS": "separate", "LLM_DEVICE": "cpu:0"}) as srv:
         yield srv
 
 
@@ -62,6 +63,9 @@ def _engine_children(server) -> list[int]:
 def test_engine_info_reports_the_separate_process(server, client):
     info = _engine_info(client)
     assert info["config"]["engine_process"] == "separate"
+    # the CPU defaults for any spelling of the CPU (torch_threads: all cores but one, at least 1)
+    assert info["config"]["device"] == "cpu:0" and info["config"]["max_responses_per_step"] == 16
+    assert info["config"]["torch_threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
     assert info["stats"]["num_kv_blocks"] == 256
     assert len(_engine_children(server)) == 1
 

@@ -13,8 +13,10 @@ def test_env_wins_and_auto_or_empty_means_default():
     assert llm_setting(params, {}, "max_responses_per_step") is None
     assert llm_setting(params, {}, "stream_interval") is None
     assert llm_setting(params, {}, "not_set") is None
-    # an empty env var means the default, not the parameter (the same rule for every setting)
-    assert llm_setting(params, {"LLM_RESPONSE_SENDERS": ""}, "response_senders") is None
+    # an empty env var is unset (docker -e X=, compose's ${X:-}): the parameter applies; "auto"
+    # asks for the default
+    assert llm_setting(params, {"LLM_RESPONSE_SENDERS": ""}, "response_senders") == "2"
+    assert llm_setting(params, {"LLM_RESPONSE_SENDERS": "auto"}, "response_senders") is None
 
 
 def test_engine_config_overrides_cast_through_the_same_rule():
@@ -154,14 +156,21 @@ def test_an_llm_env_variable_that_names_no_setting_is_reported():
     import re
     from pathlib import Path
 
-    from backend.triton_io import ENGINE_SETTINGS, unknown_llm_env
+    from backend.triton_io import LLM_SETTINGS, llm_setting, unknown_llm_env, unknown_llm_params
 
     config = (Path(__file__).resolve().parents[1] / "model_repository" / "llm" / "config.pbtxt").read_text()
     params = {key: "" for key in re.findall(r'key: "(\w+)"', config)}
+    assert set(params) == LLM_SETTINGS and unknown_llm_params(params) == []  # each parameter is a setting
     env = {"LLM_MAX_NUM_SEQ": "2", "LLM_MAX_NUM_SEQS": "2", "LLM_MODEL_PATH": "m", "LLM_SEED": "3", "PATH": "/bin"}
-    assert unknown_llm_env(params, env) == ["LLM_MAX_NUM_SEQ"]
-    # every setting the engine reads is a parameter there, so none of them is ever reported
-    assert unknown_llm_env(params, {f"LLM_{name.upper()}": "1" for name in ENGINE_SETTINGS}) == []
+    assert unknown_llm_env(env) == ["LLM_MAX_NUM_SEQ"]
+    assert unknown_llm_env({f"LLM_{name.upper()}": "1" for name in LLM_SETTINGS}) == []
+    # QA: a config.pbtxt typo was ignored, and made the env typo of the same name look known; a
+    # trimmed config.pbtxt made real settings look unknown.
+    assert unknown_llm_params({**params, "max_num_seq": "4"}) == ["max_num_seq"]
+    assert unknown_llm_env({"LLM_STREAM_INTERVAL": "5"}) == []
+    # QA: an empty variable replaced the parameter with the default; it is unset instead.
+    assert llm_setting({"max_num_seqs": "8"}, {"LLM_MAX_NUM_SEQS": ""}, "max_num_seqs") == "8"
+    assert llm_setting({"max_num_seqs": "8"}, {"LLM_MAX_NUM_SEQS": "auto"}, "max_num_seqs") is None
 
 
 
@@ -199,3 +208,16 @@ def test_the_engine_config_refuses_an_unknown_device_and_a_broken_pattern():
     with pytest.raises(ValidationError, match=r"logits_processor_pattern '\(' is not a valid regular expression"):
         EngineConfig(model_path="m", logits_processor_pattern="(")
     assert EngineConfig(model_path="m", logits_processor_pattern=r"^os\.").logits_processor_pattern == r"^os\."
+
+
+def test_max_waiting_requests_is_at_least_one():
+    # QA: 0 was accepted and refused every request as overloaded, an idle server's too (a request
+    # counts as waiting until a step starts it).
+    import pytest
+    from pydantic import ValidationError
+
+    from backend.config import EngineConfig
+
+    with pytest.raises(ValidationError, match="max_waiting_requests"):
+        EngineConfig(model_path="m", max_waiting_requests=0)
+    assert EngineConfig(model_path="m", max_waiting_requests=1).max_waiting_requests == 1

@@ -42,6 +42,7 @@ from backend.triton_io import (  # noqa: E402
     server_torch_threads,
     setting_flag,
     unknown_llm_env,
+    unknown_llm_params,
 )  # noqa: E402
 from backend.triton_metrics import LLMMetrics  # noqa: E402
 from backend.triton_utils import (  # noqa: E402
@@ -78,14 +79,17 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         env = dict(os.environ)
-        if unknown := unknown_llm_env(params, env):
+        if unknown := unknown_llm_params(params):
+            raise ValueError(f"llm config.pbtxt: unknown parameter(s) {', '.join(unknown)} (README: Engine settings)")
+        if unknown := unknown_llm_env(env):
             pb_utils.Logger.log_warn(f"llm: ignored environment variable(s) {', '.join(unknown)}: no such setting "
                                      "(README: Engine settings)")
         overrides = engine_config_overrides(params, env)
         if overrides.get("device") is None:
             overrides.pop("device", None)
         config = EngineConfig(model_path=model_path_from_config(args), **overrides)
-        if config.torch_threads is None and config.device == "cpu":
+        on_cpu = config.device.split(":")[0] == "cpu"  # "cpu:0" too (QA: it got the GPU defaults)
+        if config.torch_threads is None and on_cpu:
             config = config.model_copy(update={"torch_threads": server_torch_threads()})
         # in_stub: the engine's step loop runs on a thread of this stub. separate: in a child
         # process with its own GIL, away from the response threads (backend/engine_process.py).
@@ -114,7 +118,7 @@ class TritonPythonModel:
         # max_responses_per_step per engine step (backend/outbox.py). auto: 16 on CPU, where
         # each response's trip through the ensemble costs about as much CPU as a step of a
         # small model; no cap on GPU hosts.
-        per_step = (16 if config.device == "cpu" else 0) if cap is None else cap
+        per_step = (16 if on_cpu else 0) if cap is None else cap
         # A send waits until the server has taken the response, so one sender thread has one
         # response in flight; several keep the server's side busy (backend/outbox.py).
         self._outbox = Outbox("llm-responses", responses_per_step=per_step, senders=senders)
