@@ -281,7 +281,7 @@ _KINDS = {int: "an integer", float: "a number", setting_flag: "a boolean (true/f
 
 
 def read_setting(params: dict[str, str], env: Mapping[str, str], name: str, cast: Any = str,
-                 minimum: Optional[float] = None) -> Any:
+                 minimum: Optional[float] = None, maximum: Optional[float] = None) -> Any:
     """llm_setting read as `cast` (None when unset): a value it cannot read, or below `minimum`,
     is an error naming the setting; with several LLM_* variables set, a bare int() message did
     not say which (QA)."""
@@ -295,6 +295,8 @@ def read_setting(params: dict[str, str], env: Mapping[str, str], name: str, cast
         raise ValueError(f"{where}: expected {_KINDS.get(cast, 'a valid value')}, got {value!r}") from None
     if minimum is not None and out < minimum:
         raise ValueError(f"{where}: must be at least {minimum:g}, got {value!r}")
+    if maximum is not None and out > maximum:
+        raise ValueError(f"{where}: must be at most {maximum:g}, got {value!r}")
     return out
 
 

@@ -192,6 +192,8 @@ def test_a_setting_that_cannot_be_read_is_named():
         read_setting({"response_senders": "x"}, {}, "response_senders", int, minimum=1)
     assert read_setting({"response_senders": "auto"}, {}, "response_senders", int, minimum=1) is None
     assert read_setting({}, {"LLM_MAX_RESPONSES_PER_STEP": "0"}, "max_responses_per_step", int, minimum=0) == 0
+    with pytest.raises(ValueError, match="response_senders .*must be at most 256, got '100000000'"):
+        read_setting({}, {"LLM_RESPONSE_SENDERS": "100000000"}, "response_senders", int, minimum=1, maximum=256)
 
 
 def test_the_engine_config_refuses_an_unknown_device_and_a_broken_pattern():

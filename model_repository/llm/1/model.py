@@ -105,7 +105,8 @@ class TritonPythonModel:
         self.stream_interval = read_setting(params, env, "stream_interval", int, minimum=1) or 1
         self.runtime_lora = bool(read_setting(params, env, "allow_runtime_lora_updating", setting_flag))
         cap = read_setting(params, env, "max_responses_per_step", int, minimum=0)
-        senders = read_setting(params, env, "response_senders", int, minimum=1) or 4
+        # A thread each, started at load (QA: nothing bounded it; 10^8 would be tried).
+        senders = read_setting(params, env, "response_senders", int, minimum=1, maximum=256) or 4
         if engine_process == "separate":
             self.engine = EngineProxy(config)
             self.engine.on_gone = self._engine_gone
