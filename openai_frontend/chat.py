@@ -264,8 +264,9 @@ class ChatHandler:
                 # not in `tools` is dropped there (as SGLang's parsers drop it), so here too.
                 # A forced tool_choice constrains the output to calls: no text of it is the
                 # model's answer (OpenAI returns null there).
-                message["content"] = None if plan.forced or (calls or message["content"] is None) and not normal \
-                    else normal
+                # Beside calls, or after reasoning that left no content, no text is null too.
+                empty = not normal and (calls or message["content"] is None)
+                message["content"] = None if plan.forced or empty else normal
                 if calls:
                     message["tool_calls"] = [
                         {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
