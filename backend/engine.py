@@ -1157,6 +1157,8 @@ class ModelRunnerSizing:
             num_blocks = int(max(free - weights * 1.2, 0) * config.gpu_memory_utilization) // bytes_per_block
         else:
             num_blocks = 2**30 // bytes_per_block  # 1 GiB on CPU
+        if config.device.split(":")[0] == "cpu":
+            _check_host_memory(int(num_blocks) * bytes_per_block)
         bs = config.block_size
         need, what = -(-self.max_model_len // bs), f"one sequence of the context length {self.max_model_len}"
         window = model.uniform_window
@@ -1171,6 +1173,36 @@ class ModelRunnerSizing:
                 f"raise num_kv_blocks or lower max_model_len"
             )
         self.num_blocks = int(num_blocks)
+
+
+def _check_host_memory(pool_bytes: int) -> None:
+    """On the CPU the pool is zeroed host memory: one larger than what the host has available
+    would be allocated page by page until the kernel's OOM killer ends the process (the Triton
+    stub dies with no reason given), so it is refused here with one (settings QA)."""
+    available = _host_available_bytes()
+    if available is not None and pool_bytes > available:
+        raise ValueError(
+            f"the KV pool needs {pool_bytes / 2**20:.0f} MiB and this host has "
+            f"{available / 2**20:.0f} MiB available; lower kv_cache_memory_mb or num_kv_blocks"
+        )
+
+
+def _host_available_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo, or less where a cgroup v2 memory limit (a container's
+    `--memory`) leaves less; None where neither can be read (not Linux)."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def _eos_token_ids(model_path: Path, tokenizer: Any) -> list[int]:

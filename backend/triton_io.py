@@ -316,6 +316,16 @@ def server_torch_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def oversubscribed_threads(threads: int, cores: Optional[int] = None) -> Optional[str]:
+    """A warning when torch_threads is more than the CPUs this process may run on: allowed (a
+    benchmark may want it) but never faster, as each parallel region waits at its barrier for
+    the threads that have no core (settings QA: nothing said so)."""
+    cores = cores or len(os.sched_getaffinity(0))
+    if threads <= cores:
+        return None
+    return f"torch_threads {threads} is more than the {cores} CPU(s) this process may run on; the extra threads only wait"
+
+
 def parse_abort_request_id(arr: np.ndarray) -> str:
     return str(_scalar(arr, "abort_request_id"))
 

@@ -142,3 +142,18 @@ def test_fp8_writes_saturate_instead_of_overflowing(demo_model_path, kv, limit):
     assert torch.equal(stored[:, 0], torch.full_like(stored[:, 0], limit))
     assert torch.equal(stored[:, 1], torch.full_like(stored[:, 1], -limit))
     assert torch.equal(runner.v_cache[0][:, [3, 17]].float(), torch.full((kvh, 2, d), 0.5, device=TEST_DEVICE))
+
+
+def test_a_cpu_pool_larger_than_the_host_memory_is_refused_at_load(demo_model_path, monkeypatch):
+    # Zeroing it would run until the OOM killer ended the process with no reason given.
+    import backend.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_host_available_bytes", lambda: 64 * 2**20)
+    base = dict(model_path=demo_model_path, device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match=r"the KV pool needs 100 MiB and this host has 64 MiB available"):
+        ModelRunnerSizing(demo_model_path, EngineConfig(**base, kv_cache_memory_mb=100))
+    sizing = ModelRunnerSizing(demo_model_path, EngineConfig(**base, kv_cache_memory_mb=16))
+    with pytest.raises(ValueError, match="lower kv_cache_memory_mb or num_kv_blocks"):
+        ModelRunnerSizing(demo_model_path, EngineConfig(**base, num_kv_blocks=sizing.num_blocks * 5))
+    monkeypatch.undo()
+    assert 0 < engine_module._host_available_bytes() < 2**50  # read from this host's /proc/meminfo

@@ -223,3 +223,12 @@ def test_max_waiting_requests_is_at_least_one():
     with pytest.raises(ValidationError, match="max_waiting_requests"):
         EngineConfig(model_path="m", max_waiting_requests=0)
     assert EngineConfig(model_path="m", max_waiting_requests=1).max_waiting_requests == 1
+
+
+def test_more_torch_threads_than_cpus_is_warned_about():
+    from backend.triton_io import oversubscribed_threads
+
+    assert oversubscribed_threads(2, cores=2) is None and oversubscribed_threads(1, cores=16) is None
+    assert oversubscribed_threads(64, cores=2) == (
+        "torch_threads 64 is more than the 2 CPU(s) this process may run on; the extra threads only wait")
+    assert oversubscribed_threads(10**6) is not None  # the CPUs this process may use, read here

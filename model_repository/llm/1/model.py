@@ -34,6 +34,7 @@ from backend.triton_io import (  # noqa: E402
     llm_output_arrays,
     llm_setting,
     meta_array,
+    oversubscribed_threads,
     parse_abort_client,
     parse_abort_request_id,
     parse_llm_inputs,
@@ -91,6 +92,8 @@ class TritonPythonModel:
         on_cpu = config.device.split(":")[0] == "cpu"  # "cpu:0" too (QA: it got the GPU defaults)
         if config.torch_threads is None and on_cpu:
             config = config.model_copy(update={"torch_threads": server_torch_threads()})
+        elif on_cpu and (warning := oversubscribed_threads(config.torch_threads)):
+            pb_utils.Logger.log_warn(f"llm: {warning}")
         # in_stub: the engine's step loop runs on a thread of this stub. separate: in a child
         # process with its own GIL, away from the response threads (backend/engine_process.py).
         # auto: separate on CUDA, where the stub's GIL bound the step loop (H200, c=64: through
