@@ -657,14 +657,17 @@ class LLMEngine:
             start = seq.num_computed_tokens
             if item.draft:  # the newest token and the draft after it, every position sampled
                 chunks.append((seq.token_ids[start:] + item.draft, start, seq.block_table, list(range(item.num_new_tokens))))
-                continue
-            ids = seq.token_ids[start : start + item.num_new_tokens]
-            chunks.append((ids, start, seq.block_table, self._logit_rows(seq, start, len(ids), item.samples)))
+            else:
+                ids = seq.token_ids[start : start + item.num_new_tokens]
+                chunks.append((ids, start, seq.block_table, self._logit_rows(seq, start, len(ids), item.samples)))
+            # A draft can follow a prompt's last token too (its last chunk one token long): that
+            # token is still the prompt's (QA: its embedded row was left out there, and the
+            # placeholder id's embedding computed instead).
             if start < seq.num_prompt_tokens:
                 self._prompt_tokens_total += min(item.num_new_tokens, seq.num_prompt_tokens - start)
                 if seq.prompt_embeds is not None:  # the chunk's prompt part reads the given rows
                     embeds = embeds or [None] * len(scheduled)
-                    embeds[c] = seq.prompt_embeds[start : start + item.num_new_tokens]
+                    embeds[c] = seq.prompt_embeds[start : min(start + item.num_new_tokens, seq.num_prompt_tokens)]
         wants_hidden = [item.seq.params.return_hidden_states for item in scheduled]
         # Each sequence carries its adapter: an adapter unloaded meanwhile still serves it.
         # Drafts to verify beside plain decodes: a few tokens per sequence, laid out as a decode

@@ -115,6 +115,25 @@ def test_preempted_and_recomputed_from_the_embeddings(demo_model_path, hf_model)
         small.shutdown()
 
 
+def test_a_draft_after_the_last_prompt_row_keeps_that_row(engine, demo_model_path, hf_model):
+    # 33 rows under a 16-token budget: the last chunk is one prompt token, and a draft (the
+    # request's prediction; the server's n-gram one) rides with it. QA: that token was computed
+    # from the placeholder id, not its row, and every output token after differed.
+    embeds = _random_embeds(33, 14)
+    want = _hf_greedy(hf_model, embeds, 6)
+    (out,) = engine.generate([[]], engine.parse_params(_greedy(6, prediction=want[:3])), input_embeds=[embeds])
+    assert out.new_token_ids == want
+    assert out.accepted_prediction_tokens == 3 and out.rejected_prediction_tokens == 0
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    spec = make_engine(demo_model_path, max_num_batched_tokens=16, speculative_config=ngram)
+    try:
+        # The prompt is one placeholder id repeated: the n-gram drafts at its last token.
+        (out,) = spec.generate([[]], spec.parse_params(_greedy(6)), input_embeds=[embeds])
+        assert out.new_token_ids == want and spec.stats().spec_draft_tokens_total > 0
+    finally:
+        spec.shutdown()
+
+
 def test_truncate_prompt_tokens_keeps_the_last_rows(engine, hf_model):
     embeds = _random_embeds(30, 12)
     (out,) = engine.generate([[]], engine.parse_params(_greedy(6, truncate_prompt_tokens=18)), input_embeds=[embeds])
