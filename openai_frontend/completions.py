@@ -43,13 +43,16 @@ def split_prompts(prompt: Any) -> list[Prompt]:
     raise bad_request("prompt must not mix strings and token ids", param="prompt")
 
 
-def chunk_logprobs(chunk: EngineChunk, echo: bool, top: Optional[int]) -> Optional[list[TokenLogprob]]:
-    """The chunk's logprobs in text order: with echo, the prompt's (sent with the first chunk)
-    before the generated tokens'."""
+def add_logprobs(lp: CompletionLogprobs, chunk: EngineChunk, echo: Optional[str], top: Optional[int]) -> Optional[dict]:
+    """Adds the chunk's logprobs, in text order: with `echo` (the first chunk's echoed prompt),
+    the prompt's before the generated tokens', each over its own text. Returns the chunk's own
+    logprobs object, None when the engine sent none."""
+    start = len(lp.tokens)
+    if echo is not None:
+        lp.add(chunk.prompt_logprobs(top) or [], echo)
     items = chunk.logprobs(top)
-    if echo and (prompt := chunk.prompt_logprobs(top)):
-        return prompt + (items or [])
-    return items
+    lp.add(items or [], chunk.text)
+    return lp.since(start) if len(lp.tokens) > start or items is not None else None
 
 
 def _cached(values: list[Optional[int]]) -> Optional[int]:
@@ -119,8 +122,10 @@ class CompletionHandler:
         stop_reasons: list[Any] = [None] * k
         completion_tokens = [0] * k
         prompt_tokens = [0] * k
-        logprobs = [CompletionLogprobs(namer) if req.logprobs is not None else None for _ in range(k)]
+        logprobs = [CompletionLogprobs(namer, req.skip_special_tokens) if req.logprobs is not None else None
+                    for _ in range(k)]
         got_logprobs = [False] * k
+        echoed = [False] * k
         prompt_lps: list[Optional[list[TokenLogprob]]] = [None] * k  # vLLM's prompt_logprobs
         cached: list[Optional[int]] = [None] * k
         hidden = [LastHiddenState() if req.return_hidden_states else None for _ in range(k)]
@@ -129,14 +134,15 @@ class CompletionHandler:
             async for j, chunk in it:
                 if cached[j] is None:
                     cached[j] = chunk.cached_tokens
+                echo = None
+                if echoes and not echoed[j]:
+                    echoed[j] = True
+                    echo = echoes[j]
                 if chunk.text:
                     texts[j].append(chunk.text)
                 lp = logprobs[j]
-                if lp is not None:
-                    items = chunk_logprobs(chunk, bool(echoes), req.logprobs)
-                    if items is not None:
-                        got_logprobs[j] = True
-                        lp.add(items)
+                if lp is not None and add_logprobs(lp, chunk, echo, req.logprobs) is not None:
+                    got_logprobs[j] = True
                 if req.prompt_logprobs is not None and prompt_lps[j] is None:
                     prompt_lps[j] = chunk.prompt_logprobs(req.prompt_logprobs)
                 completion_tokens[j] = chunk.completion_tokens
@@ -186,7 +192,8 @@ class CompletionHandler:
         completion_tokens = [0] * k
         prompt_tokens = [0] * k
         echoed = [not echoes] * k
-        logprobs = [CompletionLogprobs(namer) if req.logprobs is not None else None for _ in range(k)]
+        logprobs = [CompletionLogprobs(namer, req.skip_special_tokens) if req.logprobs is not None else None
+                    for _ in range(k)]
         cached: list[Optional[int]] = [None] * k
         hidden = [LastHiddenState() if req.return_hidden_states else None for _ in range(k)]
         n = req.n
@@ -197,16 +204,15 @@ class CompletionHandler:
                 hidden[j].add(chunk)
             if include_usage and cached[j] is None:
                 cached[j] = chunk.cached_tokens
-            text = chunk.text
+            text, echo = chunk.text, None
             if not echoed[j]:
                 echoed[j] = True
-                text = echoes[j] + text
+                echo = echoes[j]
+                text = echo + text
             lp_json = "null"
             lp = logprobs[j]
-            if lp is not None:
-                items = chunk_logprobs(chunk, bool(echoes), req.logprobs)
-                if items:
-                    lp_json = dumps(lp.add(items))
+            if lp is not None and (chunk_lp := add_logprobs(lp, chunk, echo, req.logprobs)) and chunk_lp["tokens"]:
+                lp_json = dumps(chunk_lp)
             finish = chunk.finish_reason
             if not text and not finish and lp_json == "null":
                 continue

@@ -6,6 +6,7 @@ asked for logprobs and the engine sent none, the choice's logprobs is null.
 
 from __future__ import annotations
 
+import codecs
 from typing import Any, Optional
 
 from openai_frontend.engine_types import TokenLogprob
@@ -26,10 +27,17 @@ class TokenNamer:
             return self.files.token_text(lp.token_id)
         return f"token_id:{lp.token_id}"
 
+    def raw(self, lp: TokenLogprob) -> Optional[bytes]:
+        """The token's own bytes where the tokenizer says them, else None."""
+        return self.files.token_bytes(lp.token_id) if self.files is not None else None
+
+    def special(self, lp: TokenLogprob) -> bool:
+        return self.files is not None and self.files.is_special(lp.token_id)
+
     def bytes(self, lp: TokenLogprob, token: str) -> list[int]:
         """OpenAI's `bytes` of a token: its own bytes where the tokenizer says them (a piece of a
         character is U+FFFD as text, and its bytes are what joins it back), else its text's."""
-        raw = self.files.token_bytes(lp.token_id) if self.files is not None else None
+        raw = self.raw(lp)
         return list(raw if raw is not None else token.encode("utf-8"))
 
 
@@ -64,19 +72,28 @@ def prompt_logprobs(items: list[TokenLogprob], name: TokenNamer) -> list[Optiona
 
 
 class CompletionLogprobs:
-    """Accumulates the legacy completions logprobs format across chunks."""
+    """Accumulates the legacy completions logprobs format across chunks.
 
-    def __init__(self, name: TokenNamer, text_offset: int = 0) -> None:
+    `text_offset` indexes the choice's `text`. Each chunk's text is what its tokens added, so a
+    chunk's first token starts where the text stood before it, and the tokens within a chunk
+    advance by the characters they complete: a token's bytes through a UTF-8 decoder, so the
+    first pieces of a character add none and its last piece adds it (a token's name alone, "�"
+    for each piece, drifted one place per piece: CJK text's offsets pointed past its tokens), and
+    a special token the text skips adds none. vLLM advances by the length of each token's name."""
+
+    def __init__(self, name: TokenNamer, skip_special_tokens: bool = True) -> None:
         self.name = name
-        self.offset = text_offset
+        self.skip_special_tokens = skip_special_tokens
+        self.offset = 0  # the text's length so far
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.tokens: list[str] = []
         self.token_logprobs: list[Optional[float]] = []  # None: the echoed prompt's first token
         self.top_logprobs: list[Optional[dict[str, float]]] = []
         self.text_offset: list[int] = []
 
-    def add(self, items: list[TokenLogprob]) -> dict[str, Any]:
-        """Add a chunk's tokens; returns the chunk's own logprobs object (for streaming)."""
-        start = len(self.tokens)
+    def add(self, items: list[TokenLogprob], text: str) -> None:
+        """Add a chunk's tokens and the text they added (an echoed prompt is a chunk of its own)."""
+        base, done = self.offset, 0
         for lp in items:
             token = self.name(lp)
             self.tokens.append(token)
@@ -90,11 +107,22 @@ class CompletionLogprobs:
                 for t in lp.top:
                     top.setdefault(self.name(t), t.logprob)
                 self.top_logprobs.append(top)
-            self.text_offset.append(self.offset)
-            self.offset += len(token)
-        return self._slice(start)
+            # Within the chunk's text: a stop string trimmed from it, or text a detokenizer still
+            # holds back, leaves tokens with less text than their bytes.
+            self.text_offset.append(base + min(done, len(text)))
+            done += self._chars(lp, token)
+        self.offset = base + len(text)
 
-    def _slice(self, start: int) -> dict[str, Any]:
+    def _chars(self, lp: TokenLogprob, token: str) -> int:
+        if self.skip_special_tokens and self.name.special(lp):
+            return 0
+        raw = self.name.raw(lp)
+        if raw is None:
+            return len(token)
+        return len(self._utf8.decode(raw))
+
+    def since(self, start: int) -> dict[str, Any]:
+        """The logprobs object of the tokens from `start` on (a streamed chunk's own)."""
         return {
             "tokens": self.tokens[start:],
             "token_logprobs": self.token_logprobs[start:],
@@ -103,4 +131,4 @@ class CompletionLogprobs:
         }
 
     def result(self) -> dict[str, Any]:
-        return self._slice(0)
+        return self.since(0)

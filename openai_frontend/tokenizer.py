@@ -57,6 +57,10 @@ class ModelFiles:
         the tokenizer does not say."""
         return _token_bytes(self, token_id)
 
+    def is_special(self, token_id: int) -> bool:
+        """Whether the token is a special one (skip_special_tokens leaves it out of the text)."""
+        return _is_special(self, token_id)
+
     def byte_level(self) -> bool:
         """Whether the tokenizer's decoder is GPT-2-style byte-level."""
         if self.path is None:
@@ -118,6 +122,16 @@ def _token_bytes(files: ModelFiles, token_id: int) -> Optional[bytes]:
 @lru_cache(maxsize=8)
 def _byte_level(files: ModelFiles) -> bool:
     return files.byte_level()
+
+
+@lru_cache(maxsize=65536)
+def _is_special(files: ModelFiles, token_id: int) -> bool:
+    tok = files.tokenizer()
+    try:
+        added = tok.get_added_tokens_decoder().get(token_id) if tok is not None else None
+    except AttributeError:
+        return False
+    return bool(added is not None and added.special)
 
 
 def _is_added(tok: Any, token_id: int) -> bool:

@@ -2638,3 +2638,45 @@ def test_an_assistant_refusal_part_in_history_is_text(client, fake):
                 [{"role": "assistant", "content": [{"type": "refusal", "refusal": 5}]}]):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=MODEL, messages=bad)
+
+
+def _utf8_script(req):
+    """Demo-tokenizer ids as the engine streams them: the detokenizer holds a character's first
+    byte piece back (text ""), and a response can carry several tokens (stream_interval), a
+    special token among them."""
+    def chunk(text, ids, lps, finish=None, prompt=None):
+        meta = {"output_token_logprobs": [[lp, i, None] for lp, i in zip(lps, ids)]}
+        if prompt:
+            meta.update(input_token_logprobs=[[None, prompt[0], None]] + [[-1.0, i, None] for i in prompt[1:]])
+        return EngineChunk(text, ids, finish, 4, 0, json.dumps(meta))
+    echo = req.sampling_params.get("logprob_start_len", -1) == 0
+    special = "" if req.sampling_params.get("skip_special_tokens", True) else "<|im_start|>"
+    return [chunk("", [127], [-0.1], prompt=[127, 102, 289, 74] if echo else None), chunk("é", [102], [-0.2]),
+            chunk(" ok", [289, 74], [-0.3, -0.4]),
+            chunk(special + "日本語", [4092, 1906, 1129, 252], [-0.5, -0.6, -0.7, -0.8], finish="length")]
+
+
+def test_completion_text_offsets_index_the_text_through_utf8_pieces_and_skipped_tokens(demo_model_path):
+    # QA: offsets advanced by each token's name, "�" for every byte piece of a character and the
+    # skipped special token's whole name, so they pointed past their tokens in the text.
+    with serve_in_thread(create_app(Settings(model_name=MODEL, tokenizer_path=demo_model_path),
+                                    client=FakeLLMClient(_utf8_script))) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        for echo, prefix, want in [(False, "", [0, 0, 1, 3, 4, 4, 6, 6]),
+                                   (True, "é ok", [0, 0, 1, 3] + [4 + o for o in [0, 0, 1, 3, 4, 4, 6, 6]])]:
+            r = client.completions.create(model=MODEL, prompt="é ok", max_tokens=8, logprobs=1, echo=echo)
+            assert r.choices[0].text == prefix + "é ok日本語"
+            assert r.choices[0].logprobs.text_offset == want
+            streamed = [c.choices[0] for c in client.completions.create(
+                model=MODEL, prompt="é ok", max_tokens=8, logprobs=1, echo=echo, stream=True)]
+            assert "".join(c.text for c in streamed) == r.choices[0].text
+            assert [o for c in streamed if c.logprobs for o in c.logprobs.text_offset] == want
+            assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == r.choices[0].logprobs.tokens
+            text = r.choices[0].text
+            for token, offset in zip(r.choices[0].logprobs.tokens, want):
+                assert token in ("�", "<|im_start|>") or text[offset:offset + len(token)] == token
+        # Kept in the text, the special token advances by its name.
+        r = client.completions.create(model=MODEL, prompt="x", max_tokens=8, logprobs=0,
+                                      extra_body={"skip_special_tokens": False})
+        assert r.choices[0].text == "é ok<|im_start|>日本語"
+        assert r.choices[0].logprobs.text_offset[4:] == [4, 16, 18, 18]
