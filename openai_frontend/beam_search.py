@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Optional, Sequence, TypeVar, Union
 
 from openai_frontend.engine_types import EngineChunk, EngineClient, EngineRequest, TokenLogprob
-from openai_frontend.errors import bad_request, timed_out
+from openai_frontend.errors import bad_request, context_exceeded, timed_out
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.sampling import constraint_from_request
 from openai_frontend.streams import Item
@@ -259,8 +259,8 @@ async def _search_held(client: EngineClient, prompt: EngineRequest, spec: BeamSp
     if spec.max_model_len is not None:
         room = spec.max_model_len - len(ids)
         if room < 1:
-            raise bad_request(f"the prompt has {len(ids)} tokens, but the context is {spec.max_model_len} tokens",
-                              param="messages" if prompt.messages is not None else "prompt")
+            raise context_exceeded(spec.max_model_len, len(ids), detail="at least one token must be left to generate",
+                                   param="messages" if prompt.messages is not None else "prompt")
         steps = room if steps is None else min(steps, room)
     if steps is None:
         raise bad_request("use_beam_search needs max_tokens when the model's context length is unknown",

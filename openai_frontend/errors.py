@@ -74,3 +74,18 @@ def timed_out(message: str) -> APIError:
 
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def context_exceeded(context: int, prompt: int, completion: Optional[int] = None, detail: str = "",
+                     param: Optional[str] = None) -> APIError:
+    """A request past the model's context, in the words OpenAI and vLLM use and with OpenAI's
+    code: clients find it so (LiteLLM's ContextWindowExceededError, which agent frameworks answer
+    by trimming the history, matches "maximum context length")."""
+    if completion is None:
+        msg = (f"This model's maximum context length is {context} tokens. However, your request has {prompt} "
+               "input tokens. Please reduce the length of the input.")
+    else:
+        msg = (f"This model's maximum context length is {context} tokens. However, you requested "
+               f"{prompt + completion} tokens ({prompt} in the input, {completion} in the completion). Please "
+               "reduce the length of the input or completion.")
+    return APIError(400, f"{msg} ({detail})" if detail else msg, param=param, code="context_length_exceeded")

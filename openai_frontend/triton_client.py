@@ -38,7 +38,7 @@ from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
 from openai_frontend.engine_types import EngineChunk, EngineRequest
-from openai_frontend.errors import APIError, timed_out, unavailable
+from openai_frontend.errors import APIError, context_exceeded, timed_out, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -416,6 +416,20 @@ def _overloaded(msg: str) -> APIError:
     return unavailable(msg[:1].upper() + msg[1:], code="overloaded")
 
 
+_PROMPT_PAST_CONTEXT = re.compile(r"^the prompt has (\d+) tokens, but the context is (\d+) tokens")
+_LIMIT_PAST_CONTEXT = re.compile(r"^max_new_tokens must be at most \d+: the context is (\d+) tokens and the prompt has (\d+); got (\d+)")
+
+
+def _context_exceeded(msg: str, param: Optional[str]) -> Optional[APIError]:
+    """The engine's refusal of a request past the model's context, as errors.context_exceeded
+    words it, the engine's own sentence after."""
+    if m := _PROMPT_PAST_CONTEXT.match(msg):
+        return context_exceeded(int(m[2]), int(m[1]), detail=msg, param=param)
+    if m := _LIMIT_PAST_CONTEXT.match(msg):
+        return context_exceeded(int(m[1]), int(m[2]), int(m[3]), detail=msg, param=param)
+    return None
+
+
 def map_stream_error(message: str) -> APIError:
     """An error the server sent inside the stream (the model's or the ensemble's).
 
@@ -423,6 +437,8 @@ def map_stream_error(message: str) -> APIError:
     msg = _clean(message)
     low = msg.lower()
     param = _param(msg)
+    if (context := _context_exceeded(msg, param)) is not None:
+        return context
     if param is not None:
         # A refusal naming the request's parameter is the request's fault, even where the value
         # it repeats reads "overloaded" or "model ... not found" (a LoRA or processor name): a

@@ -1335,6 +1335,17 @@ def test_error_mapping():
     # QA: these named no parameter.
     assert map_stream_error("logprob_start_len 3 must be less than the prompt length 3").param == "logprob_start_len"
     assert map_stream_error("the prompt has 800 tokens, but the context is 768 tokens").param == "input_ids"
+    # Past the context: OpenAI's code and vLLM's words, which clients match (LiteLLM's
+    # ContextWindowExceededError: "maximum context length"), the engine's sentence after.
+    e = map_stream_error("the prompt has 800 tokens, but the context is 768 tokens (at least one must be left to generate)")
+    assert e.code == "context_length_exceeded" and e.message == (
+        "This model's maximum context length is 768 tokens. However, your request has 800 input tokens. Please "
+        "reduce the length of the input. (the prompt has 800 tokens, but the context is 768 tokens (at least one "
+        "must be left to generate))")
+    e = map_stream_error("max_new_tokens must be at most 6: the context is 4096 tokens and the prompt has 4090; got 50")
+    assert (e.code, e.param) == ("context_length_exceeded", "max_new_tokens") and e.message.startswith(
+        "This model's maximum context length is 4096 tokens. However, you requested 4140 tokens (4090 in the "
+        "input, 50 in the completion).")
     for message, param in (("stop_token_ids token ids must be < the vocabulary size 4096", "stop_token_ids"),
                            ("logit_bias token ids must be < the vocabulary size 4096", "logit_bias"),
                            ("invalid json_schema: 'type' must be a string", "json_schema"),

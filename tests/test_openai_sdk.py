@@ -916,7 +916,13 @@ def test_context_limits_and_param_names_as_vllm(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=max_len)
     assert err.value.body["param"] == "max_completion_tokens" and "at most" in err.value.body["message"]
-    assert err.value.body["message"].startswith("max_completion_tokens must be")  # the client's word, not max_new_tokens
+    assert "(max_completion_tokens must be" in err.value.body["message"]  # the client's word, not max_new_tokens
+    # vLLM's words and OpenAI's code, which clients match to trim a history (LiteLLM)
+    assert err.value.body["message"].startswith(f"This model's maximum context length is {max_len} tokens.")
+    assert err.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * max_len}])
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "messages"
     # A constraint the engine refuses is named as the request gave it, whichever of the names.
     for extra, param in (({"guided_regex": "[0-9"}, "guided_regex"), ({"regex": "[0-9"}, "regex"),
                          ({"guided_grammar": "root ::= "}, "guided_grammar"),
