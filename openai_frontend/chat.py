@@ -34,7 +34,7 @@ from openai_frontend.sampling import (
 )
 from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 from openai_frontend.tools import (
-    ToolCallStreamer, ToolPlan, get_parser, new_call_id, parse_as_streamed, plan_tools,
+    ToolCallStreamer, ToolPlan, get_parser, parse_as_streamed, plan_tools,
 )
 
 
@@ -257,7 +257,8 @@ class ChatHandler:
                     message["reasoning"] = message["reasoning_content"] = reasoning or None
             finish = c.finish or "stop"
             if plan.parser_name:
-                normal, calls = parse_as_streamed(get_parser(plan.parser_name), text, plan.tools, plan.forced)
+                normal, calls = parse_as_streamed(get_parser(plan.parser_name), text, plan.tools, plan.forced,
+                                                  plan.call_id)
                 if not plan.parallel:
                     calls = calls[:1]
                 # What the stream sent as content, calls or not: a call to a function that is
@@ -269,7 +270,7 @@ class ChatHandler:
                 message["content"] = None if plan.forced or empty else normal
                 if calls:
                     message["tool_calls"] = [
-                        {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
                         for call in calls
                     ]
                     if finish == "stop":
@@ -307,7 +308,7 @@ class ChatHandler:
         head = f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},"model":{dumps(model)},"choices":[{{"index":'
         fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser, plan)
         choices = [
-            _Choice(ToolCallStreamer(get_parser(plan.parser_name), plan.tools, plan.parallel, plan.forced)
+            _Choice(ToolCallStreamer(get_parser(plan.parser_name), plan.tools, plan.parallel, plan.forced, plan.call_id)
                     if plan.parser_name else None, fmt, req.return_hidden_states)
             for _ in range(n)
         ]

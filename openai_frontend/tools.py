@@ -17,10 +17,12 @@ qwen25/hermes, llama3, pythonic, mistral, deepseekv3). On top of them:
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import uuid
-from dataclasses import dataclass
-from typing import Any, Collection, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Optional, Sequence
 
 from openai_frontend.errors import APIError, bad_request
 from openai_frontend.json_array_calls import JsonArrayToolParser
@@ -31,6 +33,22 @@ JSON_ARRAY = "json_array"  # the built-in format used with the json_schema const
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_call_id() -> str:
+    """Nine letters and digits, vLLM's ids for Mistral: Mistral's chat templates (and
+    mistral-common) refuse any other id in the history, so an agent's next turn, which sends the
+    calls back, was a 400 (QA)."""
+    return "".join(random.choices(_ALNUM, k=9))
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def call_id_maker(parser_name: Optional[str]) -> Callable[[], str]:
+    """Tool-call ids in the form the server's chat template takes back (its tool-call parser
+    names the model family)."""
+    return mistral_call_id if parser_name == "mistral" else new_call_id
 
 
 def tools_as_dicts(tools: Sequence[ChatTool]) -> list[dict[str, Any]]:
@@ -50,6 +68,7 @@ def _parameters(tool: ChatTool) -> dict[str, Any]:
 class ParsedCall:
     name: str
     arguments: str
+    id: str = field(default="", compare=False)  # made up for the response, not parsed
 
 
 def get_parser(name: str) -> Any:
@@ -78,6 +97,7 @@ def parse_complete(parser: Any, text: str, tools: list[dict[str, Any]]) -> tuple
 
 def parse_as_streamed(
     parser: Any, text: str, tools: list[dict[str, Any]], forced: bool = False,
+    call_id: Callable[[], str] = new_call_id,
 ) -> tuple[str, list[ParsedCall]]:
     """Non-streaming parse of a whole output: exactly what a stream of it ends with.
 
@@ -89,7 +109,7 @@ def parse_as_streamed(
     differ exactly there. Running the streaming parser over the whole text as one chunk makes
     the modes agree by construction; for well-formed output it equals ``parse_complete``.
     """
-    streamer = ToolCallStreamer(parser, tools, forced=forced)
+    streamer = ToolCallStreamer(parser, tools, forced=forced, call_id=call_id)
     normal, _ = streamer.feed(text)
     tail, _ = streamer.finish()
     return normal + tail, streamer.calls
@@ -103,8 +123,9 @@ class ToolCallStreamer:
     the model's words; it is dropped, in both modes alike."""
 
     def __init__(self, parser: Any, tools: list[dict[str, Any]], parallel: bool = True,
-                 forced: bool = False) -> None:
+                 forced: bool = False, call_id: Callable[[], str] = new_call_id) -> None:
         self.parser = parser
+        self.call_id = call_id
         self.tools = tools
         self.parallel = parallel
         self.forced = forced
@@ -141,12 +162,12 @@ class ToolCallStreamer:
             if item.name:
                 k = len(self.calls)
                 self._by_tool_index[item.tool_index] = k
-                self.calls.append(ParsedCall(item.name, args))
+                self.calls.append(ParsedCall(item.name, args, self.call_id()))
                 if k > 0 and not self.parallel:
                     continue
                 deltas.append({
                     "index": k,
-                    "id": new_call_id(),
+                    "id": self.calls[k].id,
                     "type": "function",
                     "function": {"name": item.name, "arguments": args},
                 })
@@ -329,6 +350,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # tools given to the parser
     parallel: bool
     forced: bool = False  # tool_choice required or a named function: the output is calls only
+    call_id: Callable[[], str] = new_call_id
 
 
 def forces_call(tool_choice: Any) -> bool:
@@ -368,7 +390,8 @@ def plan_tools(
                     param=f"tools[{strict[0]}].function.strict",
                 )
             constraint = ("structural_tag", json.dumps(tag, ensure_ascii=False))
-        return ToolPlan(configured_parser, constraint, as_dicts, as_dicts, parallel)
+        return ToolPlan(configured_parser, constraint, as_dicts, as_dicts, parallel,
+                        call_id=call_id_maker(configured_parser))
     if isinstance(choice, NamedToolChoice):
         selected = [t for t in tools if t.function.name == choice.function.name]
         if not selected:
@@ -382,7 +405,9 @@ def plan_tools(
         tag = structural_tag(get_parser(configured_parser), selected, single, parallel)
         if tag is not None:
             constraint = ("structural_tag", json.dumps(tag, ensure_ascii=False))
-            return ToolPlan(configured_parser, constraint, as_dicts, as_dicts, parallel, forced=True)
+            return ToolPlan(configured_parser, constraint, as_dicts, as_dicts, parallel, forced=True,
+                            call_id=call_id_maker(configured_parser))
     schema = json_array_schema(selected, single or not parallel)
     constraint = ("json_schema", json.dumps(schema, ensure_ascii=False))
-    return ToolPlan(JSON_ARRAY, constraint, as_dicts, as_dicts, parallel, forced=True)
+    return ToolPlan(JSON_ARRAY, constraint, as_dicts, as_dicts, parallel, forced=True,
+                    call_id=call_id_maker(configured_parser))

@@ -1560,6 +1560,27 @@ def test_tool_call_streaming_equals_non_streaming(qwen, size):
     assert all(calls[k]["id"].startswith("call_") for k in calls)
 
 
+def test_mistral_tool_call_ids_are_the_nine_characters_its_templates_take_back():
+    # QA: call_<24 hex> ids came back in the agent's next turn and Mistral's chat template
+    # refused them ("Tool call IDs should be alphanumeric strings with length 9!"): a 400.
+    import re
+
+    pytest.importorskip("openai_frontend.tool_parsers")
+    mfake = FakeLLMClient(lambda req: text_chunks(_pieces(
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+        '{"name": "get_time", "arguments": {"tz": "UTC"}}]', 5)))
+    with serve_in_thread(create_app(Settings(model_name=MODEL, tool_call_parser="mistral"), client=mfake)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        for choice in ("auto", "required"):
+            r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=choice)
+            ids = [t.id for t in r.choices[0].message.tool_calls]
+            _, calls, _ = _reassemble(client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=choice, stream=True))
+            ids += [calls[k]["id"] for k in sorted(calls)]
+            assert len(ids) == 4 and len(set(ids)) == 4
+            assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids), ids
+
+
 BROKEN_OUTPUT = ("Checking.\n" + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par"is"}}\n</tool_call>'
                  + " Sorry.\n" + '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
 
