@@ -779,7 +779,16 @@ class LLMEngine:
         new_tokens = [token]
         if tracked.grammar is not None:
             if not tracked.grammar.accept(token):
-                self._end(seq.request_id, FinishReason.ABORT, error=f"internal error: the grammar rejected token {token}")
+                # The request's own processors run after the grammar's mask: one that raised a
+                # masked token chose it, the request's fault and not the server's (QA: a 500).
+                if tracked.custom_processor is not None or tracked.logits_processors:
+                    which = "custom_logit_processor" if tracked.custom_processor is not None else "logits_processors"
+                    self._end(seq.request_id, FinishReason.ABORT, code="invalid_arg",
+                              error=f"{which}: token {token} was drawn after it raised that token's logit, which "
+                                    "the request's grammar had masked; a processor must leave masked logits at -inf")
+                else:
+                    self._end(seq.request_id, FinishReason.ABORT,
+                              error=f"internal error: the grammar rejected token {token}")
                 return False
             grammar_done = tracked.grammar.is_terminated
             if self.config.enable_jump_forward and not grammar_done:

@@ -553,6 +553,28 @@ def test_custom_logit_processor_needs_the_flag(demo_model_path, engine):
         eng.shutdown()
 
 
+def test_a_processor_that_unmasks_a_grammar_token_is_the_requests_error(demo_model_path):
+    # The processor runs after the grammar's mask (as in SGLang); forcing a masked token ends
+    # the request as the request's fault (QA: "internal error", a 500), the pool free.
+    pytest.importorskip("xgrammar")
+    eng = make_engine(demo_model_path, enable_custom_logit_processor=True)
+    try:
+        digit = eng.tokenizer.encode("7", add_special_tokens=False)[0]
+        letter = eng.tokenizer.encode("x", add_special_tokens=False)[0]
+        p = eng.parse_params({"temperature": 0, "max_new_tokens": 5, "regex": "[0-9]+",
+                              "custom_logit_processor": ForceToken.to_str(), "custom_params": {"token_id": letter}})
+        (out,) = eng.generate([[5, 6, 7]], [p])
+        assert out.finish_reason == "abort" and out.error_code == "invalid_arg"
+        assert out.error.startswith(f"custom_logit_processor: token {letter} was drawn after it raised")
+        ok = eng.parse_params({"temperature": 0, "max_new_tokens": 3, "regex": "[0-9]+",
+                               "custom_logit_processor": ForceToken.to_str(), "custom_params": {"token_id": digit}})
+        (out,) = eng.generate([[5, 6, 7]], [ok])
+        assert out.error is None and out.new_token_ids == [digit] * 3
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_greedy_penalized_argmax_equals_the_full_pass(monkeypatch, native):
     """Greedy rows whose penalties only lower logits take their token from the top candidates
