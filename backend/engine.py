@@ -28,7 +28,7 @@ from backend.cancel_watch import CancelWatch
 from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.draft_model import DraftModelProposer
-from backend.grammar import DraftMask
+from backend.grammar import MATCH_TIME_LIMIT_S, DraftMask
 from backend.model_files import read_json
 from backend.model_runner import ModelConfig, ModelRunner, weight_files
 from backend.outputs import OutputState, RequestOutput, StopRegexTimeout
@@ -789,6 +789,12 @@ class LLMEngine:
                 else:
                     self._end(seq.request_id, FinishReason.ABORT,
                               error=f"internal error: the grammar rejected token {token}")
+                return False
+            if tracked.grammar.slowest > MATCH_TIME_LIMIT_S:
+                self._end(seq.request_id, FinishReason.ABORT, code="invalid_arg", error=(
+                    f"the request's grammar took {tracked.grammar.slowest:.1f} s to match one token (the limit is "
+                    f"{MATCH_TIME_LIMIT_S:g} s, as each step waits for it): it is too ambiguous, typically a "
+                    "repetition of something that can match nothing (`( *)*`); simplify it"))
                 return False
             grammar_done = tracked.grammar.is_terminated
             if self.config.enable_jump_forward and not grammar_done:

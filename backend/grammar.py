@@ -108,6 +108,69 @@ class GrammarError(ValueError):
     """A constraint that cannot be used; the message names the kind and the problem."""
 
 
+# One matcher call (a token's mask or its acceptance) past this ends the request: legitimate
+# grammars take milliseconds (a large JSON schema's uncached mask included), while an ambiguous
+# one (nested repetitions check_regex_ambiguity cannot see: in EBNF, a JSON schema's pattern,
+# xgrammar's own regex syntax) grows to seconds and holds up the step every request shares.
+MATCH_TIME_LIMIT_S = 1.0
+
+
+def check_regex_ambiguity(pattern: str, what: str) -> None:
+    """Refuse a regex that repeats without bound a part that can match nothing and itself
+    repeats without bound (`( *)*`, `(( *)*)*`, `( *x?)*`): every split of a run of spaces among
+    the repetitions is a parse, and xgrammar's matcher tracks them all, seconds a token on the
+    step loop every request shares (fuzz QA: 0.7 s a step, 4.6 s at worst, for `(( *)*)*`; `( *)*`
+    up to 1.5 s). The same language has a plain form (` *`). Patterns Python's parser cannot read
+    (xgrammar's own syntax) are left to the matcher's time limit (GrammarState)."""
+    import re._constants as sre_c
+    import re._parser as sre_p
+
+    try:
+        parsed = sre_p.parse(pattern)
+    except Exception:  # not Python's syntax: left to the time limit
+        return
+    repeats = (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT, getattr(sre_c, "POSSESSIVE_REPEAT", sre_c.MAX_REPEAT))
+
+    def children(op: Any, av: Any) -> list:
+        if op in repeats:
+            return [av[2]]
+        if op is sre_c.SUBPATTERN:
+            return [av[3]]
+        if op is sre_c.BRANCH:
+            return list(av[1])
+        if op in (sre_c.ASSERT, sre_c.ASSERT_NOT):
+            return [av[1]]
+        return []
+
+    def nullable(sub: Any) -> bool:
+        return all(item_nullable(op, av) for op, av in sub)
+
+    def item_nullable(op: Any, av: Any) -> bool:
+        if op in repeats:
+            return av[0] == 0 or nullable(av[2])
+        if op is sre_c.SUBPATTERN:
+            return nullable(av[3])
+        if op is sre_c.BRANCH:
+            return any(nullable(b) for b in av[1])
+        return op in (sre_c.AT, sre_c.ASSERT, sre_c.ASSERT_NOT, sre_c.GROUPREF)
+
+    def unbounded(sub: Any) -> bool:
+        return any((op in repeats and av[1] == sre_c.MAXREPEAT) or any(unbounded(c) for c in children(op, av))
+                   for op, av in sub)
+
+    def walk(sub: Any) -> None:
+        for op, av in sub:
+            if op in repeats and av[1] == sre_c.MAXREPEAT and nullable(av[2]) and unbounded(av[2]):
+                raise GrammarError(
+                    f"invalid {what}: it repeats without bound a part that can match nothing and repeats without "
+                    "bound itself (as `( *)*` does): every way to split the text among the repetitions is a parse, "
+                    "and matching them all takes seconds a token; write the plain form (` *`)")
+            for c in children(op, av):
+                walk(c)
+
+    walk(parsed)
+
+
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
     """A CPU int32 bitmask [batch, ceil(vocab_size / 32)], all tokens allowed (every bit set).
 
@@ -557,7 +620,7 @@ class GrammarState:
     accepting one makes ``is_terminated`` True, and the sequence should finish then.
     """
 
-    __slots__ = ("_matcher", "_words", "_num_accepted", "_guard", "_tail")
+    __slots__ = ("_matcher", "_words", "_num_accepted", "_guard", "_tail", "slowest")
 
     def __init__(self, matcher: Any, vocab_size: int, guard: Optional[Utf8Guard] = None) -> None:
         self._matcher = matcher
@@ -565,6 +628,10 @@ class GrammarState:
         self._num_accepted = 0
         self._guard = guard
         self._tail = b""  # the incomplete UTF-8 character the accepted tokens end with
+        # The most CPU time one matcher call took (s; CPU time, so a busy host's descheduling
+        # does not count): the engine ends a request whose grammar is so ambiguous that matching
+        # one token stalls every request's step (MATCH_TIME_LIMIT_S).
+        self.slowest = 0.0
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (CPU int32 [B, ceil(vocab/32)], as from
@@ -581,7 +648,9 @@ class GrammarState:
             )
         if not 0 <= row < bitmask.shape[0]:
             raise IndexError(f"row {row} is out of range for a bitmask of {bitmask.shape[0]} rows")
+        t0 = time.thread_time()
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        self.slowest = max(self.slowest, time.thread_time() - t0)
         if self._guard is not None:
             self._guard.restrict(bitmask, row, self._tail)
 
@@ -590,7 +659,9 @@ class GrammarState:
         grammar has already terminated."""
         if self._matcher.is_terminated():
             return False
+        t0 = time.thread_time()
         ok = bool(self._matcher.accept_token(int(token_id)))
+        self.slowest = max(self.slowest, time.thread_time() - t0)
         self._num_accepted += ok
         if ok and self._guard is not None:
             self._tail = self._guard.tail_after(self._tail, int(token_id))
@@ -1011,6 +1082,7 @@ class GrammarCompiler:
         if kind == "regex":
             if not spec:
                 raise GrammarError("invalid regex: the pattern is empty")
+            check_regex_ambiguity(spec, "regex")
             return c.compile_regex(spec)
         if kind == "ebnf":
             if not spec.strip():

@@ -8,6 +8,7 @@ import os
 
 import math
 import random
+import time
 
 import pytest
 
@@ -570,6 +571,34 @@ def test_a_processor_that_unmasks_a_grammar_token_is_the_requests_error(demo_mod
                                "custom_logit_processor": ForceToken.to_str(), "custom_params": {"token_id": digit}})
         (out,) = eng.generate([[5, 6, 7]], [ok])
         assert out.error is None and out.new_token_ids == [digit] * 3
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
+def test_a_grammar_too_ambiguous_to_match_in_time_ends_its_request_only(demo_model_path, monkeypatch):
+    # Nested repetitions in EBNF (the regex check cannot see them): every split of a run of
+    # spaces is a parse, and the matcher's time grows to seconds a token on the step every
+    # request shares (fuzz QA). Past the limit (lowered here to keep the test short) the request
+    # ends as its own error; the other request's output is unchanged.
+    pytest.importorskip("xgrammar")
+    import backend.engine as engine_module
+
+    eng = make_engine(demo_model_path)
+    try:
+        spaces = eng.tokenizer.encode(" " * 11, add_special_tokens=False)
+        assert len(spaces) == 1
+        plain = eng.parse_params({"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+        (alone,) = eng.generate([[4, 5, 6]], [plain])
+        monkeypatch.setattr(engine_module, "MATCH_TIME_LIMIT_S", 0.005)
+        nested = eng.parse_params({"temperature": 0, "max_new_tokens": 40, "logit_bias": {str(spaces[0]): 50},
+                                   "ebnf": 'root ::= a "x"\na ::= b*\nb ::= c*\nc ::= " "*'})
+        t0 = time.monotonic()
+        slow, other = eng.generate([[1, 2, 3], [4, 5, 6]], [nested, plain])
+        assert slow.finish_reason == "abort" and slow.error_code == "invalid_arg", slow.error
+        assert slow.error.startswith("the request's grammar took") and "simplify it" in slow.error
+        assert other.new_token_ids == alone.new_token_ids and other.error is None
+        assert time.monotonic() - t0 < 30
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     finally:
         eng.shutdown()

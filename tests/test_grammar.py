@@ -385,6 +385,9 @@ def test_structural_tag_legacy_format_and_response_format(compiler, tokenizer):
         ("regex", "[z-a]", r"invalid regex: .*lower bound is larger"),
         ("regex", r"\d+(?=x)", r"invalid regex: .*Lookahead"),
         ("regex", "", r"invalid regex: the pattern is empty"),
+        # fuzz QA: seconds a token in the matcher, on the step every request shares
+        ("regex", "( *)*x", r"invalid regex: it repeats without bound a part that can match nothing"),
+        ("regex", "[a-z]((?: *)+,)*", r"invalid regex: it repeats without bound a part that can match nothing"),
         ("ebnf", "root ::= foo", r'invalid ebnf: .*Rule "foo" is not defined'),
         ("ebnf", 'start ::= "a"', r'invalid ebnf: .*root rule'),
         ("ebnf", 'root ::= "a" |', r"invalid ebnf: .*Expect element"),
@@ -400,6 +403,13 @@ def test_structural_tag_legacy_format_and_response_format(compiler, tokenizer):
 def test_invalid_specs_name_the_problem(compiler, kind, spec, message):
     with pytest.raises(GrammarError, match=message):
         compiler.submit(kind, spec).result(timeout=30)
+
+
+@pytest.mark.parametrize("pattern", ["( ?)*x", "( +)*x", r"(\s*,)*x", "[a-z]+(,[a-z]*)*", r"\d{3}-\d{4}"])
+def test_unambiguous_repetitions_are_kept(compiler, pattern):
+    # Only a repeated part that can match nothing and repeats itself is refused; a part that
+    # cannot be empty (or repeats a bounded piece) splits a text few ways.
+    assert compiler.submit("regex", pattern).result(timeout=30) is not None
 
 
 def test_cache_returns_the_same_compiled_grammar(tokenizer):
@@ -593,6 +603,7 @@ def test_whitespace_pattern_accepts_and_refuses_exact_layouts(compiler, tokenize
         ("[^a]*", r"invalid whitespace_pattern: it contains a negated character class"),
         ("( ", r"invalid whitespace_pattern: not a valid regular expression: (?!.*\.cc:)(?!\s*\[)"),  # no C++ log prefix
         (" " * 300, r"whitespace_pattern is longer than 256"),
+        ("(( *)*)*", r"invalid whitespace_pattern: it repeats without bound a part that can match nothing"),
     ],
 )
 def test_whitespace_pattern_errors_name_the_problem(compiler, pattern, message):
