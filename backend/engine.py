@@ -1034,7 +1034,9 @@ class LLMEngine:
                     self._num_predicting += tracked.seq.prediction is not None
                     if tracked.seq.params.return_logprob:
                         self._unscored_prompt_logprob(tracked)
-                    if tracked.seq.max_new_tokens == 0 and not tracked.seq.params.needs_prompt_rows:
+                    # A grammar is compiled first even for no tokens: an invalid one fails the
+                    # request whatever max_new_tokens is (fuzz QA: with 0 it succeeded).
+                    if tracked.grammar_future is None and self._nothing_to_compute(tracked.seq):
                         self._end(rid, FinishReason.LENGTH)
                     elif tracked.grammar_future is not None:
                         self._compiling.append(tracked)  # waits off the batch until compiled
@@ -1066,8 +1068,16 @@ class LLMEngine:
             except Exception as exc:
                 self._end(rid, FinishReason.ABORT, error=str(exc), code="invalid_arg")
                 continue
-            self.scheduler.add(tracked.seq)
+            if self._nothing_to_compute(tracked.seq):
+                self._end(rid, FinishReason.LENGTH)
+            else:
+                self.scheduler.add(tracked.seq)
         self._compiling = still
+
+    @staticmethod
+    def _nothing_to_compute(seq: Sequence) -> bool:
+        """No tokens to generate and no prompt rows asked for: the request ends as it arrives."""
+        return seq.max_new_tokens == 0 and not seq.params.needs_prompt_rows
 
     def _check_cancelled(self) -> None:
         # A started engine has the cancel watch's thread polling (backend/cancel_watch.py); an

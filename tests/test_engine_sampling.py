@@ -576,6 +576,20 @@ def test_a_processor_that_unmasks_a_grammar_token_is_the_requests_error(demo_mod
         eng.shutdown()
 
 
+def test_no_tokens_asked_still_refuses_an_invalid_grammar(demo_model_path):
+    # fuzz QA: max_new_tokens 0 ended the request before its grammar compiled, as a success.
+    pytest.importorskip("xgrammar")
+    eng = make_engine(demo_model_path)  # the module's engine has been shut down by an earlier test
+    try:
+        for grammar, error in (({"regex": "(ab"}, "invalid regex"), ({"regex": "[0-9]+"}, None)):
+            (out,) = eng.generate([[5, 6, 7]], [eng.parse_params({"max_new_tokens": 0, **grammar})])
+            assert (out.error or "").startswith(error or "") and (out.error is None) == (error is None)
+            assert out.finish_reason == ("abort" if error else "length") and out.new_token_ids == []
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
 def test_a_grammar_too_ambiguous_to_match_in_time_ends_its_request_only(demo_model_path, monkeypatch):
     # Nested repetitions in EBNF (the regex check cannot see them): every split of a run of
     # spaces is a parse, and the matcher's time grows to seconds a token on the step every
