@@ -195,4 +195,13 @@ if [ "$FRONTEND" = 1 ] && [ -f openai_frontend/__main__.py ]; then
   FRONTEND_PID=$!
   pids+=($!)
 fi
-wait -n "${pids[@]}"
+rc=0
+wait -n "${pids[@]}" || rc=$?
+# A stop we were asked for runs the traps above; here tritonserver or the frontend ended on its
+# own, which is a failure whatever its status: the stub watcher stops tritonserver with SIGTERM
+# when a stub or the engine process dies, and tritonserver then exits 0 (QA: serve.sh exited 0,
+# and a supervisor that restarts on failure left the service down).
+if alive "$TRITON_PID"; then what="the frontend"; else what="tritonserver"; fi
+echo "serve.sh: $what exited (status $rc) without being asked to; stopping" >&2
+[ "$rc" -ne 0 ] || rc=1
+exit "$rc"

@@ -270,3 +270,45 @@ def test_tritonserver_held_by_a_direct_client_is_killed_after_its_exit_timeout(d
         if proc.poll() is None or _group(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_dead_engine_stops_serve_with_a_failure_status(demo_model_path, tmp_path):
+    # QA: the llm stub's watcher stops tritonserver with SIGTERM when the stub dies (or, with
+    # engine_process separate, the engine process), tritonserver then exits 0, and so did
+    # serve.sh: a supervisor that restarts on failure (systemd on-failure, Docker on-failure,
+    # Kubernetes OnFailure) left the service down.
+    ports = [free_port() for _ in range(3)]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(REPO / "scripts/serve.sh"), "--model-path", str(demo_model_path), "--no-frontend",
+             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        stubs = []
+        for p in (int(entry.split()[0]) for entry in _group(proc.pid)):
+            try:
+                cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"triton_python_backend_stub" in cmdline and b"/llm/1/model.py" in cmdline:
+                stubs.append(p)
+        assert len(stubs) == 1, _group(proc.pid)
+        os.kill(stubs[0], signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+        text = log.read_text()
+        assert rc != 0 and "serve.sh: tritonserver exited (status 0) without being asked to" in text, (rc, text[-3000:])
+        _assert_all_gone(proc, ports)
+    finally:
+        if proc.poll() is None or _group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
