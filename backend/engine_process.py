@@ -106,6 +106,8 @@ class EngineProxy:
     unasked, after every open request was failed: nothing restarts it.
     """
 
+    call_timeout_s = 60.0  # how long add_request waits for the child to take a request
+
     def __init__(self, config: EngineConfig, on_step: Optional[Callable[[EngineStats], None]] = None,
                  start_timeout_s: float = 600.0) -> None:
         self.on_step = on_step
@@ -215,11 +217,16 @@ class EngineProxy:
             if is_cancelled is not None:
                 self._cancel_watch.watch(request_id, is_cancelled)
         try:
-            return self._call("add_request", prompt_ids, params, request_id, input_embeds)
-        except BaseException:
+            return self._call("add_request", prompt_ids, params, request_id, input_embeds, timeout=self.call_timeout_s)
+        except BaseException as exc:
             with self._lock:
                 self._callbacks.pop(request_id, None)
                 self._cancel_watch.unwatch(request_id)
+            if isinstance(exc, EngineProcessError):
+                # Unanswered, the call still waits in the child, which adds the request when it
+                # gets to it: the abort follows it on the same channel, or the child would run a
+                # request whose caller has had its error (QA: 4 x 4000 tokens, blocks held).
+                self.abort(request_id)
             raise
 
     def start(self) -> None:

@@ -129,6 +129,29 @@ def test_a_request_that_ends_before_its_call_returns_leaves_no_cancel_watch(prox
         assert len(proxy._cancel_watch) == 0
 
 
+def test_a_request_whose_call_timed_out_is_aborted_in_the_child(config, monkeypatch):
+    # QA: a stalled child took the request after its caller had the error (a 500) and ran it to
+    # max_new_tokens, blocks held. The abort follows the call on the channel.
+    p = EngineProxy(config)
+    try:
+        monkeypatch.setattr(p, "call_timeout_s", 0.5)
+        c = _Collect()
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(EngineProcessError, match="did not answer add_request"):
+                p.add_request([51, 52], SamplingParams(max_new_tokens=200, **GREEDY), c)
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        ok = _Collect()
+        p.add_request([61, 62], SamplingParams(max_new_tokens=3, **GREEDY), ok)
+        assert ok.done.wait(30) and len(ok.tokens()) == 3
+        info = json.loads(p.control("engine_info", {}, {}, {})[0])
+        assert info["stats"]["num_running"] == 0 and info["stats"]["generation_tokens_total"] <= 3 + 1, info["stats"]
+        assert c.outs == []  # its caller had its error; nothing more reaches it
+    finally:
+        p.shutdown()
+
+
 def test_a_dead_engine_process_ends_open_requests_with_an_error(config):
     p = EngineProxy(config)
     try:
