@@ -422,6 +422,13 @@ def _check_enforceable(schema: Any) -> None:
                         refuse(f"'{kw}' beside '{keeps}'", path, f"the grammar enforces only the '{keeps}' there")
                 if isinstance(node.get("pattern"), str) and _has_lookahead(node["pattern"]):
                     refuse("'pattern' with a lookahead", path, "the grammar ignores lookaheads")
+                if isinstance(node.get("pattern"), str):
+                    try:
+                        check_regex_ambiguity(node["pattern"], "pattern")
+                    except GrammarError:
+                        refuse("'pattern' that repeats without bound a part that can match nothing and repeats "
+                               "itself (as `( *)*` does)", path, "matching it takes seconds a token; write the plain "
+                               "form (` *`)")
             if "object" in types and isinstance(node.get("required"), list):
                 declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
                 for name in node["required"]:

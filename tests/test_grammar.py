@@ -388,6 +388,8 @@ def test_structural_tag_legacy_format_and_response_format(compiler, tokenizer):
         # fuzz QA: seconds a token in the matcher, on the step every request shares
         ("regex", "( *)*x", r"invalid regex: it repeats without bound a part that can match nothing"),
         ("regex", "[a-z]((?: *)+,)*", r"invalid regex: it repeats without bound a part that can match nothing"),
+        ("json_schema", '{"type": "string", "pattern": "^(a*)*$"}',
+         r"invalid json_schema: 'pattern' that repeats without bound .* at \$ is not supported"),
         ("ebnf", "root ::= foo", r'invalid ebnf: .*Rule "foo" is not defined'),
         ("ebnf", 'start ::= "a"', r'invalid ebnf: .*root rule'),
         ("ebnf", 'root ::= "a" |', r"invalid ebnf: .*Expect element"),
