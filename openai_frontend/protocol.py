@@ -143,6 +143,9 @@ class ChatMessage(_Open):
 
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
+    # A participant's name (OpenAI's, a string); the chat template renders it where it reads it
+    # (Qwen2.5's and Llama's do not, as in vLLM), so its type is all that is checked here.
+    name: Optional[str] = None
 
     @field_validator("role")
     @classmethod
@@ -266,10 +269,23 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: Optional[bool] = None
-    metadata: Optional[dict[str, Any]] = None  # tags for stored completions: accepted, no effect on generation
+    metadata: Optional[dict[str, str]] = None  # tags for stored completions: accepted, no effect on generation
     safety_identifier: Optional[str] = None  # end-user id (OpenAI's successor of `user`): no effect on generation
     prompt_cache_key: Optional[str] = None  # a cache-routing hint: prefix caching here is automatic
     prompt_cache_retention: Optional[str] = None  # "in_memory" (this server's cache) only
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, v: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+        # OpenAI's: at most 16 pairs, keys of at most 64 characters, values of at most 512.
+        if v is not None:
+            if len(v) > 16:
+                raise ValueError(f"metadata may hold at most 16 key-value pairs, got {len(v)}")
+            for key, value in v.items():
+                if len(key) > 64 or len(value) > 512:
+                    raise ValueError(f"metadata keys are at most 64 characters and values at most 512 "
+                                     f"(key {key[:70]!r})")
+        return v
 
     # vLLM chat extras
     echo: bool = False

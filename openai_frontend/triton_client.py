@@ -376,7 +376,8 @@ def _clean(message: str) -> str:
 # "LoRA adapter 'a' is not loaded" -> lora_path (the engine's name for it), "stop_token_ids token ids
 # must ..." -> stop_token_ids, "invalid regex: ..." -> regex, "chat_template_kwargs may not set ..." ->
 # chat_template_kwargs, a prompt token out of range or a prompt past the context -> input_ids,
-# "logprob_start_len 3 must be ..." -> logprob_start_len
+# "logprob_start_len 3 must be ..." -> logprob_start_len, "messages[1].refusal must be ..." (the chat
+# template's input, checked in preprocessing) -> messages
 _PARAM_RE = re.compile(
     r"parameter '([A-Za-z_][A-Za-z0-9_]*)'"
     r"|invalid sampling parameter ([A-Za-z_][A-Za-z0-9_]*)"
@@ -396,6 +397,7 @@ _PARAM_RE = re.compile(
     r"|^(input_ids) out of range"
     r"|^prompt token (id) \d+ is out of range"
     r"|^Duplicate request (ID) detected"
+    r"|^(messages)\[\d+\]"
 )
 _PARAM_ALIASES = {"processor": "logits_processors", "adapter": "lora_path", "id": "input_ids", "ID": "rid",
                   "prompt": "input_ids"}
@@ -428,6 +430,12 @@ def _context_exceeded(msg: str, param: Optional[str]) -> Optional[APIError]:
     if m := _LIMIT_PAST_CONTEXT.match(msg):
         return context_exceeded(int(m[1]), int(m[2]), int(m[3]), detail=msg, param=param)
     return None
+
+
+def _invalid_request(msg: str) -> APIError:
+    """A 400 for a refusal of the request, naming its parameter where the message does."""
+    param = _param(msg)
+    return _context_exceeded(msg, param) or APIError(400, msg, param=param)
 
 
 def map_stream_error(message: str) -> APIError:
@@ -483,8 +491,7 @@ def map_rpc_error(err: grpc.RpcError) -> APIError:
             return _overloaded(_clean(details))
         return unavailable(f"Triton server unavailable: {details}")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        msg = _clean(details)
-        return APIError(400, msg, param=_param(msg))
+        return _invalid_request(_clean(details))
     if code == grpc.StatusCode.NOT_FOUND:
         return unavailable(f"Triton model unavailable: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -506,7 +513,7 @@ def map_infer_error(exc: InferenceServerException) -> APIError:
     status = str(exc.status() or "")
     msg = _clean(exc.message() or str(exc))
     if "INVALID_ARGUMENT" in status:
-        return APIError(400, msg, param=_param(msg))
+        return _invalid_request(msg)
     if _connection_lost(status, msg) or "NOT_FOUND" in status or "unknown model" in msg.lower():
         return unavailable(f"Triton model unavailable: {msg}")
     if "DEADLINE_EXCEEDED" in status:

@@ -1360,7 +1360,10 @@ def test_error_mapping():
                            ("prompt logprobs (logprob_start_len >= 0) need the prompt's token ids; with input_embeds "
                             "only the output's logprobs are available (logprob_start_len -1)", "logprob_start_len"),
                            ("min_tokens must be at most 6: the context is 4096 tokens and the prompt has 4090; got 50",
-                            "min_tokens")):
+                            "min_tokens"),
+                           # QA: preprocessing's message checks named none
+                           ("messages[1].refusal must be a string", "messages"),
+                           ("messages[1].tool_calls[0].function.arguments is not valid JSON", "messages")):
         assert map_stream_error(message).param == param, message
     # The engine's own messages: a check across fields names the parameter it refuses (QA: two
     # grammars named none).
@@ -2712,3 +2715,17 @@ def test_completion_text_offsets_index_the_text_through_utf8_pieces_and_skipped_
                                       extra_body={"skip_special_tokens": False})
         assert r.choices[0].text == "é ok<|im_start|>日本語"
         assert r.choices[0].logprobs.text_offset[4:] == [4, 16, 18, 18]
+
+
+def test_message_name_and_metadata_are_typed_as_openai_types_them(client, base_url):
+    # QA: any type was accepted for a message's `name` and for `metadata` (OpenAI: strings, at
+    # most 16 pairs, keys of 64 and values of 512 characters).
+    ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi", "name": "bob"}],
+                                        metadata={"team": "a"}, max_tokens=2)
+    assert ok.choices[0].message.content
+    for body, param in (({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "messages.0.name"),
+                        ({"messages": MESSAGES, "metadata": {"a": 1}}, "metadata.a"),
+                        ({"messages": MESSAGES, "metadata": {str(i): "x" for i in range(17)}}, "metadata"),
+                        ({"messages": MESSAGES, "metadata": {"k": "v" * 513}}, "metadata")):
+        r = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
