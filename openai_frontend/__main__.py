@@ -27,6 +27,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="require 'Authorization: Bearer KEY' (env OPENAI_FRONTEND_API_KEY)")
     p.add_argument("--tool-call-parser", default=None,
                    help="tool-call format of the model: qwen25/hermes, llama3, pythonic, mistral, deepseekv3")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="leave the tools out of the prompt when tool_choice is none (vLLM's flag; SGLang always "
+                        "does); by default the model sees them and does not call them, as OpenAI's none means")
     p.add_argument("--reasoning-parser", default=None,
                    help="split thinking models' output into reasoning_content and content: deepseek_r1, "
                         "qwen3, qwen3_thinking, glm45, kimi, granite (SGLang's dashed names work too)")
@@ -110,6 +113,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         model_name=args.model_name,
         api_key=args.api_key,
         tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         reasoning_parser=args.reasoning_parser,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         lora_modules=tuple(m.partition("=")[0] for arg in args.lora_modules for m in arg.replace(",", " ").split()),

@@ -142,7 +142,8 @@ class ChatHandler:
         lora = adapter_for(req, ctx.adapter_names())
         beams = beam_spec(req, lora, *((await ctx.max_model_len(), await ctx.eos_token_ids(), await ctx.default_max_tokens())
                                        if req.use_beam_search else (None, None, None)), timeout=ctx.settings.stream_timeout)
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser,
+                          ctx.settings.exclude_tools_when_tool_choice_none)
         if beams is not None and plan.constraint is not None:
             if plan.forced:
                 raise bad_request("tool_choice required or a named function is not supported with use_beam_search",

@@ -14,6 +14,10 @@ class Settings:
     model_name: Optional[str] = None  # the served name clients use; default: see served_model_name
     api_key: Optional[str] = None
     tool_call_parser: Optional[str] = None
+    # vLLM's flag: tool_choice "none" keeps the tools in the prompt unless set (OpenAI's meaning:
+    # the model sees them and does not call them; the prompt, and its cached prefix, stay those
+    # of the turns before, which an agent's closing turn of tool_choice "none" reuses).
+    exclude_tools_when_tool_choice_none: bool = False
     reasoning_parser: Optional[str] = None  # openai_frontend/reasoning.py; None: no separation
     # Names of the LoRA adapters the engine serves (its lora_modules): a request's `model` may be
     # one of them (vLLM's --lora-modules); /v1/models lists them.

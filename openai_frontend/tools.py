@@ -363,6 +363,7 @@ def plan_tools(
     tool_choice: Any,
     parallel_tool_calls: Optional[bool],
     configured_parser: Optional[str],
+    exclude_tools_when_none: bool = False,
 ) -> ToolPlan:
     parallel = parallel_tool_calls is not False
     if not tools:
@@ -371,8 +372,8 @@ def plan_tools(
         return ToolPlan(None, None, None, [], parallel)
     as_dicts = tools_as_dicts(tools)
     choice = tool_choice if tool_choice is not None else "auto"
-    if choice == "none":
-        return ToolPlan(None, None, None, [], parallel)
+    if choice == "none":  # nothing parsed or constrained; the template sees the tools (vLLM's default)
+        return ToolPlan(None, None, None if exclude_tools_when_none else as_dicts, [], parallel)
     if choice == "auto":
         if not configured_parser:
             raise bad_request(

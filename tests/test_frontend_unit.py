@@ -1087,7 +1087,15 @@ def test_tool_choice_conflicts_and_none(client, fake):
                                        response_format={"type": "json_object"})
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="none")
     assert r.choices[0].message.content == "".join(PIECES) and not r.choices[0].message.tool_calls
-    assert fake.requests[-1].tools is None
+    # The model sees the tools and calls none (OpenAI's none; vLLM's default): the prompt, and
+    # its cached prefix, stay the tool turns' (QA: they were left out, as SGLang does).
+    assert fake.requests[-1].tools == [WEATHER]
+    assert not any(k in fake.requests[-1].sampling_params for k in ("json_schema", "structural_tag"))
+    with serve_in_thread(create_app(Settings(model_name=MODEL, exclude_tools_when_tool_choice_none=True),
+                                    client=fake)) as url:
+        openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="none")
+    assert fake.requests[-1].tools is None  # vLLM's --exclude-tools-when-tool-choice-none
 
 
 def test_structured_output_params(client, fake):
