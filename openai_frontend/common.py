@@ -168,29 +168,28 @@ class Context:
     # until it has); its list then replaces --lora-modules, which an unload may have shortened.
     runtime_adapters: Optional[frozenset] = None
     _listed_names: Optional[tuple[str, ...]] = None
-    _adapters_listed: float = 0.0
 
     def adapter_names(self) -> tuple[str, ...]:
         """The adapter names a request's `model` may give: --lora-modules' order first."""
         return self.settings.lora_modules if self._listed_names is None else self._listed_names
 
-    async def refresh_adapters(self, model: Optional[str] = None) -> None:
-        """With runtime LoRA updating, learn the engine's adapters when `model` is a name not
-        known yet (another frontend worker may have loaded it), at most once a second."""
+    async def refresh_adapters(self, model: Optional[str] = None, verify: bool = False) -> None:
+        """With runtime LoRA updating, learn the engine's adapters: for a listing (`model` None),
+        for a `model` not known yet (another frontend worker may just have loaded it), and with
+        `verify` for a known one too (another worker may have unloaded it). Generation leaves
+        known names to the engine, whose refusal of an unloaded one is already a 404; the answers
+        that only this list decides (/v1/models/{id}, /tokenize) verify. QA: a rate limit of one
+        listing a second 404'd an adapter loaded by another worker a moment before, and a known
+        name was never checked again."""
         if not self.settings.allow_runtime_lora_updating:
             return
         if model is not None and (not model or model in self.settings.model_aliases
-                                  or model in self.adapter_names()):
+                                  or (model in self.adapter_names() and not verify)):
             return
-        now = time.monotonic()
-        if now - self._adapters_listed < 1.0:
-            return
-        self._adapters_listed = now
         self.set_runtime_adapters(await self.client.lora_update({"op": "list"}))
 
     def set_runtime_adapters(self, loaded: dict[str, str]) -> None:
         self.runtime_adapters = frozenset(loaded)
-        self._adapters_listed = time.monotonic()
         static = self.settings.lora_modules
         # A name the base model answers to stays the base model's (the engine may have been
         # started with such an adapter; the frontend refuses to load one).

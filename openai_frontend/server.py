@@ -462,7 +462,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
-        await ctx.refresh_adapters(model_id)
+        await ctx.refresh_adapters(model_id, verify=True)
         if model_id in ctx.adapter_names():
             return json_response(adapter_card(model_id))
         if model_id not in ctx.settings.model_aliases:  # the names requests may give it
@@ -586,7 +586,14 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
             error = settings.lora_name_error(command["name"], ctx.adapter_names())
             if error:
                 raise bad_request(error, param="lora_name")
-        loaded = await ctx.client.lora_update(command)
+        try:
+            loaded = await ctx.client.lora_update(command)
+        except APIError as exc:
+            if exc.param == "lora_path" and exc.message.endswith("is already loaded"):
+                # The name is at fault, as where this worker's own list knew it (QA: the param
+                # depended on which worker answered).
+                exc.param = "lora_name"
+            raise
         ctx.set_runtime_adapters(loaded)
         return loaded
 

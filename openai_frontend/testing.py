@@ -65,12 +65,12 @@ class FakeLLMClient:
     async def lora_update(self, command: dict[str, Any]) -> dict[str, str]:
         op, name = command.get("op"), command.get("name")
         if op == "load":
-            if name in self.adapters:
-                raise APIError(400, f"LoRA adapter '{name}' is already loaded")
+            if name in self.adapters:  # param as map_stream_error names the engine's refusal
+                raise APIError(400, f"LoRA adapter '{name}' is already loaded", param="lora_path")
             self.adapters[name] = command.get("path")
         elif op == "unload":
             if self.adapters.pop(name, None) is None:
-                raise APIError(400, f"LoRA adapter '{name}' is not loaded")
+                raise APIError(400, f"LoRA adapter '{name}' is not loaded", param="lora_path")
         return dict(self.adapters)
 
     async def abort_requests(self, rid: Optional[str] = None, abort_all: bool = False) -> int:

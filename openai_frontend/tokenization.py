@@ -21,6 +21,7 @@ from openai_frontend.tools import tools_as_dicts
 
 
 async def tokenize(ctx: Context, req: TokenizeRequest) -> dict:
+    await ctx.refresh_adapters(req.model, verify=True)
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("exactly one of prompt and messages is required", param="prompt")
@@ -84,6 +85,7 @@ async def _empty_prompt(ctx: Context, add_special_tokens: Optional[bool]) -> lis
 
 
 async def detokenize(ctx: Context, req: DetokenizeRequest) -> dict:
+    await ctx.refresh_adapters(req.model, verify=True)
     ctx.check_model(req.model)
     try:
         return {"prompt": await ctx.client.detokenize(list(req.tokens)) if req.tokens else ""}

@@ -2426,7 +2426,11 @@ def test_detokenize_names_its_own_field_in_an_error():
     async def refuse(tokens):
         raise APIError(400, "input_ids out of range [0, 4096): [99999]", param="input_ids")
 
-    ctx = SimpleNamespace(check_model=lambda model: None, client=SimpleNamespace(detokenize=refuse))
+    async def no_adapters(model, verify=False):
+        pass
+
+    ctx = SimpleNamespace(check_model=lambda model: None, refresh_adapters=no_adapters,
+                          client=SimpleNamespace(detokenize=refuse))
     with pytest.raises(APIError) as err:
         asyncio.run(detokenize(ctx, DetokenizeRequest(tokens=[99999])))
     assert (err.value.param, err.value.message) == ("tokens", "tokens out of range [0, 4096): [99999]")
@@ -2737,3 +2741,26 @@ def test_message_name_and_metadata_are_typed_as_openai_types_them(client, base_u
                         ({"messages": MESSAGES, "metadata": {"k": "v" * 513}}, "metadata")):
         r = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_workers_sharing_an_engine_agree_on_runtime_adapters_at_once():
+    # Two frontend workers (apps) on one engine (QA, --frontend-workers 3): an adapter loaded
+    # through one was a 404 on another that had listed less than a second before; one unloaded
+    # through one stayed in another's /v1/models/{id} and /tokenize; the same refused load named
+    # lora_name or lora_path depending on the worker.
+    engine = FakeLLMClient()
+    settings = dict(model_name=MODEL, allow_runtime_lora_updating=True)
+    with serve_in_thread(create_app(Settings(**settings), client=engine)) as a, \
+            serve_in_thread(create_app(Settings(**settings), client=engine)) as b:
+        assert httpx.get(b + "/v1/models").status_code == 200  # b has just listed (none)
+        assert httpx.post(a + "/v1/load_lora_adapter", json={"lora_name": "ad", "lora_path": "/x"}).status_code == 200
+        chat = httpx.post(b + "/v1/chat/completions", json={"model": "ad", "messages": MESSAGES, "max_tokens": 2})
+        assert chat.status_code == 200 and engine.requests[-1].sampling_params["lora_path"] == "ad", chat.text
+        for url in (a, b):
+            again = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "ad", "lora_path": "/x"})
+            assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name", again.text
+        assert httpx.post(a + "/v1/unload_lora_adapter", json={"lora_name": "ad"}).status_code == 200
+        assert httpx.get(b + "/v1/models/ad").status_code == 404
+        tok = httpx.post(b + "/tokenize", json={"model": "ad", "prompt": "hi"})
+        assert tok.status_code == 404 and tok.json()["error"]["code"] == "model_not_found", tok.text
+        assert [m["id"] for m in httpx.get(b + "/v1/models").json()["data"]] == [MODEL]
