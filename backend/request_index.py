@@ -92,7 +92,10 @@ class TritonRequestIndex:
         self._engine_ids: dict[str, set[str]] = {}
         self._samples: dict[str, int] = {}  # engine id -> its n, when n > 1
         self._aborted_samples: dict[str, set[int]] = {}  # engine id -> samples abort_client ended
-        self._named: dict[tuple[str, str], str] = {}  # (client id, frontend id) -> its running Triton id
+        # (name, frontend id) -> the running Triton id that goes by it: a client-named request's
+        # id and, with n > 1, its samples' `<id>_<i>` (the frontend's _claims, across workers).
+        self._named: dict[tuple[str, str], str] = {}
+        self._claims: dict[str, set[tuple[str, str]]] = {}  # Triton id -> its names in _named
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # triton id -> when
         self._finished: OrderedDict[str, float] = OrderedDict()  # triton id -> when its last request ended
 
@@ -102,17 +105,26 @@ class TritonRequestIndex:
         with self._lock:
             self._expire()
             named = named_client(triton_id)
+            claims: list[tuple[str, str]] = []
             if named is not None:
-                running = self._named.get(named)
-                if running is not None and running != triton_id:
-                    raise DuplicateRequestId(named[0])
+                client_id, frontend = named
+                # QA: the samples' names were reserved only by the frontend worker that ran the
+                # request, so another worker sent a second request under `<id>_0`, and one abort
+                # by that name ended both.
+                names = [client_id] + ([f"{client_id}_{i}" for i in range(n)] if n > 1 else [])
+                claims = [(name, frontend) for name in names]
+                for claim in claims:
+                    running = self._named.get(claim)
+                    if running is not None and running != triton_id:
+                        raise DuplicateRequestId(claim[0])
             if self._early_aborts.pop(triton_id, None) is not None:
                 return True
             self._engine_ids.setdefault(triton_id, set()).add(engine_id)
             if n > 1:
                 self._samples[engine_id] = n
-            if named is not None:
-                self._named[named] = triton_id
+            for claim in claims:
+                self._named[claim] = triton_id
+                self._claims.setdefault(triton_id, set()).add(claim)
             return False
 
     def forget(self, triton_id: str, engine_id: str) -> None:
@@ -127,9 +139,9 @@ class TritonRequestIndex:
                     self._remember(self._finished, triton_id)
 
     def _unname(self, triton_id: str) -> None:
-        named = named_client(triton_id)
-        if named is not None and self._named.get(named) == triton_id:
-            del self._named[named]
+        for claim in self._claims.pop(triton_id, ()):
+            if self._named.get(claim) == triton_id:
+                del self._named[claim]
 
     def abort(self, triton_id: str) -> set[str]:
         """The engine requests to abort for `triton_id`; none yet means remember the abort."""

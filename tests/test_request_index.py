@@ -127,3 +127,29 @@ def test_abort_client_ends_one_sample_by_its_id():
     index.forget("B_0@fe.b-3", "e3")
     index.add("B_0@fe.b-4", "e3", n=2)  # an engine id is never reused; were it, nothing would linger
     assert index.abort_client("fe", "B_0_1") == (1, {"e3#1"})
+
+
+def test_the_samples_names_of_a_named_request_are_taken_across_workers():
+    # QA (--frontend-workers 3): only the worker running `x` with n = 2 refused `x_0`; another
+    # accepted it, two requests then reported the id x_0, and one abort by it ended both.
+    from backend.request_index import NAMED_SUFFIX, DuplicateRequestId
+
+    idx = TritonRequestIndex()
+    x = f"x@fe.{NAMED_SUFFIX}a1"
+    assert idx.add(x, "e1", n=2) is False
+    for name in ("x_0", "x_1"):
+        with pytest.raises(DuplicateRequestId, match=f"Duplicate request ID detected: {name}$"):
+            idx.add(f"{name}@fe.{NAMED_SUFFIX}b2", "e2")
+    assert idx.add(f"x_2@fe.{NAMED_SUFFIX}c3", "e3") is False  # not one of its samples
+    # The other way round: a running `y_1` takes that name from a later `y` with n = 2.
+    assert idx.add(f"y_1@fe.{NAMED_SUFFIX}d4", "e4") is False
+    with pytest.raises(DuplicateRequestId, match="Duplicate request ID detected: y_1$"):
+        idx.add(f"y@fe.{NAMED_SUFFIX}e5", "e5", n=2)
+    assert idx.add(f"y@fe.{NAMED_SUFFIX}e5", "e5") is False  # n = 1: y_1 is not its name
+    # Free again once the request ended, or was aborted.
+    idx.forget(x, "e1")
+    assert idx.add(f"x_0@fe.{NAMED_SUFFIX}f6", "e6") is False
+    z = f"z@fe.{NAMED_SUFFIX}g7"
+    assert idx.add(z, "e7", n=3) is False
+    assert idx.abort(z) == {"e7"}
+    assert idx.add(f"z_2@fe.{NAMED_SUFFIX}h8", "e8") is False
