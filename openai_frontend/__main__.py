@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Optional, Sequence
 
 from openai_frontend.settings import Settings
@@ -210,7 +211,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         from openai_frontend.server import SETTINGS_ENV, SUPERVISOR_ENV
 
-        settings.metrics_dir = tempfile.mkdtemp(prefix="openai-frontend-metrics-")
+        sweep_metrics_dirs()
+        settings.metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
         os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(settings))
         os.environ[SUPERVISOR_ENV] = str(os.getpid())
         try:
@@ -224,6 +226,30 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         forced_exit.install()
         freeze_startup_heap()  # this process serves until it exits
         uvicorn.run(app, **options)
+
+
+METRICS_DIR_PREFIX = "openai-frontend-metrics-"
+
+
+def sweep_metrics_dirs(root: Optional[str] = None) -> None:
+    """Remove the metrics directories of multi-worker frontends that are gone: one killed
+    (SIGKILL, OOM) never reached its `finally` (QA: 66 such directories in /tmp). Each is named
+    after its supervisor's pid; one whose process lives, or that names none, is left alone."""
+    base = Path(root or tempfile.gettempdir())
+    for d in base.glob(f"{METRICS_DIR_PREFIX}*-*"):
+        pid = d.name[len(METRICS_DIR_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and d.is_dir() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, alive
+        return True
+    return True
 
 
 if __name__ == "__main__":

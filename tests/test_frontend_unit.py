@@ -2764,3 +2764,22 @@ def test_workers_sharing_an_engine_agree_on_runtime_adapters_at_once():
         tok = httpx.post(b + "/tokenize", json={"model": "ad", "prompt": "hi"})
         assert tok.status_code == 404 and tok.json()["error"]["code"] == "model_not_found", tok.text
         assert [m["id"] for m in httpx.get(b + "/v1/models").json()["data"]] == [MODEL]
+
+
+def test_metrics_dirs_of_frontends_that_are_gone_are_swept(tmp_path):
+    # QA: a multi-worker frontend killed (SIGKILL) left its metrics directory in /tmp for good.
+    import subprocess
+    import sys
+
+    from openai_frontend.__main__ import METRICS_DIR_PREFIX, sweep_metrics_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"{METRICS_DIR_PREFIX}{gone.pid}-abc"
+    live = tmp_path / f"{METRICS_DIR_PREFIX}{os.getpid()}-def"
+    old_style = tmp_path / f"{METRICS_DIR_PREFIX}x1y2z3"  # named before pids were: left alone
+    for d in (dead, live, old_style):
+        d.mkdir()
+        (d / "1.json").write_text("{}")
+    sweep_metrics_dirs(str(tmp_path))
+    assert not dead.exists() and live.exists() and old_style.exists()
