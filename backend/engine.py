@@ -1186,7 +1186,10 @@ class ModelRunnerSizing:
         else:
             num_blocks = 2**30 // bytes_per_block  # 1 GiB on CPU
         if config.device.split(":")[0] == "cpu":
-            _check_host_memory(int(num_blocks) * bytes_per_block)
+            # The weights are not loaded yet: their files' size counts too (at least what
+            # they take once loaded, or more where a narrower model dtype halves them).
+            weights = sum(f.stat().st_size for d in weights_dirs for f in weight_files(d))
+            _check_host_memory(int(num_blocks) * bytes_per_block, weights)
         bs = config.block_size
         need, what = -(-self.max_model_len // bs), f"one sequence of the context length {self.max_model_len}"
         window = model.uniform_window
@@ -1203,33 +1206,56 @@ class ModelRunnerSizing:
         self.num_blocks = int(num_blocks)
 
 
-def _check_host_memory(pool_bytes: int) -> None:
-    """On the CPU the pool is zeroed host memory: one larger than what the host has available
-    would be allocated page by page until the kernel's OOM killer ends the process (the Triton
-    stub dies with no reason given), so it is refused here with one (settings QA)."""
+def _check_host_memory(pool_bytes: int, weights_bytes: int = 0) -> None:
+    """On the CPU the pool is zeroed host memory: a pool and weights larger than what the host
+    has available would be allocated page by page until the kernel's OOM killer ends the process
+    (the Triton stub dies with no reason given), so they are refused here with one (settings QA)."""
     available = _host_available_bytes()
-    if available is not None and pool_bytes > available:
+    if available is not None and pool_bytes + weights_bytes > available:
         raise ValueError(
-            f"the KV pool needs {pool_bytes / 2**20:.0f} MiB and this host has "
-            f"{available / 2**20:.0f} MiB available; lower kv_cache_memory_mb or num_kv_blocks"
+            f"the KV pool needs {pool_bytes / 2**20:.0f} MiB and the weights at least "
+            f"{weights_bytes / 2**20:.0f} MiB, and this host has {available / 2**20:.0f} MiB available; "
+            "lower kv_cache_memory_mb or num_kv_blocks"
         )
 
 
-def _host_available_bytes() -> Optional[int]:
-    """MemAvailable from /proc/meminfo, or less where a cgroup v2 memory limit (a container's
-    `--memory`) leaves less; None where neither can be read (not Linux)."""
+# A container's memory limit, as cgroup v2 and v1 put it at the root of its namespace: (limit,
+# usage, memory.stat's field of reclaimable file cache that usage counts).
+_CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat",
+                   "inactive_file"),
+                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                   "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"))
+
+
+def _host_available_bytes(cgroups: tuple = _CGROUP_MEMORY) -> Optional[int]:
+    """MemAvailable from /proc/meminfo, or less where a cgroup memory limit (a container's
+    `--memory`) leaves less; None where neither can be read (not Linux). The cgroup's usage
+    counts file cache the kernel reclaims before failing an allocation (the model files read
+    at a restart in the same container): its inactive part is counted as available, as
+    MemAvailable counts it (review: a pool that fitted was refused)."""
     found: list[int] = []
     try:
         with open("/proc/meminfo") as f:
             found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
+    for limit_file, usage_file, stat_file, cache_field in cgroups:
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit == "max" or int(limit) >= 2**60:  # v1 writes "no limit" as a huge number
+                continue
+            usage = int(Path(usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        cache = 0
+        try:
+            for line in Path(stat_file).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == cache_field:
+                    cache = int(value)
+        except (OSError, ValueError):
+            pass
+        found.append(int(limit) - usage + cache)
     return min(found) if found else None
 
 

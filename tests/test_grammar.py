@@ -388,6 +388,8 @@ def test_structural_tag_legacy_format_and_response_format(compiler, tokenizer):
         # fuzz QA: seconds a token in the matcher, on the step every request shares
         ("regex", "( *)*x", r"invalid regex: it repeats without bound a part that can match nothing"),
         ("regex", "[a-z]((?: *)+,)*", r"invalid regex: it repeats without bound a part that can match nothing"),
+        ("regex", "( ?)*x", r"invalid regex: it repeats without bound a part that can match nothing"),  # review
+        ("regex", "(a|)+", r"invalid regex: it repeats without bound a part that can match nothing"),
         ("json_schema", '{"type": "string", "pattern": "^(a*)*$"}',
          r"invalid json_schema: 'pattern' that repeats without bound .* at \$ is not supported"),
         ("ebnf", "root ::= foo", r'invalid ebnf: .*Rule "foo" is not defined'),
@@ -407,10 +409,10 @@ def test_invalid_specs_name_the_problem(compiler, kind, spec, message):
         compiler.submit(kind, spec).result(timeout=30)
 
 
-@pytest.mark.parametrize("pattern", ["( ?)*x", "( +)*x", r"(\s*,)*x", "[a-z]+(,[a-z]*)*", r"\d{3}-\d{4}"])
+@pytest.mark.parametrize("pattern", ["( +)*x", r"(\s*,)*x", "[a-z]+(,[a-z]*)*", r"\d{3}-\d{4}"])
 def test_unambiguous_repetitions_are_kept(compiler, pattern):
-    # Only a repeated part that can match nothing and repeats itself is refused; a part that
-    # cannot be empty (or repeats a bounded piece) splits a text few ways.
+    # Only a repeated part that can match nothing is refused; one that cannot be empty splits a
+    # text few ways. Nested past Python's stack, a pattern is left to the matcher's time limit.
     assert compiler.submit("regex", pattern).result(timeout=30) is not None
 
 

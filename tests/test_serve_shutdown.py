@@ -227,31 +227,41 @@ def test_help_lists_the_options_and_an_unknown_one_says_where_to_look():
     assert bare.returncode == 2 and bare.stderr == "serve.sh: --grpc-port needs a value (--help lists the options)\n", bare
 
 
+def _start_without_frontend(model_path: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, list[int], Path]:
+    """scripts/serve.sh --no-frontend on free ports, tritonserver ready: (process, ports, log)."""
+    ports = [free_port() for _ in range(3)]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(REPO / "scripts/serve.sh"), "--model-path", str(model_path), "--no-frontend",
+             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), *extra],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=2).status_code == 200:
+                    return proc, ports, log
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    except BaseException:
+        if proc.poll() is None or _group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise
+
+
 def test_tritonserver_held_by_a_direct_client_is_killed_after_its_exit_timeout(demo_model_path, tmp_path):
     # QA: a client streaming from the ensemble straight over gRPC (python -m client, perf_analyzer)
     # kept tritonserver, its stubs and serve.sh alive after SIGTERM until the client gave up (600 s
     # with the client's default timeout): Triton 2.51 stops passing the ensemble's responses on,
     # logs "Exit timeout expired. Exiting immediately." and then still waits for the client.
     grace = 1
-    ports = [free_port() for _ in range(3)]
-    log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [str(REPO / "scripts/serve.sh"), "--model-path", str(demo_model_path), "--no-frontend",
-             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
-             "--graceful-shutdown-timeout", str(grace)],
-            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, ports, log = _start_without_frontend(demo_model_path, tmp_path, "--graceful-shutdown-timeout", str(grace))
     client = None
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         client = subprocess.Popen(
             [str(REPO / ".venv/bin/python"), "-m", "client", "--url", f"localhost:{ports[1]}", "--max-tokens", "3500",
              "--json-params", '{"ignore_eos": true}', "--timeout", "300", "Hello"],
@@ -277,23 +287,8 @@ def test_a_dead_engine_stops_serve_with_a_failure_status(demo_model_path, tmp_pa
     # engine_process separate, the engine process), tritonserver then exits 0, and so did
     # serve.sh: a supervisor that restarts on failure (systemd on-failure, Docker on-failure,
     # Kubernetes OnFailure) left the service down.
-    ports = [free_port() for _ in range(3)]
-    log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [str(REPO / "scripts/serve.sh"), "--model-path", str(demo_model_path), "--no-frontend",
-             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])],
-            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, ports, log = _start_without_frontend(demo_model_path, tmp_path)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{ports[0]}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         stubs = []
         for p in (int(entry.split()[0]) for entry in _group(proc.pid)):
             try:
