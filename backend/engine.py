@@ -1173,22 +1173,22 @@ class ModelRunnerSizing:
             draft = ModelConfig.from_model_dir(spec.model)
             bytes_per_block += 2 * draft.num_layers * config.block_size * draft.num_kv_heads * draft.head_dim * elem
             weights_dirs.append(Path(spec.model))
+        # Not loaded yet: the files' size (what they take once loaded, or more where a narrower
+        # model dtype halves them on the CPU).
+        weights = sum(f.stat().st_size for d in weights_dirs for f in weight_files(d))
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         elif config.kv_cache_memory_mb is not None:
             num_blocks = config.kv_cache_memory_mb * 2**20 // bytes_per_block
         elif config.device.startswith("cuda"):
             free, _ = torch.cuda.mem_get_info()
-            weights = sum(f.stat().st_size for d in weights_dirs for f in weight_files(d))
+            loaded = weights
             if model.quantization:  # FP8 weights are dequantized at load: up to model-dtype bytes each
-                weights *= torch.empty((), dtype=config.model_dtype()).element_size()
-            num_blocks = int(max(free - weights * 1.2, 0) * config.gpu_memory_utilization) // bytes_per_block
+                loaded *= torch.empty((), dtype=config.model_dtype()).element_size()
+            num_blocks = int(max(free - loaded * 1.2, 0) * config.gpu_memory_utilization) // bytes_per_block
         else:
             num_blocks = 2**30 // bytes_per_block  # 1 GiB on CPU
         if config.device.split(":")[0] == "cpu":
-            # The weights are not loaded yet: their files' size counts too (at least what
-            # they take once loaded, or more where a narrower model dtype halves them).
-            weights = sum(f.stat().st_size for d in weights_dirs for f in weight_files(d))
             _check_host_memory(int(num_blocks) * bytes_per_block, weights)
         bs = config.block_size
         need, what = -(-self.max_model_len // bs), f"one sequence of the context length {self.max_model_len}"

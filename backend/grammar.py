@@ -110,26 +110,32 @@ class GrammarError(ValueError):
 
 # One matcher call (a token's mask or its acceptance) past this ends the request: legitimate
 # grammars take milliseconds (a large JSON schema's uncached mask included), while an ambiguous
-# one (nested repetitions check_regex_ambiguity cannot see: in EBNF, a JSON schema's pattern,
-# xgrammar's own regex syntax) grows to seconds and holds up the step every request shares.
+# one (nested repetitions ambiguous_repetition cannot see: in EBNF, in xgrammar's own regex
+# syntax) grows to seconds and holds up the step every request shares.
 MATCH_TIME_LIMIT_S = 1.0
 
 
-def check_regex_ambiguity(pattern: str, what: str) -> None:
-    """Refuse a regex that repeats without bound a part that can match nothing (`( *)*`,
+AMBIGUOUS_REPETITION = ("it repeats without bound a part that can match nothing (as `( *)*` and `( ?)*` do): every "
+                        "way to split the text among the repetitions is a parse, and matching them all takes up to "
+                        "seconds a token; write the plain form (` *`)")
+
+
+def ambiguous_repetition(pattern: str) -> bool:
+    """Whether a regex repeats without bound a part that can match nothing (`( *)*`,
     `(( *)*)*`, `( ?)*`, `(a|)*`): every split of a run among the repetitions, empty ones
     included, is a parse, and xgrammar's matcher tracks them all, up to seconds a token on the
     step loop every request shares (fuzz QA: 0.7 s a step, 4.6 s at worst, for `(( *)*)*`; review:
     `( ?)*` 0.5 s by 150 tokens and growing). The same language has a plain form (` *`).
     Patterns Python's parser cannot read (xgrammar's own syntax), or nested too deep to walk, are
-    left to the matcher's time limit (GrammarState)."""
+    left to the matcher's time limit (GrammarState): False. Callers refuse with
+    AMBIGUOUS_REPETITION."""
     import re._constants as sre_c
     import re._parser as sre_p
 
     try:
         parsed = sre_p.parse(pattern)
     except Exception:  # not Python's syntax: left to the time limit
-        return
+        return False
     repeats = (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT, getattr(sre_c, "POSSESSIVE_REPEAT", sre_c.MAX_REPEAT))
 
     def children(op: Any, av: Any) -> list:
@@ -155,20 +161,14 @@ def check_regex_ambiguity(pattern: str, what: str) -> None:
             return any(nullable(b) for b in av[1])
         return op in (sre_c.AT, sre_c.ASSERT, sre_c.ASSERT_NOT, sre_c.GROUPREF)
 
-    def walk(sub: Any) -> None:
-        for op, av in sub:
-            if op in repeats and av[1] == sre_c.MAXREPEAT and nullable(av[2]):
-                raise GrammarError(
-                    f"invalid {what}: it repeats without bound a part that can match nothing (as `( *)*` and `( ?)*` "
-                    "do): every way to split the text among the repetitions is a parse, and matching them all takes "
-                    "up to seconds a token; write the plain form (` *`)")
-            for c in children(op, av):
-                walk(c)
+    def found(sub: Any) -> bool:
+        return any((op in repeats and av[1] == sre_c.MAXREPEAT and nullable(av[2]))
+                   or any(found(c) for c in children(op, av)) for op, av in sub)
 
     try:
-        walk(parsed)
+        return found(parsed)
     except RecursionError:  # nested past Python's stack: left to the time limit
-        return
+        return False
 
 
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
@@ -422,12 +422,9 @@ def _check_enforceable(schema: Any) -> None:
                         refuse(f"'{kw}' beside '{keeps}'", path, f"the grammar enforces only the '{keeps}' there")
                 if isinstance(node.get("pattern"), str) and _has_lookahead(node["pattern"]):
                     refuse("'pattern' with a lookahead", path, "the grammar ignores lookaheads")
-                if isinstance(node.get("pattern"), str):
-                    try:
-                        check_regex_ambiguity(node["pattern"], "pattern")
-                    except GrammarError:
-                        refuse("'pattern' that repeats without bound a part that can match nothing (as `( *)*` "
-                               "does)", path, "matching it takes up to seconds a token; write the plain form (` *`)")
+                if isinstance(node.get("pattern"), str) and ambiguous_repetition(node["pattern"]):
+                    refuse("'pattern' that repeats without bound a part that can match nothing (as `( *)*` "
+                           "does)", path, "matching it takes up to seconds a token; write the plain form (` *`)")
             if "object" in types and isinstance(node.get("required"), list):
                 declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
                 for name in node["required"]:
@@ -1088,7 +1085,8 @@ class GrammarCompiler:
         if kind == "regex":
             if not spec:
                 raise GrammarError("invalid regex: the pattern is empty")
-            check_regex_ambiguity(spec, "regex")
+            if ambiguous_repetition(spec):
+                raise GrammarError(f"invalid regex: {AMBIGUOUS_REPETITION}")
             return c.compile_regex(spec)
         if kind == "ebnf":
             if not spec.strip():

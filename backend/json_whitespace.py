@@ -152,12 +152,10 @@ def _pattern_rules(xgr, pattern: str) -> str:
         raise WhitespacePatternError(f"it is longer than {MAX_PATTERN_CHARS} characters")
     if pattern == "":
         return f'{_RULE} ::= ""\n'
-    from backend.grammar import GrammarError, check_regex_ambiguity
+    from backend.grammar import AMBIGUOUS_REPETITION, ambiguous_repetition
 
-    try:
-        check_regex_ambiguity(pattern, "whitespace_pattern")
-    except GrammarError as exc:
-        raise WhitespacePatternError(str(exc).removeprefix("invalid whitespace_pattern: ")) from None
+    if ambiguous_repetition(pattern):
+        raise WhitespacePatternError(AMBIGUOUS_REPETITION)
     try:
         ebnf = str(xgr.Grammar.from_regex(pattern))
     except Exception as exc:  # xgrammar's RuntimeError names the problem in its first line
