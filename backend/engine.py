@@ -29,6 +29,7 @@ from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.draft_model import DraftModelProposer
 from backend.grammar import MATCH_TIME_LIMIT_S, DraftMask
+from backend.lora import LoraAdapter
 from backend.model_files import read_json
 from backend.model_runner import ModelConfig, ModelRunner, weight_files
 from backend.outputs import OutputState, RequestOutput, StopRegexTimeout
@@ -130,6 +131,13 @@ def default_torch_threads(device: str) -> int:
     OMP_NUM_THREADS to 1 for the same reason). On the CPU the threads are the model's compute."""
     return 1 if device.startswith("cuda") else torch.get_num_threads()
 
+
+
+def _cache_salt(adapter: Optional[LoraAdapter], salt: Optional[str]) -> Optional[int]:
+    """Where the prompt's prefix-cache hash chain starts: an adapter's blocks hold other values,
+    and a client's salt isolates its prompts from everyone without the same salt."""
+    base = adapter.cache_salt if adapter is not None else None
+    return base if salt is None else hash(("cache_salt", base, salt))
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -307,6 +315,7 @@ class LLMEngine:
                     f"{params.min_output_tokens} forbids for the first tokens: nothing could be drawn"
                 )
         adapter = self._adapter(params.lora_path)
+        salt = _cache_salt(adapter, params.cache_salt)
         processor = self._custom_processor(params)
         compiled = self._submit_grammar(params)
         room = self.max_model_len - len(prompt_ids)
@@ -354,7 +363,7 @@ class LLMEngine:
                 # Siblings wait for the first one's prefill only to find its blocks cached.
                 wait_for=children[0].seq if children and cacheable and self.config.enable_prefix_caching else None,
                 lora=adapter,
-                cache_salt=adapter.cache_salt if adapter is not None else None,
+                cache_salt=salt,
                 prediction=prediction,
                 # None of it taken yet: an output that ends before its first token (max_new_tokens
                 # 0) still reports the whole prediction rejected, as OpenAI counts it.

@@ -76,6 +76,7 @@ MAX_WHITESPACE_PATTERN_CHARS = 256
 MAX_LOGITS_PROCESSORS = 16
 MAX_PREDICTION_CHARS = 128 * 1024
 MAX_PREDICTION_TOKENS = 32 * 1024
+MAX_CACHE_SALT_CHARS = 1024  # a salt is a secret of ~43 characters (256 bits, base64)
 
 
 # Temperatures below this are greedy (SGLang's _SAMPLING_EPS).
@@ -158,6 +159,10 @@ class SamplingParams(BaseModel):
     custom_params: Optional[dict[str, Any]] = None
     # SGLang's lora_path: the name (or path) of a LoRA adapter the engine loaded (lora_modules).
     lora_path: Optional[str] = None
+    # vLLM's cache_salt: folded into the start of the prompt's prefix-cache hash chain, so only
+    # requests with the same salt share cached blocks. In a multi-tenant deployment a tenant's
+    # salt keeps others from learning, by timing a cache hit, which prompts it sent.
+    cache_salt: Optional[str] = None
     # vLLM's logits_processors: qualified names or {"qualname", "args", "kwargs"} constructor
     # objects, loaded by the engine when its logits_processor_pattern allows them
     # (backend/logits_processors.py).
@@ -279,6 +284,10 @@ class SamplingParams(BaseModel):
             raise ValueError(f"logprob_start_len must be -1 (output only) or >= 0, got {self.logprob_start_len}")
         if self.token_ids_logprob is not None and any(t < 0 for t in self.token_ids_logprob):
             raise ValueError("token_ids_logprob must be non-negative token ids")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string if provided")
+        if self.cache_salt is not None and len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt is longer than {MAX_CACHE_SALT_CHARS} characters")
         if self.custom_params is not None and self.custom_logit_processor is None:
             raise ValueError("custom_params needs custom_logit_processor")
         if self.logit_bias is not None:

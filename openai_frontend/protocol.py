@@ -228,6 +228,8 @@ class _SamplingFields(_Body):
     request_id: Optional[str] = None
     logits_processors: Optional[list[Any]] = None
     return_tokens_as_token_ids: Optional[bool] = None
+    # vLLM's: requests share prefix-cache blocks only with requests under the same salt
+    cache_salt: Optional[str] = None
     # SGLang extra parameters
     stop_regex: Optional[Union[str, list[str]]] = None
     regex: Optional[str] = None

@@ -355,6 +355,8 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         sp["return_text_in_logprobs"] = True
     if req.return_hidden_states:
         sp["return_hidden_states"] = True
+    if req.cache_salt is not None:  # "" reaches the engine, which refuses it
+        sp["cache_salt"] = req.cache_salt
     if req.logit_bias:
         sp["logit_bias"] = dict(req.logit_bias)
     if req.allowed_token_ids is not None:

@@ -20,6 +20,7 @@ import kernels.reference as ref
 from backend.config import EngineConfig
 from backend.custom_logit_processor import CustomLogitProcessor
 from backend.engine import LLMEngine, RequestError
+from backend.sampling_params import SamplingParamsError
 
 
 @pytest.fixture(scope="module")
@@ -460,6 +461,30 @@ def test_prefix_caching_gives_identical_outputs(demo_model_path):
         finally:
             eng.shutdown()
     assert results[True] == results[False]
+
+
+def test_cache_salt_shares_cached_blocks_only_between_requests_with_the_same_salt(engine):
+    """vLLM's cache_salt: a prompt sent under another salt (or none) finds nothing cached, so
+    a tenant cannot learn by timing which prompts another sent; the outputs do not change."""
+    prompt = _prompt(70, 31)  # 4 full blocks of 16
+
+    def run(salt=None):
+        params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+        if salt is not None:
+            params["cache_salt"] = salt
+        (out,) = engine.generate([prompt], [engine.parse_params(params)])
+        return out.cached_tokens, out.new_token_ids
+
+    engine.block_manager.reset_prefix_cache()  # the engine steps only inside generate()
+    (cold, want), (warm, same) = run("tenant-a"), run("tenant-a")
+    assert (cold, warm) == (0, 64) and same == want
+    assert run("tenant-b") == (0, want)
+    assert run() == (0, want)  # no salt is a cache of its own too
+    assert run() == (64, want)
+    assert run("tenant-b") == (64, want)
+    for bad in ("", 7):
+        with pytest.raises(SamplingParamsError, match="cache_salt"):
+            engine.parse_params({"cache_salt": bad})
 
 
 def test_stop_regex_trims_and_streams_the_same(engine):

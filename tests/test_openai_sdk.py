@@ -466,6 +466,37 @@ def test_vllm_extra_sampling_parameters(client):
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
 
 
+def test_cache_salt_keeps_tenants_prefix_caches_apart(client):
+    """vLLM's cache_salt through the SDK: a long system prompt cached under one salt is a miss
+    under another, streamed or not, and a hit again under its own."""
+    messages = [{"role": "system", "content": "You answer questions about the cache salt. " * 12},
+                {"role": "user", "content": "Who may share my cached blocks?"}]
+
+    def cached(salt: str, stream: bool = False) -> int:
+        kwargs = dict(model=MODEL, messages=messages, max_tokens=2, extra_body={"cache_salt": salt}, **GREEDY)
+        if stream:
+            *_, usage, _ = _stream_chat(client, stream_options={"include_usage": True}, **kwargs)
+        else:
+            usage = client.chat.completions.create(**kwargs).usage
+        return usage.prompt_tokens_details.cached_tokens
+
+    salts = [f"salt-{i}-{id(messages)}" for i in range(3)]  # unused before in this server
+    assert cached(salts[0]) == 0
+    assert cached(salts[0]) > 0
+    assert cached(salts[1], stream=True) == 0
+    assert cached(salts[1], stream=True) > 0
+    prompt = "You answer questions about the cache salt. " * 12
+
+    def completion_cached(salt: str) -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert completion_cached(salts[2]) == 0 and completion_cached(salts[2]) > 0 and completion_cached(salts[0]) == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt") as exc:
+        cached("")
+    assert exc.value.body["param"] == "cache_salt"
+
+
 def test_logit_bias_and_allowed_token_ids(client, tok):
     target = tok.encode(" dragon", add_special_tokens=False)[-1]
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, **GREEDY,
