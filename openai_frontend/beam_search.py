@@ -134,6 +134,8 @@ def beam_spec(req: AnyRequest, lora: Optional[str] = None, max_model_len: Option
         step["priority"] = req.priority
     if lora:
         step["lora_path"] = lora
+    if req.cache_salt is not None:  # every step reads and extends the beams' cached blocks
+        step["cache_salt"] = req.cache_salt
     if top_logprobs is not None and not req.return_tokens_as_token_ids:
         step["return_text_in_logprobs"] = True
     return BeamSpec(

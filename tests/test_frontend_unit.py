@@ -456,7 +456,12 @@ def test_beam_search_keeps_the_best_beams_not_the_greedy_path(beam_client):
     assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == 1
     steps = [q for q in bfake.requests if q.input_ids is not None]
     assert all(q.sampling_params["top_logprobs_num"] == 4 and q.sampling_params["repetition_penalty"] == 1.0
-               for q in steps)
+               and "cache_salt" not in q.sampling_params for q in steps)
+    bfake.requests.clear()  # every step runs under the request's cache salt
+    client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=2,
+                              extra_body={"use_beam_search": True, "cache_salt": "tenant-a"})
+    steps = [q for q in bfake.requests if q.input_ids is not None]
+    assert steps and all(q.sampling_params["cache_salt"] == "tenant-a" for q in steps)
 
     # A third step: B E H (-1.2 over 4 tokens) is best; A C Z ends (-2.05 over 3: the EOS does
     # not count in its length) and beats B E Z and A C G. Beams that end are not extended.
