@@ -31,6 +31,7 @@ from openai_frontend.sampling import (
     build_sampling_params,
     check_unsupported,
     constraint_param,
+    whitespace_pattern,
 )
 from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 from openai_frontend.tools import (
@@ -114,9 +115,9 @@ def _constrain_content_only(sp: dict[str, Any], fmt: Optional[ReasoningFormat],
     key = next((k for k in CONSTRAINT_KEYS if k in sp), None)
     if fmt is None or key is None:
         return sp
-    if "whitespace_pattern" in sp:
-        raise bad_request("guided_whitespace_pattern cannot be combined with a reasoning parser",
-                          param="guided_whitespace_pattern")
+    whitespace = whitespace_pattern(req)
+    if whitespace is not None:
+        raise bad_request(f"{whitespace[0]} cannot be combined with a reasoning parser", param=whitespace[0])
     try:
         wrapped = constrain_after_reasoning(fmt, key, sp[key])
     except ConstraintError as exc:

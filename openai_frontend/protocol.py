@@ -93,6 +93,28 @@ class StreamOptions(_Strict):
     include_obfuscation: Optional[bool] = None
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (0.11 on; its guided_* fields' successor): one constraint and
+    the JSON options. sampling.py maps it onto the same engine keys as guided_*."""
+
+    json_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
+    whitespace_pattern: Optional[str] = None
+    # vLLM's meaning: no whitespace in the JSON document (whitespace_pattern "").
+    disable_any_whitespace: bool = False
+    # vLLM reads it on its guidance backend only: a schema's objects get only their declared
+    # properties unless they say additionalProperties. xgrammar, vLLM's default backend and the
+    # engine's, compiles every schema so (strict mode) whatever the value, as vLLM does.
+    disable_additional_properties: bool = False
+    # vLLM 0.11's: do not fall back to another backend when this one fails. There is no other
+    # backend here; a grammar that fails is the request's error either way.
+    disable_fallback: bool = False
+
+
 class FunctionDefinition(_Strict):
     # A call to a nameless function could not be told from text: the parsers need a name.
     name: str = Field(min_length=1)
@@ -230,6 +252,7 @@ class _SamplingFields(_Body):
     return_tokens_as_token_ids: Optional[bool] = None
     # vLLM's: requests share prefix-cache blocks only with requests under the same salt
     cache_salt: Optional[str] = None
+    structured_outputs: Optional[StructuredOutputs] = None
     # SGLang extra parameters
     stop_regex: Optional[Union[str, list[str]]] = None
     regex: Optional[str] = None

@@ -67,11 +67,12 @@ def check_unsupported(req: AnyRequest, settings: Settings) -> None:
             raise bad_request("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         if not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="prompt_logprobs")
-    if req.guided_whitespace_pattern is not None:
+    whitespace = whitespace_pattern(req)
+    if whitespace is not None:
         found = constraint_from_request(req)
         if found is None or found[0] != "json_schema":
-            raise bad_request("guided_whitespace_pattern needs a JSON constraint (response_format json_object or "
-                              "json_schema, guided_json)", param="guided_whitespace_pattern")
+            raise bad_request(f"{whitespace[0]} needs a JSON constraint (response_format json_object or "
+                              "json_schema, guided_json, structured_outputs json or json_object)", param=whitespace[0])
     if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
         raise unsupported("guided_decoding_backend", "the engine's grammar backend is xgrammar")
     check_custom_logit_processor(req.custom_logit_processor, settings)
@@ -196,7 +197,42 @@ def _constraints(req: AnyRequest) -> list[tuple[str, str, Any]]:
         found.append(("ebnf", "ebnf", req.ebnf))
     if req.structural_tag is not None:
         found.append(("structural_tag", "structural_tag", _dumps(req.structural_tag)))
+    so = req.structured_outputs
+    if so is not None:
+        where = "structured_outputs"
+        if so.json_ is not None:
+            found.append((f"{where}.json", "json_schema", _dumps(so.json_)))
+        if so.json_object:
+            found.append((f"{where}.json_object", "json_schema", '{"type": "object"}'))
+        if so.regex is not None:
+            found.append((f"{where}.regex", "regex", so.regex))
+        if so.choice is not None:
+            if not so.choice:
+                raise bad_request(f"{where}.choice must not be empty", param=f"{where}.choice")
+            found.append((f"{where}.choice", "guided_choice", list(so.choice)))
+        if so.grammar is not None:
+            found.append((f"{where}.grammar", "ebnf", so.grammar))
+        if so.structural_tag is not None:
+            found.append((f"{where}.structural_tag", "structural_tag", _dumps(so.structural_tag)))
     return found
+
+
+def whitespace_pattern(req: AnyRequest) -> Optional[tuple[str, str]]:
+    """(the parameter that gave it, the pattern) of the JSON whitespace the request asks for:
+    vLLM's guided_whitespace_pattern, or structured_outputs' whitespace_pattern or
+    disable_any_whitespace (no whitespace: the pattern "")."""
+    given: list[tuple[str, str]] = []
+    if req.guided_whitespace_pattern is not None:
+        given.append(("guided_whitespace_pattern", req.guided_whitespace_pattern))
+    so = req.structured_outputs
+    if so is not None and so.whitespace_pattern is not None:
+        given.append(("structured_outputs.whitespace_pattern", so.whitespace_pattern))
+    if so is not None and so.disable_any_whitespace:
+        given.append(("structured_outputs.disable_any_whitespace", ""))
+    if len(given) > 1:
+        raise bad_request(f"{given[1][0]} may not be given with {given[0][0]}: both set the JSON whitespace",
+                          param=given[1][0])
+    return given[0] if given else None
 
 
 def _only_fields(obj: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
@@ -263,6 +299,8 @@ def openai_param(exc: APIError, req: AnyRequest) -> APIError:
             # The constraint is built from the tools' parameters.
             exc.message = exc.message.replace(f"invalid {exc.param}:", "invalid tools (a function's parameters):", 1)
             exc.param = "tools"
+    elif exc.param == "whitespace_pattern" and whitespace_pattern(req) is not None:
+        exc.param = whitespace_pattern(req)[0]
     elif exc.param in _OPENAI_NAMES:
         exc.param = _OPENAI_NAMES[exc.param]
     elif (exc.param is None and exc.message == "the prompt is empty") or exc.param == "input_ids":
@@ -374,8 +412,9 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
     constraint = constraint_from_request(req)
     if constraint is not None:
         sp[constraint[0]] = constraint[1]
-    if req.guided_whitespace_pattern is not None:
-        sp["whitespace_pattern"] = req.guided_whitespace_pattern
+    whitespace = whitespace_pattern(req)
+    if whitespace is not None:
+        sp["whitespace_pattern"] = whitespace[1]
     if isinstance(req, ChatCompletionRequest) and req.prediction is not None:
         text = prediction_text(req.prediction)
         if text:

@@ -661,6 +661,48 @@ def test_error_unsupported_parameter_named(client, fake):
     assert fake.requests == []
 
 
+def test_vllm_structured_outputs_map_onto_the_guided_constraints(client, fake):
+    """vLLM 0.11's structured_outputs object: each constraint reaches the engine as its guided_*
+    twin does, and its whitespace options as guided_whitespace_pattern does."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for so, want in [
+        ({"json": schema}, {"json_schema": json.dumps(schema)}),
+        ({"json": json.dumps(schema), "disable_any_whitespace": True},
+         {"json_schema": json.dumps(schema), "whitespace_pattern": ""}),
+        ({"json_object": True, "whitespace_pattern": "[ ]?"}, {"json_schema": '{"type": "object"}',
+                                                               "whitespace_pattern": "[ ]?"}),
+        ({"regex": "(yes|no)", "disable_fallback": True}, {"regex": "(yes|no)"}),
+        ({"choice": ["yes", "no"]}, {"guided_choice": ["yes", "no"]}),
+        ({"grammar": 'root ::= "a"'}, {"ebnf": 'root ::= "a"'}),
+        ({"structural_tag": {"type": "structural_tag", "format": {"type": "const_string", "value": "x"}},
+          "disable_additional_properties": True},
+         {"structural_tag": json.dumps({"type": "structural_tag", "format": {"type": "const_string", "value": "x"}})}),
+        ({"json_object": False}, {}),
+    ]:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"structured_outputs": so})
+        sp = fake.requests[-1].sampling_params
+        keys = ("json_schema", "regex", "guided_choice", "ebnf", "structural_tag", "whitespace_pattern")
+        assert {k: sp[k] for k in keys if k in sp} == want, so
+    client.completions.create(model=MODEL, prompt="x", extra_body={"structured_outputs": {"regex": "a+"}})
+    assert fake.requests[-1].sampling_params["regex"] == "a+"
+    count = len(fake.requests)
+    for body, param, message in [
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice", "only one"),
+        ({"structured_outputs": {"json": schema}, "guided_regex": "a"}, "structured_outputs.json", "only one"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "must not be empty"),
+        ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+         "structured_outputs.disable_any_whitespace", "needs a JSON constraint"),
+        ({"structured_outputs": {"json": schema, "disable_any_whitespace": True, "whitespace_pattern": " "}},
+         "structured_outputs.disable_any_whitespace", "both set the JSON whitespace"),
+        ({"structured_outputs": {"json_": schema}}, "structured_outputs.json_", "Unrecognized request argument"),
+        ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex", "string"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=body)
+        assert _error(err)["param"] == param and message in _error(err)["message"], (body, _error(err))
+    assert len(fake.requests) == count
+
+
 def test_add_special_tokens_goes_to_preprocessing_only_when_not_the_default(client, fake):
     client.completions.create(model=MODEL, prompt="x")
     assert fake.requests[-1].add_special_tokens is None

@@ -697,6 +697,30 @@ def test_guided_whitespace_pattern(client):
         assert message in err.value.body["message"], err.value.body
 
 
+def test_vllm_structured_outputs(client):
+    """vLLM 0.11's structured_outputs through the real server: a schema with no whitespace
+    (streamed the same), a choice, and its refusals."""
+    from tests.test_grammar import _gaps
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "tags": {"type": "array", "items": {
+        "type": "string", "maxLength": 5}, "maxItems": 3}}, "required": ["n", "tags"]}
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "JSON please."}], max_tokens=120, seed=4,
+                  extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    r = client.chat.completions.create(**kwargs)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", r.choices[0]
+    jsonschema.validate(json.loads(text), schema)
+    assert _gaps(text) == [], text
+    assert _stream_chat(client, **kwargs)[0][0] == text
+    c = client.completions.create(model=MODEL, prompt="Yes or no?", max_tokens=5,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe not"]}})
+    assert c.choices[0].text in ("yes", "no", "maybe not")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"json": {"type": "no-such-type"}}})
+    assert err.value.body["param"] == "structured_outputs.json", err.value.body
+
+
 # ---------------------------------------------------------------------------------------------
 # tools
 # ---------------------------------------------------------------------------------------------
