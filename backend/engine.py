@@ -422,6 +422,8 @@ class LLMEngine:
                 "prompt logprobs (logprob_start_len >= 0) need the prompt's token ids; with input_embeds only the "
                 "output's logprobs are available (logprob_start_len -1)"
             )
+        if params.return_prompt_token_ids:
+            raise RequestError("return_prompt_token_ids: an input_embeds prompt has no token ids")
         try:
             rows = torch.as_tensor(value, dtype=torch.float32)
         except (TypeError, ValueError, RuntimeError) as exc:

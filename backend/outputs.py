@@ -58,6 +58,8 @@ class RequestOutput:
     # and hidden_states entries (return_hidden_states): meta_info lists that grow per response.
     logprobs: Optional[dict[str, list]] = None
     error_code: str = "internal"  # or "invalid_arg"
+    # return_prompt_token_ids: the prompt's ids, on the sample's first output only.
+    prompt_token_ids: Optional[list[int]] = None
 
     @property
     def finished(self) -> bool:
@@ -81,6 +83,7 @@ class RequestOutput:
                 logprobs.setdefault(k, []).extend(v)
         return replace(
             later,
+            prompt_token_ids=self.prompt_token_ids if self.prompt_token_ids is not None else later.prompt_token_ids,
             logprobs=logprobs,
             new_token_ids=self.new_token_ids + later.new_token_ids,
             window_ids=window,
@@ -123,6 +126,7 @@ class OutputState:
     released_tail: str = ""  # last few released chars, enough to match a stop across the boundary
     pending_new_ids: list[int] = field(default_factory=list)
     pending_logprobs: dict[str, list] = field(default_factory=dict)
+    prompt_ids_sent: bool = False
     hidden_tokens: int = 0  # trailing tokens kept out of the text (a matched stop token)
     held_seen: str = ""  # the detokenizer's held-back text as of the last token (searched or not)
     held_late: bool = False  # held_seen began under min_tokens: searched once released
@@ -341,6 +345,10 @@ class OutputState:
         """The response's output: what was released, the sequence's counts, and the logprob
         entries gathered since the last one."""
         logprobs, self.pending_logprobs = (self.pending_logprobs or None), {}
+        prompt_ids = None
+        if seq.params.return_prompt_token_ids and not self.prompt_ids_sent:
+            self.prompt_ids_sent = True
+            prompt_ids = list(seq.token_ids[: seq.num_prompt_tokens])
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_ids,
@@ -361,6 +369,7 @@ class OutputState:
             rejected_prediction_tokens=seq.prediction_rejected if seq.params.prediction else None,
             spec=spec_meta(seq) if final and seq.speculates else None,
             logprobs=logprobs,
+            prompt_token_ids=prompt_ids,
         )
 
     def close(self, seq: Sequence, error: Optional[str] = None) -> RequestOutput:

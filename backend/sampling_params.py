@@ -145,6 +145,10 @@ class SamplingParams(BaseModel):
     # SGLang's return_hidden_states: the final-norm hidden state of every position the model
     # runs for this request, in meta_info["hidden_states"] (backend/outputs.py has the layout).
     return_hidden_states: bool = False
+    # The prompt's token ids (after truncate_prompt_tokens) in meta_info["prompt_token_ids"] of
+    # each sample's first response: vLLM's return_token_ids needs them, and a client that sent
+    # text (or a chat) has no other way to get the ids the model saw.
+    return_prompt_token_ids: bool = False
     # OpenAI's logit_bias (token id -> bias added to its logit, -100..100) and vLLM's
     # allowed_token_ids (every other token is excluded), applied to the model's logits first.
     logit_bias: Optional[dict[JsonKeyInt, float]] = None

@@ -178,6 +178,8 @@ def llm_output_arrays(out: RequestOutput, params: SamplingParams) -> dict[str, n
         meta.update(out.spec)
     if out.logprobs:
         meta.update(out.logprobs)
+    if out.prompt_token_ids is not None:
+        meta["prompt_token_ids"] = out.prompt_token_ids
     arrays = {
         "output_ids": np.asarray(out.new_token_ids, dtype=np.int32),
         "detok_ids": np.asarray(out.window_ids, dtype=np.int32),

@@ -80,6 +80,7 @@ class BeamSpec:
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids: they end a beam even with ignore_eos
     keep_stop: bool = False  # include_stop_str_in_output: the stop token's text stays
     timeout: Optional[float] = None  # seconds for the whole search (--stream-timeout); None: no limit
+    prompt_token_ids: bool = False  # return_token_ids: each beam's meta_info carries the prompt's ids
 
 
 def beam_spec(req: AnyRequest, lora: Optional[str] = None, max_model_len: Optional[int] = None,
@@ -144,7 +145,7 @@ def beam_spec(req: AnyRequest, lora: Optional[str] = None, max_model_len: Option
         keep_stop=bool(req.include_stop_str_in_output),
         max_model_len=max_model_len, step_params=step,
         skip_special_tokens=req.skip_special_tokens, spaces_between_special_tokens=req.spaces_between_special_tokens,
-        top_logprobs=top_logprobs, timeout=timeout,
+        top_logprobs=top_logprobs, timeout=timeout, prompt_token_ids=bool(req.return_token_ids),
     )
 
 
@@ -197,9 +198,11 @@ def _score(beam: _Beam, prompt_len: int, length_penalty: float) -> tuple[int, fl
     return 2, math.log(cum) - length_penalty * log_length
 
 
-def _meta(path: list[_Beam], top: Optional[int], cached_tokens: Optional[int]) -> str:
+def _meta(path: list[_Beam], top: Optional[int], cached_tokens: Optional[int],
+          prompt_ids: Optional[list[int]] = None) -> str:
     """The beam's meta_info in the engine's form, which the handlers already read: the prompt's
-    prefix-cache hits (of the search's first step, the prompt alone) and, if asked, logprobs."""
+    prefix-cache hits (of the search's first step, the prompt alone) and, if asked, logprobs and
+    the prompt's ids."""
     def entry(lp: TokenLogprob) -> list:
         return [lp.logprob, lp.token_id, lp.text]
 
@@ -207,6 +210,8 @@ def _meta(path: list[_Beam], top: Optional[int], cached_tokens: Optional[int]) -
     if top is not None:
         meta["output_token_logprobs"] = [entry(b.logprob) for b in path]
         meta["output_top_logprobs"] = [[entry(t) for t in b.logprob.top[:top]] for b in path]
+    if prompt_ids is not None:
+        meta["prompt_token_ids"] = prompt_ids
     return json.dumps(meta, ensure_ascii=False) if meta else ""
 
 
@@ -248,7 +253,7 @@ async def _search(client: EngineClient, prompt: EngineRequest, spec: BeamSpec) -
     ])
     return [
         EngineChunk(text, [b.token for b in path], beam.finish, len(ids), beam.length,
-                    _meta(path, spec.top_logprobs, cached))
+                    _meta(path, spec.top_logprobs, cached, ids if spec.prompt_token_ids else None))
         for beam, path, text in zip(best, paths, texts)
     ]
 

@@ -79,7 +79,7 @@ class _Choice:
     """Per-choice accumulation (non-streaming) or streaming state."""
 
     __slots__ = ("texts", "finish", "stop_reason", "completion_tokens", "logprobs", "tools", "got_logprobs",
-                 "reasoning", "held_reasoning", "hidden", "prediction")
+                 "reasoning", "held_reasoning", "hidden", "prediction", "token_ids")
 
     def __init__(self, tools: Optional[ToolCallStreamer], reasoning: Optional[ReasoningFormat] = None,
                  hidden: bool = False) -> None:
@@ -94,6 +94,7 @@ class _Choice:
         self.held_reasoning = ""  # stream_reasoning false: sent when the section ends
         self.hidden = LastHiddenState() if hidden else None  # return_hidden_states
         self.prediction: Optional[tuple[int, int]] = None  # (accepted, rejected) prediction tokens
+        self.token_ids: list[int] = []  # return_token_ids (non-streaming)
 
 
 def _reasoning_format(req: ChatCompletionRequest, parser: Optional[str], plan: ToolPlan) -> Optional[ReasoningFormat]:
@@ -217,6 +218,7 @@ class ChatHandler:
         prompt_tokens = 0
         cached: Optional[int] = None
         prompt_lps: Optional[list[TokenLogprob]] = None  # vLLM's prompt_logprobs (the samples share them)
+        prompt_ids: Optional[list[int]] = None  # return_token_ids (the samples share the prompt)
         it = returned_choices(self.ctx.client, requests, req.n, beams)
         try:
             async for i, chunk in it:
@@ -225,6 +227,9 @@ class ChatHandler:
                     cached = chunk.cached_tokens
                 if chunk.text:
                     c.texts.append(chunk.text)
+                if req.return_token_ids:
+                    c.token_ids.extend(chunk.token_ids)
+                    prompt_ids = prompt_ids if prompt_ids is not None else chunk.prompt_token_ids
                 if namer is not None:
                     lps = chunk.logprobs(req.top_logprobs or 0)
                     if lps is not None:
@@ -282,6 +287,8 @@ class ChatHandler:
                         "stop_reason": c.stop_reason})
             if c.hidden is not None:
                 out[-1]["hidden_states"] = c.hidden.value()
+            if req.return_token_ids:
+                out[-1]["token_ids"] = c.token_ids
         body = {
             "id": completion_id,
             "object": "chat.completion",
@@ -294,6 +301,8 @@ class ChatHandler:
         if req.prompt_logprobs is not None:
             name = namer or TokenNamer(self.ctx.files, bool(req.return_tokens_as_token_ids))
             body["prompt_logprobs"] = prompt_logprobs(prompt_lps, name) if prompt_lps is not None else None
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
         return json_response(body)
 
     # -- streaming -------------------------------------------------------------------------
@@ -319,17 +328,22 @@ class ChatHandler:
         cached: Optional[int] = None
 
         def event(i: int, delta: str, finish: Optional[str] = None, logprobs: str = "null",
-                  stop_reason: str = "null") -> str:
+                  stop_reason: str = "null", token_ids: str = "", top: str = "") -> str:
             f = "null" if finish is None else f'"{finish}"'
-            tail = "}]"
+            tail = token_ids + "}]" + top
             if continuous:
                 tail += ',"usage":' + dumps(usage(prompt_tokens, choices[i].completion_tokens))
             return (f'{head}{i},"delta":{delta},"logprobs":{logprobs},"finish_reason":{f},'
                     f'"stop_reason":{stop_reason}{tail}}}\n\n')
 
+        # vLLM's return_token_ids: the prompt's ids on each choice's first chunk (the first
+        # engine chunk has them), then each chunk's own ids.
+        ids_of = (lambda chunk: ',"token_ids":' + dumps(chunk.token_ids)) if req.return_token_ids else (lambda chunk: "")
+        first_ids = stream.first[1].prompt_token_ids if req.return_token_ids and stream.first is not None else None
+        top = ',"prompt_token_ids":' + dumps(first_ids) if first_ids is not None else ""
         # A forced tool_choice's content is null (as the non-streaming answer's), not even "".
         opening = '{"role":' + dumps(role) + ',"content":' + ("null" if plan.forced else '""') + "}"
-        yield "".join(event(i, opening) for i in range(n)).encode()
+        yield "".join(event(i, opening, top=top) for i in range(n)).encode()
         async for i, chunk in stream:
             c = choices[i]
             c.completion_tokens = chunk.completion_tokens
@@ -386,13 +400,14 @@ class ChatHandler:
                 items.append('{"content":' + dumps(text) + "}")
             if deltas:
                 items.append('{"tool_calls":' + dumps(deltas) + "}")
-            if not items and (finish or logprobs != "null"):
+            token_ids = ids_of(chunk) if chunk.token_ids else ""
+            if not items and (finish or logprobs != "null" or token_ids):
                 items.append("{}")
             stop_reason = dumps(chunk.openai_stop_reason) if finish else "null"
             for k, item in enumerate(items):
                 last = k == len(items) - 1
                 parts.append(event(i, item, finish if last else None, logprobs if k == 0 else "null",
-                                   stop_reason if last else "null"))
+                                   stop_reason if last else "null", token_ids if k == 0 else ""))
             if finish and c.hidden is not None:  # as SGLang: an event of its own after the finish
                 parts.append(event(i, '{"hidden_states":' + dumps(c.hidden.value()) + "}"))
             if parts:

@@ -129,6 +129,8 @@ class CompletionHandler:
         prompt_lps: list[Optional[list[TokenLogprob]]] = [None] * k  # vLLM's prompt_logprobs
         cached: list[Optional[int]] = [None] * k
         hidden = [LastHiddenState() if req.return_hidden_states else None for _ in range(k)]
+        token_ids: list[list[int]] = [[] for _ in range(k)]  # return_token_ids
+        prompt_ids: list[Optional[list[int]]] = [None] * k
         it = returned_choices(self.ctx.client, requests, n, beams)
         try:
             async for j, chunk in it:
@@ -140,6 +142,9 @@ class CompletionHandler:
                     echo = echoes[j]
                 if chunk.text:
                     texts[j].append(chunk.text)
+                if req.return_token_ids:
+                    token_ids[j].extend(chunk.token_ids)
+                    prompt_ids[j] = prompt_ids[j] if prompt_ids[j] is not None else chunk.prompt_token_ids
                 lp = logprobs[j]
                 if lp is not None and add_logprobs(lp, chunk, echo, req.logprobs) is not None:
                     got_logprobs[j] = True
@@ -170,6 +175,9 @@ class CompletionHandler:
         if req.prompt_logprobs is not None:
             for choice, items in zip(choices, prompt_lps):
                 choice["prompt_logprobs"] = prompt_logprobs(items, namer) if items is not None else None
+        if req.return_token_ids:  # vLLM's: both on each choice
+            for choice, ids, prompt in zip(choices, token_ids, prompt_ids):
+                choice["prompt_token_ids"], choice["token_ids"] = prompt, ids
         body = {
             "id": completion_id,
             "object": "text_completion",
@@ -214,11 +222,18 @@ class CompletionHandler:
             if lp is not None and (chunk_lp := add_logprobs(lp, chunk, echo, req.logprobs)) and chunk_lp["tokens"]:
                 lp_json = dumps(chunk_lp)
             finish = chunk.finish_reason
-            if not text and not finish and lp_json == "null":
+            ids = ""
+            if req.return_token_ids:  # vLLM's: the prompt's ids on the choice's first chunk, then each chunk's
+                prompt = chunk.prompt_token_ids
+                if prompt is not None:
+                    ids = ',"prompt_token_ids":' + dumps(prompt)
+                if chunk.token_ids:
+                    ids += ',"token_ids":' + dumps(chunk.token_ids)
+            if not text and not finish and lp_json == "null" and not ids:
                 continue
             f = "null" if finish is None else f'"{finish}"'
             stop_reason = dumps(chunk.openai_stop_reason) if finish else "null"
-            tail = "}]"
+            tail = ids + "}]"
             if continuous:
                 tail += ',"usage":' + dumps(usage(prompt_tokens[j], completion_tokens[j]))
             yield (f'{head}{j},"text":{dumps(text)},"logprobs":{lp_json},"finish_reason":{f},'

@@ -115,6 +115,15 @@ class EngineChunk:
         return value if isinstance(value, int) else None
 
     @property
+    def prompt_token_ids(self) -> Optional[list[int]]:
+        """The prompt's token ids, on a sample's first chunk when the request asked for them
+        (sampling parameter return_prompt_token_ids)."""
+        if not self.meta_raw or "prompt_token_ids" not in self.meta_raw:
+            return None
+        value = self.meta.get("prompt_token_ids")
+        return value if isinstance(value, list) else None
+
+    @property
     def prediction_tokens(self) -> Optional[tuple[int, int]]:
         """Predicted Outputs: (accepted, rejected) prediction tokens of this sample so far, when
         the request carried a prediction."""

@@ -253,6 +253,9 @@ class _SamplingFields(_Body):
     # vLLM's: requests share prefix-cache blocks only with requests under the same salt
     cache_salt: Optional[str] = None
     structured_outputs: Optional[StructuredOutputs] = None
+    # vLLM's: the prompt's and each choice's token ids beside the text (prompt_token_ids and
+    # token_ids; streamed, the prompt's on the first chunk and each chunk's own ids)
+    return_token_ids: Optional[bool] = None
     # SGLang extra parameters
     stop_regex: Optional[Union[str, list[str]]] = None
     regex: Optional[str] = None

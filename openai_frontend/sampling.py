@@ -393,6 +393,8 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         sp["return_text_in_logprobs"] = True
     if req.return_hidden_states:
         sp["return_hidden_states"] = True
+    if req.return_token_ids:  # the output's ids come with every chunk; the prompt's on request
+        sp["return_prompt_token_ids"] = True
     if req.cache_salt is not None:  # "" reaches the engine, which refuses it
         sp["cache_salt"] = req.cache_salt
     if req.logit_bias:

@@ -487,6 +487,25 @@ def test_cache_salt_shares_cached_blocks_only_between_requests_with_the_same_sal
             engine.parse_params({"cache_salt": bad})
 
 
+def test_return_prompt_token_ids_comes_once_per_sample(engine):
+    prompt = _prompt(20, 32)
+    p = engine.parse_params({"temperature": 0, "max_new_tokens": 3, "ignore_eos": True, "n": 2,
+                             "return_prompt_token_ids": True, "truncate_prompt_tokens": 15})
+    streamed: list = []
+    engine.add_request(prompt, p, streamed.append)
+    while engine.has_unfinished():
+        engine.step()
+    by_sample = {i: [o for o in streamed if o.index == i] for i in (0, 1)}
+    for outs in by_sample.values():  # the ids the model saw (truncated), on the first output only
+        assert outs[0].prompt_token_ids == prompt[-15:] and all(o.prompt_token_ids is None for o in outs[1:])
+        merged = outs[0]
+        for o in outs[1:]:
+            merged = merged.merge(o)
+        assert merged.prompt_token_ids == prompt[-15:]
+    (plain,) = engine.generate([prompt], [engine.parse_params({"max_new_tokens": 2})])
+    assert plain.prompt_token_ids is None
+
+
 def test_stop_regex_trims_and_streams_the_same(engine):
     prompt = _prompt(15, 8)
     base = engine.parse_params({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})

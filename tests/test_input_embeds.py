@@ -175,6 +175,7 @@ def test_penalties_and_processors_see_no_prompt_tokens():
         (torch.full((3, 128), float("nan")), {}, "not a finite number"),
         ([[0.1, 0.2], [0.3]], {}, "rows of 128 numbers"),
         (torch.zeros(3, 128), {"return_logprob": True, "logprob_start_len": 0}, "prompt logprobs"),
+        (torch.zeros(3, 128), {"return_prompt_token_ids": True}, "has no token ids"),
         (torch.zeros(5000, 128), {}, "the context is"),
     ],
 )

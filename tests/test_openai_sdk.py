@@ -497,6 +497,44 @@ def test_cache_salt_keeps_tenants_prefix_caches_apart(client):
     assert exc.value.body["param"] == "cache_salt"
 
 
+def test_return_token_ids_streamed_and_not(client, tok):
+    """vLLM's return_token_ids: the prompt's ids the model saw and each choice's output ids,
+    the same streamed as not (RL and agent frameworks train on exactly these ids)."""
+    chat = dict(model=MODEL, messages=MESSAGES, max_tokens=12, extra_body={"return_token_ids": True}, **GREEDY)
+    templated = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    want_prompt = tok(templated).input_ids
+    r = client.chat.completions.create(**chat)
+    assert r.prompt_token_ids == want_prompt
+    ids = r.choices[0].token_ids
+    assert len(ids) == r.usage.completion_tokens and tok.decode(ids, skip_special_tokens=True) == r.choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **chat))
+    assert chunks[0].prompt_token_ids == want_prompt
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    assert [t for c in chunks for ch in c.choices for t in (getattr(ch, "token_ids", None) or [])] == ids
+
+    prompt = "Count with me: one, two,"
+    comp = dict(model=MODEL, prompt=prompt, max_tokens=6, n=2, extra_body={"return_token_ids": True, "seed": 5})
+    r = client.completions.create(**comp)
+    for choice in r.choices:
+        assert choice.prompt_token_ids == tok(prompt).input_ids
+        assert tok.decode(choice.token_ids, skip_special_tokens=True) == choice.text
+    streamed: dict[int, list] = {0: [], 1: []}
+    prompts: dict[int, list] = {0: [], 1: []}
+    for c in client.completions.create(stream=True, **comp):
+        for ch in c.choices:
+            streamed[ch.index] += getattr(ch, "token_ids", None) or []
+            if getattr(ch, "prompt_token_ids", None) is not None:
+                prompts[ch.index].append(ch.prompt_token_ids)
+    assert streamed == {c.index: c.token_ids for c in r.choices}
+    assert prompts == {0: [tok(prompt).input_ids], 1: [tok(prompt).input_ids]}
+    beams = client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=3,
+                                      extra_body={"use_beam_search": True, "return_token_ids": True})
+    for choice in beams.choices:
+        assert choice.prompt_token_ids == tok(prompt).input_ids and len(choice.token_ids) == 3
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert getattr(plain.choices[0], "token_ids", None) is None
+
+
 def test_logit_bias_and_allowed_token_ids(client, tok):
     target = tok.encode(" dragon", add_special_tokens=False)[-1]
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, **GREEDY,
