@@ -229,13 +229,19 @@ def render_chat(
         raise ValueError("the model has no chat template; send a prompt instead of messages")
     developer = any(m.get("role") == "developer" for m in conversation)
     template = ""
-    if docs is not None or developer:
+    effort = "reasoning_effort" in extra
+    if docs is not None or developer or effort:
         try:
             template = tokenizer.get_chat_template(chat_template, tool_list)
         except ValueError:
             pass
     if docs is not None and not _uses(template, "documents"):
         raise ValueError("documents: the chat template does not use documents (they would be dropped)")
+    if effort and not _uses(template, "reasoning_effort"):
+        # OpenAI's parameter reaches the model only through a template that reads it (gpt-oss's
+        # does, as vLLM passes it); elsewhere it would change nothing, unannounced.
+        raise ValueError("reasoning_effort: the chat template does not read reasoning_effort, so it would have "
+                         "no effect on this model")
     if developer and "developer" not in template:
         # OpenAI's `developer` messages are its system instructions. A template that has never
         # heard of the role (Qwen2.5's, Llama's) skips such a message without a word, so it

@@ -179,7 +179,10 @@ class ChatHandler:
                 sampling_params=sp,
                 messages=messages,
                 tools=plan.template_tools,
-                chat_template_kwargs=req.chat_template_kwargs,
+                # vLLM's: OpenAI's reasoning_effort is a template variable (gpt-oss's template reads
+                # it); preprocessing refuses it for a template that does not.
+                chat_template_kwargs=({**(req.chat_template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
+                                      if req.reasoning_effort is not None else req.chat_template_kwargs),
                 add_generation_prompt=None if req.add_generation_prompt else False,
                 continue_final_message=req.continue_final_message,
                 documents=req.documents,

@@ -332,13 +332,14 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: bool = True
     # OpenAI's Predicted Outputs: {"type": "content", "content": text or text parts} (sampling.py)
     prediction: Optional[Any] = None
+    # OpenAI's: a chat template variable, as vLLM passes it (refused by a template that does not read it)
+    reasoning_effort: Optional[str] = None
 
     # OpenAI fields this server does not implement (refused when set; see sampling.py)
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     audio: Optional[Any] = None
     modalities: Optional[list[str]] = None
-    reasoning_effort: Optional[str] = None
     service_tier: Optional[str] = None
     store: Optional[bool] = None
     web_search_options: Optional[Any] = None

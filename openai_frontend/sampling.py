@@ -17,6 +17,8 @@ from openai_frontend.settings import Settings
 from openai_frontend.tools import forces_call
 
 MAX_TOP_LOGPROBS = 20
+# OpenAI's values (the SDK's ReasoningEffort); the chat template decides what each means.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_STOP_TOKEN_IDS = 256
 
 # Constraint keys sent to the engine in sampling_parameters (xgrammar semantics; guided_choice
@@ -106,7 +108,12 @@ def _check_chat(req: ChatCompletionRequest) -> None:
         if req.use_beam_search:
             raise unsupported("prediction", "not with use_beam_search")
     if req.reasoning_effort is not None:
-        raise unsupported("reasoning_effort")
+        if req.reasoning_effort not in REASONING_EFFORTS:
+            raise bad_request(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                              f"{req.reasoning_effort!r}", param="reasoning_effort")
+        given = (req.chat_template_kwargs or {}).get("reasoning_effort", req.reasoning_effort)
+        if given != req.reasoning_effort:
+            raise bad_request("reasoning_effort and chat_template_kwargs.reasoning_effort differ", param="reasoning_effort")
     if req.service_tier not in (None, "auto", "default"):
         raise unsupported("service_tier")
     if req.store:

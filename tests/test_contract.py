@@ -495,7 +495,7 @@ CHAT_CASES: dict[str, Case] = {
     # Predicted Outputs: the text travels to the engine, which drafts from it.
     "prediction": engine(sp_has(prediction="Hello"), prediction={"type": "content", "content": [{"type": "text", "text": "Hel"},
                                                                                         {"type": "text", "text": "lo"}]}),
-    "reasoning_effort": refused(reasoning_effort="low"),
+    "reasoning_effort": engine(request_has(chat_template_kwargs={"reasoning_effort": "low"}), reasoning_effort="low"),
     "web_search_options": refused(web_search_options={"search_context_size": "low"}),
     "functions": refused(functions=[WEATHER["function"]]),
     "function_call": refused(function_call="auto"),

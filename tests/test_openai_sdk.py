@@ -585,6 +585,25 @@ def test_request_chat_template_and_documents(client, tok):
                                        extra_body={"documents": docs})
 
 
+def test_reasoning_effort_is_a_chat_template_variable(client, tok):
+    """OpenAI's reasoning_effort, passed to the chat template as vLLM passes it (gpt-oss's reads
+    it); a template that does not read it would ignore it, so that is a 400."""
+    template = ("{% if reasoning_effort %}<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
+                "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n")
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, reasoning_effort="low",
+                                       extra_body={"chat_template": template, "return_token_ids": True})
+    assert tok.decode(r.prompt_token_ids).startswith("<|im_start|>system\nReasoning: low<|im_end|>")
+    for kwargs, message in [({}, "does not read reasoning_effort"),
+                            ({"extra_body": {"chat_template": template, "chat_template_kwargs": {"reasoning_effort": "high"}}},
+                             "differ")]:
+        with pytest.raises(openai.BadRequestError, match=message) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, reasoning_effort="low", **kwargs)
+        assert err.value.body["param"] == "reasoning_effort"
+    with pytest.raises(openai.BadRequestError, match="must be one of") as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"reasoning_effort": "max"})
+
+
 def test_truncate_prompt_tokens(client):
     long = "one two three four five six seven eight nine ten " * 8
     kwargs = dict(model=MODEL, prompt=long, max_tokens=4, **GREEDY)

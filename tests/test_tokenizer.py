@@ -305,6 +305,16 @@ def test_documents_reach_a_template_that_reads_them(tok):
         render_chat(tok, msgs, chat_template='{{ "x" * 100000000 }}')
 
 
+def test_reasoning_effort_reaches_only_a_template_that_reads_it(tok):
+    msgs = [{"role": "user", "content": "Why?"}]
+    effort = "{% if reasoning_effort %}Reasoning: {{ reasoning_effort }}\n{% endif %}{{ messages[0].content }}"
+    assert render_chat(tok, msgs, chat_template=effort, chat_template_kwargs={"reasoning_effort": "high"}) == (
+        "Reasoning: high\nWhy?")
+    with pytest.raises(ValueError, match="^reasoning_effort: the chat template does not read reasoning_effort"):
+        render_chat(tok, msgs, chat_template_kwargs={"reasoning_effort": "high"})  # the demo's own template
+    assert "Why?" in render_chat(tok, msgs, chat_template_kwargs={"enable_thinking": False})  # others unchecked
+
+
 def _with_bos(tok):
     """The demo tokenizer with a BOS, as Llama's adds one (the demo's Qwen tokenizer adds none)."""
     import copy
