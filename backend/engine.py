@@ -29,6 +29,7 @@ from backend.config import EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.draft_model import DraftModelProposer
 from backend.grammar import MATCH_TIME_LIMIT_S, DraftMask
+from backend.host_limits import available_memory_bytes
 from backend.lora import LoraAdapter
 from backend.model_files import read_json
 from backend.model_runner import ModelConfig, ModelRunner, weight_files
@@ -1221,53 +1222,13 @@ def _check_host_memory(pool_bytes: int, weights_bytes: int = 0) -> None:
     """On the CPU the pool is zeroed host memory: a pool and weights larger than what the host
     has available would be allocated page by page until the kernel's OOM killer ends the process
     (the Triton stub dies with no reason given), so they are refused here with one (settings QA)."""
-    available = _host_available_bytes()
+    available = available_memory_bytes()
     if available is not None and pool_bytes + weights_bytes > available:
         raise ValueError(
             f"the KV pool needs {pool_bytes / 2**20:.0f} MiB and the weights at least "
             f"{weights_bytes / 2**20:.0f} MiB, and this host has {available / 2**20:.0f} MiB available; "
             "lower kv_cache_memory_mb or num_kv_blocks"
         )
-
-
-# A container's memory limit, as cgroup v2 and v1 put it at the root of its namespace: (limit,
-# usage, memory.stat's field of reclaimable file cache that usage counts).
-_CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat",
-                   "inactive_file"),
-                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-                   "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"))
-
-
-def _host_available_bytes(cgroups: tuple = _CGROUP_MEMORY) -> Optional[int]:
-    """MemAvailable from /proc/meminfo, or less where a cgroup memory limit (a container's
-    `--memory`) leaves less; None where neither can be read (not Linux). The cgroup's usage
-    counts file cache the kernel reclaims before failing an allocation (the model files read
-    at a restart in the same container): its inactive part is counted as available, as
-    MemAvailable counts it (review: a pool that fitted was refused)."""
-    found: list[int] = []
-    try:
-        with open("/proc/meminfo") as f:
-            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
-    except (OSError, ValueError, IndexError):
-        pass
-    for limit_file, usage_file, stat_file, cache_field in cgroups:
-        try:
-            limit = Path(limit_file).read_text().strip()
-            if limit == "max" or int(limit) >= 2**60:  # v1 writes "no limit" as a huge number
-                continue
-            usage = int(Path(usage_file).read_text())
-        except (OSError, ValueError):
-            continue
-        cache = 0
-        try:
-            for line in Path(stat_file).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == cache_field:
-                    cache = int(value)
-        except (OSError, ValueError):
-            pass
-        found.append(int(limit) - usage + cache)
-    return min(found) if found else None
 
 
 def _eos_token_ids(model_path: Path, tokenizer: Any) -> list[int]:

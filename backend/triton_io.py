@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from backend.host_limits import usable_cpus
 from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams, SamplingParamsError
 
@@ -310,22 +310,23 @@ def llm_setting(params: dict[str, str], env: Mapping[str, str], name: str) -> Op
     return None if value is None or value == "" or value == "auto" else value
 
 
-def server_torch_threads() -> int:
-    """CPU threads for the engine inside tritonserver: all cores but one. The server process and
+def server_torch_threads(cores: Optional[int] = None) -> int:
+    """CPU threads for the engine inside tritonserver: all usable CPUs but one (the affinity
+    mask, capped by a container's CPU quota: backend/host_limits.py). The server process and
     the postprocessing stubs handle every streamed response while the engine computes; with as
     many torch threads as cores, one of them is always descheduled and the others spin at its
     barrier (measured on 2 cores: 0.54x the in-process engine at concurrency 1; one thread 0.96x)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return max(1, (cores or usable_cpus()) - 1)
 
 
 def oversubscribed_threads(threads: int, cores: Optional[int] = None) -> Optional[str]:
-    """A warning when torch_threads is more than the CPUs this process may run on: allowed (a
+    """A warning when torch_threads is more than the CPUs this process may use: allowed (a
     benchmark may want it) but never faster, as each parallel region waits at its barrier for
     the threads that have no core (settings QA: nothing said so)."""
-    cores = cores or len(os.sched_getaffinity(0))
+    cores = cores or usable_cpus()
     if threads <= cores:
         return None
-    return f"torch_threads {threads} is more than the {cores} CPU(s) this process may run on; the extra threads only wait"
+    return f"torch_threads {threads} is more than the {cores} CPU(s) this process may use; the extra threads only wait"
 
 
 def parse_abort_request_id(arr: np.ndarray) -> str:

@@ -151,7 +151,7 @@ def test_a_cpu_pool_larger_than_the_host_memory_is_refused_at_load(demo_model_pa
     from pathlib import Path
 
     weights = (Path(demo_model_path) / "model.safetensors").stat().st_size
-    monkeypatch.setattr(engine_module, "_host_available_bytes", lambda: weights + 64 * 2**20)
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: weights + 64 * 2**20)
     base = dict(model_path=demo_model_path, device="cpu", dtype="float32")
     with pytest.raises(ValueError, match=rf"the KV pool needs 100 MiB and the weights at least {weights / 2**20:.0f} "
                                          rf"MiB, and this host has {(weights + 64 * 2**20) / 2**20:.0f} MiB available"):
@@ -160,30 +160,4 @@ def test_a_cpu_pool_larger_than_the_host_memory_is_refused_at_load(demo_model_pa
     with pytest.raises(ValueError, match="lower kv_cache_memory_mb or num_kv_blocks"):
         ModelRunnerSizing(demo_model_path, EngineConfig(**base, num_kv_blocks=sizing.num_blocks * 5))
     monkeypatch.undo()
-    assert 0 < engine_module._host_available_bytes() < 2**50  # read from this host's /proc/meminfo
-
-
-def test_a_cgroup_limit_counts_its_reclaimable_file_cache_as_available(tmp_path):
-    # Review: usage counts the page cache of the model files read at a restart in the same
-    # container; MemAvailable counts it as available, and so does the cgroup reading now.
-    from backend.engine import _host_available_bytes
-
-    v2, v1 = tmp_path / "v2", tmp_path / "v1"
-    v2.mkdir(), v1.mkdir()
-    mib = 2**20
-    if _host_available_bytes(()) < 1024 * mib:  # MemAvailable must be the larger figure here
-        pytest.skip("less than 1 GiB available on this host")
-    (v2 / "memory.max").write_text(f"{512 * mib}\n")
-    (v2 / "memory.current").write_text(f"{480 * mib}\n")
-    (v2 / "memory.stat").write_text(f"anon {96 * mib}\nfile {384 * mib}\ninactive_file {300 * mib}\n")
-    (v1 / "memory.limit_in_bytes").write_text(f"{256 * mib}\n")
-    (v1 / "memory.usage_in_bytes").write_text(f"{200 * mib}\n")
-    (v1 / "memory.stat").write_text(f"total_inactive_file {100 * mib}\n")
-    v2_files = (str(v2 / "memory.max"), str(v2 / "memory.current"), str(v2 / "memory.stat"), "inactive_file")
-    v1_files = (str(v1 / "memory.limit_in_bytes"), str(v1 / "memory.usage_in_bytes"), str(v1 / "memory.stat"),
-                "total_inactive_file")
-    assert _host_available_bytes((v2_files,)) == 332 * mib  # 512 - 480 + 300
-    assert _host_available_bytes((v1_files,)) == 156 * mib  # 256 - 200 + 100
-    assert _host_available_bytes((v2_files, v1_files)) == 156 * mib
-    (v1 / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")  # v1's "no limit"
-    assert _host_available_bytes((v1_files,)) > 1024 * mib  # MemAvailable alone
+    assert 0 < engine_module.available_memory_bytes() < 2**50  # read from this host's /proc/meminfo

@@ -230,5 +230,5 @@ def test_more_torch_threads_than_cpus_is_warned_about():
 
     assert oversubscribed_threads(2, cores=2) is None and oversubscribed_threads(1, cores=16) is None
     assert oversubscribed_threads(64, cores=2) == (
-        "torch_threads 64 is more than the 2 CPU(s) this process may run on; the extra threads only wait")
+        "torch_threads 64 is more than the 2 CPU(s) this process may use; the extra threads only wait")
     assert oversubscribed_threads(10**6) is not None  # the CPUs this process may use, read here
