@@ -603,8 +603,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.system is not None and not args.chat:
         p.error("--system needs --chat (the system message goes through the chat template)")
-    if not args.timeout >= 0:  # NaN too; before anything is sent (QA: -1 failed after sending)
-        p.error(f"--timeout must be a number of seconds >= 0, got {args.timeout}")
+    if not args.timeout > 0:  # NaN too; before anything is sent (QA: -1 and 0 failed after sending)
+        p.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     if args.chat and (args.input_ids is not None or args.input_embeds is not None):
         p.error("--chat needs a text prompt: --input-ids and --input-embeds are already past the chat template")
     return args

@@ -15,8 +15,11 @@ stream. It is harmless for `--model llm`, whose cancellation reaches the engine 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
+import signal
+import threading
 import uuid
 from typing import Any, Iterator, Optional, Sequence
 
@@ -149,6 +152,31 @@ def _send(client: grpcclient.InferenceServerClient, answers: "queue.Queue[tuple[
         raise _stream_error(error, url) from None
 
 
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait while a request left early is cancelled and aborted (at most the
+    abort's timeout): a second Ctrl-C there skipped the abort and left the request running in
+    the engine (QA: two within 1 ms). A signal that came meanwhile is delivered afterwards. Only
+    the main thread can change handlers; elsewhere nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+        except (ValueError, OSError):  # pragma: no cover - not the main interpreter
+            pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
 class TritonStreamClient:
     """Each `stream_generate` call opens its own connection and bidirectional stream.
 
@@ -203,12 +231,13 @@ class TritonStreamClient:
         finally:
             # Leaving early (break, exception, close(), timeout) cancels the request server-side
             # and, the ensemble's cancellation not reaching the engine, aborts it there.
-            try:
-                client.stop_stream(cancel_requests=not finished)
-                if sent and not finished:
-                    self._abort(client, request_id)
-            finally:
-                client.close()
+            with _signals_held():
+                try:
+                    client.stop_stream(cancel_requests=not finished)
+                    if sent and not finished:
+                        self._abort(client, request_id)
+                finally:
+                    client.close()
 
     def abort(self, request_id: str) -> None:
         """Have the engine model (`abort_model`) abort the request(s) with this Triton request

@@ -443,10 +443,10 @@ def test_options_checked_before_anything_is_sent(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["hi", "--system", "be brief"])
     assert exit_.value.code == 2 and "--system needs --chat" in capsys.readouterr().err
-    for bad in ("-1", "nan"):
+    for bad in ("-1", "nan", "0"):  # 0 timed out right after sending (QA)
         with pytest.raises(SystemExit) as exit_:
             cli.main(["hi", "--timeout", bad])
-        assert exit_.value.code == 2 and "--timeout must be a number of seconds >= 0" in capsys.readouterr().err
+        assert exit_.value.code == 2 and "--timeout must be a number of seconds > 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="needs chat"):
         build_inputs("ensemble", "hi", system="be brief")
 
@@ -569,6 +569,31 @@ def test_cli_interrupt_aborts_the_ensemble_request(server, sig, code, said):
     _assert_engine_aborted(server, before)
 
 
+def test_a_second_interrupt_during_the_abort_does_not_skip_it(server):
+    # QA: two SIGINTs 1 ms apart (a supervisor signalling twice) interrupted the cleanup between
+    # the cancel and the abort, and the request ran on in the engine while the CLI said cancelled.
+    for trial in range(3):
+        before = _finished(server)
+        proc = subprocess.Popen([sys.executable, "-m", "client", "x", "--url", server.grpc_url, "--max-tokens",
+                                 str(LONG), "--json-params", '{"ignore_eos": true}'], cwd=REPO_ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_as_at_a_terminal)
+        try:
+            ready, _, _ = select.select([proc.stdout], [], [], 60)
+            assert ready and os.read(proc.stdout.fileno(), 1), proc.stderr.read()
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.001)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        # ended by the interrupt either way; one after the cleanup may end it at once (-2)
+        assert proc.returncode in (130, -signal.SIGINT), err.decode()
+        _assert_engine_aborted(server, before)
+
+
 def test_cli_timeout_is_a_clear_error_and_aborts_the_request(server):
     before = _finished(server)
     out = run_cli("x", "--url", server.grpc_url, "--timeout", "0.001", "--max-tokens", str(LONG),
@@ -671,3 +696,20 @@ def test_perf_runner_says_what_is_wrong_before_it_runs(tmp_path, monkeypatch, ca
         with pytest.raises(SystemExit) as exit_:
             pa.main(args)
         assert exit_.value.code == 2 and said in capsys.readouterr().err, args
+
+
+def test_make_inputs_refuses_data_no_request_could_use(tmp_path, capsys):
+    # QA: --num 0 made a set perf_analyzer dies on, empty or past-the-context prompts a set the
+    # server refuses request by request, and min > max a traceback.
+    from client.perf import make_inputs
+
+    for args, said in ((["--num", "0"], "--num must be at least 1"),
+                       (["--min-prompt", "0", "--max-prompt", "5"], "need 1 <= --min-prompt <= --max-prompt"),
+                       (["--min-new", "50", "--max-new", "10"], "need 1 <= --min-new <= --max-new"),
+                       (["--max-prompt", "4000", "--max-new", "200"], "past the model's context of 4096")):
+        with pytest.raises(SystemExit) as exit_:
+            make_inputs.main(["--out", str(tmp_path), *args])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err, args
+    assert not list(tmp_path.iterdir())
+    make_inputs.main(["--out", str(tmp_path), "--num", "2", "--max-prompt", "20", "--max-new", "20"])
+    assert len(json.loads((tmp_path / "llm_ids.json").read_text())["data"]) == 2

@@ -102,6 +102,15 @@ def write(path: Path, entries: list[dict[str, Any]]) -> Path:
     return path
 
 
+def _context_length(model_path: Path) -> Optional[int]:
+    """config.json's max_position_embeddings (the server's default max_model_len), if known."""
+    try:
+        value = json.loads((model_path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=PERF_DIR)
@@ -113,6 +122,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--min-new", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=256)
     args = ap.parse_args(argv)
+    # Refused here, not found out from perf_analyzer (which dies on an empty data set with its
+    # banner alone) or from the server refusing every request (QA).
+    if args.num < 1:
+        ap.error(f"--num must be at least 1, got {args.num}")
+    for low, high, name in ((args.min_prompt, args.max_prompt, "prompt"), (args.min_new, args.max_new, "new")):
+        if not 1 <= low <= high:
+            ap.error(f"need 1 <= --min-{name} <= --max-{name}, got {low} and {high}")
+    context = _context_length(args.model_path)
+    if context is not None and args.max_prompt + args.max_new > context:
+        ap.error(f"--max-prompt {args.max_prompt} + --max-new {args.max_new} is past the model's context of "
+                 f"{context} tokens: the server would refuse those requests")
 
     from backend.tokenizer import load_tokenizer
 
