@@ -250,9 +250,19 @@ def _main_module_hidden() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
+def split_loop(indices: Sequence[int], concurrency: int, procs: int) -> tuple[list[list[int]], list[int]]:
+    """A closed loop's requests and clients shared out among `procs` processes. Client slot j
+    runs in process j % procs, and request i goes to slot i % concurrency: each process's share
+    of the requests is its share of the clients, so every process's clients stay busy as long as
+    the others' (QA: equal shares for 2 and 1 clients ran the last third of a level at
+    concurrency 2 instead of 3)."""
+    shares = [[i for pos, i in enumerate(indices) if pos % concurrency % procs == k] for k in range(procs)]
+    return shares, [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
+
+
 class ClientPool:
-    """`procs` client processes sharing each closed loop: request i goes to process i % procs,
-    and the concurrency is split as evenly. One Python process parsing an OpenAI SDK stream per
+    """`procs` client processes sharing each closed loop: the concurrency is split as evenly,
+    and the requests in proportion to it. One Python process parsing an OpenAI SDK stream per
     token for 64 streams is near a whole core (0.91 on an H100 host at 64 streams against a
     server that kept up), so on a host with cores to spare it, not the server, would set the
     throughput measured. `factory` is "module:function" returning (request, close), as
@@ -281,10 +291,10 @@ class ClientPool:
         """As closed_loop in one process, over min(procs, concurrency) of the processes."""
         used = self._conns[: max(1, min(len(self._conns), concurrency, len(indices)))]
         m = len(used)
-        shares = [list(indices[k::m]) for k in range(m)]
+        shares, clients = split_loop(indices, concurrency, m)
         t0 = time.perf_counter()
         for k, conn in enumerate(used):
-            conn.send((shares[k], concurrency // m + (k < concurrency % m)))
+            conn.send((shares[k], clients[k]))
         results = await asyncio.gather(*(asyncio.to_thread(conn.recv) for conn in used))
         wall = time.perf_counter() - t0
         by_index: dict[int, Rec] = {}

@@ -311,7 +311,7 @@ def compare_outputs(off: Sequence[Sequence[int]], on: Sequence[Sequence[int]]) -
     pairs = list(zip(off, on))
     parted = [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
               for a, b in pairs if list(a) != list(b)]
-    return {"outputs_equal": not parted and len(off) == len(on),
+    return {"outputs_equal": bool(pairs) and not parted and len(off) == len(on),
             "requests_equal": f"{len(pairs) - len(parted)}/{len(pairs)}", "first_divergence": parted}
 
 
@@ -362,18 +362,21 @@ class Frontend:
         self.proc = subprocess.Popen(self.cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the frontend exited with code {self.proc.returncode}; see {self.log_file}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise TimeoutError("the frontend did not become healthy")
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the frontend exited with code {self.proc.returncode}; see {self.log_file}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                        if r.status == 200:
+                            return self
+                except (urllib.error.URLError, ConnectionError, OSError):
+                    pass
+                time.sleep(0.3)
+            raise TimeoutError("the frontend did not become healthy")
+        except BaseException:  # Ctrl-C or SIGTERM too: the caller never gets it to stop (QA)
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -389,8 +392,9 @@ class Frontend:
 
 
 def div(x: Optional[float], y: Optional[float]) -> Optional[float]:
-    """x / y, or None when either is missing or zero (a system that measured nothing)."""
-    return x / y if x and y else None
+    """x / y; None when either is missing or the baseline is zero (it measured nothing). A
+    system whose every request failed measured 0: its ratio is 0, a missed target (QA: n/a)."""
+    return x / y if x is not None and y else None
 
 
 def bracket(engine_runs: Sequence[float]) -> list[float]:
@@ -571,7 +575,8 @@ class Bench:
                               "same_length": len(a) == len(b), "same_multiset": sorted(a) == sorted(b)})
         if diffs:
             m["output_diffs"] = diffs
-        m["exact_lengths"] = all(r.tokens == n for r, n in zip(recs, self.wl.new_tokens) if r.error is None)
+        done = [(r, n) for r, n in zip(recs, self.wl.new_tokens) if r.error is None]
+        m["exact_lengths"] = bool(done) and all(r.tokens == n for r, n in done)  # nothing done: nothing shown
 
     # ------------------------------------------------------------------ HF
     def run_hf(self) -> None:
@@ -1242,11 +1247,32 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = ap.parse_args(argv)
 
+    # A 0 or negative count was taken for "the default" or ran as something else (QA: --num-requests
+    # 0 ran the full 64-request workload, --concurrency 0 ran one client).
+    for name in ("num_requests", "max_new", "prefix_requests", "chunked_new_tokens", "chunked_repeats",
+                 "perf_request_count"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("min_prompt", "min_new", "prefix_len", "prefix_new_tokens", "prefix_concurrency", "long_prompt_len",
+                 "chunked_streams"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.concurrency is not None and min(args.concurrency) < 1:
+        ap.error(f"--concurrency levels must be at least 1, got {args.concurrency}")
+    for name in ("c1_requests", "hf_one_by_one_requests", "alternating_rounds"):
+        if (getattr(args, name) or 0) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    if not args.temperature >= 0:
+        ap.error(f"--temperature must be 0 or more, got {args.temperature}")
     q = args.quick
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.concurrency = args.concurrency or ([1, 4, 16] if q else [1, 8, 64])
     args.num_requests = args.num_requests or (16 if q else 64)
     args.max_new = args.max_new or (128 if q else 256)
+    if args.max_prompt < args.min_prompt or args.max_new < args.min_new:
+        ap.error(f"need --min-prompt <= --max-prompt and --min-new <= --max-new, got {args.min_prompt}-"
+                 f"{args.max_prompt} and {args.min_new}-{args.max_new}")
     args.hf_one_by_one_requests = args.hf_one_by_one_requests if args.hf_one_by_one_requests is not None else (
         8 if q else 0)
     args.prefix_requests = args.prefix_requests or (6 if q else 16)
@@ -1254,11 +1280,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.chunked_repeats = args.chunked_repeats or (1 if q else 3)
     if args.alternating_rounds is None:
         args.alternating_rounds = 0 if q else 3
-    sections = set(args.only.split(",")) if args.only else set(SECTIONS)
+    if args.only is not None and not args.only.strip(","):
+        ap.error("--only needs at least one section")
+    sections = set(filter(None, args.only.split(","))) if args.only else set(SECTIONS)
     unknown = (sections | set(filter(None, args.skip.split(",")))) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown sections: {sorted(unknown)} (known: {', '.join(SECTIONS)})")
     args.sections = sections - set(args.skip.split(","))
+    if not args.sections:
+        ap.error("--only and --skip leave no section to run")
     engine_args: dict[str, Any] = {}
     for item in args.engine_arg:
         key, sep, value = item.partition("=")
@@ -1314,12 +1344,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
              ("chunked", bench.run_chunked), ("servers", lambda: bench.run_servers(run_dir)),
              ("engine_after", bench.run_engine_after))
     signal.signal(signal.SIGTERM, _cut_off)
+    interrupted = False
     for name, step in steps:
         try:
             step()
-        except CutOff:
+        except (CutOff, KeyboardInterrupt) as exc:
             results["cut_off_in"] = name
-            log(f"SIGTERM in section {name}: writing what has landed")
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            log(f"{'SIGTERM' if isinstance(exc, CutOff) else 'Ctrl-C'} in section {name}: writing what has landed")
             break
         except Exception as exc:  # one broken path must not lose the others' figures
             import traceback
@@ -1339,6 +1371,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         log(f"plot failed: {exc}")
     print_ratios(results["ratios"], results)
     print(f"\nresults: {json_path}\nplot:    {png_path}\nlogs:    {run_dir}")
+    if interrupted:  # what landed is written; the run still ends as Ctrl-C ends a command
+        raise SystemExit(130)
     return results
 
 

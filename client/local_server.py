@@ -118,7 +118,11 @@ class LocalTritonServer:
             stderr=subprocess.STDOUT if out is not None else None,
             start_new_session=True,
         )
-        self.wait_ready(timeout)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:  # Ctrl-C or SIGTERM while it starts too: the caller has nothing to stop (QA)
+            self.stop()
+            raise
         return self
 
     def is_ready(self) -> bool:
@@ -141,7 +145,6 @@ class LocalTritonServer:
             if self.is_ready():
                 return
             time.sleep(0.5)
-        self.stop()
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s")
 
     def stop(self, timeout: float = 60.0) -> None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bench.load_clients import ClientPool, Rec, closed_loop
+from bench.load_clients import ClientPool, Rec, closed_loop, split_loop
 
 
 def fake_requester(delay: float):
@@ -74,3 +74,19 @@ def test_pool_processes_leave_the_main_module_alone():
         p.close()
     with pytest.raises(ValueError):
         ClientPool(f"{__name__}:fake_requester", (0.0,), 1)  # one process: the requester itself
+
+
+def test_requests_are_shared_in_proportion_to_each_processs_clients(pool):
+    # QA: 12 requests at concurrency 3 over 2 processes were split 6/6 with 2/1 clients, so the
+    # one-client process ran on alone and the level's tail ran below its concurrency.
+    shares, clients = split_loop(list(range(12)), 3, 2)
+    assert clients == [2, 1] and [len(s) for s in shares] == [8, 4]
+    assert sorted(shares[0] + shares[1]) == list(range(12))
+    shares, clients = split_loop([7, 1, 4, 2, 9], 4, 2)  # even split, any indices, in order
+    assert clients == [2, 2] and shares == [[7, 4, 9], [1, 2]]
+    recs, _ = asyncio.run(closed_loop(pool, list(range(12)), 3))
+    by_pid: dict[int, int] = {}
+    for r in recs:
+        pid = int(r.text.split()[0])
+        by_pid[pid] = by_pid.get(pid, 0) + 1
+    assert sorted(by_pid.values()) == [4, 8]

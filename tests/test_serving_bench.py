@@ -16,3 +16,56 @@ def test_where_outputs_part():
 
 def test_a_missing_request_is_not_equal():
     assert compare_outputs([[1], [2]], [[1]])["outputs_equal"] is False
+
+
+def test_nothing_compared_is_not_equal():
+    # QA: both sides returning nothing (every request failed) read as equal outputs.
+    assert compare_outputs([], [])["outputs_equal"] is False
+
+
+def test_a_path_that_measured_nothing_misses_its_target():
+    from bench.serving_bench import div
+
+    assert div(0.0, 120.0) == 0.0  # every request failed: 0, a missed target (was n/a)
+    assert div(60.0, 120.0) == 0.5
+    assert div(60.0, 0.0) is None and div(None, 1.0) is None and div(1.0, None) is None  # no baseline
+
+
+def test_bad_options_are_refused_not_replaced(capsys):
+    import pytest
+
+    from bench.serving_bench import parse_args
+
+    for argv, said in ((["--num-requests", "0"], "--num-requests must be at least 1"),
+                       (["--concurrency", "0", "4"], "--concurrency levels must be at least 1"),
+                       (["--max-new", "0"], "--max-new must be at least 1"),
+                       (["--chunked-repeats", "0"], "--chunked-repeats must be at least 1"),
+                       (["--min-new", "50", "--max-new", "10"], "--min-new <= --max-new"),
+                       (["--min-new", "300"], "--min-new <= --max-new"),  # past the default 256
+                       (["--c1-requests", "-1"], "--c1-requests must be 0 or more"),
+                       (["--temperature", "-0.5"], "--temperature must be 0 or more"),
+                       (["--only", ""], "--only needs at least one section"),
+                       (["--only", "engine", "--skip", "engine"], "leave no section to run")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv)
+        assert exit_.value.code == 2 and said in capsys.readouterr().err, argv
+    args = parse_args(["--quick", "--only", "engine,triton", "--num-requests", "4"])
+    assert args.sections == {"engine", "triton"} and args.num_requests == 4 and args.concurrency == [1, 4, 16]
+
+
+def test_an_interrupt_while_the_frontend_starts_stops_it(tmp_path, demo_model_path, monkeypatch):
+    # QA: Ctrl-C during the health wait left `python -m openai_frontend` running.
+    import urllib.request
+
+    import pytest
+
+    from bench.serving_bench import Frontend
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(urllib.request, "urlopen", interrupted)
+    fe = Frontend("localhost:1", demo_model_path, tmp_path / "frontend.log")
+    with pytest.raises(KeyboardInterrupt):
+        fe.start(timeout=30)
+    assert fe.proc is None  # terminated and waited for

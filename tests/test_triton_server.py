@@ -378,3 +378,23 @@ def test_ensemble_asked_for_one_llm_output_gets_no_data_on_triton_2_51(server):
     alone = _requested(server, "llm", {"input_ids": [1, 2, 3], "max_tokens": 4, "stream": True, "sampling_parameters": GREEDY},
                        ["output_ids"])
     assert alone and all(r.get("output_ids") for r in alone) and sum(len(r["output_ids"]) for r in alone) == 4, alone
+
+
+def test_an_interrupt_while_the_server_starts_stops_it(tmp_path, demo_model_path, monkeypatch):
+    # Bench QA: Ctrl-C (or the bench's SIGTERM) during the start-up wait left tritonserver and its
+    # stubs running, the caller having no server object to stop.
+    calls = []
+
+    def interrupted(self) -> bool:
+        calls.append(self.process.pid)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalTritonServer, "is_ready", interrupted)
+    server = LocalTritonServer(env={"LLM_MODEL_PATH": str(demo_model_path)}, log_file=tmp_path / "server.log")
+    with pytest.raises(KeyboardInterrupt):
+        server.start(timeout=60)
+    assert calls and server.process is None  # stopped, and its process group with it
+    import os
+
+    with pytest.raises(ProcessLookupError):
+        os.killpg(calls[0], 0)
