@@ -41,7 +41,7 @@ from backend.sampling_params import SamplingParams, load_default_max_tokens, loa
 from backend.scheduler import ScheduledSeq, Scheduler
 from backend.sequence import FinishReason, Sequence, sample_request_id
 from backend.speculative import NgramProposer, speculates
-from backend.tokenizer import load_tokenizer
+from backend.tokenizer import bad_word_token_ids, load_tokenizer
 from kernels import cpu_sampling
 
 log = logging.getLogger(__name__)
@@ -317,6 +317,8 @@ class LLMEngine:
                 )
         adapter = self._adapter(params.lora_path)
         salt = _cache_salt(adapter, params.cache_salt)
+        if params.bad_words:
+            params.set_bad_word_ids(bad_word_token_ids(self.tokenizer, params.bad_words))
         processor = self._custom_processor(params)
         compiled = self._submit_grammar(params)
         room = self.max_model_len - len(prompt_ids)
@@ -1009,7 +1011,8 @@ class LLMEngine:
             seed=seq.seed,
             step=seq.num_output_tokens + ahead,
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids if params.has_penalties or params.logits_processors or tracked.custom_processor else (),
+            token_ids=(seq.token_ids if params.has_penalties or params.logits_processors or tracked.custom_processor
+                       or params.bad_words else ()),
             num_prompt_tokens=seq.num_prompt_tokens,
             prompt_is_placeholder=seq.prompt_embeds is not None,
             suppress_ids=suppress,

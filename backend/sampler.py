@@ -1,6 +1,6 @@
 """Logits -> next tokens (and their logprobs), one row per sequence, each row with its own parameters.
 
-Order of the per-row transforms: logit_bias and allowed_token_ids, vLLM's logits_processors, penalties, min_new_tokens
+Order of the per-row transforms: logit_bias, allowed_token_ids and bad_words, vLLM's logits_processors, penalties, min_new_tokens
 suppression, grammar bitmask, custom logit processor, temperature, [logprobs are taken here, unless
 the engine's logprobs_mode is raw_logprobs: then before all of these],
 top-k / top-p / min-p, draw. The grammar mask comes before the top-k/top-p filters so a filter
@@ -393,7 +393,7 @@ class Sampler:
             for i, empty in zip(masked, (logits[masked].amax(dim=-1) == float("-inf")).tolist()):
                 if empty:
                     errors[i] = ("no token can be drawn: the constraints on this request (grammar, allowed_token_ids, "
-                                 "logit_bias, logits processors) leave none allowed at this point")
+                                 "logit_bias, bad_words, logits processors) leave none allowed at this point")
 
         if any(r.params.temperature > 0 for r in rows):  # rows at temperature 0 come back unscaled anyway
             # In place: this is the sampler's own copy of the rows, and a fresh [rows, V] buffer
@@ -464,6 +464,24 @@ def _restrict_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             banned[j, ids] = False
         idx = torch.tensor([i for i, _ in allowed], device=dev)
         logits[idx] = logits[idx].masked_fill(banned.to(dev), float("-inf"))
+    for i, r in enumerate(rows):
+        if r.params.bad_word_ids:
+            banned_ids = _bad_word_endings(r)
+            if banned_ids:
+                logits[i, banned_ids] = float("-inf")
+
+
+def _bad_word_endings(r: SamplingRow) -> list[int]:
+    """The tokens that would complete one of the row's bad words now: a one-token word always,
+    a longer one's last token when the output so far (drafts before this position included)
+    ends with the rest of it. The output only, as vLLM: a prompt may end mid-word."""
+    output = list(r.token_ids[r.num_prompt_tokens:]) + list(r.pending)
+    endings = set()
+    for word in r.params.bad_word_ids:
+        head = len(word) - 1
+        if head == 0 or (len(output) >= head and output[-head:] == word[:-1]):
+            endings.add(word[-1])
+    return sorted(endings)
 
 
 def _apply_row_processors(logits: torch.Tensor, i: int, r: SamplingRow, errors: dict[int, str]) -> None:

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, field_validator, model_validator
 
 from backend.model_files import read_json
 
@@ -36,7 +36,6 @@ UNSUPPORTED: dict[str, str] = {
 # TensorRT-LLM backend names a request body of its users carries (the generate endpoint's keys and
 # gRPC parameters arrive as sampling parameters), each pointing at what does the job here.
 UNSUPPORTED.update({
-    "bad_words": "bad_words (TensorRT-LLM) is not supported: use logit_bias, or a regex/ebnf constraint",
     "beam_width": "beam_width (TensorRT-LLM) is not supported here: beam search runs through the frontend "
                   "(use_beam_search with n as the width)",
     "exclude_input_in_output": "the output never includes the prompt (exclude_input_in_output false is not supported)",
@@ -53,7 +52,6 @@ UNSUPPORTED.update({
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "return_routed_experts": (False,),
     "routed_experts_start_len": (0,),
-    "bad_words": ("", []),
     "beam_width": (1,),
     "exclude_input_in_output": (True,),
     "return_log_probs": (False,),
@@ -76,6 +74,8 @@ MAX_WHITESPACE_PATTERN_CHARS = 256
 MAX_LOGITS_PROCESSORS = 16
 MAX_PREDICTION_CHARS = 128 * 1024
 MAX_PREDICTION_TOKENS = 32 * 1024
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024  # a salt is a secret of ~43 characters (256 bits, base64)
 
 
@@ -153,6 +153,10 @@ class SamplingParams(BaseModel):
     # allowed_token_ids (every other token is excluded), applied to the model's logits first.
     logit_bias: Optional[dict[JsonKeyInt, float]] = None
     allowed_token_ids: Optional[list[int]] = None
+    # vLLM's bad_words: the output never ends a token sequence that spells one of these words
+    # (with or without a leading space); the engine tokenizes them into bad_word_ids.
+    bad_words: Optional[list[str]] = None
+    _bad_word_ids: list[list[int]] = PrivateAttr(default_factory=list)
     # vLLM's truncate_prompt_tokens: only the prompt's last k tokens are used.
     truncate_prompt_tokens: Optional[int] = None
     # vLLM's priority: lower is scheduled earlier; not 0 only on a server with
@@ -185,6 +189,14 @@ class SamplingParams(BaseModel):
         if isinstance(v, str):
             return [v]
         return v
+
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _bad_words_forms(cls, v: Any) -> Any:
+        # vLLM sends a list (default []); TensorRT-LLM's generate-endpoint bodies a string, "" for none.
+        if v == "" or v == []:
+            return None
+        return [v] if isinstance(v, str) else v
 
     @field_validator("stop_token_ids", mode="before")
     @classmethod
@@ -288,6 +300,11 @@ class SamplingParams(BaseModel):
             raise ValueError(f"logprob_start_len must be -1 (output only) or >= 0, got {self.logprob_start_len}")
         if self.token_ids_logprob is not None and any(t < 0 for t in self.token_ids_logprob):
             raise ValueError("token_ids_logprob must be non-negative token ids")
+        if self.bad_words is not None:
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+            if any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+                raise ValueError(f"bad_words must be words of 1 to {MAX_BAD_WORD_CHARS} characters, not blank")
         if self.cache_salt is not None and not self.cache_salt:
             raise ValueError("cache_salt must be a non-empty string if provided")
         if self.cache_salt is not None and len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
@@ -354,8 +371,16 @@ class SamplingParams(BaseModel):
 
     @property
     def restricts_tokens(self) -> bool:
-        """Whether logit_bias or allowed_token_ids shape this request's logits."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        """Whether logit_bias, allowed_token_ids or bad_words shape this request's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
+    def bad_word_ids(self) -> list[list[int]]:
+        """bad_words as token sequences (set by the engine, which has the tokenizer)."""
+        return self._bad_word_ids
+
+    def set_bad_word_ids(self, ids: list[list[int]]) -> None:
+        self._bad_word_ids = ids
 
     @property
     def has_penalties(self) -> bool:

@@ -362,3 +362,18 @@ def encode_prompt(
     if not ids:
         raise ValueError("the prompt is empty")
     return list(ids)
+
+
+def bad_word_token_ids(tokenizer: Any, words: Sequence[str]) -> list[list[int]]:
+    """vLLM's bad_words as token sequences: each word as it would start the text, and as it would
+    follow a space (how a word mid-sentence tokenizes). vLLM keeps the second spelling only when
+    it has as many tokens as the first, which on a byte-level BPE (Qwen's, Llama 3's) drops the
+    common case: "boils" is two tokens and " boils" one, so " boils" stayed allowed. Here both
+    are banned whenever they differ."""
+    found: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in found:
+                found.append(ids)
+    return found

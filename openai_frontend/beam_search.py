@@ -59,6 +59,7 @@ _NEUTRAL: dict[str, tuple] = {
     "min_tokens": (None, 0),
     "logit_bias": (None, {}),
     "allowed_token_ids": (None,),
+    "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
     "custom_logit_processor": (None, ""),
     "logits_processors": (None, []),

@@ -237,6 +237,7 @@ class _SamplingFields(_Body):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = None
     allowed_token_ids: Optional[list[TokenId]] = None
+    bad_words: Optional[list[str]] = None
     prompt_logprobs: Optional[int] = None
     # vLLM extra parameters
     guided_json: Optional[Union[str, dict[str, Any]]] = None

@@ -408,6 +408,8 @@ def build_sampling_params(req: AnyRequest) -> dict[str, Any]:
         sp["logit_bias"] = dict(req.logit_bias)
     if req.allowed_token_ids is not None:
         sp["allowed_token_ids"] = list(req.allowed_token_ids)
+    if req.bad_words:
+        sp["bad_words"] = list(req.bad_words)
     if req.truncate_prompt_tokens is not None:
         sp["truncate_prompt_tokens"] = req.truncate_prompt_tokens
     if req.priority:

@@ -113,16 +113,16 @@ VLLM_COMPLETION_EXTRAS = [
 PARSE_FUNCTION_CALL_FIELDS = ["text", "tool_call_parser", "tools"]
 
 # protocol.py accepts these though no seed names them (SGLang's OpenAI extras, vLLM's names on the
-# other endpoint, the reasoning switches, vLLM's newer cache_salt, structured_outputs and return_token_ids). They are held to the same rule, so that every field
+# other endpoint, the reasoning switches, vLLM's newer cache_salt, structured_outputs, return_token_ids and bad_words). They are held to the same rule, so that every field
 # the frontend accepts is covered (test_every_accepted_field_is_covered).
 BEYOND_SEEDS = {
     "generate": ["video_data", "priority"],
     "chat": ["prompt_cache_retention", "allowed_token_ids", "stop_regex", "regex", "ebnf", "json_schema", "no_stop_trim", "rid", "lora_path",
              "return_hidden_states", "separate_reasoning", "stream_reasoning", "include_reasoning", "cache_salt",
-             "structured_outputs", "return_token_ids"],
+             "structured_outputs", "return_token_ids", "bad_words"],
     "completions": ["request_id", "stop_regex", "regex", "ebnf", "json_schema", "structural_tag", "no_stop_trim", "rid",
                     "lora_path", "custom_logit_processor", "custom_params", "return_hidden_states", "cache_salt",
-                    "structured_outputs", "return_token_ids"],
+                    "structured_outputs", "return_token_ids", "bad_words"],
     "parse_function_call": [],
 }
 
@@ -461,6 +461,7 @@ def _shared_cases(chat: bool) -> dict[str, Case]:
                                        return_hidden_states=True),
         "cache_salt": engine(sp_has(cache_salt="tenant-a"), cache_salt="tenant-a"),
         "structured_outputs": engine(sp_has(regex="(yes|no)"), structured_outputs={"regex": "(yes|no)"}),
+        "bad_words": engine(sp_has(bad_words=["spam"]), bad_words=["spam"]),
         "return_token_ids": engine(both(sp_has(return_prompt_token_ids=True),
                                         lambda ex: isinstance(ex.choices[0]["token_ids"], list)),
                                    return_token_ids=True),

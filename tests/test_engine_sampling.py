@@ -506,6 +506,35 @@ def test_return_prompt_token_ids_comes_once_per_sample(engine):
     assert plain.prompt_token_ids is None
 
 
+def _contains(ids: list[int], word: list[int]) -> bool:
+    return any(ids[k:k + len(word)] == word for k in range(len(ids) - len(word) + 1))
+
+
+def test_bad_words_are_never_completed_and_change_nothing_before(engine):
+    """vLLM's bad_words: the greedy output equals the unconstrained one up to where that one
+    completed a bad word, and then never completes one; a multi-token word's first token alone
+    stays allowed."""
+    tok = engine.tokenizer
+    prompt = _prompt(12, 33)
+    greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True, "repetition_penalty": 1.0}
+    (base,) = engine.generate([prompt], [engine.parse_params(greedy)])
+    ids = base.new_token_ids
+    # a two-token word the model wrote, spelled so that it tokenizes back into those two tokens
+    k = next(k for k in range(2, len(ids) - 1)
+             if tok.encode(tok.decode(ids[k:k + 2]), add_special_tokens=False) == ids[k:k + 2]
+             and tok.decode(ids[k:k + 2]).strip())
+    two = tok.decode(ids[k:k + 2])
+    one = tok.decode([ids[1]])
+    for words, first in (([two], k + 1), ([one], 1)):
+        p = engine.parse_params({**greedy, "bad_words": words})
+        (out,) = engine.generate([prompt], [p])
+        got = out.new_token_ids
+        assert got[:first] == ids[:first] and got[first] != ids[first], (words, got, ids)
+        assert p.bad_word_ids and not any(_contains(got, w) for w in p.bad_word_ids), (words, p.bad_word_ids)
+    with pytest.raises(SamplingParamsError, match="bad_words"):
+        engine.parse_params({"bad_words": [" "]})
+
+
 def test_stop_regex_trims_and_streams_the_same(engine):
     prompt = _prompt(15, 8)
     base = engine.parse_params({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})

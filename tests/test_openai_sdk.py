@@ -535,6 +535,26 @@ def test_return_token_ids_streamed_and_not(client, tok):
     assert getattr(plain.choices[0], "token_ids", None) is None
 
 
+def test_bad_words(client, tok):
+    """vLLM's bad_words through the server: a word the greedy answer wrote is never written,
+    at the start of the text or after a space, streamed or not."""
+    kwargs = dict(model=MODEL, prompt="The kettle on the stove", max_tokens=16, **GREEDY)
+    base = client.completions.create(**kwargs, extra_body={"return_token_ids": True})
+    word = next(w for w in base.choices[0].text.split() if w.isalpha() and len(w) > 2)
+    banned = [tok.encode(word, add_special_tokens=False), tok.encode(" " + word, add_special_tokens=False)]
+    extra = {"bad_words": [word], "return_token_ids": True}
+    r = client.completions.create(**kwargs, extra_body=extra)
+    ids = r.choices[0].token_ids
+    assert not any(ids[k:k + len(w)] == w for w in banned for k in range(len(ids))), (word, r.choices[0].text)
+    assert r.choices[0].text != base.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs, extra_body=extra)
+                       if c.choices)
+    assert streamed == r.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="bad_words") as err:
+        client.completions.create(**kwargs, extra_body={"bad_words": ["  "]})
+    assert err.value.body["param"] == "bad_words"
+
+
 def test_logit_bias_and_allowed_token_ids(client, tok):
     target = tok.encode(" dragon", add_special_tokens=False)[-1]
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, **GREEDY,

@@ -315,6 +315,14 @@ def test_reasoning_effort_reaches_only_a_template_that_reads_it(tok):
     assert "Why?" in render_chat(tok, msgs, chat_template_kwargs={"enable_thinking": False})  # others unchecked
 
 
+def test_bad_words_are_banned_at_the_start_and_after_a_space(tok):
+    from backend.tokenizer import bad_word_token_ids
+
+    bare, spaced = tok.encode("boils", add_special_tokens=False), tok.encode(" boils", add_special_tokens=False)
+    assert len(bare) != len(spaced)  # the spelling vLLM's rule leaves out on a byte-level BPE
+    assert bad_word_token_ids(tok, ["boils", " boils"]) == [bare, spaced]
+
+
 def _with_bos(tok):
     """The demo tokenizer with a BOS, as Llama's adds one (the demo's Qwen tokenizer adds none)."""
     import copy
