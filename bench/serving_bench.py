@@ -1158,6 +1158,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+# Engine speed after the servers over before: outside this range the machine changed under the run.
+DRIFT_TRUSTED = (0.8, 1.25)
+
+
 def print_ratios(r: dict[str, Any], results: dict[str, Any]) -> None:
     print("\n=== ratios (throughput at concurrency %d unless noted) ===" % r["concurrency"])
     for name, check in r["targets"].items():
@@ -1176,6 +1180,10 @@ def print_ratios(r: dict[str, Any], results: dict[str, Any]) -> None:
     if r.get("engine_drift") is not None:
         print(f"  {'engine_drift (after / before)':32s} {r['engine_drift']:8.2f}   server paths at c={r['concurrency']} "
               "are compared with the mean of both engine runs")
+        if not DRIFT_TRUSTED[0] <= r["engine_drift"] <= DRIFT_TRUSTED[1]:
+            # QA: a run whose engine slowed tenfold still printed met/MISSED as if it were sound
+            print(f"  WARNING: the engine's own speed changed {r['engine_drift']:.2f}x during this run (another load "
+                  "on the machine?): the ratios against it are unreliable; rerun on a quiet machine")
     for c, lv in r["per_level"].items():
         parts = [f"{k}={v:.2f}" for k, v in lv.items() if v is not None]
         if parts:
