@@ -35,8 +35,11 @@ def test_tensorrt_llm_names_are_refused_with_the_way_here_or_accepted_when_off()
     # beam_width 1 / exclude_input_in_output true) was "unknown sampling parameter(s)".
     off = {"bad_words": "", "beam_width": 1, "exclude_input_in_output": True, "return_log_probs": False,
            "return_context_logits": False, "return_generation_logits": False, "num_return_sequences": 1}
-    assert parse_sampling_params(off).max_new_tokens == 128
-    for raw, says in [({"bad_words": ["x"]}, "logit_bias"), ({"beam_width": 2}, "use_beam_search"),
+    assert parse_sampling_params(off).max_new_tokens == 128 and parse_sampling_params(off).bad_words is None
+    # bad_words works (vLLM's meaning): a word or a list of them
+    assert parse_sampling_params({"bad_words": "x"}).bad_words == ["x"]
+    assert parse_sampling_params({"bad_words": ["x", "y z"]}).restricts_tokens
+    for raw, says in [({"beam_width": 2}, "use_beam_search"),
                       ({"beam_width": True}, "use_beam_search"), ({"exclude_input_in_output": False}, "never includes"),
                       ({"return_log_probs": True}, "return_logprob"), ({"num_return_sequences": 2}, "use n"),
                       ({"end_id": 2}, "stop_token_ids"), ({"pad_id": 0}, "padding"), ({"min_length": 4}, "min_new_tokens")]:
