@@ -20,6 +20,7 @@ only those need be found: the head blocks, released first, are the first evicted
 
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence as Seq
@@ -55,6 +56,10 @@ class BlockManager:
         # survives as long as possible. Values unused (an ordered set).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._by_hash: dict[int, int] = {}
+        # Every hash chain starts from this process's random root (vLLM's random NONE_HASH, after
+        # CVE-2025-25183): Python's hash of a tuple of ints is the same in every process, so
+        # without it a client could compute which prompts collide with another's cached blocks.
+        self._root = secrets.randbits(61)
         # Prompt tokens looked up in / found in the cache (prefix-cache hit rate).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -96,7 +101,7 @@ class BlockManager:
         found: list[Optional[int]] = []
         best = 0  # longest prefix (in blocks) whose visible blocks are all cached
         run_start = 0  # first block of the run of cached blocks that ends at the current one
-        parent: Optional[int] = seq.cache_salt
+        parent: Optional[int] = self._chain_start(seq)
         for i in range(full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent = chain_hash(parent, tokens)
@@ -148,7 +153,7 @@ class BlockManager:
         cached = len(hits) * self.block_size
         self.num_hit_tokens += cached
         seq.num_hashed_blocks = len(hits)
-        seq.block_hash = chain_hash_of(seq.token_ids, len(hits), self.block_size, seq.cache_salt)
+        seq.block_hash = chain_hash_of(seq.token_ids, len(hits), self.block_size, self._chain_start(seq))
         return cached
 
     def register_full_blocks(self, seq: Sequence) -> None:
@@ -158,7 +163,7 @@ class BlockManager:
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         if seq.num_hashed_blocks == 0:
-            seq.block_hash = seq.cache_salt
+            seq.block_hash = self._chain_start(seq)
         for i in range(seq.num_hashed_blocks, full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(seq.block_hash, tokens)
@@ -169,6 +174,11 @@ class BlockManager:
                 self._by_hash[h] = block
             seq.block_hash = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    def _chain_start(self, seq: Sequence) -> int:
+        """The hash a sequence's chain starts from: the root, and its salt (a LoRA adapter's
+        load, a client's cache_salt), so only sequences with the same salt share blocks."""
+        return hash((self._root, seq.cache_salt))
 
     # ------------------------------------------------------------- allocation
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:

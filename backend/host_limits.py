@@ -43,6 +43,9 @@ def cgroup_dirs(controller: str, root: Path = CGROUP_ROOT, proc_cgroup: Path = P
         if len(parts) != 3:
             continue
         _, controllers, path = parts
+        if ".." in path.split("/"):
+            # a cgroup outside this namespace's root (/proc shows it as ../..): not under the mount
+            continue
         if controllers == "":
             bases.append((unified, path))
         elif controller in controllers.split(","):

@@ -443,3 +443,20 @@ def test_flat_steps_cut_chunks_to_fit_while_others_decode():
     assert step_sizes(120, 128) == (512, 632)  # 8 left < MIN_PREFILL_CHUNK: the usual cap
     assert step_sizes(0, 128) == (2048, 2048)  # nothing decodes: the whole budget
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_block_hashes_start_from_a_random_root_per_pool():
+    # CVE-2025-25183 (vLLM): Python hashes a tuple of ints alike in every process, so a client
+    # could compute block hashes and craft prompts that collide with another's cached blocks.
+    from backend.block_manager import chain_hash
+
+    hashes = []
+    for _ in range(2):
+        bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+        sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+        seq = _tokens_seq(list(range(10, 19)))
+        _admit_and_compute(sched, seq)
+        hashes.append(seq.block_hash)
+        assert len(bm.match_prefix(_tokens_seq(list(range(10, 19))))) == 2  # still found in its own pool
+    unrooted = chain_hash(chain_hash(None, range(10, 14)), range(14, 18))
+    assert hashes[0] != hashes[1] and unrooted not in hashes

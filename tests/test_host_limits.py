@@ -50,6 +50,9 @@ def test_the_own_cgroup_and_its_ancestors_are_read_own_first(v2, v1):
     assert cgroup_dirs("cpu", root, proc) == [root / "cpu,cpuacct/docker/c1", root / "cpu,cpuacct/docker",
                                               root / "cpu,cpuacct"]
     assert cgroup_dirs("memory", root, root / "missing") == [root / "memory"]  # no /proc: the roots
+    outside = root.parent / "outside"
+    outside.write_text("4:memory:/../../..\n")  # a cgroup outside the namespace: never above the mount
+    assert cgroup_dirs("memory", root, outside) == [root / "memory"]
 
 
 def test_memory_is_the_tightest_limit_along_the_hierarchy(v2, v1, tmp_path):
