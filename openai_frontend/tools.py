@@ -334,10 +334,46 @@ def strict_auto_tag(parser: Any, tools: Sequence[ChatTool], parallel: bool) -> O
     if found is None:
         return None
     tags, triggers = found
-    return {
-        "type": "structural_tag",
-        "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": not parallel},
-    }
+    triggered = {"type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": not parallel}
+    if getattr(parser, "bare_object_start", False) and len(triggers) == 1:
+        return {"type": "structural_tag", "format": _bare_start_format(parser, tags, triggers[0], triggered, parallel)}
+    return {"type": "structural_tag", "format": triggered}
+
+
+# Leading whitespace as the parsers skip it (str.lstrip's ASCII part).
+_WS_CHARS = r" \t\n\r\x0b\x0c"
+_LEADING_WS = f"[{_WS_CHARS}]*"
+
+
+def _bare_start_format(parser: Any, tags: list[dict[str, Any]], trigger: str, triggered: dict[str, Any],
+                       parallel: bool) -> dict[str, Any]:
+    """Llama 3's calls under strict auto: a call is either marked (the trigger, <|python_tag|>,
+    anywhere) or a bare JSON object at the very start of the output, which has no trigger to
+    wait for (SGLang leaves it unconstrained). So the output is one of: calls from the start,
+    bare or marked (with parallel calls, more after its separator, then free text with marked
+    calls); text that starts with anything but a call, then free text with marked calls; or
+    nothing. A '<' may start text, except as the start of '<|' (the trigger's)."""
+    bare = [{**t, "begin": t["begin"][len(trigger):]} for t in tags]
+    ws = {"type": "regex", "pattern": _LEADING_WS}
+
+    def calls_from_start(first: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        one = {"type": "or", "elements": first}
+        if not parallel:
+            return [one]
+        more = {"type": "star", "content": {"type": "sequence", "elements": [
+            {"type": "regex", "pattern": parser.separator_regex}, {"type": "or", "elements": bare + tags}]}}
+        after = {"type": "sequence", "elements": [
+            {"type": "regex", "pattern": f"{_LEADING_WS}([^;<{_WS_CHARS}]|<[^|])"}, triggered]}
+        return [one, more, {"type": "or", "elements": [ws, after]}]
+
+    text_first = {"type": "sequence", "elements": [
+        {"type": "regex", "pattern": f"{_LEADING_WS}([^{{<{_WS_CHARS}]|<[^|])"}, triggered]}
+    return {"type": "or", "elements": [
+        {"type": "sequence", "elements": [ws, *calls_from_start(bare)]},
+        {"type": "sequence", "elements": [ws, *calls_from_start(tags)]},
+        text_first,
+        ws,
+    ]}
 
 
 @dataclass

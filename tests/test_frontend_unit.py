@@ -2686,6 +2686,36 @@ def test_strict_tools_under_auto_hold_calls_to_their_schema(qwen):
     assert "structural_tag" not in sp and "json_schema" in sp
 
 
+def test_strict_llama3_calls_are_held_to_their_schema_also_as_a_bare_object():
+    """Llama 3 may write a call as a bare JSON object at the start of its output, with no
+    <|python_tag|> to trigger a constraint (SGLang leaves it free): under strict auto it is held
+    to its schema too, as are the calls after its ';', while text stays free."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from openai_frontend.protocol import ChatTool
+    from openai_frontend.tools import get_parser, parse_as_streamed, plan_tools
+
+    strict_weather = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    tools = [ChatTool.model_validate(strict_weather), ChatTool.model_validate(TIME)]
+    call = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+    other = '{"name": "get_time", "parameters": {"tz": "UTC"}}'
+    bad = '{"name": "get_weather", "parameters": {"city": 5}}'
+    for parallel in (True, False):
+        plan = plan_tools(tools, "auto", parallel, "llama3")
+        grammar = xgr.Grammar.from_structural_tag(plan.constraint[1])
+        for text, ok in [(call, True), ("\n " + call, True), (bad, False), ('{"name": "nope", "parameters": {}}', False),
+                         (call + "; " + other, parallel), (call + ";" + bad, False),
+                         ("<|python_tag|>" + call, True), ("<|python_tag|>" + call + "; " + bad, False),
+                         ("Let me check. <|python_tag|>" + call, True), ("Let me check. <|python_tag|>" + bad, False),
+                         ("Plain text {with braces}.", True), ("<b>bold</b>", True), ("", True),
+                         ('{"a": 1} is JSON', False)]:
+            assert accepts(grammar, text) is ok, (parallel, text)
+            if ok and text.lstrip().startswith(("{", "<|")):  # what the grammar lets through, the parser reads as calls
+                _, calls = parse_as_streamed(get_parser("llama3"), text, plan.tools, False, lambda: "id")
+                assert calls and all(c.name in ("get_weather", "get_time") for c in calls), text
+
+
 def test_strict_tools_under_auto_are_refused_where_the_format_cannot_hold_them():
     from openai_frontend.errors import APIError
     from openai_frontend.protocol import ChatTool

@@ -353,6 +353,34 @@ def test_structural_tag_new_format(compiler, tokenizer):
     assert not feed(compiler.matcher(compiled), tokenizer, "<answer>{" + " " * 17)
 
 
+def test_strict_llama3_bare_calls_compile_and_hold_in_the_engine(compiler, tokenizer):
+    """The strict-auto grammar for Llama 3's bare-object calls (openai_frontend/tools.py) in the
+    engine's compiler: a call begun at the start is finished within its schema, and a call cut
+    after its name is never completed otherwise."""
+    from openai_frontend.protocol import ChatTool
+    from openai_frontend.tools import get_parser, parse_as_streamed, plan_tools
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tools = [ChatTool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": schema,
+                                                                       "strict": True}})]
+    plan = plan_tools(tools, "auto", False, "llama3")
+    compiled = compiler.submit(*plan.constraint).result(timeout=30)
+    begun = '{"name": "get_weather", "parameters": '
+    rng = random.Random(3)
+    for _ in range(8):
+        state = compiler.matcher(compiled)
+        assert feed(state, tokenizer, " " + begun)
+        text = " " + begun + tokenizer.decode(walk(state, compiler.stop_token_ids, rng))
+        _, calls = parse_as_streamed(get_parser("llama3"), text, plan.tools, False, lambda: "id")
+        assert len(calls) == 1, text
+        jsonschema.validate(json.loads(calls[0].arguments), schema)
+    assert not feed(compiler.matcher(compiled), tokenizer, begun + '{"city": 5')
+    assert not feed(compiler.matcher(compiled), tokenizer, '{"name": "other"')
+    assert feed(compiler.matcher(compiled), tokenizer, 'Sunny, I think. {"not": "a call"}')
+
+
 def test_structural_tag_legacy_format_and_response_format(compiler, tokenizer):
     """SGLang's legacy structures/triggers, as response_format sends it (sampling_params maps it)."""
     from backend.sampling_params import parse_sampling_params

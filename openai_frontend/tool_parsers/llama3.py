@@ -18,6 +18,8 @@ class Llama3ToolParser(JsonToolCallParser):
     open = ("<|python_tag|>",)
     separator = (WS, ";")
     bare_object_start = True
+    # between calls: ';' with whitespace around it (the grammar's spelling of `separator`)
+    separator_regex = r"[ \t\n]*;[ \t\n]*"
     resync = None  # no closing markup: a broken streamed call ends the tool calls
 
     def structure_info(self, tool_name: str) -> StructureInfo:
