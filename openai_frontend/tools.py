@@ -340,8 +340,9 @@ def strict_auto_tag(parser: Any, tools: Sequence[ChatTool], parallel: bool) -> O
     return {"type": "structural_tag", "format": triggered}
 
 
-# Leading whitespace as the parsers skip it (str.lstrip's ASCII part).
-_WS_CHARS = r" \t\n\r\x0b\x0c"
+# Leading whitespace as the parsers skip it: every character str.lstrip strips (none is above
+# U+3000), as regex escapes (xgrammar's character classes take no raw newline).
+_WS_CHARS = "".join(f"\\u{ord(c):04x}" for c in map(chr, range(0x3001)) if c.isspace())
 _LEADING_WS = f"[{_WS_CHARS}]*"
 
 

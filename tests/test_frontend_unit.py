@@ -2704,7 +2704,8 @@ def test_strict_llama3_calls_are_held_to_their_schema_also_as_a_bare_object():
     for parallel in (True, False):
         plan = plan_tools(tools, "auto", parallel, "llama3")
         grammar = xgr.Grammar.from_structural_tag(plan.constraint[1])
-        for text, ok in [(call, True), ("\n " + call, True), (bad, False), ('{"name": "nope", "parameters": {}}', False),
+        for text, ok in [(call, True), ("\n " + call, True), (bad, False), ("\u3000" + call, True),
+                         ("\u00a0" + bad, False), ("\x1c\u2028" + bad, False),  # whitespace the parser skips ('{"name": "nope", "parameters": {}}', False),
                          (call + "; " + other, parallel), (call + ";" + bad, False),
                          ("<|python_tag|>" + call, True), ("<|python_tag|>" + call + "; " + bad, False),
                          ("Let me check. <|python_tag|>" + call, True), ("Let me check. <|python_tag|>" + bad, False),
