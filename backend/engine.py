@@ -1070,12 +1070,15 @@ class LLMEngine:
         if not self._compiling:
             return
         still = []
+        # One look per future: the n samples of a request share theirs, and a compile that ended
+        # between two samples' looks queued the later sample ahead of the one it waits for (fuzz QA).
+        done: dict[int, bool] = {}
         for tracked in self._compiling:
             rid = tracked.seq.request_id
             if rid not in self._tracked:
                 continue  # aborted while compiling
             future = tracked.grammar_future
-            if not future.done():
+            if not done.setdefault(id(future), future.done()):
                 still.append(tracked)
                 continue
             try:

@@ -174,7 +174,7 @@ class Scheduler:
         # After a preemption the pool is full: admitting more now would only thrash.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.wait_for is not None and not _prefilled(seq.wait_for):
+            if seq.wait_for is not None and seq.wait_for.status is SequenceStatus.RUNNING and not _prefilled(seq.wait_for):
                 break  # its sibling's prompt blocks are about to be cached: share them
             hits = bm.match_prefix(seq)
             start = len(hits) * bm.block_size

@@ -535,6 +535,44 @@ def test_bad_words_are_never_completed_and_change_nothing_before(engine):
         engine.parse_params({"bad_words": [" "]})
 
 
+def test_n_samples_of_a_grammar_request_never_wait_on_each_other(engine, monkeypatch):
+    """Fuzz QA: the n samples share one grammar future; a compile that ended between the engine's
+    looks at sample 0 and sample 1 queued sample 1 (which waits for sample 0's prompt blocks)
+    ahead of sample 0, and the FCFS queue stopped at it for good."""
+    from concurrent.futures import Future
+
+    class EndsBetweenLooks(Future):
+        def __init__(self, inner: Future) -> None:
+            super().__init__()
+            self.inner, self.looks = inner, 0
+
+        def done(self) -> bool:  # not done at the first look, done from the second on
+            self.looks += 1
+            return self.looks > 1 and self.inner.done()
+
+        def result(self, timeout=None):
+            return self.inner.result(timeout)
+
+    submit = engine._submit_grammar
+
+    def flipping(params):
+        inner = submit(params)
+        inner.result(timeout=60)
+        return EndsBetweenLooks(inner)
+
+    monkeypatch.setattr(engine, "_submit_grammar", flipping)
+    p = engine.parse_params({"max_new_tokens": 4, "temperature": 0, "n": 2, "regex": "[a-z ]{1,30}"})
+    outs: list = []
+    engine.add_request(_prompt(40, 34), p, outs.append)
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished(), [(q.request_id, q.wait_for and q.wait_for.request_id)
+                                         for q in engine.scheduler.waiting]
+    assert sorted({o.index for o in outs if o.finish_reason}) == [0, 1]
+
+
 def test_stop_regex_trims_and_streams_the_same(engine):
     prompt = _prompt(15, 8)
     base = engine.parse_params({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
