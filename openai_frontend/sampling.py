@@ -306,8 +306,8 @@ def openai_param(exc: APIError, req: AnyRequest) -> APIError:
             # The constraint is built from the tools' parameters.
             exc.message = exc.message.replace(f"invalid {exc.param}:", "invalid tools (a function's parameters):", 1)
             exc.param = "tools"
-    elif exc.param == "whitespace_pattern" and whitespace_pattern(req) is not None:
-        exc.param = whitespace_pattern(req)[0]
+    elif exc.param == "whitespace_pattern" and (given := whitespace_pattern(req)) is not None:
+        exc.param = given[0]
     elif exc.param in _OPENAI_NAMES:
         exc.param = _OPENAI_NAMES[exc.param]
     elif (exc.param is None and exc.message == "the prompt is empty") or exc.param == "input_ids":
