@@ -133,12 +133,12 @@ def default_torch_threads(device: str) -> int:
     return 1 if device.startswith("cuda") else torch.get_num_threads()
 
 
-
 def _cache_salt(adapter: Optional[LoraAdapter], salt: Optional[str]) -> Optional[int]:
     """Where the prompt's prefix-cache hash chain starts: an adapter's blocks hold other values,
     and a client's salt isolates its prompts from everyone without the same salt."""
     base = adapter.cache_salt if adapter is not None else None
     return base if salt is None else hash(("cache_salt", base, salt))
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
