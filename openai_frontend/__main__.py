@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from backend.host_limits import usable_cpus
 from openai_frontend.settings import Settings
 
 
@@ -68,7 +69,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "still aborting each stream on --abort-model (up to 2 s each)")
     p.add_argument("--workers", type=workers_arg, default="auto",
                    help="server processes (each with its own event loop and gRPC channel) sharing the port; "
-                        "auto (default): one per four CPUs, from one to four")
+                        "auto (default): one per four usable CPUs (the affinity mask, capped by a container's CPU quota), "
+                        "from one to four")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
     return p.parse_args(argv)
@@ -95,9 +97,10 @@ def shutdown_timeout_arg(value: str) -> Optional[float]:
 def workers_arg(value: str) -> int:
     """--workers: a count, or auto. One event loop spends ~1.3 ms of CPU a request; on an H100
     host (16 cores) four workers took the frontend's streaming from 0.70 to 0.82 of its
-    non-streaming throughput at concurrency 64. On a small host the cores belong to the engine."""
+    non-streaming throughput at concurrency 64. On a small host the cores belong to the engine.
+    A container's CPU quota counts, not the host's cores its affinity mask shows."""
     if value == "auto":
-        return max(1, min(4, len(os.sched_getaffinity(0)) // 4))
+        return max(1, min(4, usable_cpus() // 4))
     try:
         workers = int(value)
     except ValueError:

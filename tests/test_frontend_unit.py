@@ -2493,12 +2493,20 @@ def test_cli_refuses_a_frontend_id_that_would_not_parse_out_of_a_triton_id(front
     assert "--frontend-id" in str(exc.value)
 
 
-def test_cli_workers_auto_is_one_per_four_cpus_up_to_four(monkeypatch):
+def test_cli_workers_auto_is_one_per_four_usable_cpus_up_to_four(monkeypatch):
     from openai_frontend.__main__ import parse_args
 
+    from backend import host_limits
+
+    monkeypatch.setattr(host_limits, "cpu_quota", lambda dirs=None: None)
     for cpus, workers in ((2, 1), (7, 1), (8, 2), (16, 4), (64, 4)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
         assert parse_args(["--model-name", MODEL]).workers == workers
+    # a container limited to 2.5 CPUs on a 64-core host: its event loops would take the engine's time
+    monkeypatch.setattr(host_limits, "cpu_quota", lambda dirs=None: 2.5)
+    assert parse_args(["--model-name", MODEL]).workers == 1
+    monkeypatch.setattr(host_limits, "cpu_quota", lambda dirs=None: 12.0)
+    assert parse_args(["--model-name", MODEL]).workers == 3
     assert parse_args(["--model-name", MODEL, "--workers", "3"]).workers == 3
     for bad in ("0", "many"):
         with pytest.raises(SystemExit):
