@@ -525,10 +525,29 @@ def test_canonicalizer_edge_cases():
                 "-0", "0.1000000000000000055511151231257827", "1E2", "[]", "{}", '{"":""}', "1e-400"]:
         ok, got, _ = canon_stream(raw, list(raw))
         assert ok and got == dumps(json.loads(raw)), raw
-    for raw in ["NaN", "Infinity", "-Infinity", "1e400", "01", "1.", ".5", "+1", '"\x01"', '"\\x"', '"\\u12G4"',
+    for raw in ["NaN", "Infinity", "-Infinity", "01", "1.", ".5", "+1", '"\x01"', '"\\x"', '"\\u12G4"',
                 "[1,]", '{"a":1,}', "{'a':1}", "tru", "[1 2]"]:
         ok, _, _ = canon_stream(raw, list(raw))
         assert not ok, raw
+
+
+def test_numbers_past_float_range_keep_their_text():
+    """Fuzz QA: a strict tool's unbounded `number` may be written as 1e999 (valid JSON, and the
+    grammar allows it). Its float is inf, which json.dumps writes as the non-JSON "Infinity", so
+    the parsers refused it and the call came back with its arguments cut at that number."""
+    for raw, want in (("1e400", "1e400"), ("-2E+999", "-2E+999"), ('{"a": [1e999, 1.50]}', '{"a": [1e999, 1.5]}'),
+                      ('{ "x" :-1e309 ,"y":{"z":9e9999}}', '{"x": -1e309, "y": {"z": 9e9999}}')):
+        ok, got, _ = canon_stream(raw, list(raw))
+        assert ok and got == want == dumps(decode_json(raw)), raw
+    args = '{"value": 1e999, "low": -2E+400, "list": [1.5, 1e999], "ok": 2.50}'
+    want = '{"value": 1e999, "low": -2E+400, "list": [1.5, 1e999], "ok": 2.5}'
+    for fmt, text in (("qwen25", "Sure. " + qwen("get_weather", args)), ("llama3", llama(("get_weather", args))),
+                      ("mistral", mistral(("get_weather", args))), ("deepseekv3", deepseek(("get_weather", args)))):
+        _, calls = assert_stream_matches(fmt, text, all_splits=False)
+        assert calls == [("get_weather", want)], fmt
+    # as a double-encoded arguments string too
+    text = qwen("get_weather", json.dumps(args))
+    assert assert_stream_matches("qwen25", text, all_splits=False)[1] == [("get_weather", want)]
 
 
 def test_duplicate_keys_stream_decodes_to_same_value():

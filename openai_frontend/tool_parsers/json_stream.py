@@ -10,7 +10,9 @@ Two views of the same JSON text must agree exactly:
   output, so their concatenation is exactly the non-streaming ``parameters`` string.
 
 The canonicalizer accepts exactly what the strict decoder accepts (RFC 8259 JSON; no NaN/Infinity,
-no non-finite floats, no raw control characters in strings). The one place the two serializations
+no raw control characters in strings). A number too large for a float (``1e999``) is valid JSON
+and a grammar for an unbounded ``number`` allows it, but ``json.dumps`` would write its float as
+the non-JSON ``Infinity``: both views keep the model's text for it (``OutOfRangeNumber``). The one place the two serializations
 can differ is an object with duplicate keys: ``dumps(decode(...))`` keeps the last value only,
 while the streamed text (already sent) keeps both. Both still decode to the same value.
 """
@@ -23,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["JsonCanonicalizer", "JsonObject", "Member", "decode_json_at", "decode_json", "dumps"]
+__all__ = ["JsonCanonicalizer", "JsonObject", "Member", "OutOfRangeNumber", "decode_json_at", "decode_json", "dumps"]
 
 
 class JsonObject(dict):
@@ -41,11 +43,34 @@ class JsonObject(dict):
         self.pairs = pairs
 
 
-def _finite_float(text: str) -> float:
+class OutOfRangeNumber:
+    """A JSON number whose float is infinite, kept as the text it was written as."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __float__(self) -> float:
+        return float(self.text)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OutOfRangeNumber) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __repr__(self) -> str:
+        return f"OutOfRangeNumber({self.text!r})"
+
+
+def _float(text: str) -> Any:
     value = float(text)
-    if not math.isfinite(value):  # 1e999 -> inf would serialize as the non-JSON "Infinity"
-        raise ValueError(f"number out of range: {text}")
-    return value
+    return value if math.isfinite(value) else OutOfRangeNumber(text)
+
+
+def _number_text(value: Any) -> str:
+    return value.text if isinstance(value, OutOfRangeNumber) else json.dumps(value)
 
 
 def _no_constants(name: str) -> Any:
@@ -53,7 +78,7 @@ def _no_constants(name: str) -> Any:
 
 
 _DECODER = json.JSONDecoder(
-    object_pairs_hook=JsonObject, parse_float=_finite_float, parse_constant=_no_constants
+    object_pairs_hook=JsonObject, parse_float=_float, parse_constant=_no_constants
 )
 
 
@@ -85,8 +110,23 @@ def _escape_surrogate(m: "re.Match[str]") -> str:
 def dumps(value: Any) -> str:
     """The canonical argument serialization (what SGLang sends as ``parameters``), kept to valid
     UTF-8: a lone surrogate the model wrote as an escape stays one (it failed the response, 500)."""
-    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except TypeError:  # an OutOfRangeNumber somewhere inside (rare): write it out by hand
+        text = _dumps_with_literals(value)
     return _SURROGATE_RE.sub(_escape_surrogate, text) if _SURROGATE_RE.search(text) else text
+
+
+def _dumps_with_literals(value: Any) -> str:
+    """json.dumps(value, ensure_ascii=False) with each OutOfRangeNumber written as its text."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_dumps_with_literals(v)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_dumps_with_literals(v) for v in value) + "]"
+    if isinstance(value, OutOfRangeNumber):
+        return value.text
+    return json.dumps(value, ensure_ascii=False)
 
 
 @dataclass
@@ -271,9 +311,9 @@ class JsonCanonicalizer:
         m = _NUMBER_RE.fullmatch(tok)
         if m is None:
             raise JsonSyntaxError(f"invalid number {tok!r}")
-        value: Any = _finite_float(tok) if (m.group("frac") or m.group("exp")) else int(tok)
+        value: Any = _float(tok) if (m.group("frac") or m.group("exp")) else int(tok)
         self._token_kind, self._token = "", ""
-        self._emit(json.dumps(value))
+        self._emit(_number_text(value))
         self._value_done()
 
     def _feed_token(self, s: str, pos: int) -> int:
