@@ -23,7 +23,8 @@ from openai_frontend.errors import bad_request, unsupported
 from openai_frontend.logprobs import TokenNamer, chat_logprobs, prompt_logprobs
 from openai_frontend.protocol import ChatCompletionRequest, ChatMessage
 from openai_frontend.reasoning import (
-    ConstraintError, ReasoningFormat, ReasoningStreamer, constrain_after_reasoning, get_reasoning_format, split_reasoning,
+    ConstraintError, ReasoningFormat, ReasoningStreamer, constrain_after_reasoning, for_prompt, get_reasoning_format,
+    split_reasoning,
 )
 from openai_frontend.sampling import (
     CONSTRAINT_KEYS,
@@ -97,13 +98,30 @@ class _Choice:
         self.token_ids: list[int] = []  # return_token_ids (non-streaming)
 
 
-def _reasoning_format(req: ChatCompletionRequest, parser: Optional[str], plan: ToolPlan) -> Optional[ReasoningFormat]:
-    """The format the answer is split by: the server's, unless the request keeps the reasoning in
-    its content (separate_reasoning false). A forced tool choice splits it all the same: its calls
-    follow the reasoning, and its content is null either way (the reasoning then is not sent)."""
-    if not parser or not (req.separate_reasoning or plan.forced):
+def _reasoning_format(req: ChatCompletionRequest, thinking: Optional[ReasoningFormat],
+                      plan: ToolPlan) -> Optional[ReasoningFormat]:
+    """The format the answer is split by: the server's (as the prompt leaves it), unless the
+    request keeps the reasoning in its content (separate_reasoning false). A forced tool choice
+    splits it all the same: its calls follow the reasoning, and its content is null either way
+    (the reasoning then is not sent)."""
+    if thinking is None or not (req.separate_reasoning or plan.forced):
         return None
-    return get_reasoning_format(parser)
+    return thinking
+
+
+async def _thinking_format(ctx: Context, req: ChatCompletionRequest) -> Optional[ReasoningFormat]:
+    """The server's reasoning format for this request: whether the output starts inside the
+    reasoning section follows the generation prompt the request's template settings render
+    (reasoning.for_prompt). A reply that continues the last message has no generation prompt."""
+    parser = ctx.settings.reasoning_parser
+    if not parser:
+        return None
+    fmt = get_reasoning_format(parser)
+    if not req.add_generation_prompt or req.continue_final_message:
+        return fmt
+    kwargs = ({**(req.chat_template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
+              if req.reasoning_effort is not None else req.chat_template_kwargs)
+    return for_prompt(fmt, await ctx.generation_prompt_tail(req.chat_template, kwargs))
 
 
 def _include_reasoning(req: ChatCompletionRequest) -> bool:
@@ -171,8 +189,8 @@ class ChatHandler:
         # The server's parser, not the request's separate_reasoning, says the model thinks first:
         # that switch only decides how the answer is split (SGLang; QA: separate_reasoning false
         # held the reasoning itself to the JSON schema).
-        parser = ctx.settings.reasoning_parser
-        sp = _constrain_content_only(sp, get_reasoning_format(parser) if parser else None, req)
+        thinking = await _thinking_format(ctx, req)
+        sp = _constrain_content_only(sp, thinking, req)
         messages = normalize_messages(req.messages)
         requests = [
             EngineRequest(
@@ -204,16 +222,18 @@ class ChatHandler:
         echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == role else ""
         if req.stream:
             stream = await start_stream(ctx.client, requests)
-            body = sse_events(stream, self._stream(stream, req, plan, model, completion_id, created, namer, echo, role))
+            body = sse_events(stream, self._stream(stream, req, plan, model, completion_id, created, namer, echo, role,
+                                                   thinking))
             return sse_response(body, hooks=ctx.stream_hooks)
-        return await self._complete(requests, req, plan, model, completion_id, created, namer, echo, role, beams)
+        return await self._complete(requests, req, plan, model, completion_id, created, namer, echo, role, beams,
+                                    thinking)
 
     # -- non-streaming ---------------------------------------------------------------------
 
     async def _complete(
         self, requests: list[EngineRequest], req: ChatCompletionRequest, plan: ToolPlan,
         model: str, completion_id: str, created: int, namer: Optional[TokenNamer], echo: str, role: str,
-        beams: Optional[BeamSpec] = None,
+        beams: Optional[BeamSpec] = None, thinking: Optional[ReasoningFormat] = None,
     ) -> Response:
         choices = [_Choice(None, hidden=req.return_hidden_states) for _ in range(req.n)]
         for c in choices:
@@ -251,7 +271,7 @@ class ChatHandler:
         finally:
             await it.aclose()
         out = []
-        fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser, plan)
+        fmt = _reasoning_format(req, thinking, plan)
         for i, c in enumerate(choices):
             text = "".join(c.texts)
             message: dict[str, Any] = {"role": role, "content": text}
@@ -313,6 +333,7 @@ class ChatHandler:
     async def _stream(
         self, stream: StartedStream, req: ChatCompletionRequest, plan: ToolPlan,
         model: str, completion_id: str, created: int, namer: Optional[TokenNamer], echo: str, role: str,
+        thinking: Optional[ReasoningFormat] = None,
     ) -> AsyncIterator[bytes]:
         n = req.n
         echoed = [not echo] * n
@@ -320,7 +341,7 @@ class ChatHandler:
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)  # vLLM: both are needed
         head = f'data: {{"id":{dumps(completion_id)},"object":"chat.completion.chunk","created":{created},"model":{dumps(model)},"choices":[{{"index":'
-        fmt = _reasoning_format(req, self.ctx.settings.reasoning_parser, plan)
+        fmt = _reasoning_format(req, thinking, plan)
         choices = [
             _Choice(ToolCallStreamer(get_parser(plan.parser_name), plan.tools, plan.parallel, plan.forced, plan.call_id)
                     if plan.parser_name else None, fmt, req.return_hidden_states)

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from starlette.responses import Response
 
-from openai_frontend.engine_types import EngineClient
+from openai_frontend.engine_types import EngineClient, EngineRequest
 from openai_frontend.errors import APIError, model_not_found
 from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.settings import Settings
@@ -20,6 +20,9 @@ from openai_frontend.tokenizer import ModelFiles
 log = logging.getLogger(__name__)
 
 ENGINE_INFO_TTL_S = 30.0
+# Enough for the longest reasoning marker (granite's "Here's my thought process:") and what follows it.
+PROMPT_TAIL_TOKENS = 32
+PROMPT_TAILS_KEPT = 256
 
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 # Valid in JSON strings, but line breaks to str.splitlines(), which many SSE clients (httpx's
@@ -163,6 +166,40 @@ class Context:
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             return None
         return frozenset(ids)
+
+    # The end of the generation prompt per (chat template, template kwargs): (answer, asked at).
+    _prompt_tails: dict[str, tuple[asyncio.Future, float]] = field(default_factory=dict)
+
+    async def generation_prompt_tail(self, chat_template: Optional[str],
+                                     chat_template_kwargs: Optional[dict[str, Any]]) -> Optional[str]:
+        """The last tokens' text of the prompt the server's chat template (or the request's own)
+        renders for a one-message chat with its generation prompt, as the server's preprocessing
+        renders and its postprocessing decodes it; None when that fails. The reasoning parser
+        reads it (openai_frontend.reasoning.for_prompt). Asked once per template and kwargs
+        within ENGINE_INFO_TTL_S (a restarted server may have another template), a burst sharing
+        one answer."""
+        key = dumps([chat_template, chat_template_kwargs])
+        entry = self._prompt_tails.get(key)
+        if entry is None or time.monotonic() - entry[1] > ENGINE_INFO_TTL_S:
+            self._prompt_tails.pop(key, None)
+            while len(self._prompt_tails) >= PROMPT_TAILS_KEPT:  # the oldest first
+                self._prompt_tails.pop(next(iter(self._prompt_tails)))
+            entry = (asyncio.ensure_future(self._ask_prompt_tail(chat_template, chat_template_kwargs)),
+                     time.monotonic())
+            self._prompt_tails[key] = entry
+        # Shielded: a waiter whose client left must not cancel the others' answer.
+        return await asyncio.shield(entry[0])
+
+    async def _ask_prompt_tail(self, chat_template: Optional[str],
+                               chat_template_kwargs: Optional[dict[str, Any]]) -> Optional[str]:
+        probe = EngineRequest(sampling_params={}, messages=[{"role": "user", "content": "a"}],
+                              chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+        try:
+            tokens = await self.client.tokenize(probe)
+            return await self.client.detokenize(tokens[-PROMPT_TAIL_TOKENS:]) if tokens else ""
+        except Exception as exc:  # the request itself will say what is wrong with its template
+            log.debug("generation prompt's tail unknown: %s", exc)
+            return None
 
     # With runtime LoRA updating: the adapters the engine serves, as it last listed them (None
     # until it has); its list then replaces --lora-modules, which an unload may have shortened.

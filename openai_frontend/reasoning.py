@@ -26,13 +26,13 @@ closing marker first (or, for a format that need not think, answer directly).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from openai_frontend.tool_parsers.base import find_trigger, partial_trigger_len
 
 __all__ = ["ReasoningFormat", "ReasoningStreamer", "get_reasoning_format", "split_reasoning", "FORMAT_NAMES",
-           "constrain_after_reasoning", "ConstraintError"]
+           "constrain_after_reasoning", "ConstraintError", "for_prompt"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,25 @@ def get_reasoning_format(name: str) -> ReasoningFormat:
     if fmt is None:
         raise ValueError(f"unknown reasoning parser {name!r}; expected one of {', '.join(FORMAT_NAMES)}")
     return fmt
+
+
+def for_prompt(fmt: ReasoningFormat, prompt_tail: Optional[str]) -> ReasoningFormat:
+    """The format as the chat template's generation prompt leaves it. A template that ends the
+    prompt with the opening marker (Qwen3-Thinking-2507's and Qwen3.5's ``<think>\\n``, newer
+    DeepSeek-R1 ones) starts the output inside the section, whichever parser the server names
+    (`qwen3` took such an output for content, `</think>` and all); one that ends it with the
+    closing marker (Qwen3's `enable_thinking: false`, DeepSeek-V3.1's `thinking: false`) starts
+    it in the content. Otherwise, or when the tail is not known (None), the parser's rule."""
+    if prompt_tail is None:
+        return fmt
+    tail = prompt_tail.rstrip()
+    if tail.endswith(fmt.starts):
+        opens = True
+    elif tail.endswith(fmt.ends):
+        opens = False
+    else:
+        return fmt
+    return fmt if fmt.starts_in_reasoning == opens else replace(fmt, starts_in_reasoning=opens)
 
 
 class ReasoningStreamer:

@@ -729,6 +729,29 @@ def test_reasoning_parser_on_the_real_server(client, triton, tok):
         assert _stream_reasoning(thinking, **kwargs) == (msg.model_extra["reasoning_content"], msg.content)
 
 
+def test_a_template_that_opens_the_reasoning_section_on_the_real_server(triton, tok):
+    """A Qwen3-Thinking-2507 / Qwen3.5 style template writes <think> into the generation prompt:
+    with --reasoning-parser qwen3 the output starts inside the section (it was all content), and
+    enable_thinking false, which closes the section in the prompt, makes it content."""
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n{% if enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}")
+    settings = Settings(triton_url=triton.grpc_url, model_name=MODEL, reasoning_parser="qwen3")
+
+    def forced(text: str, **extra) -> dict:
+        ids = tok(text, add_special_tokens=False).input_ids
+        return dict(model=MODEL, messages=MESSAGES, max_tokens=len(ids), extra_body={
+            "chat_template": template, **extra, "logits_processors": [
+                {"qualname": "tests.logits_processor_examples.ForceAfter", "kwargs": {"after": 0, "tokens": ids}}]})
+
+    with serve_in_thread(create_app(settings)) as url:
+        thinking = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for kwargs, want in ((forced("Adding two.\n</think>\n\nFour."), ("Adding two.", "Four.")),
+                             (forced("Four.", chat_template_kwargs={"enable_thinking": False}), (None, "Four."))):
+            msg = thinking.chat.completions.create(**kwargs).choices[0].message
+            assert (msg.model_extra["reasoning_content"], msg.content) == want
+            assert _stream_reasoning(thinking, **kwargs) == (want[0] or "", want[1])
+
+
 def test_structured_output_after_reasoning_on_the_real_server(triton, tok):
     """deepseek_r1: the model reasons freely (here: 6 tokens, then a processor writes the closing
     marker), then response_format's schema holds for the content."""

@@ -293,3 +293,77 @@ def test_an_output_that_is_all_reasoning_has_null_content(served, output):
     assert with_tools.content is None and not with_tools.tool_calls
     got = _collect(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))
     assert got["content"] == "" and got["reasoning"] == msg.model_extra["reasoning_content"]
+
+
+# ------------------------------------------------------------------ the generation prompt's tail
+def test_the_generation_prompt_decides_where_the_output_starts():
+    from openai_frontend.reasoning import for_prompt
+
+    assert for_prompt(QWEN3, "<|im_start|>assistant\n<think>\n").starts_in_reasoning  # Qwen3-Thinking-2507, Qwen3.5
+    assert not for_prompt(QWEN3, "assistant\n<think>\n\n</think>\n\n").starts_in_reasoning  # enable_thinking false
+    assert not for_prompt(R1, "<｜Assistant｜></think>").starts_in_reasoning  # DeepSeek-V3.1, thinking false
+    assert for_prompt(R1, "<｜Assistant｜><think>\n").starts_in_reasoning
+    for tail in (None, "", "<|im_start|>assistant\n", "<think>x"):  # no marker at the end: the parser's rule
+        assert for_prompt(QWEN3, tail) is QWEN3 and for_prompt(R1, tail) is R1
+    assert for_prompt(GRANITE, "Here is my thought process: ").starts_in_reasoning
+
+
+class TemplatedFake(FakeLLMClient):
+    """A server whose chat template opens the reasoning section in the generation prompt, as
+    Qwen3-Thinking-2507's and Qwen3.5's do (closed and empty with enable_thinking false)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.probes = 0
+
+    async def tokenize(self, request):
+        self.probes += 1
+        off = (request.chat_template_kwargs or {}).get("enable_thinking") is False
+        text = "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if off else "<think>\n")
+        return list(text.encode())
+
+
+def test_a_template_that_opens_the_reasoning_section_is_followed():
+    """Closing note's gap: with --reasoning-parser qwen3, a Qwen3-Thinking-2507 / Qwen3.5 model's
+    output (its template writes <think> into the prompt) came back as content, </think> and all."""
+    fake = TemplatedFake()
+    with serve_in_thread(create_app(Settings(model_name=MODEL, reasoning_parser="qwen3"), client=fake)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        fake.script = lambda req: text_chunks(_pieces("The user adds.\n</think>\n\nIt is 4.", 3))
+        for _ in range(3):
+            msg = client.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message
+            assert (msg.model_extra["reasoning_content"], msg.content) == ("The user adds.", "It is 4.")
+            got = _collect(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True))
+            assert (got["reasoning"], got["content"]) == ("The user adds.", "It is 4.")
+        assert fake.probes == 1  # asked once, not per request
+        # cut by max_tokens before the closing marker: all reasoning
+        fake.script = lambda req: text_chunks(_pieces("Still adding", 3), finish="length")
+        msg = client.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message
+        assert (msg.model_extra["reasoning_content"], msg.content) == ("Still adding", None)
+        # enable_thinking false closes the section in the prompt: the output is content
+        fake.script = lambda req: text_chunks(_pieces("It is 4.", 3))
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        msg = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=off).choices[0].message
+        assert (msg.model_extra["reasoning_content"], msg.content) == (None, "It is 4.")
+        got = _collect(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, extra_body=off))
+        assert (got["reasoning"], got["content"]) == ("", "It is 4.")
+        assert fake.probes == 2
+        # a reply that continues the last message has no generation prompt: the parser's own rule
+        fake.script = lambda req: text_chunks(_pieces("more text", 3))
+        msg = client.chat.completions.create(
+            model=MODEL, messages=[*MESSAGES, {"role": "assistant", "content": "So"}],
+            extra_body={"continue_final_message": True, "add_generation_prompt": False}).choices[0].message
+        assert (msg.model_extra["reasoning_content"], msg.content) == (None, "more text")
+        assert fake.probes == 2
+
+
+def test_a_template_that_cannot_be_probed_leaves_the_parsers_rule():
+    class Failing(FakeLLMClient):
+        async def tokenize(self, request):
+            raise RuntimeError("preprocessing is down")
+
+    fake = Failing(lambda req: text_chunks(["Hmm</think>4"]))
+    with serve_in_thread(create_app(Settings(model_name=MODEL, reasoning_parser="deepseek_r1"), client=fake)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        msg = client.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message
+        assert (msg.model_extra["reasoning_content"], msg.content) == ("Hmm", "4")
