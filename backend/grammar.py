@@ -567,15 +567,20 @@ def _bounded_strings(schema: Any) -> Any:
     return out
 
 
-def _json_formats(fmt: Any) -> Any:
+def _json_formats(fmt: Any, xgr: Any = None) -> Any:
     """Every json_schema inside a structural-tag format tree gets what a json_schema constraint
     gets: _check_enforceable, _bounded_strings, and at most JSON_MAX_WHITESPACE whitespace characters in a row (unless
-    the format sets its own max_whitespace_cnt)."""
+    the format sets its own max_whitespace_cnt). A json_schema element may also carry a
+    `whitespace_pattern` (vLLM's guided_whitespace_pattern; xgrammar's element has none): it
+    becomes the grammar element of that schema with that whitespace, as a whole-output
+    constraint's (the frontend puts one there for the answer after a reasoning section)."""
     if isinstance(fmt, list):
-        return [_json_formats(v) for v in fmt]
+        return [_json_formats(v, xgr) for v in fmt]
     if not isinstance(fmt, dict):
         return fmt
-    out = {k: _json_formats(v) for k, v in fmt.items() if k != "json_schema"}
+    if fmt.get("type") == "json_schema" and "whitespace_pattern" in fmt:
+        return _json_schema_element_with_whitespace(fmt, xgr)
+    out = {k: _json_formats(v, xgr) for k, v in fmt.items() if k != "json_schema"}
     if "json_schema" in fmt:
         inner = fmt["json_schema"]
         if fmt.get("type") == "json_schema":
@@ -586,6 +591,29 @@ def _json_formats(fmt: Any) -> Any:
         else:
             out["json_schema"] = inner
     return out
+
+
+def _json_schema_element_with_whitespace(fmt: dict, xgr: Any) -> dict:
+    from backend.json_whitespace import WhitespacePatternError, json_schema_ebnf_with_whitespace
+
+    pattern, schema = fmt["whitespace_pattern"], fmt.get("json_schema")
+    other = set(fmt) - {"type", "json_schema", "whitespace_pattern"}
+    if other:
+        raise GrammarError(f"invalid structural_tag: a json_schema element with a whitespace_pattern takes no "
+                           f"{', '.join(sorted(other))}")
+    if not isinstance(pattern, str):
+        raise GrammarError("invalid whitespace_pattern: expected a string")
+    if isinstance(schema, str):
+        schema = _load_json(schema, "json_schema")
+    _check_json_schema(schema)
+    try:
+        ebnf = json_schema_ebnf_with_whitespace(xgr, json.dumps(_bounded_strings(schema)), pattern,
+                                                JSON_MAX_WHITESPACE, strict_mode=True)
+    except WhitespacePatternError as exc:
+        raise GrammarError(f"invalid whitespace_pattern: {exc}") from None
+    except RuntimeError as exc:
+        raise GrammarError(f"invalid json_schema: {clean_xgrammar_error(str(exc), 'json_schema')}") from None
+    return {"type": "grammar", "grammar": ebnf}
 
 
 def _generation_config_eos(tokenizer: Any) -> list[int]:
@@ -1126,7 +1154,7 @@ class GrammarCompiler:
             raise GrammarError(f"invalid structural_tag: type must be 'structural_tag', got {obj.get('type')!r}")
         try:
             if "format" in obj:  # xgrammar's format: {"type": "structural_tag", "format": {...}}
-                return xgr.StructuralTag.model_validate({**obj, "format": _json_formats(obj["format"])})
+                return xgr.StructuralTag.model_validate({**obj, "format": _json_formats(obj["format"], xgr)})
             if "structures" in obj:  # SGLang's legacy format
                 structures, triggers = obj.get("structures"), obj.get("triggers")
                 if not isinstance(structures, list) or not structures:
@@ -1153,7 +1181,7 @@ class GrammarCompiler:
                         )
                     items.append(xgr.StructuralTagItem(begin=s["begin"], schema=schema, end=s["end"]))
                 tag = xgr.StructuralTag.from_legacy_structural_tag(items, triggers)
-                return xgr.StructuralTag.model_validate(_json_formats(tag.model_dump(mode="json", by_alias=True)))
+                return xgr.StructuralTag.model_validate(_json_formats(tag.model_dump(mode="json", by_alias=True), xgr))
         except ValidationError as exc:
             err = exc.errors()[0]
             loc = ".".join(str(p) for p in err.get("loc", ()))

@@ -32,7 +32,6 @@ from openai_frontend.sampling import (
     build_sampling_params,
     check_unsupported,
     constraint_param,
-    whitespace_pattern,
 )
 from openai_frontend.streams import StartedStream, sse_events, sse_response, start_stream
 from openai_frontend.tools import (
@@ -134,15 +133,13 @@ def _constrain_content_only(sp: dict[str, Any], fmt: Optional[ReasoningFormat],
     key = next((k for k in CONSTRAINT_KEYS if k in sp), None)
     if fmt is None or key is None:
         return sp
-    whitespace = whitespace_pattern(req)
-    if whitespace is not None:
-        raise bad_request(f"{whitespace[0]} cannot be combined with a reasoning parser", param=whitespace[0])
     try:
-        wrapped = constrain_after_reasoning(fmt, key, sp[key])
+        wrapped = constrain_after_reasoning(fmt, key, sp[key], sp.get("whitespace_pattern"))
     except ConstraintError as exc:
         # Named as the request gave it; a constraint it did not give came from its tool_choice.
         raise bad_request(str(exc), param=constraint_param(req) or "tool_choice") from None
-    out = {k: v for k, v in sp.items() if k != key}
+    # the whitespace pattern (only ever beside a json_schema) now lives in the tag's element
+    out = {k: v for k, v in sp.items() if k not in (key, "whitespace_pattern")}
     out["structural_tag"] = wrapped
     return out
 

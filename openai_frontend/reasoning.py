@@ -187,10 +187,12 @@ def _json(key: str, value: Any) -> Any:
         raise ConstraintError(f"invalid {key}: not valid JSON: {exc}") from None
 
 
-def _element(key: str, value: Any) -> dict[str, Any]:
-    """The engine constraint (its sampling-parameter key and value) as a structural-tag element."""
+def _element(key: str, value: Any, whitespace: Optional[str] = None) -> dict[str, Any]:
+    """The engine constraint (its sampling-parameter key and value) as a structural-tag element.
+    `whitespace`: a json_schema's whitespace pattern, which the engine's element also takes."""
     if key == "json_schema":
-        return {"type": "json_schema", "json_schema": _json(key, value)}
+        element = {"type": "json_schema", "json_schema": _json(key, value)}
+        return element if whitespace is None else {**element, "whitespace_pattern": whitespace}
     if key == "regex":
         return {"type": "regex", "pattern": value}
     if key == "ebnf":
@@ -199,19 +201,26 @@ def _element(key: str, value: Any) -> dict[str, Any]:
         return {"type": "grammar", "grammar": "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)}
     if key == "structural_tag":
         tag = _json(key, value)
-        if not isinstance(tag, dict) or "format" not in tag:
-            raise ConstraintError("with a reasoning parser, structural_tag must be in xgrammar's format "
-                                  '({"type": "structural_tag", "format": {...}}), not the legacy structures/triggers')
-        return tag["format"]
+        if isinstance(tag, dict) and "format" in tag:
+            return tag["format"]
+        if isinstance(tag, dict) and isinstance(tag.get("structures"), list) and isinstance(tag.get("triggers"), list):
+            # SGLang's legacy form, read as xgrammar reads it (from_legacy_structural_tag): text
+            # until a trigger, then one of the structures. The engine checks the parts.
+            return {"type": "triggered_tags", "triggers": tag["triggers"], "tags": [
+                {"type": "tag", "begin": s.get("begin"), "end": s.get("end"),
+                 "content": {"type": "json_schema", "json_schema": _json(key, s.get("schema"))}}
+                if isinstance(s, dict) else s for s in tag["structures"]]}
+        raise ConstraintError('structural_tag must be {"type": "structural_tag", "format": {...}} or SGLang\'s '
+                              '{"structures": [...], "triggers": [...]}')
     raise ConstraintError(f"unknown constraint {key!r}")
 
 
-def constrain_after_reasoning(fmt: ReasoningFormat, key: str, value: Any) -> str:
+def constrain_after_reasoning(fmt: ReasoningFormat, key: str, value: Any, whitespace: Optional[str] = None) -> str:
     """A structural tag (JSON text) that leaves the reasoning section free and then applies the
-    constraint to the content."""
+    constraint to the content (a json_schema with the request's JSON `whitespace` pattern)."""
     think = {"type": "tag", "begin": "" if fmt.starts_in_reasoning else fmt.starts[0],
              "content": {"type": "any_text"}, "end": fmt.ends[0]}
-    answer = _element(key, value)
+    answer = _element(key, value, whitespace)
     fmt_obj: dict[str, Any] = {"type": "sequence", "elements": [think, _GAP, answer]}
     if not fmt.starts_in_reasoning:
         fmt_obj = {"type": "or", "elements": [fmt_obj, answer]}

@@ -400,6 +400,34 @@ def test_structural_tag_legacy_format_and_response_format(compiler, tokenizer):
     assert not feed(state, tokenizer, '{"x": 1}')  # inside the tag the schema rules
 
 
+def test_after_reasoning_the_legacy_tag_and_a_whitespace_pattern_hold(compiler, tokenizer):
+    """The frontend wraps a constraint in a structural tag behind a reasoning section; the legacy
+    structures/triggers form and vLLM's whitespace pattern were 400s there."""
+    from openai_frontend.reasoning import constrain_after_reasoning, get_reasoning_format
+
+    r1 = get_reasoning_format("deepseek_r1")
+    schema = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 5}}, "required": ["q"],
+              "additionalProperties": False}
+    legacy = {"type": "structural_tag", "structures": [{"begin": "<fn=search>", "schema": schema, "end": "</fn>"}],
+              "triggers": ["<fn="]}
+    compiled = compiler.submit("structural_tag", constrain_after_reasoning(r1, "structural_tag", legacy)).result(timeout=30)
+    state = compiler.matcher(compiled)
+    assert feed(state, tokenizer, 'Hmm.</think>\nLet me look. <fn=search>{"q": "cats"}</fn> done')
+    assert state.accept(tokenizer.eos_token_id)
+    state = compiler.matcher(compiled)
+    assert feed(state, tokenizer, "Hmm.</think> <fn=search>") and not feed(state, tokenizer, '{"x": 1}')
+
+    for pattern, good, bad in (("", '{"q":"cats"}', '{"q": "cats"}'), (" ?", '{ "q": "cats" }', '{"q":  "cats"}')):
+        spec = constrain_after_reasoning(r1, "json_schema", json.dumps(schema), pattern)
+        compiled = compiler.submit("structural_tag", spec).result(timeout=30)
+        state = compiler.matcher(compiled)
+        assert feed(state, tokenizer, "Think  freely.</think>\n" + good) and state.accept(tokenizer.eos_token_id), pattern
+        assert not feed(compiler.matcher(compiled), tokenizer, "Think  freely.</think>\n" + bad), pattern
+    bad = constrain_after_reasoning(r1, "json_schema", json.dumps(schema), "\\s*")
+    with pytest.raises(GrammarError, match="invalid whitespace_pattern"):
+        compiler.submit("structural_tag", bad).result(timeout=30)
+
+
 @pytest.mark.parametrize(
     "kind, spec, message",
     [

@@ -234,12 +234,21 @@ def test_constraints_apply_after_the_reasoning(served):
     sp = fake.requests[-1].sampling_params
     assert "regex" not in sp and json.loads(sp["structural_tag"])["format"]["elements"][1] == {
         "type": "regex", "pattern": "[0-9]+"}
-    for extra, param in [({"guided_json": schema, "guided_whitespace_pattern": ""}, "guided_whitespace_pattern"),
-                         ({"structural_tag": {"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}],
-                                              "triggers": ["<a"]}}, "structural_tag")]:
-        with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=extra)
-        assert err.value.body["param"] == param
+    # vLLM's whitespace pattern goes into the schema's element (it was a 400 with a reasoning parser)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"guided_json": schema,
+                                                                               "guided_whitespace_pattern": ""})
+    sp = fake.requests[-1].sampling_params
+    assert "whitespace_pattern" not in sp and json.loads(sp["structural_tag"])["format"]["elements"][1] == {
+        "type": "json_schema", "json_schema": schema, "whitespace_pattern": ""}
+    # SGLang's legacy structural tag, read as xgrammar reads it (it was a 400 too)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"structural_tag": {
+        "structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": ["<a"]}})
+    fmt = json.loads(fake.requests[-1].sampling_params["structural_tag"])["format"]
+    assert fmt["elements"][1] == {"type": "triggered_tags", "triggers": ["<a"], "tags": [
+        {"type": "tag", "begin": "<a>", "end": "</a>", "content": {"type": "json_schema", "json_schema": {}}}]}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"structural_tag": {"tags": []}})
+    assert err.value.body["param"] == "structural_tag"
 
 
 def test_a_constraint_that_is_not_json_is_a_400_naming_its_parameter(served):
