@@ -93,19 +93,44 @@ def _text(value: Any, name: str = "input") -> str:
     return str(value)
 
 
-def request_parameters(text: str) -> dict[str, Any]:
-    """The sampling parameters a request carries as Triton request parameters (the generate
-    endpoint's JSON keys that are not inputs, gRPC's `parameters`; an ensemble forwards them to
-    its steps). Triton's own (`triton_*`) are left to Triton."""
+# Request parameters that name the request instead of setting how it samples (request_name).
+NAME_PARAMETERS = ("rid", "id")
+
+
+def _parameters(text: str) -> dict[str, Any]:
     if not text:
         return {}
     try:
         params = json.loads(text)
     except json.JSONDecodeError:
         return {}
-    if not isinstance(params, dict):
-        return {}
-    return {k: v for k, v in params.items() if not k.startswith("triton_")}
+    return params if isinstance(params, dict) else {}
+
+
+def request_parameters(text: str) -> dict[str, Any]:
+    """The sampling parameters a request carries as Triton request parameters (the generate
+    endpoint's JSON keys that are not inputs, gRPC's `parameters`; an ensemble forwards them to
+    its steps). Triton's own (`triton_*`) are left to Triton, and the request's name to
+    request_name."""
+    return {k: v for k, v in _parameters(text).items() if not k.startswith("triton_") and k not in NAME_PARAMETERS}
+
+
+def request_name(triton_id: str, parameters: str = "") -> str:
+    """The name an `abort_request_id` finds the request by: its Triton request id, or a `rid`
+    (SGLang's name) or `id` request parameter. Triton's HTTP generate endpoint gives a request
+    no id, and Triton 2.51 does not pass the cancellation of an ensemble stream to the llm
+    step, so an HTTP client that drops an ensemble stream can stop it only by a name it chose
+    (QA). "" when the request has none."""
+    given = {k: v for k, v in _parameters(parameters).items() if k in NAME_PARAMETERS}
+    for key, value in given.items():
+        if not isinstance(value, str) or not value:
+            raise SamplingParamsError(f"{key} must be a non-empty string, got {value!r}")
+    names = set(given.values()) | ({triton_id} if triton_id else set())
+    if len(names) > 1:
+        named = [f"the Triton request id {triton_id!r}"] if triton_id else []
+        named += [f"{k} {v!r}" for k, v in given.items()]
+        raise InputConflict(f"the request is named twice, differently: {' and '.join(named)}; name it once")
+    return names.pop() if names else ""
 
 
 def parse_llm_inputs(arrays: dict[str, np.ndarray], parameters: str = "") -> tuple[list[int], dict[str, Any], bool]:

@@ -232,3 +232,29 @@ def test_more_torch_threads_than_cpus_is_warned_about():
     assert oversubscribed_threads(64, cores=2) == (
         "torch_threads 64 is more than the 2 CPU(s) this process may use; the extra threads only wait")
     assert oversubscribed_threads(10**6) is not None  # the CPUs this process may use, read here
+
+
+def test_a_request_is_named_by_its_triton_id_or_a_rid_parameter():
+    """Triton's HTTP generate endpoint gives a request no id: a `rid` or `id` request parameter
+    names it for abort_request_id (QA: a dropped HTTP ensemble stream could not be stopped)."""
+    import json
+
+    import numpy as np
+    import pytest
+
+    from backend.sampling_params import SamplingParamsError
+    from backend.triton_io import parse_llm_inputs, request_name
+
+    assert request_name("") == "" and request_name("t-1", "") == "t-1"
+    assert request_name("", json.dumps({"rid": "job", "max_new_tokens": 2})) == "job"
+    assert request_name("", json.dumps({"id": "job"})) == "job"
+    assert request_name("job", json.dumps({"rid": "job", "id": "job"})) == "job"  # the same name, said thrice
+    for triton_id, params, message in (("", {"rid": 5}, "rid must be a non-empty string"),
+                                       ("", {"id": ""}, "id must be a non-empty string"),
+                                       ("", {"rid": "a", "id": "b"}, "named twice"),
+                                       ("t-1", {"rid": "a"}, "the Triton request id 't-1' and rid 'a'")):
+        with pytest.raises(SamplingParamsError, match=message):
+            request_name(triton_id, json.dumps(params))
+    # not a sampling parameter
+    _, raw, _ = parse_llm_inputs({"input_ids": np.array([1], dtype=np.int32)}, json.dumps({"rid": "job", "top_k": 2}))
+    assert raw == {"top_k": 2}

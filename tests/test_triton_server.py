@@ -252,6 +252,46 @@ def test_generate_keys_that_are_no_inputs_are_sampling_parameters(server):
                                   b"differ: give it once") in raw, raw
 
 
+def _finished(server: LocalTritonServer, reason: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    match = re.search(r'^llm_request_finished_total\{[^}]*finish_reason="%s"[^}]*\} ([0-9.e+]+)$' % reason, text, re.M)
+    assert match, f"llm_request_finished_total for {reason} missing from the metrics"
+    return float(match.group(1))
+
+
+def test_a_dropped_http_ensemble_stream_can_be_aborted_by_the_name_it_was_given(server):
+    """QA: Triton 2.51 does not pass a dropped ensemble stream's cancellation to llm, and its HTTP
+    generate endpoint gives a request no id, so an HTTP client that hung up left the request
+    running to max_tokens with no way to stop it. A `rid` (or `id`) request parameter names it."""
+    import socket
+    from urllib.parse import urlsplit
+
+    host, port = urlsplit(f"http://{server.http_url}").hostname, urlsplit(f"http://{server.http_url}").port
+    body = json.dumps({"text_input": "a long generation " * 10, "max_tokens": 800, "ignore_eos": True,
+                       "stream": True, "rid": "dropped-1"}).encode()
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(b"POST /v2/models/ensemble/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert b"data:" in sock.recv(4096)  # running
+    deadline = time.monotonic() + 5
+    while kv_blocks_used(server) == 0:
+        assert time.monotonic() < deadline, "the dropped request holds no KV blocks"
+        time.sleep(0.1)
+    aborted = _finished(server, "abort")
+    status, raw = _http(server, "/v2/models/llm/generate", {"abort_request_id": "dropped-1"})
+    assert status == 200, raw
+    wait_blocks_free(server, timeout=5)
+    deadline = time.monotonic() + 5  # metrics are published at most every few hundred ms
+    while _finished(server, "abort") != aborted + 1:  # not run on to its 800 tokens
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.1)
+    # the name is checked: a non-string, and two names that differ, are refused
+    for extra, message in (({"rid": 5}, b"rid must be a non-empty string"),
+                           ({"rid": "a", "id": "b"}, b"the request is named twice")):
+        status, raw = _http(server, "/v2/models/ensemble/generate", {"text_input": "x", "max_tokens": 2, **extra})
+        assert status == 400 and message in raw, raw
+
+
 def test_cancelled_stream_frees_its_blocks(server, client, hf):
     tok, _ = hf
     stream = client.stream_generate("llm", {

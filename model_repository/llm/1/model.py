@@ -40,6 +40,7 @@ from backend.triton_io import (  # noqa: E402
     parse_llm_inputs,
     read_setting,
     refuse_lora_changes,
+    request_name,
     server_torch_threads,
     setting_flag,
     unknown_llm_env,
@@ -172,9 +173,10 @@ class TritonPythonModel:
                     guarded.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
                                  final=True)
                     continue
-                prompt_ids, raw, stream = parse_llm_inputs(arrays, request.parameters())
+                parameters = request.parameters()
+                prompt_ids, raw, stream = parse_llm_inputs(arrays, parameters)
                 params = self.engine.parse_params(raw)
-                triton_id = request.request_id() or ""
+                triton_id = request_name(request.request_id() or "", parameters)
                 responder = StreamResponder(
                     self._outbox,
                     params.n,
