@@ -370,7 +370,7 @@ class LLMEngine:
                 prediction=prediction,
                 # None of it taken yet: an output that ends before its first token (max_new_tokens
                 # 0) still reports the whole prediction rejected, as OpenAI counts it.
-                prediction_rejected=len(prediction.tokens) if prediction is not None else 0,
+                prediction_rejected=prediction.length if prediction is not None else 0,
                 speculates=self.proposer is not None or prediction is not None,
             )
             detok = IncrementalDetokenizer(
@@ -410,13 +410,17 @@ class LLMEngine:
             return None
         if isinstance(params.prediction, str):
             ids = self.tokenizer.encode(params.prediction, add_special_tokens=False)
+            length = len(ids)
             # A tokenizer may know tokens the model has no row for: never drafted.
             ids = ids[: next((i for i, t in enumerate(ids) if t >= self.vocab_size), len(ids))]
         else:
             ids = params.prediction
+            length = len(ids)
             if max(ids) >= self.vocab_size:
                 raise RequestError(f"prediction token ids must be < the vocabulary size {self.vocab_size}")
-        return Prediction(ids[: self.max_model_len]) if ids else None
+        # The part past a context is never drafted, yet counts as rejected (QA: a 26k-token
+        # prediction reported max_model_len tokens in all).
+        return Prediction(ids[: self.max_model_len], length) if ids else None
 
     def _prompt_embeds(self, value: Any, params: SamplingParams) -> torch.Tensor:
         hidden = self.model.config.hidden_size
@@ -818,7 +822,7 @@ class LLMEngine:
         if seq.prediction is not None:  # OpenAI's counts, as they stand should the output end here
             seq.prediction_accepted = self.predictions.taken(seq.seq_id, seq.prediction, seq.token_ids,
                                                              seq.num_prompt_tokens)
-            seq.prediction_rejected = len(seq.prediction.tokens) - seq.prediction_accepted
+            seq.prediction_rejected = seq.prediction.length - seq.prediction_accepted
         try:
             out = tracked.state.on_tokens(seq, new_tokens, grammar_done=grammar_done)
         except StopRegexTimeout as exc:

@@ -42,10 +42,13 @@ class Prediction:
     only when the output's last two tokens both occur in it (a set lookup: an output writing
     something else costs ~0.3 us a step, not a search's ~8)."""
 
-    __slots__ = ("tokens", "_array", "_vocab")
+    __slots__ = ("tokens", "length", "_array", "_vocab")
 
-    def __init__(self, tokens: list[int]) -> None:
+    def __init__(self, tokens: list[int], length: Optional[int] = None) -> None:
         self.tokens = tokens
+        # The whole prediction's token count, for OpenAI's counts: `tokens` may be only the part
+        # an output could follow (no output is longer than a context).
+        self.length = len(tokens) if length is None else length
         self._array = np.asarray(tokens, dtype=np.int64)
         self._vocab = frozenset(tokens)
 

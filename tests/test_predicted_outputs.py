@@ -333,7 +333,13 @@ def test_a_prediction_is_bounded(demo_model_path):
         captured = []
         real = eng._prediction
         eng._prediction = lambda params: captured.append(real(params)) or captured[-1]
-        eng.generate([[1, 2, 3]], eng.parse_params({**GREEDY, "max_new_tokens": 4, "prediction": [9] * 1000}))
+        out = eng.generate([[1, 2, 3]], eng.parse_params({**GREEDY, "max_new_tokens": 4, "prediction": [9] * 1000}))[0]
         assert len(captured[0].tokens) == 256
+        # ... yet all of it counts (QA: a 26k-token prediction reported max_model_len tokens in all)
+        assert out.accepted_prediction_tokens + out.rejected_prediction_tokens == 1000
+        text = "bene " * 400
+        out = eng.generate([[1, 2, 3]], eng.parse_params({**GREEDY, "max_new_tokens": 4, "prediction": text}))[0]
+        whole = len(eng.tokenizer.encode(text, add_special_tokens=False))
+        assert whole > 256 and out.accepted_prediction_tokens + out.rejected_prediction_tokens == whole
     finally:
         eng.shutdown()
