@@ -594,8 +594,6 @@ def _json_formats(fmt: Any, xgr: Any = None) -> Any:
 
 
 def _json_schema_element_with_whitespace(fmt: dict, xgr: Any) -> dict:
-    from backend.json_whitespace import WhitespacePatternError, json_schema_ebnf_with_whitespace
-
     pattern, schema = fmt["whitespace_pattern"], fmt.get("json_schema")
     other = set(fmt) - {"type", "json_schema", "whitespace_pattern"}
     if other:
@@ -605,15 +603,22 @@ def _json_schema_element_with_whitespace(fmt: dict, xgr: Any) -> dict:
         raise GrammarError("invalid whitespace_pattern: expected a string")
     if isinstance(schema, str):
         schema = _load_json(schema, "json_schema")
+    return {"type": "grammar", "grammar": _json_ebnf_with_whitespace(xgr, schema, pattern)}
+
+
+def _json_ebnf_with_whitespace(xgr: Any, schema: Any, pattern: str) -> str:
+    """The grammar (root rule `root`) of a json_schema constraint whose whitespace between
+    tokens is `pattern` (backend.json_whitespace), with the client's errors as GrammarErrors."""
+    from backend.json_whitespace import WhitespacePatternError, json_schema_ebnf_with_whitespace
+
     _check_json_schema(schema)
     try:
-        ebnf = json_schema_ebnf_with_whitespace(xgr, json.dumps(_bounded_strings(schema)), pattern,
+        return json_schema_ebnf_with_whitespace(xgr, json.dumps(_bounded_strings(schema)), pattern,
                                                 JSON_MAX_WHITESPACE, strict_mode=True)
     except WhitespacePatternError as exc:
         raise GrammarError(f"invalid whitespace_pattern: {exc}") from None
     except RuntimeError as exc:
         raise GrammarError(f"invalid json_schema: {clean_xgrammar_error(str(exc), 'json_schema')}") from None
-    return {"type": "grammar", "grammar": ebnf}
 
 
 def _generation_config_eos(tokenizer: Any) -> list[int]:
@@ -1125,22 +1130,11 @@ class GrammarCompiler:
         raise GrammarError(f"unknown constraint kind {kind!r}")
 
     def _json_schema_with_whitespace(self, spec: str) -> Any:
-        from backend.json_whitespace import WhitespacePatternError, json_schema_ebnf_with_whitespace
-
         pair = _load_json(spec, "json_schema_whitespace")
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
             raise GrammarError("invalid json_schema_whitespace: expected [pattern, schema]")
         pattern, schema_text = pair
-        schema = _load_json(schema_text, "json_schema")
-        _check_json_schema(schema)
-        try:
-            ebnf = json_schema_ebnf_with_whitespace(
-                self._xgr, json.dumps(_bounded_strings(schema)), pattern, JSON_MAX_WHITESPACE, strict_mode=True
-            )
-        except WhitespacePatternError as exc:
-            raise GrammarError(f"invalid whitespace_pattern: {exc}") from None
-        except RuntimeError as exc:
-            raise GrammarError(f"invalid json_schema: {clean_xgrammar_error(str(exc), 'json_schema')}") from None
+        ebnf = _json_ebnf_with_whitespace(self._xgr, _load_json(schema_text, "json_schema"), pattern)
         return self._compiler.compile_grammar(ebnf, root_rule_name="root")
 
     def _structural_tag(self, spec: str) -> Any:

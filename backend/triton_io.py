@@ -121,7 +121,8 @@ def request_name(triton_id: str, parameters: str = "") -> str:
     no id, and Triton 2.51 does not pass the cancellation of an ensemble stream to the llm
     step, so an HTTP client that drops an ensemble stream can stop it only by a name it chose
     (QA). "" when the request has none."""
-    given = {k: v for k, v in _parameters(parameters).items() if k in NAME_PARAMETERS}
+    # Most requests carry no such key: their parameters are not parsed a second time.
+    given = {k: v for k, v in _parameters(parameters).items() if k in NAME_PARAMETERS} if 'id"' in parameters else {}
     for key, value in given.items():
         if not isinstance(value, str) or not value:
             raise SamplingParamsError(f"{key} must be a non-empty string, got {value!r}")
