@@ -99,11 +99,20 @@ class TritonRequestIndex:
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # triton id -> when
         self._finished: OrderedDict[str, float] = OrderedDict()  # triton id -> when its last request ended
 
-    def add(self, triton_id: str, engine_id: str, n: int = 1) -> bool:
+    def add(self, triton_id: str, engine_id: str, n: int = 1, chosen: bool = False) -> bool:
         """Index a new engine request; True when an abort for its Triton id came first. Raises
-        DuplicateRequestId when its client named it and that name is running already."""
+        DuplicateRequestId when its client named it and that name is running already.
+
+        `chosen`: the client named it by a request parameter (`rid`, Triton HTTP clients), as
+        SGLang's rid: a name runs once at a time, and an abort that found nothing running under
+        it is not held against a later request (QA: a retry after aborting a refused request,
+        or a mistyped abort, ended the next request of that name)."""
         with self._lock:
             self._expire()
+            if chosen:
+                if triton_id in self._engine_ids:
+                    raise DuplicateRequestId(triton_id)
+                self._early_aborts.pop(triton_id, None)
             named = named_client(triton_id)
             claims: list[tuple[str, str]] = []
             if named is not None:

@@ -115,12 +115,12 @@ def request_parameters(text: str) -> dict[str, Any]:
     return {k: v for k, v in _parameters(text).items() if not k.startswith("triton_") and k not in NAME_PARAMETERS}
 
 
-def request_name(triton_id: str, parameters: str = "") -> str:
-    """The name an `abort_request_id` finds the request by: its Triton request id, or a `rid`
-    (SGLang's name) or `id` request parameter. Triton's HTTP generate endpoint gives a request
-    no id, and Triton 2.51 does not pass the cancellation of an ensemble stream to the llm
-    step, so an HTTP client that drops an ensemble stream can stop it only by a name it chose
-    (QA). "" when the request has none."""
+def request_name(triton_id: str, parameters: str = "") -> tuple[str, bool]:
+    """(the name an `abort_request_id` finds the request by, whether its client chose that name
+    with a `rid` (SGLang's name) or `id` request parameter); ("", False) without one. The name is
+    the Triton request id, or the parameter's. Triton's HTTP generate endpoint gives a request no
+    id, and Triton 2.51 does not pass the cancellation of an ensemble stream to the llm step, so
+    an HTTP client that drops an ensemble stream can stop it only by a name it chose (QA)."""
     # Most requests carry no such key: their parameters are not parsed a second time.
     given = {k: v for k, v in _parameters(parameters).items() if k in NAME_PARAMETERS} if 'id"' in parameters else {}
     for key, value in given.items():
@@ -131,7 +131,7 @@ def request_name(triton_id: str, parameters: str = "") -> str:
         named = [f"the Triton request id {triton_id!r}"] if triton_id else []
         named += [f"{k} {v!r}" for k, v in given.items()]
         raise InputConflict(f"the request is named twice, differently: {' and '.join(named)}; name it once")
-    return names.pop() if names else ""
+    return (names.pop() if names else ""), bool(given)
 
 
 def parse_llm_inputs(arrays: dict[str, np.ndarray], parameters: str = "") -> tuple[list[int], dict[str, Any], bool]:

@@ -713,3 +713,14 @@ def test_make_inputs_refuses_data_no_request_could_use(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
     make_inputs.main(["--out", str(tmp_path), "--num", "2", "--max-prompt", "20", "--max-new", "20"])
     assert len(json.loads((tmp_path / "llm_ids.json").read_text())["data"]) == 2
+
+
+def test_a_failed_perf_analyzer_level_keeps_its_error_line():
+    """QA: the summary kept the last 2000 characters, perf_analyzer's usage text, not its error."""
+    from client.perf.run_perf_analyzer import failure_text
+
+    output = "Error: Streaming is only allowed with gRPC protocol and Triton C API.\n" + "usage: -m <model>\n" * 500
+    text = failure_text(output)
+    assert text.startswith("Error: Streaming is only allowed with gRPC") and len(text) <= 2000
+    assert text.endswith("usage: -m <model>\n")  # the tail after it
+    assert failure_text("plain failure\n" * 3) == "plain failure\n" * 3

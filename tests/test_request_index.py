@@ -153,3 +153,21 @@ def test_the_samples_names_of_a_named_request_are_taken_across_workers():
     assert idx.add(z, "e7", n=3) is False
     assert idx.abort(z) == {"e7"}
     assert idx.add(f"z_2@fe.{NAMED_SUFFIX}h8", "e8") is False
+
+
+def test_a_name_its_client_chose_runs_once_at_a_time_and_is_not_aborted_ahead():
+    """QA (Triton HTTP `rid`): an abort of a refused request, or a mistyped one, ended the next
+    request of that name for a minute; and two running requests under one name were both ended
+    by one abort. SGLang's rid: refused while running, an abort of nothing does nothing."""
+    from backend.request_index import DuplicateRequestId
+
+    index = TritonRequestIndex()
+    assert index.abort("job") == set()  # nothing runs under it (the request was refused)
+    assert index.add("job", "e1", chosen=True) is False  # the retry runs
+    with pytest.raises(DuplicateRequestId, match="Duplicate request ID detected: job"):
+        index.add("job", "e2", chosen=True)
+    assert index.abort("job") == {"e1"}
+    assert index.add("job", "e3", chosen=True) is False  # free again once it ended
+    index.forget("job", "e3")
+    # a Triton id its client did not choose by parameter keeps the early-abort rule
+    assert index.abort("t9") == set() and index.add("t9", "e4") is True

@@ -245,10 +245,10 @@ def test_a_request_is_named_by_its_triton_id_or_a_rid_parameter():
     from backend.sampling_params import SamplingParamsError
     from backend.triton_io import parse_llm_inputs, request_name
 
-    assert request_name("") == "" and request_name("t-1", "") == "t-1"
-    assert request_name("", json.dumps({"rid": "job", "max_new_tokens": 2})) == "job"
-    assert request_name("", json.dumps({"id": "job"})) == "job"
-    assert request_name("job", json.dumps({"rid": "job", "id": "job"})) == "job"  # the same name, said thrice
+    assert request_name("") == ("", False) and request_name("t-1", "") == ("t-1", False)
+    assert request_name("", json.dumps({"rid": "job", "max_new_tokens": 2})) == ("job", True)
+    assert request_name("", json.dumps({"id": "job"})) == ("job", True)
+    assert request_name("job", json.dumps({"rid": "job", "id": "job"})) == ("job", True)  # the same name, said thrice
     for triton_id, params, message in (("", {"rid": 5}, "rid must be a non-empty string"),
                                        ("", {"id": ""}, "id must be a non-empty string"),
                                        ("", {"rid": "a", "id": "b"}, "named twice"),

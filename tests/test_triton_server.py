@@ -289,6 +289,30 @@ def test_a_dropped_http_ensemble_stream_can_be_aborted_by_the_name_it_was_given(
     while _finished(server, "abort") != aborted + 1:  # not run on to its 800 tokens
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.1)
+    # SGLang's rid: a name runs once at a time; an abort that found it not running (here: a
+    # request that was refused) is not held against the retry
+    status, raw = _http(server, "/v2/models/ensemble/generate", {"text_input": "x", "max_tokens": 2, "top_p": 7.0,
+                                                                 "rid": "retry-1"})
+    assert status == 400, raw
+    assert _http(server, "/v2/models/llm/generate", {"abort_request_id": "retry-1"})[0] == 200
+    status, raw = _http(server, "/v2/models/ensemble/generate", {"text_input": "x", "max_tokens": 2, "ignore_eos": True,
+                                                                 "rid": "retry-1"})
+    assert status == 200 and json.loads(raw)["completion_tokens"] == 2, raw
+    with socket.create_connection((host, port), timeout=30) as sock:
+        body = json.dumps({"text_input": "twice", "max_tokens": 800, "ignore_eos": True, "stream": True,
+                           "rid": "twice-1"}).encode()
+        sock.sendall(b"POST /v2/models/ensemble/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        got = b""
+        while b"data:" not in got:
+            chunk = sock.recv(4096)
+            assert chunk, got
+            got += chunk
+        status, raw = _http(server, "/v2/models/ensemble/generate", {"text_input": "x", "max_tokens": 2,
+                                                                     "rid": "twice-1"})
+        assert status == 400 and b"Duplicate request ID detected: twice-1" in raw, raw
+        assert _http(server, "/v2/models/llm/generate", {"abort_request_id": "twice-1"})[0] == 200
+    wait_blocks_free(server, timeout=5)
     # the name is checked: a non-string, and two names that differ, are refused
     for extra, message in (({"rid": 5}, b"rid must be a non-empty string"),
                            ({"rid": "a", "id": "b"}, b"the request is named twice")):

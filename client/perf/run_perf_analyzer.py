@@ -197,6 +197,16 @@ def summarize_profile(path: Path) -> dict[str, Any]:
     return out
 
 
+def failure_text(output: str, limit: int = 2000) -> str:
+    """What a failed perf_analyzer run says went wrong: its `Error:` lines first (it prints its
+    usage text after them, which alone filled the last 2000 characters; QA), then the tail."""
+    errors = "\n".join(line for line in output.splitlines() if line.lstrip().lower().startswith("error"))
+    if not errors:
+        return output[-limit:]
+    head = errors[: limit // 2] + "\n...\n"
+    return head + output[len(head) - limit :]
+
+
 def read_csv(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -239,7 +249,7 @@ def sweep(
         level: dict[str, Any] = {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0}
         csv_path = out_dir / f"perf_c{c}.csv"
         if proc.returncode != 0 or not csv_path.exists():
-            level["error"] = (proc.stdout + proc.stderr)[-2000:]
+            level["error"] = failure_text(proc.stdout + proc.stderr)
             log(f"[perf_analyzer] concurrency {c} failed (rc={proc.returncode}); see {out_dir / f'perf_c{c}.log'}")
         else:
             got = read_csv(csv_path)

@@ -176,7 +176,7 @@ class TritonPythonModel:
                 parameters = request.parameters()
                 prompt_ids, raw, stream = parse_llm_inputs(arrays, parameters)
                 params = self.engine.parse_params(raw)
-                triton_id = request_name(request.request_id() or "", parameters)
+                triton_id, chosen = request_name(request.request_id() or "", parameters)
                 responder = StreamResponder(
                     self._outbox,
                     params.n,
@@ -188,7 +188,8 @@ class TritonPythonModel:
                 )
                 # Indexed before the engine sees it, so a fast finish cannot precede the entry.
                 engine_id = uuid.uuid4().hex
-                aborted_first = bool(triton_id) and self._requests.add(triton_id, engine_id, params.n)  # may refuse
+                aborted_first = bool(triton_id) and self._requests.add(triton_id, engine_id, params.n,
+                                                                       chosen=chosen)  # may refuse
                 self._acks.opened(engine_id)
                 responder.on_sent = lambda e=engine_id: self._acks.sent(e)
                 if triton_id:
