@@ -49,9 +49,9 @@ def add_logprobs(lp: CompletionLogprobs, chunk: EngineChunk, echo: Optional[str]
     logprobs object, None when the engine sent none."""
     start = len(lp.tokens)
     if echo is not None:
-        lp.add(chunk.prompt_logprobs(top) or [], echo)
+        lp.add(chunk.prompt_logprobs(top) or [], echo, whole=True)
     items = chunk.logprobs(top)
-    lp.add(items or [], chunk.text)
+    lp.add(items or [], chunk.text, whole=chunk.finish_reason is not None)
     return lp.since(start) if len(lp.tokens) > start or items is not None else None
 
 

@@ -85,15 +85,23 @@ class CompletionLogprobs:
         self.name = name
         self.skip_special_tokens = skip_special_tokens
         self.offset = 0  # the text's length so far
+        # Characters counted for tokens whose text a chunk did not carry yet (the detokenizer held
+        # back a piece that may still join the next token's bytes, or a possible stop string's
+        # start): the next chunks' text starts with them. QA: the next chunk's first token's
+        # offset pointed at them, unlike non-streaming.
+        self._owed = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.tokens: list[str] = []
         self.token_logprobs: list[Optional[float]] = []  # None: the echoed prompt's first token
         self.top_logprobs: list[Optional[dict[str, float]]] = []
         self.text_offset: list[int] = []
 
-    def add(self, items: list[TokenLogprob], text: str) -> None:
-        """Add a chunk's tokens and the text they added (an echoed prompt is a chunk of its own)."""
-        base, done = self.offset, 0
+    def add(self, items: list[TokenLogprob], text: str, whole: bool = False) -> None:
+        """Add a chunk's tokens and the text they added (an echoed prompt is a chunk of its own).
+        `whole`: the text is all these tokens will ever have (a sample's last chunk, whose stop
+        string may be trimmed; the echoed prompt, as given though its tokens may decode longer):
+        offsets stay within it and nothing is owed to the next chunk."""
+        base, done = self.offset, self._owed
         for lp in items:
             token = self.name(lp)
             self.tokens.append(token)
@@ -107,11 +115,12 @@ class CompletionLogprobs:
                 for t in lp.top:
                     top.setdefault(self.name(t), t.logprob)
                 self.top_logprobs.append(top)
-            # Within the chunk's text: a stop string trimmed from it, or text a detokenizer still
-            # holds back, leaves tokens with less text than their bytes.
-            self.text_offset.append(base + min(done, len(text)))
+            # A stop string trimmed from the last chunk's text leaves tokens with less text than
+            # their bytes; text held back comes with the next chunks.
+            self.text_offset.append(base + (min(done, len(text)) if whole else done))
             done += self._chars(lp, token)
         self.offset = base + len(text)
+        self._owed = 0 if whole else max(done - len(text), 0)
 
     def _chars(self, lp: TokenLogprob, token: str) -> int:
         if self.skip_special_tokens and self.name.special(lp):

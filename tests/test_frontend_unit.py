@@ -2815,6 +2815,46 @@ def test_completion_text_offsets_index_the_text_through_utf8_pieces_and_skipped_
         assert r.choices[0].logprobs.text_offset[4:] == [4, 16, 18, 18]
 
 
+def test_completion_text_offsets_streamed_equal_one_chunk_when_the_detokenizer_held_text_back():
+    # QA: a token whose bytes were two lone UTF-8 continuation bytes ("\ufffd\ufffd" at once)
+    # came in a chunk with no text (the detokenizer held it back); the next chunk's text started
+    # with it, and its first token's streamed offset pointed there: 14 where non-streaming said 16.
+    from openai_frontend.engine_types import TokenLogprob
+    from openai_frontend.logprobs import CompletionLogprobs
+
+    class Namer:
+        raw_of = {1: b"\x81\x82", 2: b" being", 3: b"\xe3\x81", 4: b"\x86"}
+
+        def __call__(self, lp):
+            return lp.text
+
+        def raw(self, lp):
+            return self.raw_of[lp.token_id]
+
+        def special(self, lp):
+            return False
+
+    def offsets(chunks):
+        lp = CompletionLogprobs(Namer())
+        for k, (ids, text) in enumerate(chunks):
+            lp.add([TokenLogprob(i, -1.0, text=Namer.raw_of[i].decode("utf-8", "replace")) for i in ids], text,
+                   whole=k == len(chunks) - 1)
+        return lp.text_offset
+
+    text = "\ufffd\ufffd beingう"
+    whole = offsets([([1, 2, 3, 4], text)])
+    assert whole == [0, 2, 8, 8]
+    assert offsets([([1], ""), ([2, 3], "\ufffd\ufffd being"), ([4], "う")]) == whole
+    assert offsets([([1], ""), ([2], ""), ([3], ""), ([4], text)]) == whole
+    # The last chunk's text may have lost a stop string: its tokens' offsets stay within it.
+    assert offsets([([1, 2], "\ufffd\ufffd")]) == offsets([([1], ""), ([2], "\ufffd\ufffd")]) == [0, 2]
+    # An echoed prompt's text is as given: what its tokens decode beyond it is not carried on.
+    lp = CompletionLogprobs(Namer())
+    lp.add([TokenLogprob(2, None, text=" being")], "being", whole=True)
+    lp.add([TokenLogprob(4, -1.0, text="x")], "x")
+    assert lp.text_offset == [0, 5]
+
+
 def test_message_name_and_metadata_are_typed_as_openai_types_them(client, base_url):
     # QA: any type was accepted for a message's `name` and for `metadata` (OpenAI: strings, at
     # most 16 pairs, keys of 64 and values of 512 characters).
