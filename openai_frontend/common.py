@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -168,7 +169,7 @@ class Context:
         return frozenset(ids)
 
     # The end of the generation prompt per (chat template, template kwargs): (answer, asked at).
-    _prompt_tails: dict[str, tuple[asyncio.Future, float]] = field(default_factory=dict)
+    _prompt_tails: dict[bytes, tuple[asyncio.Future, float]] = field(default_factory=dict)
 
     async def generation_prompt_tail(self, chat_template: Optional[str],
                                      chat_template_kwargs: Optional[dict[str, Any]]) -> Optional[str]:
@@ -178,14 +179,18 @@ class Context:
         reads it (openai_frontend.reasoning.for_prompt). Asked once per template and kwargs
         within ENGINE_INFO_TTL_S (a restarted server may have another template), a burst sharing
         one answer."""
-        key = dumps([chat_template, chat_template_kwargs])
+        # A digest, not the text: a client's kwargs (or template) may be megabytes. QA: each new
+        # one held its text here until 256 others came.
+        key = hashlib.sha256(dumps([chat_template, chat_template_kwargs]).encode()).digest()
+        now = time.monotonic()
         entry = self._prompt_tails.get(key)
-        if entry is None or time.monotonic() - entry[1] > ENGINE_INFO_TTL_S:
+        if entry is None or now - entry[1] > ENGINE_INFO_TTL_S:
             self._prompt_tails.pop(key, None)
-            while len(self._prompt_tails) >= PROMPT_TAILS_KEPT:  # the oldest first
+            # Oldest first (an entry asked again moves to the end): the expired, then the surplus.
+            while self._prompt_tails and (len(self._prompt_tails) >= PROMPT_TAILS_KEPT
+                                          or now - next(iter(self._prompt_tails.values()))[1] > ENGINE_INFO_TTL_S):
                 self._prompt_tails.pop(next(iter(self._prompt_tails)))
-            entry = (asyncio.ensure_future(self._ask_prompt_tail(chat_template, chat_template_kwargs)),
-                     time.monotonic())
+            entry = (asyncio.ensure_future(self._ask_prompt_tail(chat_template, chat_template_kwargs)), now)
             self._prompt_tails[key] = entry
         # Shielded: a waiter whose client left must not cancel the others' answer.
         return await asyncio.shield(entry[0])

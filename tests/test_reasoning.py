@@ -366,6 +366,34 @@ def test_a_template_that_opens_the_reasoning_section_is_followed():
         assert fake.probes == 2
 
 
+def test_the_prompt_tail_cache_keeps_digests_and_drops_expired_answers(monkeypatch):
+    """QA: the probe's cache was keyed by the kwargs' (and template's) whole text and dropped an
+    expired entry only when the same key came back: 4 MB kwargs, new each request, kept ~4 MB of
+    frontend memory each until 256 others came."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from openai_frontend import common
+
+    clock = [1000.0]
+    monkeypatch.setattr(common.time, "monotonic", lambda: clock[0])
+    fake = TemplatedFake()
+    ctx = common.Context(Settings(model_name=MODEL), fake, SimpleNamespace(max_model_len=4096))
+
+    async def ask(kwargs):
+        return await ctx.generation_prompt_tail(None, kwargs)
+
+    big = "x" * 1_000_000
+    for i in range(5):
+        assert asyncio.run(ask({"blob": big + str(i)})).endswith("<think>\n")
+    assert fake.probes == 5
+    assert all(isinstance(k, bytes) and len(k) == 32 for k in ctx._prompt_tails)  # no text kept
+    assert asyncio.run(ask({"blob": big + "4"})) and fake.probes == 5  # a hit within the TTL
+    clock[0] += common.ENGINE_INFO_TTL_S + 1
+    assert asyncio.run(ask({"enable_thinking": False})).endswith("</think>\n\n")
+    assert len(ctx._prompt_tails) == 1 and fake.probes == 6  # the five expired ones are gone
+
+
 def test_a_template_that_cannot_be_probed_leaves_the_parsers_rule():
     class Failing(FakeLLMClient):
         async def tokenize(self, request):
