@@ -9,10 +9,13 @@ Two views of the same JSON text must agree exactly:
   has produced is always a prefix of ``dumps(decode(raw))``. Argument fragments are slices of that
   output, so their concatenation is exactly the non-streaming ``parameters`` string.
 
-The canonicalizer accepts exactly what the strict decoder accepts (RFC 8259 JSON; no NaN/Infinity,
-no raw control characters in strings). A number too large for a float (``1e999``) is valid JSON
-and a grammar for an unbounded ``number`` allows it, but ``json.dumps`` would write its float as
-the non-JSON ``Infinity``: both views keep the model's text for it (``OutOfRangeNumber``). The one place the two serializations
+The canonicalizer accepts exactly what the strict decoder accepts: RFC 8259 JSON (no raw control
+characters in strings), plus the ``NaN``, ``Infinity`` and ``-Infinity`` that Python's json module
+reads, and so vLLM's and SGLang's parsers: a model that writes one keeps its call, as there (QA: it
+was cut there, arguments and all, to an invalid ``{"x": ``). A number that no float or int holds
+exactly as written (``1e999``, valid JSON that a grammar for an unbounded ``number`` allows and
+json.dumps would write as ``Infinity``; an int of more digits than Python converts) is kept as the
+model's text in both views, as are those three (``VerbatimNumber``). The one place the two serializations
 can differ is an object with duplicate keys: ``dumps(decode(...))`` keeps the last value only,
 while the streamed text (already sent) keeps both. Both still decode to the same value.
 """
@@ -25,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["JsonCanonicalizer", "JsonObject", "Member", "OutOfRangeNumber", "decode_json_at", "decode_json", "dumps"]
+__all__ = ["JsonCanonicalizer", "JsonObject", "Member", "VerbatimNumber", "decode_json_at", "decode_json", "dumps"]
 
 
 class JsonObject(dict):
@@ -43,8 +46,9 @@ class JsonObject(dict):
         self.pairs = pairs
 
 
-class OutOfRangeNumber:
-    """A JSON number whose float is infinite, kept as the text it was written as."""
+class VerbatimNumber:
+    """A number kept as the text it was written as: past float range (1e999), an int past
+    Python's conversion limit, or NaN / Infinity / -Infinity."""
 
     __slots__ = ("text",)
 
@@ -55,30 +59,33 @@ class OutOfRangeNumber:
         return float(self.text)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, OutOfRangeNumber) and other.text == self.text
+        return isinstance(other, VerbatimNumber) and other.text == self.text
 
     def __hash__(self) -> int:
         return hash(self.text)
 
     def __repr__(self) -> str:
-        return f"OutOfRangeNumber({self.text!r})"
+        return f"VerbatimNumber({self.text!r})"
 
 
 def _float(text: str) -> Any:
     value = float(text)
-    return value if math.isfinite(value) else OutOfRangeNumber(text)
+    return value if math.isfinite(value) else VerbatimNumber(text)
+
+
+def _int(text: str) -> Any:
+    try:
+        return int(text)
+    except ValueError:  # more digits than sys.get_int_max_str_digits()
+        return VerbatimNumber(text)
 
 
 def _number_text(value: Any) -> str:
-    return value.text if isinstance(value, OutOfRangeNumber) else json.dumps(value)
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant: {name}")
+    return value.text if isinstance(value, VerbatimNumber) else json.dumps(value)
 
 
 _DECODER = json.JSONDecoder(
-    object_pairs_hook=JsonObject, parse_float=_float, parse_constant=_no_constants
+    object_pairs_hook=JsonObject, parse_float=_float, parse_int=_int, parse_constant=VerbatimNumber
 )
 
 
@@ -112,19 +119,19 @@ def dumps(value: Any) -> str:
     UTF-8: a lone surrogate the model wrote as an escape stays one (it failed the response, 500)."""
     try:
         text = json.dumps(value, ensure_ascii=False)
-    except TypeError:  # an OutOfRangeNumber somewhere inside (rare): write it out by hand
+    except TypeError:  # an VerbatimNumber somewhere inside (rare): write it out by hand
         text = _dumps_with_literals(value)
     return _SURROGATE_RE.sub(_escape_surrogate, text) if _SURROGATE_RE.search(text) else text
 
 
 def _dumps_with_literals(value: Any) -> str:
-    """json.dumps(value, ensure_ascii=False) with each OutOfRangeNumber written as its text."""
+    """json.dumps(value, ensure_ascii=False) with each VerbatimNumber written as its text."""
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_dumps_with_literals(v)}"
                                for k, v in value.items()) + "}"
     if isinstance(value, list):
         return "[" + ", ".join(_dumps_with_literals(v) for v in value) + "]"
-    if isinstance(value, OutOfRangeNumber):
+    if isinstance(value, VerbatimNumber):
         return value.text
     return json.dumps(value, ensure_ascii=False)
 
@@ -143,6 +150,7 @@ JSON_WS = " \t\n\r"
 _WS_RE = re.compile(r"[ \t\n\r]*")
 _PLAIN_RE = re.compile(r'[^"\\\x00-\x1f]+')  # string content that needs no (re-)escaping
 _NUMBER_CHARS_RE = re.compile(r"[-+0-9.eE]+")
+_WORDS = {"t": "true", "f": "false", "n": "null", "N": "NaN", "I": "Infinity"}  # and "-Infinity", from "-"
 _NUMBER_RE = re.compile(r"-?(?:0|[1-9][0-9]*)(?P<frac>\.[0-9]+)?(?P<exp>[eE][-+]?[0-9]+)?")
 _SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -189,7 +197,7 @@ class JsonCanonicalizer:
         self._escape: Optional[str] = None  # pending escape sequence text, starting with '\\'
         self._high_surrogate: Optional[int] = None  # \uD8xx waiting for a \uDCxx partner
         self._token = ""  # number or literal being read
-        self._token_kind = ""  # "", "number", or the literal word ("true"/"false"/"null")
+        self._token_kind = ""  # "", "number", or the literal word (_WORDS, "-Infinity")
 
     # -- output ---------------------------------------------------------------------------------
     def text(self) -> str:
@@ -311,7 +319,7 @@ class JsonCanonicalizer:
         m = _NUMBER_RE.fullmatch(tok)
         if m is None:
             raise JsonSyntaxError(f"invalid number {tok!r}")
-        value: Any = _float(tok) if (m.group("frac") or m.group("exp")) else int(tok)
+        value: Any = _float(tok) if (m.group("frac") or m.group("exp")) else _int(tok)
         self._token_kind, self._token = "", ""
         self._emit(_number_text(value))
         self._value_done()
@@ -323,6 +331,9 @@ class JsonCanonicalizer:
                 self._token += m.group()
                 pos = m.end()
             if pos < len(s):  # a non-number character ends the token
+                if self._token == "-" and s[pos] == "I":
+                    self._token_kind = "-Infinity"  # the word reader goes on from "-"
+                    return pos
                 self._finish_number()
             return pos
         word = self._token_kind
@@ -367,9 +378,9 @@ class JsonCanonicalizer:
                     self._start_value(ch)
                     self._token_kind = "number"
                     continue  # the token reader consumes it
-                elif ch in "tfn":
+                elif ch in _WORDS:
                     self._start_value(ch)
-                    self._token_kind = {"t": "true", "f": "false", "n": "null"}[ch]
+                    self._token_kind = _WORDS[ch]
                     continue
                 else:
                     raise JsonSyntaxError(f"unexpected {ch!r}, expected a value")
