@@ -306,8 +306,12 @@ def openai_param(exc: APIError, req: AnyRequest) -> APIError:
             # The constraint is built from the tools' parameters.
             exc.message = exc.message.replace(f"invalid {exc.param}:", "invalid tools (a function's parameters):", 1)
             exc.param = "tools"
-    elif exc.param == "whitespace_pattern" and (given := whitespace_pattern(req)) is not None:
-        exc.param = given[0]
+    elif exc.param == "whitespace_pattern":
+        # The request's own pattern; else one inside the structural tag it gave (QA: named
+        # guided_whitespace_pattern, which that client never sent).
+        given = whitespace_pattern(req)
+        tags = [param for param, kind, _ in _constraints(req) if kind == "structural_tag"]
+        exc.param = given[0] if given else tags[0] if tags else _OPENAI_NAMES[exc.param]
     elif exc.param in _OPENAI_NAMES:
         exc.param = _OPENAI_NAMES[exc.param]
     elif (exc.param is None and exc.message == "the prompt is empty") or exc.param == "input_ids":

@@ -1573,6 +1573,24 @@ def test_a_bad_schema_in_forced_tools_is_named_as_the_tools(client, fake):
         fake.script = script
 
 
+def test_a_bad_whitespace_pattern_is_named_by_the_parameter_that_carried_it(client, fake):
+    # QA: one inside the client's own structural tag was named guided_whitespace_pattern.
+    script, fake.script = fake.script, lambda req: APIError(400, "invalid whitespace_pattern: expected a string",
+                                                            param="whitespace_pattern")
+    tag = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {}, "whitespace_pattern": 5}}
+    try:
+        for extra, param in (({"structural_tag": json.dumps(tag)}, "structural_tag"),
+                             ({"response_format": tag}, "response_format"),
+                             ({"guided_json": {}, "guided_whitespace_pattern": "("}, "guided_whitespace_pattern"),
+                             ({"structured_outputs": {"json": {}, "whitespace_pattern": "("}},
+                              "structured_outputs.whitespace_pattern")):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=extra)
+            assert _error(err)["param"] == param, extra
+    finally:
+        fake.script = script
+
+
 def test_stream_options_require_stream(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, stream_options={"include_usage": True})
