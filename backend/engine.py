@@ -495,12 +495,18 @@ class LLMEngine:
         return found
 
     def _logits_processors(self, params: SamplingParams) -> list:
+        if params.thinking_budget is not None:
+            from backend.thinking_budget import ThinkingBudgetProcessor
+
+            budget = [ThinkingBudgetProcessor(params.thinking_budget, self._encode_forced)]
+        else:
+            budget = []
         if not params.logits_processors:
-            return []
+            return budget
         from backend.logits_processors import LogitsProcessorError, build_processors
 
         try:
-            return build_processors(params.logits_processors, self.config.logits_processor_pattern)
+            return budget + build_processors(params.logits_processors, self.config.logits_processor_pattern)
         except (LogitsProcessorError, ValueError) as exc:  # ValueError: pydantic's, on a bad object
             raise RequestError(f"invalid parameter 'logits_processors': {exc}") from None
 
@@ -800,7 +806,8 @@ class LLMEngine:
                 # The request's own processors run after the grammar's mask: one that raised a
                 # masked token chose it, the request's fault and not the server's (QA: a 500).
                 if tracked.custom_processor is not None or tracked.logits_processors:
-                    which = "custom_logit_processor" if tracked.custom_processor is not None else "logits_processors"
+                    which = ("custom_logit_processor" if tracked.custom_processor is not None else "logits_processors"
+                             if seq.params.logits_processors else "thinking_token_budget")
                     self._end(seq.request_id, FinishReason.ABORT, code="invalid_arg",
                               error=f"{which}: token {token} was drawn after it raised that token's logit, which "
                                     "the request's grammar had masked; a processor must leave masked logits at -inf")
@@ -902,7 +909,7 @@ class LLMEngine:
         # have none), stop strings (checked per token, so no output token follows a match) or
         # logit_bias / allowed_token_ids (they would have to hold for forced tokens too).
         if (params.return_logprob or params.stop or params.stop_regex or params.restricts_tokens
-                or params.logits_processors or sampled in params.stop_token_ids):
+                or params.processes_rows or sampled in params.stop_token_ids):
             return [sampled]
         # A stop token ends a sequence only as its newest token: the jump stops before one, and
         # the model, which may then only sample it, ends the sequence as usual.
@@ -1015,7 +1022,7 @@ class LLMEngine:
             seed=seq.seed,
             step=seq.num_output_tokens + ahead,
             seq_id=seq.seq_id,
-            token_ids=(seq.token_ids if params.has_penalties or params.logits_processors or tracked.custom_processor
+            token_ids=(seq.token_ids if params.has_penalties or params.processes_rows or tracked.custom_processor
                        or params.bad_words else ()),
             num_prompt_tokens=seq.num_prompt_tokens,
             prompt_is_placeholder=seq.prompt_embeds is not None,

@@ -88,6 +88,19 @@ GREEDY_TEMPERATURE = 1e-6
 JsonKeyInt = Annotated[int, Strict(False)]
 
 
+class ThinkingBudget(BaseModel):
+    """vLLM's thinking_token_budget, with the server's reasoning markers (the OpenAI frontend
+    adds them from its reasoning parser): at most `budget` tokens inside the reasoning section,
+    then `end` is forced (backend/thinking_budget.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    budget: int = Field(ge=0)
+    starts: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(min_length=1, max_length=4)
+    end: str = Field(min_length=1, max_length=64)
+    inside: bool = False  # the prompt opened the section: the output starts inside it
+
+
 class SamplingParams(BaseModel):
     """The parameters the engine implements. Defaults are SGLang's constant ("openai") defaults."""
 
@@ -175,6 +188,7 @@ class SamplingParams(BaseModel):
     # objects, loaded by the engine when its logits_processor_pattern allows them
     # (backend/logits_processors.py).
     logits_processors: Optional[list[Union[str, dict[str, Any]]]] = None
+    thinking_budget: Optional[ThinkingBudget] = None
     # OpenAI's Predicted Outputs (`prediction.content`): text the output is expected to largely
     # repeat, or its token ids. Its tokens are drafted and verified as speculative decoding
     # verifies any draft (backend/predicted_outputs.py), so the output is the one decoding
@@ -381,6 +395,12 @@ class SamplingParams(BaseModel):
 
     def set_bad_word_ids(self, ids: list[list[int]]) -> None:
         self._bad_word_ids = ids
+
+    @property
+    def processes_rows(self) -> bool:
+        """Whether per-sequence processors (logits_processors, the thinking budget) follow this
+        request's tokens one step at a time: no drafts, no jump-forward, the rows' token ids."""
+        return bool(self.logits_processors) or self.thinking_budget is not None
 
     @property
     def has_penalties(self) -> bool:

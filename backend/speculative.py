@@ -82,11 +82,11 @@ def speculates(params: SamplingParams, jump_forward: bool = False) -> bool:
     only on its own logits, seed and output position; on penalties, whose counts take the draft
     tokens before it (Sampler._penalize_pending); and on a grammar's mask after the draft tokens
     before it (GrammarState.draft_masks). Not with jump-forward decoding, which appends forced
-    tokens after a drawn one; nor with logits processors (their state follows the tokens one step
-    at a time) or hidden states."""
+    tokens after a drawn one; nor with logits processors or a thinking budget (their state follows
+    the tokens one step at a time) or hidden states."""
     if params.constraint is not None and jump_forward:
         return False
-    return not (params.logits_processors or params.custom_logit_processor or params.return_hidden_states)
+    return not (params.processes_rows or params.custom_logit_processor or params.return_hidden_states)
 
 
 # A sequence whose draft was rejected outright drafts again only after this many more tokens,

@@ -123,6 +123,19 @@ async def _thinking_format(ctx: Context, req: ChatCompletionRequest) -> Optional
     return for_prompt(fmt, await ctx.generation_prompt_tail(req.chat_template, kwargs))
 
 
+def _thinking_budget(budget: int, thinking: Optional[ReasoningFormat], beams: bool) -> dict[str, Any]:
+    """The engine's thinking_budget: the budget with the markers of the server's reasoning parser
+    (as vLLM takes them from its reasoning config), the output starting inside the section when
+    the generation prompt opened it."""
+    if thinking is None:
+        raise bad_request("thinking_token_budget needs a reasoning model served with --reasoning-parser",
+                          param="thinking_token_budget")
+    if beams:
+        raise unsupported("thinking_token_budget", "not with use_beam_search")
+    return {"budget": budget, "starts": list(thinking.starts), "end": thinking.ends[0],
+            "inside": thinking.starts_in_reasoning}
+
+
 def _include_reasoning(req: ChatCompletionRequest) -> bool:
     return req.include_reasoning and req.separate_reasoning
 
@@ -188,6 +201,8 @@ class ChatHandler:
         # held the reasoning itself to the JSON schema).
         thinking = await _thinking_format(ctx, req)
         sp = _constrain_content_only(sp, thinking, req)
+        if req.thinking_token_budget is not None:
+            sp["thinking_budget"] = _thinking_budget(req.thinking_token_budget, thinking, beams is not None)
         messages = normalize_messages(req.messages)
         requests = [
             EngineRequest(

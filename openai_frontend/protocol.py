@@ -331,6 +331,8 @@ class ChatCompletionRequest(_SamplingFields):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     include_reasoning: bool = True
+    # vLLM's: at most this many tokens of reasoning, then its closing marker is forced.
+    thinking_token_budget: Optional[int] = Field(None, ge=0)
     # OpenAI's Predicted Outputs: {"type": "content", "content": text or text parts} (sampling.py)
     prediction: Optional[Any] = None
     # OpenAI's: a chat template variable, as vLLM passes it (refused by a template that does not read it)

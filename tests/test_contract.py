@@ -113,13 +113,14 @@ VLLM_COMPLETION_EXTRAS = [
 PARSE_FUNCTION_CALL_FIELDS = ["text", "tool_call_parser", "tools"]
 
 # protocol.py accepts these though no seed names them (SGLang's OpenAI extras, vLLM's names on the
-# other endpoint, the reasoning switches, vLLM's newer cache_salt, structured_outputs, return_token_ids and bad_words). They are held to the same rule, so that every field
+# other endpoint, the reasoning switches, vLLM's newer cache_salt, structured_outputs, return_token_ids, bad_words
+# and thinking_token_budget). They are held to the same rule, so that every field
 # the frontend accepts is covered (test_every_accepted_field_is_covered).
 BEYOND_SEEDS = {
     "generate": ["video_data", "priority"],
     "chat": ["prompt_cache_retention", "allowed_token_ids", "stop_regex", "regex", "ebnf", "json_schema", "no_stop_trim", "rid", "lora_path",
              "return_hidden_states", "separate_reasoning", "stream_reasoning", "include_reasoning", "cache_salt",
-             "structured_outputs", "return_token_ids", "bad_words"],
+             "structured_outputs", "return_token_ids", "bad_words", "thinking_token_budget"],
     "completions": ["request_id", "stop_regex", "regex", "ebnf", "json_schema", "structural_tag", "no_stop_trim", "rid",
                     "lora_path", "custom_logit_processor", "custom_params", "return_hidden_states", "cache_salt",
                     "structured_outputs", "return_token_ids", "bad_words"],
@@ -525,6 +526,10 @@ CHAT_CASES: dict[str, Case] = {
     "include_reasoning": frontend(lambda ex: ex.texts() == ["Hello!"]
                                   and "reasoning_content" not in ex.choices[0]["message"],
                                   app="reasoning", include_reasoning=False),
+    # vLLM's newer reasoning cap: the engine forces the parser's closing marker after 8 tokens.
+    "thinking_token_budget": Case(ENGINE, {"thinking_token_budget": 8},
+                                  lambda ex: ex.sp.thinking_budget.budget == 8 and ex.sp.thinking_budget.end == "</think>",
+                                  app="reasoning"),
 }
 
 COMPLETION_CASES: dict[str, Case] = {

@@ -752,6 +752,38 @@ def test_a_template_that_opens_the_reasoning_section_on_the_real_server(triton, 
             assert _stream_reasoning(thinking, **kwargs) == (want[0] or "", want[1])
 
 
+def test_thinking_token_budget_on_the_real_server(client, triton, tok):
+    """vLLM's thinking_token_budget: after N tokens inside the reasoning section the engine
+    forces its closing marker; the reasoning is those N tokens, the answer follows, streamed or
+    not. A template that opens the section in the prompt (Qwen3.5's) starts the count at once."""
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n<think>\n")
+    settings = Settings(triton_url=triton.grpc_url, model_name=MODEL, reasoning_parser="qwen3")
+    marker = tok("</think>", add_special_tokens=False).input_ids
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=24, **GREEDY)
+    body = {"chat_template": template, "return_token_ids": True, "ignore_eos": True}
+    free = client.chat.completions.create(**kwargs, extra_body=body).choices[0].token_ids
+    with serve_in_thread(create_app(settings)) as url:
+        thinking = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        limited = {**kwargs, "extra_body": {**body, "thinking_token_budget": 6}}
+        choice = thinking.chat.completions.create(**limited).choices[0]
+        ids = choice.token_ids
+        assert ids[:6] == free[:6] and ids[6:6 + len(marker)] == marker and len(ids) == 24
+        assert choice.message.model_extra["reasoning_content"] == tok.decode(free[:6]).strip()
+        assert choice.message.content == tok.decode(ids[6 + len(marker):]).strip()
+        assert _stream_reasoning(thinking, **limited) == (choice.message.model_extra["reasoning_content"],
+                                                         choice.message.content)
+        # The default template opens no section and the random model writes no <think>: no effect.
+        plain = thinking.chat.completions.create(**kwargs, extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                                      "thinking_token_budget": 0})
+        assert plain.choices[0].token_ids == client.chat.completions.create(
+            **kwargs, extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0].token_ids
+    # A server without a reasoning parser cannot say where thinking ends.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**kwargs, extra_body={"thinking_token_budget": 6})
+    assert err.value.body["param"] == "thinking_token_budget"
+
+
 def test_structured_output_after_reasoning_on_the_real_server(triton, tok):
     """deepseek_r1: the model reasons freely (here: 6 tokens, then a processor writes the closing
     marker), then response_format's schema holds for the content."""

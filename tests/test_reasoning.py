@@ -394,6 +394,27 @@ def test_the_prompt_tail_cache_keeps_digests_and_drops_expired_answers(monkeypat
     assert len(ctx._prompt_tails) == 1 and fake.probes == 6  # the five expired ones are gone
 
 
+def test_thinking_token_budget_carries_the_parsers_markers_to_the_engine():
+    """vLLM's thinking_token_budget: the engine forces the closing marker after N reasoning
+    tokens (backend/thinking_budget.py); the frontend says which markers, and whether the prompt
+    opened the section."""
+    fake = TemplatedFake()
+    fake.script = lambda req: text_chunks(["It is 4."])
+    with serve_in_thread(create_app(Settings(model_name=MODEL, reasoning_parser="qwen3"), client=fake)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        for extra, inside in (({}, True), ({"chat_template_kwargs": {"enable_thinking": False}}, False)):
+            client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                           extra_body={"thinking_token_budget": 3, **extra})
+            assert fake.requests[-1].sampling_params["thinking_budget"] == {
+                "budget": 3, "starts": ["<think>"], "end": "</think>", "inside": inside}
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "thinking_token_budget": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget", r.text
+    with serve_in_thread(create_app(Settings(model_name=MODEL), client=FakeLLMClient())) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "thinking_token_budget": 2})
+        assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "thinking_token_budget"
+
+
 def test_a_template_that_cannot_be_probed_leaves_the_parsers_rule():
     class Failing(FakeLLMClient):
         async def tokenize(self, request):
