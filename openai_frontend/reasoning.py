@@ -40,6 +40,9 @@ class ReasoningFormat:
     starts: tuple[str, ...]
     ends: tuple[str, ...]
     starts_in_reasoning: bool
+    # The generation prompt ended with the closing marker (thinking switched off): a constraint
+    # holds from the first token, with no reasoning section before it.
+    closed_in_prompt: bool = False
 
 
 _THINK = ("<think>",), ("</think>",)
@@ -72,17 +75,16 @@ def for_prompt(fmt: ReasoningFormat, prompt_tail: Optional[str]) -> ReasoningFor
     DeepSeek-R1 ones) starts the output inside the section, whichever parser the server names
     (`qwen3` took such an output for content, `</think>` and all); one that ends it with the
     closing marker (Qwen3's `enable_thinking: false`, DeepSeek-V3.1's `thinking: false`) starts
-    it in the content. Otherwise, or when the tail is not known (None), the parser's rule."""
+    it in the content, and a constraint then holds from its first token. Otherwise, or when the
+    tail is not known (None), the parser's rule."""
     if prompt_tail is None:
         return fmt
     tail = prompt_tail.rstrip()
     if tail.endswith(fmt.starts):
-        opens = True
-    elif tail.endswith(fmt.ends):
-        opens = False
-    else:
-        return fmt
-    return fmt if fmt.starts_in_reasoning == opens else replace(fmt, starts_in_reasoning=opens)
+        return fmt if fmt.starts_in_reasoning else replace(fmt, starts_in_reasoning=True)
+    if tail.endswith(fmt.ends):
+        return replace(fmt, starts_in_reasoning=False, closed_in_prompt=True)
+    return fmt
 
 
 class ReasoningStreamer:
@@ -222,6 +224,10 @@ def constrain_after_reasoning(fmt: ReasoningFormat, key: str, value: Any, whites
              "content": {"type": "any_text"}, "end": fmt.ends[0]}
     answer = _element(key, value, whitespace)
     fmt_obj: dict[str, Any] = {"type": "sequence", "elements": [think, _GAP, answer]}
-    if not fmt.starts_in_reasoning:
+    if fmt.closed_in_prompt:
+        # QA: the prompt had closed the section, yet the or() below let the model open another
+        # and write free text under a JSON schema (vLLM holds the grammar from the first token).
+        fmt_obj = answer
+    elif not fmt.starts_in_reasoning:
         fmt_obj = {"type": "or", "elements": [fmt_obj, answer]}
     return json.dumps({"type": "structural_tag", "format": fmt_obj}, ensure_ascii=False)

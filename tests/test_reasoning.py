@@ -394,6 +394,26 @@ def test_the_prompt_tail_cache_keeps_digests_and_drops_expired_answers(monkeypat
     assert len(ctx._prompt_tails) == 1 and fake.probes == 6  # the five expired ones are gone
 
 
+def test_a_prompt_that_closed_the_reasoning_holds_the_constraint_from_the_first_token():
+    """QA: with enable_thinking false (the prompt ends with </think>) a response_format still
+    let the model open a new <think> section and write free text there (vLLM holds the grammar
+    from the first token once the prompt has ended the reasoning)."""
+    fake = TemplatedFake()
+    fake.script = lambda req: text_chunks(['{"a": 1}'])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    with serve_in_thread(create_app(Settings(model_name=MODEL, reasoning_parser="qwen3"), client=fake)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        formats = {}
+        for name, extra in (("off", {"chat_template_kwargs": {"enable_thinking": False}}), ("on", {})):
+            msg = client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, extra_body=extra,
+                response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}).choices[0].message
+            assert msg.content == ('{"a": 1}' if name == "off" else None)  # "on": all of it was reasoning
+            formats[name] = json.loads(fake.requests[-1].sampling_params["structural_tag"])["format"]
+    assert formats["off"] == {"type": "json_schema", "json_schema": schema}
+    assert formats["on"]["type"] == "sequence"  # the prompt opened the section: think, then answer
+
+
 def test_thinking_token_budget_carries_the_parsers_markers_to_the_engine():
     """vLLM's thinking_token_budget: the engine forces the closing marker after N reasoning
     tokens (backend/thinking_budget.py); the frontend says which markers, and whether the prompt
