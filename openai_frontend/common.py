@@ -197,14 +197,18 @@ class Context:
 
     async def _ask_prompt_tail(self, chat_template: Optional[str],
                                chat_template_kwargs: Optional[dict[str, Any]]) -> Optional[str]:
-        probe = EngineRequest(sampling_params={}, messages=[{"role": "user", "content": "a"}],
-                              chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
-        try:
-            tokens = await self.client.tokenize(probe)
-            return await self.client.detokenize(tokens[-PROMPT_TAIL_TOKENS:]) if tokens else ""
-        except Exception as exc:  # the request itself will say what is wrong with its template
-            log.debug("generation prompt's tail unknown: %s", exc)
-            return None
+        # A user's message, else a system's and a user's (QA: some templates refuse a chat
+        # without a system message, and the parser's rule then held for every request).
+        for messages in ([{"role": "user", "content": "a"}],
+                         [{"role": "system", "content": "a"}, {"role": "user", "content": "a"}]):
+            probe = EngineRequest(sampling_params={}, messages=messages,
+                                  chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+            try:
+                tokens = await self.client.tokenize(probe)
+                return await self.client.detokenize(tokens[-PROMPT_TAIL_TOKENS:]) if tokens else ""
+            except Exception as exc:  # the request itself will say what is wrong with its template
+                log.debug("generation prompt's tail unknown: %s", exc)
+        return None
 
     # With runtime LoRA updating: the adapters the engine serves, as it last listed them (None
     # until it has); its list then replaces --lora-modules, which an unload may have shortened.

@@ -435,6 +435,21 @@ def test_thinking_token_budget_carries_the_parsers_markers_to_the_engine():
         assert r.json()["error"]["param"] == "thinking_token_budget"
 
 
+def test_a_template_that_needs_a_system_message_is_probed_with_one():
+    class SystemFirst(TemplatedFake):
+        async def tokenize(self, request):
+            if request.messages[0]["role"] != "system":
+                raise RuntimeError("the first message must be the system's")
+            return await super().tokenize(request)
+
+    fake = SystemFirst()
+    fake.script = lambda req: text_chunks(_pieces("The user adds.\n</think>\n\nIt is 4.", 3))
+    with serve_in_thread(create_app(Settings(model_name=MODEL, reasoning_parser="qwen3"), client=fake)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        msg = client.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message
+        assert (msg.model_extra["reasoning_content"], msg.content) == ("The user adds.", "It is 4.")
+
+
 def test_a_template_that_cannot_be_probed_leaves_the_parsers_rule():
     class Failing(FakeLLMClient):
         async def tokenize(self, request):
