@@ -86,10 +86,11 @@ class BeamSpec:
 
 def beam_spec(req: AnyRequest, lora: Optional[str] = None, max_model_len: Optional[int] = None,
               eos: Optional[frozenset[int]] = None, default_max_tokens: Optional[int] = None,
-              timeout: Optional[float] = None) -> Optional[BeamSpec]:
+              timeout: Optional[float] = None, capacity: Optional[int] = None) -> Optional[BeamSpec]:
     """The request's beam search, checked, or None when it asks for none. `eos`: the engine's
     end-of-sequence ids (Context.eos_token_ids); `default_max_tokens`: the model's, for a request
-    that sets none (Context.default_max_tokens)."""
+    that sets none (Context.default_max_tokens); `capacity`: the sequences the engine takes at
+    once, running and waiting (Context.beam_facts)."""
     if not req.use_beam_search:
         if req.length_penalty != 1.0:
             raise bad_request("length_penalty is only used with use_beam_search", param="length_penalty")
@@ -100,6 +101,11 @@ def beam_spec(req: AnyRequest, lora: Optional[str] = None, max_model_len: Option
     if req.stream:
         raise bad_request("use_beam_search cannot be streamed: the beams are only known after the last step",
                           param="use_beam_search")
+    if capacity is not None and width > capacity:
+        # Each step sends the live beams together: more than the engine runs and queues would be
+        # a 503 on an idle server too, retried in vain (QA).
+        raise bad_request(f"with use_beam_search, n (the beam width) must be at most {capacity} on this server: "
+                          "each step runs the beams at once (its max_num_seqs + max_waiting_requests)", param="n")
     if req.best_of is not None and req.best_of != width:
         raise bad_request("with use_beam_search, best_of must equal n (the beam width)", param="best_of")
     for name, neutral in _NEUTRAL.items():

@@ -170,8 +170,8 @@ class ChatHandler:
         if not req.messages:
             raise bad_request("messages must not be empty", param="messages")
         lora = adapter_for(req, ctx.adapter_names())
-        beams = beam_spec(req, lora, *((await ctx.max_model_len(), await ctx.eos_token_ids(), await ctx.default_max_tokens())
-                                       if req.use_beam_search else (None, None, None)), timeout=ctx.settings.stream_timeout)
+        beams = beam_spec(req, lora, **(await ctx.beam_facts() if req.use_beam_search else {}),
+                          timeout=ctx.settings.stream_timeout)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser,
                           ctx.settings.exclude_tools_when_tool_choice_none)
         if beams is not None and plan.constraint is not None:

@@ -168,6 +168,17 @@ class Context:
             return None
         return frozenset(ids)
 
+    async def beam_facts(self) -> dict[str, Any]:
+        """What a beam search is checked against (beam_search.beam_spec's keyword arguments)."""
+        capacity = None
+        try:
+            config = (await self._engine_facts())["config"]
+            capacity = int(config["max_num_seqs"]) + int(config["max_waiting_requests"])
+        except (APIError, KeyError, TypeError, ValueError) as exc:
+            log.debug("engine capacity unknown: %s", exc)
+        return {"max_model_len": await self.max_model_len(), "eos": await self.eos_token_ids(),
+                "default_max_tokens": await self.default_max_tokens(), "capacity": capacity}
+
     # The end of the generation prompt per (chat template, template kwargs): (answer, asked at).
     _prompt_tails: dict[bytes, tuple[asyncio.Future, float]] = field(default_factory=dict)
 

@@ -80,8 +80,8 @@ class CompletionHandler:
         check_unsupported(req, ctx.settings)
         samples = samples_per_prompt(req.best_of, req.n, req.stream, ctx.settings.max_n)
         lora = adapter_for(req, ctx.adapter_names())
-        beams = beam_spec(req, lora, *((await ctx.max_model_len(), await ctx.eos_token_ids(), await ctx.default_max_tokens())
-                                       if req.use_beam_search else (None, None, None)), timeout=ctx.settings.stream_timeout)
+        beams = beam_spec(req, lora, **(await ctx.beam_facts() if req.use_beam_search else {}),
+                          timeout=ctx.settings.stream_timeout)
         prompts = split_prompts(req.prompt)
         if len(prompts) * samples > ctx.settings.max_n * 4:
             raise bad_request(f"too many samples: {len(prompts)} prompts x {samples}", param="prompt")

@@ -449,6 +449,26 @@ def beam_client(tmp_path_factory):
         yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0), bfake
 
 
+def test_a_beam_width_past_what_the_engine_takes_at_once_is_a_400(tmp_path):
+    # QA: on a server running 4 sequences and queueing 2, n=8 beams (sent together each step)
+    # got 503 "overloaded" on an idle server, every time, and the SDK retried it.
+    class Small(FakeLLMClient):
+        async def engine_info(self):
+            info = await super().engine_info()
+            info["config"].update(max_num_seqs=4, max_waiting_requests=2)
+            return info
+
+    fake = Small(_beam_lm, eos_token_ids=[EOS])
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    with serve_in_thread(create_app(Settings(model_name=MODEL, tokenizer_path=str(tmp_path)), client=fake)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        assert len(client.completions.create(model=MODEL, prompt="x", n=6, max_tokens=1,
+                                             extra_body={"use_beam_search": True}).choices) == 6
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="x", n=7, max_tokens=1, extra_body={"use_beam_search": True})
+        assert _error(err)["param"] == "n" and "at most 6" in _error(err)["message"]
+
+
 def test_beam_search_keeps_the_best_beams_not_the_greedy_path(beam_client):
     client, bfake = beam_client
     r = client.completions.create(model=MODEL, prompt="x", n=2, max_tokens=2, extra_body={"use_beam_search": True})
