@@ -294,6 +294,8 @@ case("pythonic", "Let me look. [search(q=\"a ] tricky ) string ' with \\\" quote
 case("pythonic", "<|python_start|>[get_time(tz='''multi\nline''')]<|python_end|> ok", "ok", [("get_time", '{"tz": "multi\\nline"}')])
 case("pythonic", "[get_time(a=true, b=null)]", "", [("get_time", '{"a": true, "b": null}')])
 case("pythonic", "[get_time(tz='UTC'  # comment ]\n)]", "", [("get_time", '{"tz": "UTC"}')])
+# QA: dropped, where the JSON formats keep such a number (Python's json reads Infinity back)
+case("pythonic", "[get_time(x=1e999, y=-1e-999, z=[-2e400])]", "", [("get_time", '{"x": Infinity, "y": -0.0, "z": [-Infinity]}')])
 case("pythonic", "See [1] and [docs](url) and [x for x in y] ok", "See [1] and [docs](url) and [x for x in y] ok", [])
 case("pythonic", "[get_time(tz=os.system('x'))]", "[get_time(tz=os.system('x'))]", [])
 case("pythonic", "[get_time(1)]", "[get_time(1)]", [])
