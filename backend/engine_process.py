@@ -379,7 +379,10 @@ def _serve(chan: _Channel) -> None:
         nonlocal pending
         with pending_lock:
             batch, pending = pending, []
-        chan.send(("step", batch, stats))
+        try:
+            chan.send(("step", batch, stats))
+        except OSError:
+            pass  # the stub has gone (QA: a BrokenPipeError on the engine thread); the loop below stops
 
     engine.on_step = on_step
 
@@ -422,11 +425,7 @@ def _serve(chan: _Channel) -> None:
         pass  # the stub has gone: stop
     finally:
         engine.shutdown()
-        # The shutdown's final outputs (aborts), if the stub still listens.
-        try:
-            on_step(engine.stats())
-        except OSError:
-            pass
+        on_step(engine.stats())  # the shutdown's final outputs (aborts), if the stub still listens
 
 
 def main(argv: Optional[list[str]] = None) -> None:
