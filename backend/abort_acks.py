@@ -65,6 +65,11 @@ class AbortAcks:
         for ack in acks:
             ack.settle(engine_id)
 
+    def open_ids(self) -> list[str]:
+        """The engine requests whose last response has not gone out."""
+        with self._lock:
+            return list(self._open)
+
     def reply_after(self, engine_ids: Iterable[str], reply: Callable[[], None]) -> None:
         """Call `reply` once every request in `engine_ids` that is still open has sent its last
         response, or after timeout_s; at once if none is open."""

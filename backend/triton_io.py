@@ -29,7 +29,7 @@ SCALAR_INPUTS: dict[str, str] = {
     "random_seed": "seed",
 }
 LLM_INPUTS = ("input_ids", "input_embeds", "stream", "stop_words", "sampling_parameters", "abort_request_id",
-              "abort_client", "lora_update", "reset_prefix_cache", "engine_info", *SCALAR_INPUTS)
+              "abort_client", "abort_all", "lora_update", "reset_prefix_cache", "engine_info", *SCALAR_INPUTS)
 
 
 def error_message(exc: Exception, arrays: Mapping[str, Any]) -> str:
@@ -377,8 +377,8 @@ def parse_abort_client(arr: np.ndarray) -> tuple[str, Optional[str]]:
     return cmd["frontend"], rid
 
 
-CONTROL_INPUTS = ("abort_request_id", "abort_client", "lora_update", "reset_prefix_cache", "engine_info")
-_SWITCHES = ("reset_prefix_cache", "engine_info")  # BOOL: false is the same as not sent
+CONTROL_INPUTS = ("abort_request_id", "abort_client", "abort_all", "lora_update", "reset_prefix_cache", "engine_info")
+_SWITCHES = ("abort_all", "reset_prefix_cache", "engine_info")  # BOOL: false is the same as not sent
 
 
 def control_input(arrays: dict[str, np.ndarray]) -> Optional[str]:

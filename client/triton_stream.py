@@ -47,6 +47,7 @@ INPUT_DTYPES: dict[str, Any] = {
     "continue_final_message": np.bool_,
     "add_special_tokens": np.bool_,
     "reset_prefix_cache": np.bool_,
+    "abort_all": np.bool_,
     "engine_info": np.bool_,
     "stream": np.bool_,
     "input_ids": np.int32,

@@ -18,8 +18,9 @@
 # A restarted tritonserver that does not come up is started again too; only a failing first start
 # exits at once (1). More than MAX_RESTARTS restarts within RESTART_WINDOW seconds -> exit 1 (let
 # the orchestrator act).
-# SIGTERM/SIGINT: stop the frontend (uvicorn drains in-flight streams), then tritonserver (it
-# waits up to EXIT_TIMEOUT seconds for in-flight requests), then exit 0.
+# SIGTERM/SIGINT: stop the frontend (uvicorn drains in-flight streams), then give the requests made
+# to tritonserver directly EXIT_TIMEOUT less 10 seconds and abort the rest (client/drain.py), then
+# stop tritonserver; exit 0, or 1 when tritonserver did not exit cleanly.
 #
 # Environment (defaults for the container; the same script runs on a host with other paths):
 #   LLM_MODEL_PATH      HF model directory (default /opt/app/models/demo; the demo is built if missing)
@@ -215,7 +216,21 @@ shutdown() {
   trap - TERM INT
   log "shutting down"
   stop_pid "$FRONTEND_PID" 30
+  # Before the signal, while tritonserver still serves everything: the requests made to it
+  # directly get EXIT_TIMEOUT less 10 s to finish, the rest are aborted (client/drain.py). Signalled
+  # with an ensemble stream in flight, tritonserver 2.51 stalled it, waited out its exit timeout
+  # and crashed on its way out.
+  local grace=$((EXIT_TIMEOUT > 10 ? EXIT_TIMEOUT - 10 : 0))
+  if alive "$TRITON_PID" && http_ok "http://127.0.0.1:$HTTP_PORT/v2/health/ready"; then
+    timeout -k 5 $((grace + 20)) "$PYTHON" -m client.drain --url "127.0.0.1:$GRPC_PORT" \
+      --grace "$grace" || true
+  fi
   stop_pid "$TRITON_PID" $((EXIT_TIMEOUT + 10))
+  if [ "$STOP_RC" != 0 ]; then
+    # A crash on the way out (a signal's status) or our SIGKILL: say so, and do not exit 0 over it.
+    log "tritonserver exited with status $STOP_RC while stopping"
+    [ "$code" != 0 ] || code=1
+  fi
   exit "$code"
 }
 

@@ -16,11 +16,12 @@
 # --max-body-bytes, --retry-after, --frontend-id, ...).
 # Stopping it (SIGTERM, SIGINT, Ctrl-C) stops the frontend first, which lets in-flight requests and
 # streams finish for up to --graceful-shutdown-timeout seconds, then cancels the rest (aborted in
-# the engine, their connections closed); then tritonserver, which gives requests made to it
-# directly up to its exit timeout (the same seconds and 10 more; Triton 2.51 stops passing an
-# ensemble's responses on once told to stop, so a direct ensemble stream stalls there) and is
-# killed 10 s after that. A second Ctrl-C or signal cancels the frontend's streams at once (still
-# aborting them in the engine, so tritonserver then finds nothing in flight).
+# the engine, their connections closed); then the requests made to tritonserver directly get the
+# same seconds, and the rest are aborted (each ends with finish reason "abort"; Triton 2.51 stops
+# passing an ensemble's responses on once told to stop, so this happens before the signal); then
+# tritonserver is stopped (its exit timeout: the same seconds and 10 more) and is killed 10 s after
+# that. A second Ctrl-C or signal cancels the frontend's streams at once (still aborting them in
+# the engine), or cuts the direct requests' grace short.
 # Every other engine setting: env LLM_<NAME> (README, "Engine settings").
 set -euo pipefail
 CALLER=$PWD
@@ -112,6 +113,13 @@ cleanup() {
   fi
   if alive "$TRITON_PID"; then
     local stubs stub
+    # Still serving everything: the requests made to tritonserver directly get the same grace to
+    # finish, then the rest are aborted (client/drain.py). Signalled with an ensemble stream in
+    # flight, tritonserver 2.51 stalled it, waited out its exit timeout and crashed on its way out.
+    if curl -sf "localhost:$HTTP_PORT/v2/health/ready" >/dev/null 2>&1; then
+      timeout -k 5 "$((SHUTDOWN_TIMEOUT + 20))" .venv/bin/python -m client.drain --url "localhost:$GRPC_PORT" \
+        --grace "$SHUTDOWN_TIMEOUT" || true
+    fi
     stubs=$(pgrep -P "$TRITON_PID" -f triton_python_backend_stub || true)
     kill -TERM "$TRITON_PID" 2>/dev/null || true
     # Its exit timeout does not bound it: a tritonserver 2.51 whose timeout expired with a direct

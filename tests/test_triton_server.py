@@ -320,6 +320,44 @@ def test_a_dropped_http_ensemble_stream_can_be_aborted_by_the_name_it_was_given(
         assert status == 400 and message in raw, raw
 
 
+def test_drain_waits_for_short_requests_then_abort_all_ends_the_rest(server, client):
+    """client.drain (scripts/serve.sh and the Docker entrypoint run it before stopping tritonserver):
+    requests that end within the grace end as usual; the rest, llm's and the ensemble's alike, are
+    aborted, each ending with its final response and freeing its blocks."""
+    import threading
+
+    from client.drain import drain, open_requests
+
+    ends: dict[str, dict] = {}
+
+    def run(name: str, model: str, values: dict) -> None:
+        chunks = list(client.stream_generate(model, {**values, "stream": True, "sampling_parameters": GREEDY},
+                                             timeout=60))
+        ends[name] = {"chunks": len(chunks), "finish_reason": chunks[-1].get("finish_reason")}
+
+    jobs = {"short": ("llm", {"input_ids": [5, 6, 7], "max_tokens": 12}),
+            "long-llm": ("llm", {"input_ids": [5, 6, 8], "max_tokens": 1000}),
+            "long-ensemble": ("ensemble", {"text_input": "a long one", "max_tokens": 1000})}
+    threads = [threading.Thread(target=run, args=(name, *job)) for name, job in jobs.items()]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while open_requests(client) < 2 or kv_blocks_used(server) == 0:
+        assert time.monotonic() < deadline, "the streams did not start"
+        time.sleep(0.05)
+    result = drain(server.grpc_url, grace_s=2.0)
+    for t in threads:
+        t.join(timeout=10)
+    assert ends["short"]["finish_reason"] == "length"
+    assert result["left"] == 2 and result["aborted"] == 2 and result["waited_s"] >= 2.0, result
+    assert ends["long-llm"]["finish_reason"] == "abort" and ends["long-ensemble"]["finish_reason"] == "abort", ends
+    assert open_requests(client) == 0
+    assert drain(server.grpc_url, grace_s=5.0) == {"waited_s": 0.0, "left": 0, "aborted": 0}
+    # a switch: abort_all false is no control at all
+    with pytest.raises(InferenceServerException, match="input_ids"):
+        client.generate("llm", {"abort_all": False})
+
+
 def test_cancelled_stream_frees_its_blocks(server, client, hf):
     tok, _ = hf
     stream = client.stream_generate("llm", {

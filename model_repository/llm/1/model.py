@@ -25,6 +25,7 @@ from backend.outbox import Outbox, StreamResponder  # noqa: E402
 from backend.outputs import RequestOutput  # noqa: E402
 from backend.request_index import DuplicateRequestId, TritonRequestIndex  # noqa: E402
 from backend.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
+from backend.server_stop import ServerStopWatch, exit_timeout_s, stop_grace_s  # noqa: E402
 from backend.triton_io import (  # noqa: E402
     LLM_INPUTS,
     control,
@@ -136,6 +137,13 @@ class TritonPythonModel:
         self._requests = TritonRequestIndex()
         self._acks = AbortAcks()
         self._open = OpenRequests()  # engine_info's open_requests
+        # A stopping tritonserver tells the model nothing and, past its exit timeout, crashed with
+        # requests in flight: notice the stop, and end them in time (backend/server_stop.py).
+        probe = getattr(pb_utils, "is_model_ready", None)
+        self._stop_watch = ServerStopWatch(
+            (lambda name=args["model_name"]: probe(name)) if probe else (lambda: False),
+            on_stop=self._abort_open, grace_s=stop_grace_s(exit_timeout_s(os.getppid())),
+            idle=lambda: not self._acks.open_ids(), log=pb_utils.Logger)
         freeze_startup_heap()
         self.engine.start()
         stats = self.engine.stats()
@@ -148,6 +156,7 @@ class TritonPythonModel:
         )
 
     def execute(self, requests):
+        self._stop_watch.arm()
         for request in requests:
             guarded = GuardedSender(request.get_response_sender(), FINAL, self._open)
             arrays: dict = {}
@@ -165,6 +174,12 @@ class TritonPythonModel:
                     response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)])
                     self._acks.reply_after(engine_ids, lambda g=guarded, r=response: g.send(r, final=True))
                     continue
+                if kind == "abort_all":
+                    engine_ids = self._abort_open()
+                    meta = meta_array({"aborted": len(engine_ids)})
+                    response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)])
+                    self._acks.reply_after(engine_ids, lambda g=guarded, r=response: g.send(r, final=True))
+                    continue
                 if kind == "lora_update" and not self.runtime_lora:
                     refuse_lora_changes(arrays)
                 if kind is not None:
@@ -172,6 +187,11 @@ class TritonPythonModel:
                     meta = self._control(kind, arrays, self._serving, extra)
                     guarded.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)]),
                                  final=True)
+                    continue
+                if self._stop_watch.stopping:
+                    self._metrics.rejected("stopping")
+                    error = pb_utils.TritonError("the server is stopping", pb_utils.TritonError.UNAVAILABLE)
+                    guarded.send(pb_utils.InferenceResponse(error=error), final=True)
                     continue
                 parameters = request.parameters()
                 prompt_ids, raw, stream = parse_llm_inputs(arrays, parameters)
@@ -228,6 +248,15 @@ class TritonPythonModel:
             self.engine.abort(engine_id)
         return count, engine_ids
 
+    def _abort_open(self) -> list[str]:
+        """Abort every request whose last response has not gone out (abort_all, a server stop)."""
+        engine_ids = self._acks.open_ids()
+        for engine_id in engine_ids:
+            self.engine.abort(engine_id)
+        if engine_ids and self._stop_watch.stopping:
+            pb_utils.Logger.log_info(f"llm: the server is stopping: aborted {len(engine_ids)} request(s)")
+        return engine_ids
+
     def _on_step(self, stats: EngineStats) -> None:
         self._outbox.tick()
         self._publish(stats)
@@ -257,6 +286,7 @@ class TritonPythonModel:
         threading.Timer(2.0, os._exit, args=(1,)).start()
 
     def finalize(self):
+        self._stop_watch.close()
         self.engine.shutdown()
         self._outbox.close()
         # Collect reference cycles now, while the stub's shared memory is alive: an exception kept
