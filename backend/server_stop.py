@@ -6,45 +6,59 @@ model sends their final responses. A model that keeps generating past that timeo
 mid-request, and 2.51 then crashed on its way out (SIGSEGV/SIGABRT in the Python backend's
 teardown, 5 runs of 5) and could hang in its crash handler for good.
 
-What the model can see: once the server is stopping, `pb_utils.is_model_ready` raises "Server
-not ready" (the server's state left READY, which it never re-enters). One probe is all it takes,
-and one is all that is made: in our runs, repeated probes against a stopping server killed the
-stub within seconds, and a probe during `initialize` aborted the server, so polling starts at
-the first request (`arm`) and ends at the first answer that is not "ready".
+What the model can see: a stopping 2.51 closes its HTTP and gRPC listeners at once (open streams
+go on; new connections are refused). So the watch asks the server's own HTTP endpoint (its port
+from tritonserver's command line; the gRPC port when HTTP is off) whether it is live, from the
+model's first request on: once it has answered, a refused connection or a non-200 answer means
+the server is stopping. Not `pb_utils.is_model_ready`, although it raises "Server not ready"
+then: that call crosses the stub's IPC queue, and during the stop it killed the stub or aborted
+the server (boost lock_exception) in several runs here.
 
 When the stop is noticed, new generations are refused, those in flight get `grace_s` to finish
 (the server's exit timeout less a margin for the model to unload), and the rest are aborted, each
 ending with its final response (finish reason "abort"): the server then finds nothing in flight
-and exits cleanly. An explicit unload of the model alone (`--model-control-mode explicit`) makes
-the probe answer False instead; Triton drains the model's requests to their end then, as before.
+and exits cleanly. An explicit unload of the model alone (`--model-control-mode explicit`) is no
+stop: the server stays live, and Triton drains the model's requests to their end, as before.
 """
 
 from __future__ import annotations
 
+import http.client
+import socket
 import threading
 import time
 from typing import Any, Callable, Optional
 
 DEFAULT_EXIT_TIMEOUT_S = 30.0  # tritonserver's --exit-timeout-secs default
 UNLOAD_MARGIN_S = 10.0  # of the exit timeout, left for final responses and the model's unload
-STOPPING_MESSAGE = "Server not ready"
+
+# True: serving; False: stopping; None: cannot tell (no answer yet, or a timeout).
+Probe = Callable[[], Optional[bool]]
 
 
-def exit_timeout_s(server_pid: int) -> float:
-    """The --exit-timeout-secs tritonserver (the stub's parent) was started with."""
+def server_args(server_pid: int) -> list[str]:
+    """tritonserver's command line (the stub's parent), or [] when it cannot be read."""
     try:
         with open(f"/proc/{server_pid}/cmdline", "rb") as f:
-            args = f.read().decode(errors="replace").split("\0")
+            return f.read().decode(errors="replace").split("\0")
     except OSError:
-        return DEFAULT_EXIT_TIMEOUT_S
+        return []
+
+
+def server_option(args: list[str], name: str) -> Optional[str]:
+    """The last value of `--name=value` or `--name value` on a command line."""
     value: Optional[str] = None
     for i, arg in enumerate(args):
-        if arg.startswith("--exit-timeout-secs="):
+        if arg.startswith(f"--{name}="):
             value = arg.split("=", 1)[1]
-        elif arg == "--exit-timeout-secs" and i + 1 < len(args):
+        elif arg == f"--{name}" and i + 1 < len(args):
             value = args[i + 1]
+    return value
+
+
+def exit_timeout_s(args: list[str]) -> float:
     try:
-        return float(value) if value is not None else DEFAULT_EXIT_TIMEOUT_S
+        return float(server_option(args, "exit-timeout-secs") or DEFAULT_EXIT_TIMEOUT_S)
     except ValueError:
         return DEFAULT_EXIT_TIMEOUT_S
 
@@ -53,12 +67,66 @@ def stop_grace_s(exit_timeout: float) -> float:
     return max(0.0, exit_timeout - UNLOAD_MARGIN_S)
 
 
-class ServerStopWatch:
-    """Polls `probe` (is this model ready?) every `interval_s` once armed; on a "Server not
-    ready" error it sets `stopping`, waits `grace_s` (or until `idle()` says nothing is left),
-    then calls `on_stop` once."""
+def _enabled(args: list[str], name: str) -> bool:
+    return (server_option(args, name) or "true").lower() not in ("false", "0", "no", "off")
 
-    def __init__(self, probe: Callable[[], bool], on_stop: Callable[[], None], grace_s: float,
+
+def _host(address: Optional[str]) -> str:
+    """Where to reach a listener bound to `address` from this host."""
+    if not address or address == "0.0.0.0":
+        return "127.0.0.1"
+    if address in ("::", "[::]"):
+        return "::1"
+    return address.strip("[]")
+
+
+def _http_live(host: str, port: int, timeout_s: float) -> Optional[bool]:
+    # http.client, not urllib: a stub's environment may name an HTTP proxy.
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request("GET", "/v2/health/live")
+        response = conn.getresponse()
+        response.read()
+        return response.status == 200
+    except ConnectionRefusedError:
+        return False
+    except OSError:  # a timeout, a reset: a busy server, not a verdict
+        return None
+    finally:
+        conn.close()
+
+
+def _tcp_listening(host: str, port: int, timeout_s: float) -> Optional[bool]:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
+
+
+def liveness_probe(args: list[str], timeout_s: float = 2.0) -> Optional[Probe]:
+    """A probe of the server's liveness from its command line: HTTP /v2/health/live, or whether
+    the gRPC port still listens when HTTP is off; None when neither endpoint is on."""
+    try:
+        if _enabled(args, "allow-http"):
+            host, port = _host(server_option(args, "http-address")), int(server_option(args, "http-port") or 8000)
+            return lambda: _http_live(host, port, timeout_s)
+        if _enabled(args, "allow-grpc"):
+            host, port = _host(server_option(args, "grpc-address")), int(server_option(args, "grpc-port") or 8001)
+            return lambda: _tcp_listening(host, port, timeout_s)
+    except ValueError:  # a port that is no number: tritonserver itself would not have started
+        return None
+    return None
+
+
+class ServerStopWatch:
+    """Polls `probe` every `interval_s` once armed. After the probe has once said "serving", a
+    "not serving" sets `stopping`, waits `grace_s` (or until `idle()` says nothing is left), then
+    calls `on_stop` once. A probe that cannot tell (None) changes nothing."""
+
+    def __init__(self, probe: Optional[Probe], on_stop: Callable[[], None], grace_s: float,
                  idle: Callable[[], bool] = lambda: False, interval_s: float = 0.5,
                  log: Optional[Any] = None) -> None:
         self._probe = probe
@@ -78,7 +146,7 @@ class ServerStopWatch:
 
     def arm(self) -> None:
         """Start polling: call once the server serves (from the model's first execute)."""
-        if self._thread is not None:
+        if self._thread is not None or self._probe is None:
             return
         with self._lock:
             if self._thread is None and not self._closed.is_set():
@@ -95,8 +163,8 @@ class ServerStopWatch:
         if not self._wait_for_stop():
             return
         self._stopping.set()
-        self._say("log_info", f"the server is stopping: new requests are refused; those in flight have "
-                              f"{self.grace_s:g} s to finish before they are aborted")
+        self._say(f"the server is stopping: new requests are refused; those in flight have "
+                  f"{self.grace_s:g} s to finish before they are aborted")
         deadline = time.monotonic() + self.grace_s
         while not self._idle() and not self._closed.is_set() and (left := deadline - time.monotonic()) > 0:
             self._closed.wait(min(0.25, left))
@@ -104,17 +172,16 @@ class ServerStopWatch:
             self._on_stop()
 
     def _wait_for_stop(self) -> bool:
+        assert self._probe is not None
+        seen_serving = False
         while not self._closed.wait(self._interval_s):
-            try:
-                if not self._probe():
-                    return False  # this model alone is being unloaded: Triton drains it
-            except Exception as exc:
-                if STOPPING_MESSAGE in str(exc):
-                    return True
-                self._say("log_warn", f"cannot tell whether the server is stopping ({exc}); not watching")
-                return False
+            answer = self._probe()
+            if answer:
+                seen_serving = True
+            elif answer is False and seen_serving:
+                return True
         return False
 
-    def _say(self, level: str, message: str) -> None:
+    def _say(self, message: str) -> None:
         if self._log is not None:
-            getattr(self._log, level)(message)
+            self._log.log_info(message)

@@ -300,18 +300,20 @@ def test_a_direct_ensemble_stream_gets_the_grace_then_ends_and_tritonserver_exit
             proc.wait()
 
 
+@pytest.mark.parametrize("engine_process", ["in_stub", "separate"])
 def test_a_bare_tritonserver_stopped_with_llm_streams_ends_them_after_the_grace_and_exits_cleanly(
-        demo_model_path, tmp_path):
+        demo_model_path, tmp_path, engine_process):
     # QA: `tritonserver` stopped (SIGTERM) with llm streams open kept generating past its exit
     # timeout and then crashed on its way out (SIGSEGV in the Python backend's teardown) or hung
     # in its crash handler. The llm model notices the stop (backend/server_stop.py): the streams
-    # go on for the exit timeout less 10 s, then end with finish reason "abort".
+    # go on for the exit timeout less 10 s, then end with finish reason "abort". (Asking the server
+    # with pb_utils.is_model_ready instead killed the stub with the engine in a separate process.)
     from client.local_server import LocalTritonServer
     from client.triton_stream import TritonStreamClient
 
     exit_timeout = 13
     server = LocalTritonServer(log_file=tmp_path / "triton.log", extra_args=(f"--exit-timeout-secs={exit_timeout}",),
-                               env={"LLM_MODEL_PATH": str(demo_model_path)})
+                               env={"LLM_MODEL_PATH": str(demo_model_path), "LLM_ENGINE_PROCESS": engine_process})
     server.start()
     ends: dict[int, dict] = {}
 

@@ -1,28 +1,35 @@
-"""backend/server_stop.py: the llm model noticing that tritonserver is stopping (fake probes; the
-real server's stop is in tests/test_serve_shutdown.py)."""
+"""backend/server_stop.py: the llm model noticing that tritonserver is stopping (fake probes and
+endpoints; the real server's stop is in tests/test_serve_shutdown.py)."""
 
 from __future__ import annotations
 
+import http.server
 import os
+import socket
 import threading
 import time
 
-from backend.server_stop import DEFAULT_EXIT_TIMEOUT_S, ServerStopWatch, exit_timeout_s, stop_grace_s
+from backend.server_stop import (
+    DEFAULT_EXIT_TIMEOUT_S,
+    ServerStopWatch,
+    exit_timeout_s,
+    liveness_probe,
+    server_args,
+    stop_grace_s,
+)
 
 
 class Probe:
-    """is_model_ready as Triton 2.51 answers it: True while serving; once the server stops, an
-    error saying "Server not ready"."""
+    """The server's liveness as the watch reads it: True (serving), False (stopping), None (cannot
+    tell); the last answer repeats."""
 
     def __init__(self, answers: list) -> None:
         self.answers = answers
         self.calls = 0
 
-    def __call__(self) -> bool:
+    def __call__(self):
         answer = self.answers[min(self.calls, len(self.answers) - 1)]
         self.calls += 1
-        if isinstance(answer, Exception):
-            raise answer
         return answer
 
 
@@ -44,17 +51,12 @@ def _wait(predicate, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def _stopping_error() -> Exception:
-    return RuntimeError("Failed to check model readiness: Failed to process the request for model 'llm_0_0', "
-                        "message: Server not ready")
-
-
 def test_nothing_is_probed_before_arm_and_a_stop_ends_the_requests_after_the_grace():
     stopped = threading.Event()
-    probe = Probe([True, True, _stopping_error()])
+    probe = Probe([True, None, True, False])
     watch = ServerStopWatch(probe, on_stop=stopped.set, grace_s=0.3, interval_s=0.01, log=Log())
     time.sleep(0.05)
-    assert probe.calls == 0  # a probe while the model initializes aborted the server
+    assert probe.calls == 0  # polled from the first request on
     watch.arm()
     watch.arm()  # once
     _wait(lambda: watch.stopping)
@@ -62,14 +64,14 @@ def test_nothing_is_probed_before_arm_and_a_stop_ends_the_requests_after_the_gra
     assert not stopped.is_set()  # the requests in flight get their grace first
     assert stopped.wait(2.0)
     assert time.monotonic() - noticed >= 0.25
-    assert probe.calls == 3  # no probe after the first "not ready": repeated ones killed the stub
+    assert probe.calls == 4  # no probe after the stop was seen
     watch.close()
 
 
 def test_the_grace_ends_early_once_nothing_is_in_flight():
     stopped = threading.Event()
     idle = threading.Event()
-    watch = ServerStopWatch(Probe([_stopping_error()]), on_stop=stopped.set, grace_s=30, idle=idle.is_set,
+    watch = ServerStopWatch(Probe([True, False]), on_stop=stopped.set, grace_s=30, idle=idle.is_set,
                             interval_s=0.01)
     watch.arm()
     _wait(lambda: watch.stopping)
@@ -80,41 +82,34 @@ def test_the_grace_ends_early_once_nothing_is_in_flight():
     watch.close()
 
 
-def test_an_unload_of_the_model_alone_is_left_to_triton():
-    # explicit model control: is_model_ready answers False; Triton drains the model's requests
+def test_no_verdict_before_the_server_has_once_answered():
+    # refused before the endpoint ever answered (it may be off, or not up yet): no stop
     stopped = threading.Event()
-    probe = Probe([True, False, _stopping_error()])
+    probe = Probe([None, False, False, None, False])
     watch = ServerStopWatch(probe, on_stop=stopped.set, grace_s=0, interval_s=0.01)
     watch.arm()
-    _wait(lambda: probe.calls >= 2)
-    time.sleep(0.1)
-    assert probe.calls == 2 and not watch.stopping and not stopped.is_set()
+    _wait(lambda: probe.calls >= 10)
+    assert not watch.stopping and not stopped.is_set()
     watch.close()
 
 
-def test_another_error_stops_the_watch_with_a_warning():
-    log = Log()
-    stopped = threading.Event()
-    probe = Probe([RuntimeError("something else")])
-    watch = ServerStopWatch(probe, on_stop=stopped.set, grace_s=0, interval_s=0.01, log=log)
+def test_without_a_probe_nothing_runs():
+    watch = ServerStopWatch(None, on_stop=lambda: None, grace_s=0)
     watch.arm()
-    _wait(lambda: log.lines)
-    time.sleep(0.05)
-    assert probe.calls == 1 and not watch.stopping and not stopped.is_set()
-    assert log.lines[0][0] == "warn" and "something else" in log.lines[0][1]
+    assert watch._thread is None and not watch.stopping
     watch.close()
 
 
 def test_close_during_the_grace_calls_nothing():
     stopped = threading.Event()
-    watch = ServerStopWatch(Probe([_stopping_error()]), on_stop=stopped.set, grace_s=30, interval_s=0.01)
+    watch = ServerStopWatch(Probe([True, False]), on_stop=stopped.set, grace_s=30, interval_s=0.01)
     watch.arm()
     _wait(lambda: watch.stopping)
     watch.close()
     assert not stopped.wait(0.3)
 
 
-def test_exit_timeout_from_the_servers_command_line(tmp_path):
+def test_settings_from_the_servers_command_line():
     import subprocess
     import sys
 
@@ -123,9 +118,47 @@ def test_exit_timeout_from_the_servers_command_line(tmp_path):
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", *args])
         try:
             _wait(lambda: b"time.sleep" in open(f"/proc/{proc.pid}/cmdline", "rb").read())
-            assert exit_timeout_s(proc.pid) == expected
+            assert exit_timeout_s(server_args(proc.pid)) == expected
         finally:
             proc.kill()
             proc.wait()
-    assert exit_timeout_s(2**22 + os.getpid()) == DEFAULT_EXIT_TIMEOUT_S  # no such process
+    assert server_args(2**22 + os.getpid()) == []  # no such process
     assert stop_grace_s(30) == 20 and stop_grace_s(20) == 10 and stop_grace_s(5) == 0
+    assert liveness_probe(["tritonserver", "--allow-http=false", "--allow-grpc=false"]) is None
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):
+        assert self.path == "/v2/health/live"
+        self.send_response(type(self).status)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_http_probe_reads_live_then_a_refusal_or_an_error_as_a_stop():
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    probe = liveness_probe(["tritonserver", f"--http-port={port}", "--grpc-port=1"])
+    try:
+        assert probe() is True
+        _Health.status = 400  # Triton: "Server exiting"
+        assert probe() is False
+    finally:
+        _Health.status = 200
+        server.shutdown()
+        server.server_close()
+    assert probe() is False  # the listener closed: connection refused
+
+
+def test_with_http_off_the_grpc_port_is_watched():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    probe = liveness_probe(["tritonserver", "--allow-http", "false", "--grpc-port", str(port)])
+    assert probe() is True
+    listener.close()
+    assert probe() is False

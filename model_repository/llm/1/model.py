@@ -25,7 +25,7 @@ from backend.outbox import Outbox, StreamResponder  # noqa: E402
 from backend.outputs import RequestOutput  # noqa: E402
 from backend.request_index import DuplicateRequestId, TritonRequestIndex  # noqa: E402
 from backend.sampling_params import SamplingParams, SamplingParamsError  # noqa: E402
-from backend.server_stop import ServerStopWatch, exit_timeout_s, stop_grace_s  # noqa: E402
+from backend.server_stop import ServerStopWatch, exit_timeout_s, liveness_probe, server_args, stop_grace_s  # noqa: E402
 from backend.triton_io import (  # noqa: E402
     LLM_INPUTS,
     control,
@@ -139,10 +139,9 @@ class TritonPythonModel:
         self._open = OpenRequests()  # engine_info's open_requests
         # A stopping tritonserver tells the model nothing and, past its exit timeout, crashed with
         # requests in flight: notice the stop, and end them in time (backend/server_stop.py).
-        probe = getattr(pb_utils, "is_model_ready", None)
+        server = server_args(os.getppid())
         self._stop_watch = ServerStopWatch(
-            (lambda name=args["model_name"]: probe(name)) if probe else (lambda: False),
-            on_stop=self._abort_open, grace_s=stop_grace_s(exit_timeout_s(os.getppid())),
+            liveness_probe(server), on_stop=self._abort_open, grace_s=stop_grace_s(exit_timeout_s(server)),
             idle=lambda: not self._acks.open_ids(), log=pb_utils.Logger)
         freeze_startup_heap()
         self.engine.start()
