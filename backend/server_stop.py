@@ -6,11 +6,11 @@ model sends their final responses. A model that keeps generating past that timeo
 mid-request, and 2.51 then crashed on its way out (SIGSEGV/SIGABRT in the Python backend's
 teardown, 5 runs of 5) and could hang in its crash handler for good.
 
-What the model can see: a stopping 2.51 closes its HTTP and gRPC listeners at once (open streams
-go on; new connections are refused). So the watch asks the server's own HTTP endpoint (its port
-from tritonserver's command line; the gRPC port when HTTP is off) whether it is live, from the
-model's first request on: once it has answered, a refused connection or a non-200 answer means
-the server is stopping. Not `pb_utils.is_model_ready`, although it raises "Server not ready"
+What the model can see: a stopping 2.51 closes its HTTP listener at once (open streams go on) and
+answers gRPC ServerLive with UNAVAILABLE "Server exiting". So the watch asks the server's own
+endpoint (HTTP /v2/health/live; gRPC ServerLive when HTTP is off; ports from tritonserver's
+command line) whether it is live, from the model's first request on: once it has answered, a
+refused connection or a "not live" answer means the server is stopping. Not `pb_utils.is_model_ready`, although it raises "Server not ready"
 then: that call crosses the stub's IPC queue, and during the stop it killed the stub or aborted
 the server (boost lock_exception) in several runs here.
 
@@ -24,7 +24,6 @@ stop: the server stays live, and Triton drains the model's requests to their end
 from __future__ import annotations
 
 import http.client
-import socket
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -96,26 +95,42 @@ def _http_live(host: str, port: int, timeout_s: float) -> Optional[bool]:
         conn.close()
 
 
-def _tcp_listening(host: str, port: int, timeout_s: float) -> Optional[bool]:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except ConnectionRefusedError:
-        return False
-    except OSError:
-        return None
+class _GrpcLive:
+    """Triton's gRPC ServerLive, with grpcio alone: the request is an empty message and a live
+    server's reply is `live: true` (bytes 08 01). A stopping 2.51 keeps its gRPC listener open
+    and answers UNAVAILABLE "Server exiting". The channel is made on the first call, from the
+    watch's thread: none exists before the model's first request."""
+
+    _LIVE = b"\x08\x01"
+
+    def __init__(self, target: str, timeout_s: float) -> None:
+        self._target = target
+        self._timeout_s = timeout_s
+        self._call: Optional[Callable[..., bytes]] = None
+
+    def __call__(self) -> Optional[bool]:
+        import grpc
+
+        if self._call is None:
+            channel = grpc.insecure_channel(self._target)
+            self._call = channel.unary_unary("/inference.GRPCInferenceService/ServerLive")
+        try:
+            return self._call(b"", timeout=self._timeout_s) == self._LIVE
+        except grpc.RpcError as exc:
+            # UNAVAILABLE: "Server exiting", or nothing listening any more; a deadline: busy
+            return False if exc.code() == grpc.StatusCode.UNAVAILABLE else None
 
 
 def liveness_probe(args: list[str], timeout_s: float = 2.0) -> Optional[Probe]:
-    """A probe of the server's liveness from its command line: HTTP /v2/health/live, or whether
-    the gRPC port still listens when HTTP is off; None when neither endpoint is on."""
+    """A probe of the server's liveness from its command line: HTTP /v2/health/live, or gRPC
+    ServerLive when HTTP is off; None when neither endpoint is on."""
     try:
         if _enabled(args, "allow-http"):
             host, port = _host(server_option(args, "http-address")), int(server_option(args, "http-port") or 8000)
             return lambda: _http_live(host, port, timeout_s)
         if _enabled(args, "allow-grpc"):
             host, port = _host(server_option(args, "grpc-address")), int(server_option(args, "grpc-port") or 8001)
-            return lambda: _tcp_listening(host, port, timeout_s)
+            return _GrpcLive(f"[{host}]:{port}" if ":" in host else f"{host}:{port}", timeout_s)
     except ValueError:  # a port that is no number: tritonserver itself would not have started
         return None
     return None

@@ -155,10 +155,32 @@ def test_the_http_probe_reads_live_then_a_refusal_or_an_error_as_a_stop():
     assert probe() is False  # the listener closed: connection refused
 
 
-def test_with_http_off_the_grpc_port_is_watched():
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    probe = liveness_probe(["tritonserver", "--allow-http", "false", "--grpc-port", str(port)])
-    assert probe() is True
-    listener.close()
-    assert probe() is False
+def test_with_http_off_grpc_server_live_is_asked():
+    # QA: with --allow-http=false the first version watched the gRPC listener, which a stopping
+    # 2.51 keeps open: the stop went unnoticed until the exit timeout, and the server crashed.
+    from concurrent import futures
+
+    import grpc
+
+    state = {"answer": "live"}
+
+    def server_live(request: bytes, context) -> bytes:
+        assert request == b""
+        if state["answer"] == "exiting":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Server exiting")
+        return b"\x08\x01"
+
+    handler = grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {
+        "ServerLive": grpc.unary_unary_rpc_method_handler(server_live)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    probe = liveness_probe(["tritonserver", "--allow-http", "false", "--grpc-port", str(port)], timeout_s=5)
+    try:
+        assert probe() is True
+        state["answer"] = "exiting"
+        assert probe() is False
+    finally:
+        server.stop(0).wait()
+    assert probe() is False  # nothing listening
