@@ -6,11 +6,11 @@ model sends their final responses. A model that keeps generating past that timeo
 mid-request, and 2.51 then crashed on its way out (SIGSEGV/SIGABRT in the Python backend's
 teardown, 5 runs of 5) and could hang in its crash handler for good.
 
-What the model can see: a stopping 2.51 closes its HTTP listener at once (open streams go on) and
-answers gRPC ServerLive with UNAVAILABLE "Server exiting". So the watch asks the server's own
-endpoint (HTTP /v2/health/live; gRPC ServerLive when HTTP is off; ports from tritonserver's
-command line) whether it is live, from the model's first request on: once it has answered, a
-refused connection or a "not live" answer means the server is stopping. Not `pb_utils.is_model_ready`, although it raises "Server not ready"
+What the model can see: a stopping 2.51 answers gRPC ServerLive with UNAVAILABLE "Server exiting"
+(its gRPC listener stays open) and closes its HTTP listener at once (open streams go on). So the
+watch asks the server's own endpoint (gRPC ServerLive; HTTP /v2/health/live when gRPC is off,
+where a refusal after a first answer is the verdict; ports from tritonserver's command line)
+whether it is live, at the model's first request and twice a second from then on. Not `pb_utils.is_model_ready`, although it raises "Server not ready"
 then: that call crosses the stub's IPC queue, and during the stop it killed the stub or aborted
 the server (boost lock_exception) in several runs here.
 
@@ -79,27 +79,36 @@ def _host(address: Optional[str]) -> str:
     return address.strip("[]")
 
 
-def _http_live(host: str, port: int, timeout_s: float) -> Optional[bool]:
-    # http.client, not urllib: a stub's environment may name an HTTP proxy.
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        conn.request("GET", "/v2/health/live")
-        response = conn.getresponse()
-        response.read()
-        return response.status == 200
-    except ConnectionRefusedError:
-        return False
-    except OSError:  # a timeout, a reset: a busy server, not a verdict
-        return None
-    finally:
-        conn.close()
+class _HttpLive:
+    """HTTP /v2/health/live. A stopping 2.51 closes its HTTP listener at once, so a refused
+    connection is the verdict, but only once this endpoint has answered: before, it may be
+    bound where we do not look. http.client, not urllib: a stub's environment may name a proxy."""
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+        self._host, self._port, self._timeout_s = host, port, timeout_s
+        self._answered = False
+
+    def __call__(self) -> Optional[bool]:
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
+        try:
+            conn.request("GET", "/v2/health/live")
+            response = conn.getresponse()
+            response.read()
+            self._answered = True
+            return response.status == 200
+        except ConnectionRefusedError:
+            return False if self._answered else None
+        except OSError:  # a timeout, a reset: a busy server, not a verdict
+            return None
+        finally:
+            conn.close()
 
 
 class _GrpcLive:
-    """Triton's gRPC ServerLive, with grpcio alone: the request is an empty message and a live
-    server's reply is `live: true` (bytes 08 01). A stopping 2.51 keeps its gRPC listener open
-    and answers UNAVAILABLE "Server exiting". The channel is made on the first call, from the
-    watch's thread: none exists before the model's first request."""
+    """gRPC ServerLive, with grpcio alone: the request is an empty message and a live server's
+    reply is `live: true` (bytes 08 01). A stopping 2.51 keeps its gRPC listener open and answers
+    UNAVAILABLE "Server exiting": a verdict that needs no earlier answer. The channel is made on
+    the first call, from the watch's thread: none exists before the model's first request."""
 
     _LIVE = b"\x08\x01"
 
@@ -117,29 +126,29 @@ class _GrpcLive:
         try:
             return self._call(b"", timeout=self._timeout_s) == self._LIVE
         except grpc.RpcError as exc:
-            # UNAVAILABLE: "Server exiting", or nothing listening any more; a deadline: busy
-            return False if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+            exiting = exc.code() == grpc.StatusCode.UNAVAILABLE and "exiting" in (exc.details() or "").lower()
+            return False if exiting else None  # unreachable, a deadline: no verdict
 
 
 def liveness_probe(args: list[str], timeout_s: float = 2.0) -> Optional[Probe]:
-    """A probe of the server's liveness from its command line: HTTP /v2/health/live, or gRPC
-    ServerLive when HTTP is off; None when neither endpoint is on."""
+    """A probe of the server's liveness from its command line: gRPC ServerLive, or HTTP
+    /v2/health/live when gRPC is off; None when neither endpoint is on."""
     try:
-        if _enabled(args, "allow-http"):
-            host, port = _host(server_option(args, "http-address")), int(server_option(args, "http-port") or 8000)
-            return lambda: _http_live(host, port, timeout_s)
         if _enabled(args, "allow-grpc"):
             host, port = _host(server_option(args, "grpc-address")), int(server_option(args, "grpc-port") or 8001)
             return _GrpcLive(f"[{host}]:{port}" if ":" in host else f"{host}:{port}", timeout_s)
+        if _enabled(args, "allow-http"):
+            host, port = _host(server_option(args, "http-address")), int(server_option(args, "http-port") or 8000)
+            return _HttpLive(host, port, timeout_s)
     except ValueError:  # a port that is no number: tritonserver itself would not have started
         return None
     return None
 
 
 class ServerStopWatch:
-    """Polls `probe` every `interval_s` once armed. After the probe has once said "serving", a
-    "not serving" sets `stopping`, waits `grace_s` (or until `idle()` says nothing is left), then
-    calls `on_stop` once. A probe that cannot tell (None) changes nothing."""
+    """Polls `probe` at once when armed, then every `interval_s`. "Not serving" (False) sets
+    `stopping`, waits `grace_s` (or until `idle()` says nothing is left), then calls `on_stop`
+    once. A probe that cannot tell (None) changes nothing."""
 
     def __init__(self, probe: Optional[Probe], on_stop: Callable[[], None], grace_s: float,
                  idle: Callable[[], bool] = lambda: False, interval_s: float = 0.5,
@@ -188,13 +197,11 @@ class ServerStopWatch:
 
     def _wait_for_stop(self) -> bool:
         assert self._probe is not None
-        seen_serving = False
-        while not self._closed.wait(self._interval_s):
-            answer = self._probe()
-            if answer:
-                seen_serving = True
-            elif answer is False and seen_serving:
+        # The first probe at once: a stop that comes right after the first request is seen too.
+        while not self._closed.is_set():
+            if self._probe() is False:
                 return True
+            self._closed.wait(self._interval_s)
         return False
 
     def _say(self, message: str) -> None:

@@ -17,6 +17,7 @@ from backend.server_stop import (
     server_args,
     stop_grace_s,
 )
+from openai_frontend.testing import free_port
 
 
 class Probe:
@@ -82,14 +83,14 @@ def test_the_grace_ends_early_once_nothing_is_in_flight():
     watch.close()
 
 
-def test_no_verdict_before_the_server_has_once_answered():
-    # refused before the endpoint ever answered (it may be off, or not up yet): no stop
+def test_the_first_probe_is_made_at_once():
+    # QA: a stop 0.3 s after the first request came before the first probe (0.5 s on) and went
+    # unnoticed over HTTP (refused, with no earlier answer): the server crashed past its timeout
     stopped = threading.Event()
-    probe = Probe([None, False, False, None, False])
-    watch = ServerStopWatch(probe, on_stop=stopped.set, grace_s=0, interval_s=0.01)
+    probe = Probe([False])
+    watch = ServerStopWatch(probe, on_stop=stopped.set, grace_s=0, interval_s=30)
     watch.arm()
-    _wait(lambda: probe.calls >= 10)
-    assert not watch.stopping and not stopped.is_set()
+    assert stopped.wait(2.0) and probe.calls == 1
     watch.close()
 
 
@@ -140,10 +141,13 @@ class _Health(http.server.BaseHTTPRequestHandler):
 
 
 def test_the_http_probe_reads_live_then_a_refusal_or_an_error_as_a_stop():
+    # gRPC off: HTTP. A refusal before any answer is no verdict (not up yet, or bound elsewhere).
     server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
     port = server.server_address[1]
+    early = liveness_probe(["tritonserver", "--allow-grpc=false", f"--http-port={free_port()}"])
+    assert early() is None
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    probe = liveness_probe(["tritonserver", f"--http-port={port}", "--grpc-port=1"])
+    probe = liveness_probe(["tritonserver", "--allow-grpc", "false", f"--http-port={port}"])
     try:
         assert probe() is True
         _Health.status = 400  # Triton: "Server exiting"
@@ -152,12 +156,12 @@ def test_the_http_probe_reads_live_then_a_refusal_or_an_error_as_a_stop():
         _Health.status = 200
         server.shutdown()
         server.server_close()
-    assert probe() is False  # the listener closed: connection refused
+    assert probe() is False  # the listener closed after answering: connection refused
 
 
-def test_with_http_off_grpc_server_live_is_asked():
-    # QA: with --allow-http=false the first version watched the gRPC listener, which a stopping
-    # 2.51 keeps open: the stop went unnoticed until the exit timeout, and the server crashed.
+def test_grpc_server_live_is_asked_first():
+    # QA: with --allow-http=false a version watched the gRPC listener, which a stopping 2.51 keeps
+    # open: the stop went unnoticed until the exit timeout, and the server crashed.
     from concurrent import futures
 
     import grpc
@@ -176,11 +180,11 @@ def test_with_http_off_grpc_server_live_is_asked():
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    probe = liveness_probe(["tritonserver", "--allow-http", "false", "--grpc-port", str(port)], timeout_s=5)
+    probe = liveness_probe(["tritonserver", "--http-port=1", "--grpc-port", str(port)], timeout_s=5)
     try:
         assert probe() is True
         state["answer"] = "exiting"
-        assert probe() is False
+        assert probe() is False  # a verdict on its own: no earlier answer needed
     finally:
         server.stop(0).wait()
-    assert probe() is False  # nothing listening
+    assert probe() is None  # nothing listening: the server may be gone, or not there yet
