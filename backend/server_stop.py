@@ -45,12 +45,19 @@ def server_args(server_pid: int) -> list[str]:
 
 
 def server_option(args: list[str], name: str) -> Optional[str]:
-    """The last value of `--name=value` or `--name value` on a command line."""
+    """The last value of `--name=value` or `--name value` on tritonserver's command line. Its
+    getopt_long takes any unambiguous abbreviation (`--exit-timeout=5`, QA), so a prefix of the
+    name counts: one that tritonserver did not take would not have let it start."""
     value: Optional[str] = None
     for i, arg in enumerate(args):
-        if arg.startswith(f"--{name}="):
-            value = arg.split("=", 1)[1]
-        elif arg == f"--{name}" and i + 1 < len(args):
+        if not arg.startswith("--"):
+            continue
+        key, eq, given = arg[2:].partition("=")
+        if not key or not name.startswith(key):
+            continue
+        if eq:
+            value = given
+        elif i + 1 < len(args):
             value = args[i + 1]
     return value
 

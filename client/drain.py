@@ -10,13 +10,16 @@ an ensemble's are beyond saving by then. Before the signal the server still serv
 this gives the requests in flight `--grace` seconds to finish, then aborts the rest (`abort_all`:
 each ends with its final response, finish reason "abort"), so that the signal finds nothing in
 flight. scripts/serve.sh and the Docker entrypoint run it before they stop tritonserver.
+SIGTERM cuts the grace short (the rest are aborted at once); Ctrl-C leaves without aborting.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -34,14 +37,16 @@ def open_requests(client: TritonStreamClient, model: str = "llm") -> int:
     return int(_meta(client.generate(model, {"engine_info": True}, timeout=30))["stats"]["open_requests"])
 
 
-def drain(url: str, grace_s: float, model: str = "llm", poll_s: float = 0.5) -> dict[str, Any]:
-    """Wait up to `grace_s` for the model's requests to end, then abort the rest.
-    Returns {"waited_s", "left", "aborted"}."""
+def drain(url: str, grace_s: float, model: str = "llm", poll_s: float = 0.5,
+          hurry: Optional[threading.Event] = None) -> dict[str, Any]:
+    """Wait up to `grace_s` for the model's requests to end (less once `hurry` is set), then
+    abort the rest. Returns {"waited_s", "left", "aborted"}."""
+    hurry = hurry or threading.Event()
     client = TritonStreamClient(url, abort_model=None)
     start = time.monotonic()
     left = open_requests(client, model)
-    while left and time.monotonic() - start < grace_s:
-        time.sleep(min(poll_s, max(0.0, grace_s - (time.monotonic() - start))))
+    while left and not hurry.is_set() and time.monotonic() - start < grace_s:
+        hurry.wait(min(poll_s, max(0.0, grace_s - (time.monotonic() - start))))
         left = open_requests(client, model)
     aborted = 0
     if left:
@@ -55,8 +60,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--grace", type=float, default=10.0, help="seconds the requests in flight get to finish")
     p.add_argument("--model", default="llm", help="the engine model")
     args = p.parse_args(argv)
+    # SIGTERM (scripts/serve.sh on a second Ctrl-C): cut the grace short and abort now.
+    hurry = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: hurry.set())
     try:
-        result = drain(args.url, args.grace, args.model)
+        result = drain(args.url, args.grace, args.model, hurry=hurry)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the grace
         return 130
     except Exception as exc:  # noqa: BLE001 - the caller stops the server either way

@@ -116,9 +116,14 @@ cleanup() {
     # Still serving everything: the requests made to tritonserver directly get the same grace to
     # finish, then the rest are aborted (client/drain.py). Signalled with an ensemble stream in
     # flight, tritonserver 2.51 stalled it, waited out its exit timeout and crashed on its way out.
+    # In the background, so that a second signal reaches stop_now (bash runs no trap while a
+    # foreground child runs), which then cuts the grace short.
     if curl -sf "localhost:$HTTP_PORT/v2/health/ready" >/dev/null 2>&1; then
       timeout -k 5 "$((SHUTDOWN_TIMEOUT + 20))" .venv/bin/python -m client.drain --url "localhost:$GRPC_PORT" \
-        --grace "$SHUTDOWN_TIMEOUT" || true
+        --grace "$SHUTDOWN_TIMEOUT" &
+      DRAIN_PID=$!
+      reap "$DRAIN_PID"
+      DRAIN_PID=
     fi
     stubs=$(pgrep -P "$TRITON_PID" -f triton_python_backend_stub || true)
     kill -TERM "$TRITON_PID" 2>/dev/null || true
@@ -153,8 +158,13 @@ cleanup() {
 # next as usual (not alongside: it would refuse those aborts and wait for the requests). A third:
 # SIGKILL. While tritonserver stops, its exit timeout (the same seconds, and 10 more to unload),
 # and then our SIGKILL 10 s later, bound it.
-FORCED=0
+FORCED=0 DRAIN_PID=
 stop_now() {
+  if alive "$DRAIN_PID"; then
+    # timeout passes the signal on to the drain, which then aborts the direct requests at once.
+    kill -TERM "$DRAIN_PID" 2>/dev/null || true
+    return 0
+  fi
   alive "$FRONTEND_PID" || return 0
   FORCED=$((FORCED + 1))
   local sig=INT

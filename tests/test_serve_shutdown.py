@@ -253,13 +253,16 @@ def _start_without_frontend(model_path: Path, tmp_path: Path, *extra: str) -> tu
         raise
 
 
-def test_a_direct_ensemble_stream_gets_the_grace_then_ends_and_tritonserver_exits_cleanly(demo_model_path, tmp_path):
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_a_direct_ensemble_stream_gets_the_grace_then_ends_and_tritonserver_exits_cleanly(
+        demo_model_path, tmp_path, second_signal):
     # QA: a client streaming from the ensemble straight over gRPC (python -m client, perf_analyzer)
     # stalled as soon as tritonserver 2.51 was told to stop (it stops passing an ensemble's
     # responses on), kept it alive until its exit timeout, and then tritonserver crashed on its way
     # out (5 runs of 5) or waited for the client to hang up. serve.sh now drains before the signal
     # (client/drain.py): the stream goes on for the grace, then ends (aborted) with a final response.
-    grace = 3
+    # A second signal cuts the grace short (QA: it did not reach the drain, and the grace ran out).
+    grace = 20 if second_signal else 3
     proc, ports, log = _start_without_frontend(demo_model_path, tmp_path, "--graceful-shutdown-timeout", str(grace))
     client = None
     try:
@@ -278,6 +281,10 @@ def test_a_direct_ensemble_stream_gets_the_grace_then_ends_and_tritonserver_exit
         reader.start()
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        if second_signal:
+            time.sleep(2)
+            proc.send_signal(signal.SIGTERM)
+            grace = 2  # what it got
         client.wait(timeout=grace + 30)  # ended by itself: the stream got its final response
         ended = time.monotonic() - t0
         rc = proc.wait(timeout=30)

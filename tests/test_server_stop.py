@@ -15,6 +15,7 @@ from backend.server_stop import (
     exit_timeout_s,
     liveness_probe,
     server_args,
+    server_option,
     stop_grace_s,
 )
 from openai_frontend.testing import free_port
@@ -126,6 +127,11 @@ def test_settings_from_the_servers_command_line():
     assert server_args(2**22 + os.getpid()) == []  # no such process
     assert stop_grace_s(30) == 20 and stop_grace_s(20) == 10 and stop_grace_s(5) == 0
     assert liveness_probe(["tritonserver", "--allow-http=false", "--allow-grpc=false"]) is None
+    # tritonserver's getopt_long takes abbreviations: --exit-timeout=5 is --exit-timeout-secs=5 (QA)
+    assert exit_timeout_s(["tritonserver", "--exit-timeout=5", "--http-port=8000"]) == 5.0
+    assert exit_timeout_s(["tritonserver", "--exit-t", "7"]) == 7.0
+    assert server_option(["tritonserver", "--grpc-p=9001", "--log-verbose=1"], "grpc-port") == "9001"
+    assert server_option(["tritonserver", "--grpc-address=::"], "grpc-port") is None
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
