@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
 
 import triton_python_backend_utils as pb_utils
 
@@ -163,21 +164,15 @@ class TritonPythonModel:
                 arrays = input_arrays(request, LLM_INPUTS)
                 kind = control_input(arrays)
                 if kind == "abort_request_id":
-                    engine_ids = self._abort(arrays["abort_request_id"])
-                    response = pb_utils.InferenceResponse(output_tensors=[])
-                    self._acks.reply_after(engine_ids, lambda g=guarded, r=response: g.send(r, final=True))
+                    self._reply_after(guarded, self._abort(arrays["abort_request_id"]))
                     continue
                 if kind == "abort_client":
                     count, engine_ids = self._abort_client(arrays["abort_client"])
-                    meta = meta_array({"aborted": count})
-                    response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)])
-                    self._acks.reply_after(engine_ids, lambda g=guarded, r=response: g.send(r, final=True))
+                    self._reply_after(guarded, engine_ids, {"aborted": count})
                     continue
                 if kind == "abort_all":
                     engine_ids = self._abort_open()
-                    meta = meta_array({"aborted": len(engine_ids)})
-                    response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("meta_info", meta)])
-                    self._acks.reply_after(engine_ids, lambda g=guarded, r=response: g.send(r, final=True))
+                    self._reply_after(guarded, engine_ids, {"aborted": len(engine_ids)})
                     continue
                 if kind == "lora_update" and not self.runtime_lora:
                     refuse_lora_changes(arrays)
@@ -236,25 +231,29 @@ class TritonPythonModel:
         return None
 
     def _abort(self, arr) -> set[str]:
-        engine_ids = self._requests.abort(parse_abort_request_id(arr))
-        for engine_id in engine_ids:
-            self.engine.abort(engine_id)
-        return engine_ids
+        return self._end(self._requests.abort(parse_abort_request_id(arr)))
 
     def _abort_client(self, arr) -> tuple[int, set[str]]:
         count, engine_ids = self._requests.abort_client(*parse_abort_client(arr))
-        for engine_id in engine_ids:
-            self.engine.abort(engine_id)
-        return count, engine_ids
+        return count, self._end(engine_ids)
 
     def _abort_open(self) -> list[str]:
         """Abort every request whose last response has not gone out (abort_all, a server stop)."""
-        engine_ids = self._acks.open_ids()
-        for engine_id in engine_ids:
-            self.engine.abort(engine_id)
+        engine_ids = self._end(self._acks.open_ids())
         if engine_ids and self._stop_watch.stopping:
             pb_utils.Logger.log_info(f"llm: the server is stopping: aborted {len(engine_ids)} request(s)")
         return engine_ids
+
+    def _end(self, engine_ids):
+        for engine_id in engine_ids:
+            self.engine.abort(engine_id)
+        return engine_ids
+
+    def _reply_after(self, guarded: GuardedSender, engine_ids, meta: Optional[dict] = None) -> None:
+        """An abort's one response, once the requests it ended have sent their last ones."""
+        tensors = [] if meta is None else [pb_utils.Tensor("meta_info", meta_array(meta))]
+        response = pb_utils.InferenceResponse(output_tensors=tensors)
+        self._acks.reply_after(engine_ids, lambda: guarded.send(response, final=True))
 
     def _on_step(self, stats: EngineStats) -> None:
         self._outbox.tick()
