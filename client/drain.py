@@ -2,10 +2,10 @@
 
     python -m client.drain [--url localhost:8001] [--grace 10] [--model llm]
 
-A tritonserver 2.51 told to stop stops passing an ensemble's responses on at once (the
-ensemble's postprocessing step unloads between two responses), so an ensemble stream open at that
-moment stalls; the server then waits out its exit timeout and crashed or hung on its way out.
-The llm model ends its own requests in time once it notices a stop (backend/server_stop.py), but
+A tritonserver 2.51 told to stop stops passing an ensemble's responses on at once (Triton's
+ensemble scheduler; the pre- and postprocessing models unload while it still holds streams), so
+an ensemble stream open at that moment stalls; the server then waits out its exit timeout and
+crashed or hung on its way out. The llm model ends its own requests in time once it notices a stop (backend/server_stop.py), but
 an ensemble's are beyond saving by then. Before the signal the server still serves everything:
 this gives the requests in flight `--grace` seconds to finish, then aborts the rest (`abort_all`:
 each ends with its final response, finish reason "abort"), so that the signal finds nothing in
