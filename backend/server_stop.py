@@ -10,9 +10,10 @@ What the model can see: a stopping 2.51 answers gRPC ServerLive with UNAVAILABLE
 (its gRPC listener stays open) and closes its HTTP listener at once (open streams go on). So the
 watch asks the server's own endpoint (gRPC ServerLive; HTTP /v2/health/live when gRPC is off,
 where a refusal after a first answer is the verdict; ports from tritonserver's command line)
-whether it is live, at the model's first request and twice a second from then on. Not `pb_utils.is_model_ready`, although it raises "Server not ready"
-then: that call crosses the stub's IPC queue, and during the stop it killed the stub or aborted
-the server (boost lock_exception) in several runs here.
+whether it is live, at the model's first request and twice a second from then on. Not
+`pb_utils.is_model_ready`, although it raises "Server not ready" then: that call crosses the
+stub's IPC queue, and during the stop it killed the stub or aborted the server (boost
+lock_exception) in several runs here.
 
 When the stop is noticed, new generations are refused, those in flight get `grace_s` to finish
 (the server's exit timeout less a margin for the model to unload), and the rest are aborted, each

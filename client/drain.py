@@ -5,12 +5,13 @@
 A tritonserver 2.51 told to stop stops passing an ensemble's responses on at once (Triton's
 ensemble scheduler; the pre- and postprocessing models unload while it still holds streams), so
 an ensemble stream open at that moment stalls; the server then waits out its exit timeout and
-crashed or hung on its way out. The llm model ends its own requests in time once it notices a stop (backend/server_stop.py), but
-an ensemble's are beyond saving by then. Before the signal the server still serves everything:
-this gives the requests in flight `--grace` seconds to finish, then aborts the rest (`abort_all`:
-each ends with its final response, finish reason "abort"), so that the signal finds nothing in
-flight. scripts/serve.sh and the Docker entrypoint run it before they stop tritonserver.
-SIGTERM cuts the grace short (the rest are aborted at once); Ctrl-C leaves without aborting.
+crashed or hung on its way out. The llm model ends its own requests in time once it notices a
+stop (backend/server_stop.py), but an ensemble's are beyond saving by then. Before the signal
+the server still serves everything: this gives the requests in flight `--grace` seconds to
+finish, then aborts the rest (`abort_all`: each ends with its final response, finish reason
+"abort"), so that the signal finds nothing in flight. scripts/serve.sh and the Docker
+entrypoint run it before they stop tritonserver. SIGTERM cuts the grace short (the rest are
+aborted at once); Ctrl-C leaves without aborting.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: hurry.set())
     try:
         result = drain(args.url, args.grace, args.model, hurry=hurry)
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without the grace
+    except KeyboardInterrupt:  # Ctrl-C on the command itself: leave, aborting nothing
         return 130
     except Exception as exc:  # noqa: BLE001 - the caller stops the server either way
         print(f"drain: could not drain {args.model} at {args.url}: {exc}", file=sys.stderr)

@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import triton_python_backend_utils as pb_utils
 
@@ -231,25 +231,29 @@ class TritonPythonModel:
         return None
 
     def _abort(self, arr) -> set[str]:
-        return self._end(self._requests.abort(parse_abort_request_id(arr)))
+        engine_ids = self._requests.abort(parse_abort_request_id(arr))
+        self._end(engine_ids)
+        return engine_ids
 
     def _abort_client(self, arr) -> tuple[int, set[str]]:
         count, engine_ids = self._requests.abort_client(*parse_abort_client(arr))
-        return count, self._end(engine_ids)
+        self._end(engine_ids)
+        return count, engine_ids
 
     def _abort_open(self) -> list[str]:
         """Abort every request whose last response has not gone out (abort_all, a server stop)."""
-        engine_ids = self._end(self._acks.open_ids())
+        engine_ids = self._acks.open_ids()
+        self._end(engine_ids)
         if engine_ids and self._stop_watch.stopping:
             pb_utils.Logger.log_info(f"llm: the server is stopping: aborted {len(engine_ids)} request(s)")
         return engine_ids
 
-    def _end(self, engine_ids):
+    def _end(self, engine_ids: Iterable[str]) -> None:
+        """Ask the engine to end these requests (at its next step)."""
         for engine_id in engine_ids:
             self.engine.abort(engine_id)
-        return engine_ids
 
-    def _reply_after(self, guarded: GuardedSender, engine_ids, meta: Optional[dict] = None) -> None:
+    def _reply_after(self, guarded: GuardedSender, engine_ids: Iterable[str], meta: Optional[dict] = None) -> None:
         """An abort's one response, once the requests it ended have sent their last ones."""
         tensors = [] if meta is None else [pb_utils.Tensor("meta_info", meta_array(meta))]
         response = pb_utils.InferenceResponse(output_tensors=tensors)
