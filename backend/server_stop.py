@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable, Optional
 
 DEFAULT_EXIT_TIMEOUT_S = 30.0  # tritonserver's --exit-timeout-secs default
-UNLOAD_MARGIN_S = 10.0  # of the exit timeout, left for final responses and the model's unload
+UNLOAD_MARGIN_S = 10.0  # of the exit timeout, for final responses and the unload (docker-entrypoint.sh too)
 
 # True: serving; False: stopping; None: cannot tell (no answer yet, or a timeout).
 Probe = Callable[[], Optional[bool]]

@@ -220,6 +220,7 @@ shutdown() {
   # directly get EXIT_TIMEOUT less 10 s to finish, the rest are aborted (client/drain.py). Signalled
   # with an ensemble stream in flight, tritonserver 2.51 stalled it, waited out its exit timeout
   # and crashed on its way out.
+  # (10 s: the llm model's own margin, backend/server_stop.py UNLOAD_MARGIN_S)
   local grace=$((EXIT_TIMEOUT > 10 ? EXIT_TIMEOUT - 10 : 0))
   if alive "$TRITON_PID" && http_ok "http://127.0.0.1:$HTTP_PORT/v2/health/ready"; then
     timeout -k 5 $((grace + 20)) "$PYTHON" -m client.drain --url "127.0.0.1:$GRPC_PORT" \
