@@ -8,6 +8,7 @@ interpreter, this interpreter's site-packages visible to the models.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,6 +37,38 @@ def triton_home() -> Path:
     import pytriton
 
     return Path(pytriton.__file__).parent / "tritonserver"
+
+
+def _with_default_signals(command: list[str]) -> list[str]:
+    """tritonserver inherits an ignored SIGINT from a caller started in the background by a
+    non-interactive shell (CI: `cmd &`), and it installs its own handler only once its models
+    have loaded: a Ctrl-C or stop() before then was lost, and stop() waited out its timeout
+    (60 s). coreutils' env restores the default first; without it, the command as given."""
+    env = shutil.which("env")
+    if env is None or subprocess.run([env, "--default-signal=INT", "true"], capture_output=True).returncode != 0:
+        return command
+    return [env, "--default-signal=INT", *command]
+
+
+def _end_orphans(group: int, grace: float = 3.0) -> None:
+    """A tritonserver stopped while it loads its models dies at once (its signal handler is not
+    installed yet), leaving the Python stubs it launched waiting for an initialize message that
+    never comes (scripts/sweep-shm.sh killed them only at the next start), each holding memory.
+    After a clean exit the group is empty; whatever is left `grace` seconds after tritonserver
+    has gone is killed."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    try:
+        os.killpg(group, signal.SIGKILL)  # their shared-memory regions: the next start's sweep
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def server_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -112,7 +145,7 @@ class LocalTritonServer:
             self._log_handle = open(self.log_file, "ab")
             out = self._log_handle
         self.process = subprocess.Popen(
-            self.command(),
+            _with_default_signals(self.command()),
             env=server_env(self.env),
             stdout=out,
             stderr=subprocess.STDOUT if out is not None else None,
@@ -157,6 +190,7 @@ class LocalTritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        _end_orphans(self.process.pid)
         self.process = None
         if self._log_handle is not None:
             self._log_handle.close()
