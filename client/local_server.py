@@ -50,6 +50,19 @@ def _with_default_signals(command: list[str]) -> list[str]:
     return [env, "--default-signal=INT", *command]
 
 
+def _wait_for_exec(process: subprocess.Popen, wrapper: str, timeout: float = 2.0) -> None:
+    """A signal sent while `wrapper` still runs, before it restores the default and execs the
+    server, is lost (seen under load: the stop then waited its 60 s out)."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if os.path.basename(os.readlink(f"/proc/{process.pid}/exe")) != wrapper:
+                return
+        except OSError:
+            return
+        time.sleep(0.005)
+
+
 def _end_orphans(group: int, grace: float = 3.0) -> None:
     """A tritonserver stopped while it loads its models dies at once (its signal handler is not
     installed yet), leaving the Python stubs it launched waiting for an initialize message that
@@ -184,6 +197,7 @@ class LocalTritonServer:
         if self.process is None:
             return
         if self.process.poll() is None:
+            _wait_for_exec(self.process, "env")
             os.killpg(self.process.pid, signal.SIGINT)
             try:
                 self.process.wait(timeout=timeout)
