@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -143,3 +144,45 @@ def load_triton_model(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# Two lanes under pytest-xdist (scripts/test.sh: -n 2). A module that starts tritonserver,
+# serve.sh or the frontend goes to the "server" lane, run in file order on one worker: those tests
+# time graces and stops, and some scan /proc for their own server's processes. Everything else
+# goes to the "unit" lane on the other worker, which lowers its own priority (nice 10) so that the
+# server lane keeps the CPU it needs and the unit lane fills the time the server lane spends
+# waiting (servers starting, streams, graces): on 2 cores the serial suite kept one busy on
+# average.
+_SERVER_MODULE = re.compile(r"start_triton|LocalTritonServer|tritonserver|serve\.sh|docker-entrypoint|soak\.py|"
+                            r"openai_frontend\.testing|serving_bench import Frontend")
+_lanes: dict[str, str] = {}
+
+
+def _lane(path: Path) -> str:
+    key = str(path)
+    if key not in _lanes:
+        _lanes[key] = "server" if _SERVER_MODULE.search(path.read_text()) else "unit"
+    return _lanes[key]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    # xdist's loadgroup marks rename node ids, which pytest 9.2's ids ignore: a scope of our own
+    # instead (each scope runs whole, in order, on one worker).
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _lane(Path(config.rootpath) / nodeid.split("::", 1)[0])
+
+    return Lanes(config, log)
+
+
+_niced = False
+
+
+def pytest_runtest_setup(item) -> None:
+    global _niced
+    if _niced or not os.environ.get("PYTEST_XDIST_WORKER") or _lane(Path(item.fspath)) != "unit":
+        return
+    os.nice(10)
+    _niced = True
