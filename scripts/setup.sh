@@ -34,7 +34,10 @@ if not os.path.exists(dst) or os.path.getsize(dst) != os.path.getsize(src):
     shutil.copy2(src, dst)
     print(f"[setup] installed the Python {ver} backend stub")
 PY
-# Build the CPU kernels now (~20-30 s each once, then cached), not during model load.
-.venv/bin/python -m kernels.cpu_attention
+# Build the CPU kernels now (once, then cached), not during model load. Each compile keeps one
+# core busy for ~50 s on the 2-core CI machine, in its own build directory: side by side.
+.venv/bin/python -m kernels.cpu_attention &
+attention=$!
 .venv/bin/python -m kernels.cpu_sampling
+wait "$attention"
 echo "[setup] environment ready"
