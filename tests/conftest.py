@@ -182,7 +182,7 @@ _niced = False
 
 def pytest_runtest_setup(item) -> None:
     global _niced
-    if _niced or not os.environ.get("PYTEST_XDIST_WORKER") or _lane(Path(item.fspath)) != "unit":
+    if _niced or not os.environ.get("PYTEST_XDIST_WORKER") or _lane(item.path) != "unit":
         return
     os.nice(10)
     _niced = True
