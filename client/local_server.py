@@ -7,6 +7,7 @@ interpreter, this interpreter's site-packages visible to the models.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -39,15 +40,20 @@ def triton_home() -> Path:
     return Path(pytriton.__file__).parent / "tritonserver"
 
 
+@functools.lru_cache(maxsize=1)
+def _default_sigint_prefix() -> tuple[str, ...]:
+    env = shutil.which("env")
+    if env is None or subprocess.run([env, "--default-signal=INT", "true"], capture_output=True).returncode != 0:
+        return ()
+    return (env, "--default-signal=INT")
+
+
 def _with_default_signals(command: list[str]) -> list[str]:
     """tritonserver inherits an ignored SIGINT from a caller started in the background by a
     non-interactive shell (CI: `cmd &`), and it installs its own handler only once its models
     have loaded: a Ctrl-C or stop() before then was lost, and stop() waited out its timeout
     (60 s). coreutils' env restores the default first; without it, the command as given."""
-    env = shutil.which("env")
-    if env is None or subprocess.run([env, "--default-signal=INT", "true"], capture_output=True).returncode != 0:
-        return command
-    return [env, "--default-signal=INT", *command]
+    return [*_default_sigint_prefix(), *command]
 
 
 def _wait_for_exec(process: subprocess.Popen, wrapper: str, timeout: float = 2.0) -> None:
@@ -68,20 +74,26 @@ def _end_orphans(group: int, grace: float = 3.0) -> None:
     installed yet), leaving the Python stubs it launched waiting for an initialize message that
     never comes (scripts/sweep-shm.sh killed them only at the next start), each holding memory.
     After a clean exit the group is empty; whatever is left `grace` seconds after tritonserver
-    has gone is killed."""
-    deadline = time.monotonic() + grace
+    has gone is killed, and waited for (a killed process lingers until it is reaped)."""
+    if _group_gone(group, grace):
+        return
+    try:
+        os.killpg(group, signal.SIGKILL)  # their shared-memory regions: the next start's sweep
+    except (ProcessLookupError, PermissionError):
+        return
+    _group_gone(group, 5.0)
+
+
+def _group_gone(group: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
     while True:
         try:
             os.killpg(group, 0)
         except (ProcessLookupError, PermissionError):
-            return
+            return True
         if time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    try:
-        os.killpg(group, signal.SIGKILL)  # their shared-memory regions: the next start's sweep
-    except (ProcessLookupError, PermissionError):
-        pass
+            return False
+        time.sleep(0.05)
 
 
 def server_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
