@@ -53,8 +53,10 @@ def _stream(url: str, max_tokens: int, started: threading.Event, out: dict, n: i
     started.set()
 
 
-def _start(model_path: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str, list[int], Path]:
-    """scripts/serve.sh on free ports, up and answering: (process, frontend url, ports, log)."""
+def _start(model_path: Path, tmp_path: Path, *extra: str,
+           sigint=signal.SIG_DFL) -> tuple[subprocess.Popen, str, list[int], Path]:
+    """scripts/serve.sh on free ports, up and answering: (process, frontend url, ports, log).
+    sigint: SIGINT's disposition at its start (SIG_IGN: as from `serve.sh &` in a script)."""
     ports = [free_port() for _ in range(4)]
     log = tmp_path / "serve.log"
     with log.open("w") as out:
@@ -62,10 +64,9 @@ def _start(model_path: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Po
             [str(REPO / "scripts/serve.sh"), "--model-path", str(model_path), "--http-port", str(ports[0]),
              "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--frontend-port", str(ports[3]), *extra],
             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            # As from a terminal: a suite started in the background (`cmd &` in a script) runs
-            # with SIGINT ignored, which its children inherit, and a shell cannot trap a signal
-            # ignored at its start.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            # SIG_DFL as from a terminal: a suite started in the background (`cmd &` in a
+            # script) runs with SIGINT ignored, which its children inherit.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
         )
     url = f"http://127.0.0.1:{ports[3]}"
     deadline = time.monotonic() + 240
@@ -118,10 +119,12 @@ def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo
     # Ctrl-C with --frontend-workers 2 (a uvicorn supervisor) and two streams in flight: the one
     # that can finish within --graceful-shutdown-timeout gets all of it; the other is cancelled at
     # the timeout (its connection closed, its request aborted in the engine, so tritonserver then
-    # has nothing in flight), and every process is gone soon after.
+    # has nothing in flight), and every process is gone soon after. serve.sh starts here with
+    # SIGINT ignored, as `scripts/serve.sh &` in a script does, where bash cannot trap a signal
+    # ignored at its start: the SIGINT did nothing until serve.sh started itself again without.
     grace = 4
     proc, url, ports, log = _start(demo_model_path, tmp_path, "--frontend-workers", "2",
-                                   "--graceful-shutdown-timeout", str(grace))
+                                   "--graceful-shutdown-timeout", str(grace), sigint=signal.SIG_IGN)
     try:
         streams = []
         # The long one is 8 x 3500 tokens: one 3500-token sample took 4.2 s on an idle 2-core host,
