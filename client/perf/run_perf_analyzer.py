@@ -19,7 +19,8 @@ first response (TTFT) p50/p99 and inter-response latency p50/p99.
 perf_analyzer ships in `tritonclient[all]==2.51.0` (`.venv/bin/perf_analyzer`) and needs two
 shared libraries: `libb64.so.0d` (Debian package libb64-0d) and `libcudart.so.12` (PyPI
 nvidia-cuda-runtime-cu12, found through LD_LIBRARY_PATH), even on a host without a GPU.
-`--install` (or run_perf_analyzer.sh) installs what is missing.
+`--install` (or run_perf_analyzer.sh, or scripts/setup.sh) installs what is missing: the first
+with pip, the second unpacked from Debian's package into the environment (LOCAL_LIB_DIR).
 """
 
 from __future__ import annotations
@@ -76,11 +77,15 @@ def _cudart_dir() -> Optional[Path]:
     return None
 
 
+# libb64 unpacked from Debian's package into the environment itself (no root, nothing system-wide).
+LOCAL_LIB_DIR = Path(sys.prefix) / "lib" / "perf_analyzer"
+
+
 def perf_env() -> dict[str, str]:
     env = dict(os.environ)
-    lib = _cudart_dir()
-    if lib is not None:
-        env["LD_LIBRARY_PATH"] = ":".join(p for p in (str(lib), env.get("LD_LIBRARY_PATH")) if p)
+    dirs = [str(d) for d in (_cudart_dir(), LOCAL_LIB_DIR) if d is not None and d.is_dir()]
+    if dirs:
+        env["LD_LIBRARY_PATH"] = ":".join([*dirs, *filter(None, [env.get("LD_LIBRARY_PATH")])])
     return env
 
 
@@ -101,20 +106,41 @@ def ensure_installed(install: bool = False) -> None:
         return
     if not install:
         raise RuntimeError(
-            f"perf_analyzer cannot load {', '.join(missing)}: run with --install, or "
-            "`apt-get install -y libb64-0d` and `pip install nvidia-cuda-runtime-cu12`"
+            f"perf_analyzer cannot load {', '.join(missing)}: run with --install (or scripts/setup.sh), "
+            "or `apt-get install -y libb64-0d` and `pip install nvidia-cuda-runtime-cu12`"
         )
     if any(m.startswith("libcudart") for m in missing):
         # at constraints.txt's pin, as everything else is installed
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-cache-dir", "nvidia-cuda-runtime-cu12",
                         "-c", str(REPO_ROOT / "constraints.txt")], check=True)
     if any(m.startswith("libb64") for m in missing):
-        apt = ["apt-get"] if os.geteuid() == 0 else ["sudo", "-n", "apt-get"]
-        subprocess.run([*apt, "update", "-qq"], check=False)
-        subprocess.run([*apt, "install", "-y", "-qq", "libb64-0d"], check=True)
+        _unpack_libb64()
     still = missing_libraries()
     if still:
         raise RuntimeError(f"perf_analyzer still cannot load {', '.join(still)}")
+
+
+def _unpack_libb64() -> None:
+    """Debian's libb64-0d, downloaded and unpacked into LOCAL_LIB_DIR: `apt-get download` and
+    `dpkg-deb -x` need no root, and the host is left as it was. Where apt has no package lists
+    yet (a fresh container), they are fetched first when we are root."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        def download() -> bool:
+            return subprocess.run(["apt-get", "download", "libb64-0d"], cwd=tmp, capture_output=True).returncode == 0
+
+        if not download() and os.geteuid() == 0:
+            subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+        if not list(Path(tmp).glob("*.deb")) and not download():
+            raise RuntimeError("could not download Debian's libb64-0d (apt-get download libb64-0d) for perf_analyzer")
+        deb = next(Path(tmp).glob("libb64-0d_*.deb"))
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(Path(tmp) / "root")], check=True)
+        found = sorted((Path(tmp) / "root").rglob("libb64.so.0d*"))
+        if not found:
+            raise RuntimeError(f"{deb.name} holds no libb64.so.0d")
+        LOCAL_LIB_DIR.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(found[0].resolve(), LOCAL_LIB_DIR / "libb64.so.0d")
 
 
 # ------------------------------------------------------------------ running

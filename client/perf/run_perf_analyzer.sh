@@ -4,7 +4,7 @@
 #   client/perf/run_perf_analyzer.sh [--model ensemble|llm] [--url localhost:8001]
 #       [--concurrency 1 8 64] [--input-data FILE] [--request-count N] [--out DIR] [-- PA_ARGS...]
 #
-# Installs what perf_analyzer needs when missing (libb64-0d via apt-get, nvidia-cuda-runtime-cu12
+# Installs what perf_analyzer needs when missing (libb64-0d unpacked into the venv, nvidia-cuda-runtime-cu12
 # via pip into .venv), then runs one perf_analyzer per concurrency level:
 #   perf_analyzer -m MODEL -u URL -i grpc --streaming --input-data FILE --concurrency-range C:C
 #       -f OUT/perf_cC.csv --verbose-csv --profile-export-file OUT/profile_cC.json ...
