@@ -39,10 +39,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# Python 3.11 (Ubuntu 22.04 universe): interpreter, venv support, and libpython for the stub.
+# Python 3.11 (Ubuntu 22.04 universe): interpreter, venv support, and libpython for the stub;
+# libb64-0d for perf_analyzer (tritonclient's, in the venv: client/perf/run_perf_analyzer.sh).
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3.11 python3.11-venv libpython3.11 \
+    && apt-get install -y --no-install-recommends python3.11 python3.11-venv libpython3.11 libb64-0d \
     && rm -rf /var/lib/apt/lists/* \
     && python3.11 -m venv /opt/venv
 
