@@ -140,7 +140,7 @@ def _unpack_libb64() -> None:
         if not found:
             raise RuntimeError(f"{deb.name} holds no libb64.so.0d")
         LOCAL_LIB_DIR.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(found[0].resolve(), LOCAL_LIB_DIR / "libb64.so.0d")
+        shutil.copyfile(found[0], LOCAL_LIB_DIR / "libb64.so.0d")
 
 
 # ------------------------------------------------------------------ running
