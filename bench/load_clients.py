@@ -41,12 +41,17 @@ class Workload:
     new_tokens: list[int]
     temperature: float
     seeds: list[int]
+    # vLLM's cache_salt per request: a salt of its own keeps a request from every cached block,
+    # so a server with prefix caching on serves it as one with caching off would.
+    cache_salts: Optional[list[str]] = None
 
     def sampling(self, i: int) -> dict[str, Any]:
         p: dict[str, Any] = {"max_new_tokens": self.new_tokens[i], "temperature": self.temperature,
                              "ignore_eos": True}
         if self.temperature > 0:
             p["seed"] = self.seeds[i]
+        if self.cache_salts is not None:
+            p["cache_salt"] = self.cache_salts[i]
         return p
 
 
@@ -169,6 +174,8 @@ def openai_requester(base_url: str, name: str, wl: Workload, stream: bool):
     async def request(i: int) -> Rec:
         rec = Rec()
         extra: dict[str, Any] = {"ignore_eos": True}
+        if wl.cache_salts is not None:
+            extra["cache_salt"] = wl.cache_salts[i]
         kwargs: dict[str, Any] = dict(model=name, prompt=list(wl.prompts[i]), max_tokens=wl.new_tokens[i],
                                       temperature=wl.temperature, extra_body=extra)
         if wl.temperature > 0:

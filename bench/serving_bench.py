@@ -27,6 +27,9 @@ chunks that carry tokens) p50/p99, end-to-end latency p50/p99.
   perf_analyzer   client/perf sweep on the served ensemble (csv + profile export saved)
   prefix          shared 1k-token prefix + short unique suffixes, engine with
                   enable_prefix_caching off vs on: TTFT ratio, outputs equal token for token
+  prefix_servers  the same prompts through tritonserver (ensemble) and the frontend (streaming),
+                  on a tritonserver of its own with prefix caching on: "off" gives each request a
+                  cache_salt of its own (vLLM's), so nothing cached is shared; TTFT ratio, outputs
   chunked         running streams' ITL p99 while a long prompt is prefilled vs without it
 
 Prefix caching is turned off for the main sweep (--main-prefix-caching): the same prompts are
@@ -70,7 +73,7 @@ from bench.load_clients import ClientPool, Rec, Workload, closed_loop  # noqa: E
 
 SECTIONS = ("hf_one_by_one", "hf_static", "engine", "triton", "triton_llm", "frontend", "frontend_nonstream", "perf_analyzer",
             "alternating",
-            "prefix", "chunked")
+            "prefix", "prefix_servers", "chunked")
 SERVER_PATHS = ("triton", "triton_llm", "frontend", "frontend_nonstream")  # the systems behind tritonserver
 TARGETS = {
     # ratio name: (minimum or maximum, bound) from issue 6
@@ -720,11 +723,7 @@ class Bench:
                                       "enable_prefix_caching"}
             log("prefix caching: not available")
             return
-        rng = random.Random(a.seed + 7)
-        vocab = usable_vocab(self.tokenizer)
-        prefix = [rng.randrange(100, vocab) for _ in range(a.prefix_len)]
-        suffixes = [[rng.randrange(100, vocab) for _ in range(rng.randint(16, 64))] for _ in range(a.prefix_requests + 1)]
-        prompts = [prefix + s for s in suffixes]
+        prompts = self.prefix_prompts()
         sampling = lambda i: {"max_new_tokens": a.prefix_new_tokens, "temperature": 0.0, "ignore_eos": True}  # noqa
         out: dict[str, Any] = {"available": True, "prefix_len": a.prefix_len, "requests": a.prefix_requests,
                                "concurrency": a.prefix_concurrency, "max_new_tokens": a.prefix_new_tokens}
@@ -754,6 +753,86 @@ class Bench:
         off, on = out["off"]["ttft_ms_p50"], out["on"]["ttft_ms_p50"]
         out["ttft_p50_off_over_on"] = off / on if off and on else None
         self.results["prefix"] = out
+
+    def prefix_prompts(self) -> list[list[int]]:
+        """--prefix-requests + 1 prompts: one shared --prefix-len prefix, then 16-64 tokens of
+        their own. The first warms up (and, with caching, puts the prefix in the cache)."""
+        a = self.args
+        rng = random.Random(a.seed + 7)
+        vocab = usable_vocab(self.tokenizer)
+        prefix = [rng.randrange(100, vocab) for _ in range(a.prefix_len)]
+        suffixes = [[rng.randrange(100, vocab) for _ in range(rng.randint(16, 64))] for _ in range(a.prefix_requests + 1)]
+        return [prefix + s for s in suffixes]
+
+    def run_prefix_servers(self, run_dir: Path) -> None:
+        """The prefix workload through tritonserver's ensemble and the frontend (streaming), as
+        users meet prefix caching. One tritonserver with caching on serves both modes: "off"
+        sends each request with a cache_salt of its own (its blocks hash apart from everything
+        cached), "on" sends none, after request 0 has cached the prefix."""
+        if not self.want("prefix_servers"):
+            return
+        from client.local_server import LocalTritonServer
+
+        a = self.args
+        prompts = self.prefix_prompts()
+        n = len(prompts)
+        indices = list(range(1, n))
+        env = {"LLM_MODEL_PATH": str(a.model_path)}
+        if a.device != "auto":
+            env["LLM_DEVICE"] = a.device
+        for k, v in a.engine_args.items():
+            env[f"LLM_{k.upper()}"] = str(v).lower() if isinstance(v, bool) else str(v)
+        env.update(a.server_env)
+        env["LLM_ENABLE_PREFIX_CACHING"] = "true"
+        out: dict[str, Any] = {"prefix_len": a.prefix_len, "requests": len(indices), "concurrency": a.prefix_concurrency,
+                               "max_new_tokens": a.prefix_new_tokens, "server_env": env}
+        log("starting tritonserver with prefix caching on (prefix through the server paths)")
+        srv = LocalTritonServer(env=env, log_file=run_dir / "tritonserver_prefix.log")
+        srv.start(timeout=600)
+        self.pids["tritonserver"] = srv.process.pid
+        fe: Optional[Frontend] = None
+        try:
+            systems = [("triton", "triton_requester", (srv.grpc_url,), "ensemble")]
+            fe = Frontend(srv.grpc_url, a.model_path, run_dir / "frontend_prefix.log",
+                          workers=a.frontend_workers).start()
+            self.pids["frontend"] = fe.proc.pid
+            systems.append(("frontend", "openai_requester", (f"http://127.0.0.1:{fe.port}/v1", fe.name), True))
+
+            async def run() -> None:
+                for system, factory, head, tail in systems:
+                    row: dict[str, Any] = {}
+                    outputs: dict[str, list] = {}
+                    for mode in ("off", "on"):
+                        # A salt per request and round: nothing of an earlier run can be a hit.
+                        salts = [f"bench-{mode}-{time.monotonic_ns()}-{i}" for i in range(n)] if mode == "off" else None
+                        wl = Workload(prompts, [a.prefix_new_tokens] * n, 0.0, [0] * n, cache_salts=salts)
+                        request, close = self.requester(factory, *head, wl, tail)
+                        try:
+                            await closed_loop(request, [0], 1)  # connections; with caching, the prefix
+                            recs, wall, extra = await self.measure(request, a.prefix_concurrency, indices)
+                        finally:
+                            await close()
+                        m = metrics(recs, wall)
+                        m.update(extra)
+                        row[mode] = m
+                        outputs[mode] = [r.ids if system == "triton" else r.text for r in recs]
+                        self.record(f"{system}_prefix_{mode}", a.prefix_concurrency, m)
+                    off, on = row["off"]["ttft_ms_p50"], row["on"]["ttft_ms_p50"]
+                    row["ttft_p50_off_over_on"] = off / on if off and on else None
+                    equal = sum(x == y for x, y in zip(outputs["off"], outputs["on"]))
+                    row["requests_equal"] = f"{equal}/{len(indices)}"
+                    out[system] = row
+                    log(f"prefix caching through {system}: TTFT p50 {off:.1f} ms off, {on:.1f} ms on "
+                        f"({row['ttft_p50_off_over_on']:.2f}x); outputs equal {row['requests_equal']}")
+
+            asyncio.run(run())
+        finally:
+            if fe is not None:
+                fe.stop()
+                self.pids.pop("frontend", None)
+            srv.stop()
+            self.pids.pop("tritonserver", None)
+        self.results["prefix_servers"] = out
 
     # ------------------------------------------------------------------ chunked prefill
     def run_chunked(self) -> None:
@@ -1047,6 +1126,9 @@ class Bench:
             "frontend_nonstream_vs_engine": div(tput("frontend_nonstream", top), bracket),
             "frontend_stream_vs_nonstream": div(tput("frontend", top), tput("frontend_nonstream", top)),
             "prefix_ttft_off_over_on": (self.results.get("prefix") or {}).get("ttft_p50_off_over_on"),
+            **{f"prefix_ttft_off_over_on_{system}": row.get("ttft_p50_off_over_on")
+               for system, row in (self.results.get("prefix_servers") or {}).items() if isinstance(row, dict)
+               and "ttft_p50_off_over_on" in row},
             "chunked_prefill_itl_p99_ratio": (self.results.get("chunked") or {}).get("itl_p99_ratio"),
         }
         # Medians of round-by-round ratios replace the single sweep's: sturdier on a machine whose
@@ -1174,7 +1256,8 @@ def print_ratios(r: dict[str, Any], results: dict[str, Any]) -> None:
             single = ", ".join(f"{k}={v:.2f}" for k, v in r["single_sweep"].items()
                                if v is not None and k.startswith("engine_vs_hf") == is_hf)
             print(f"  {kind} ratios above: {r[label]} (the sweep alone: {single})")
-    for name in ("triton_llm_vs_engine", "frontend_nonstream_vs_engine"):  # reported, no target
+    for name in ("triton_llm_vs_engine", "frontend_nonstream_vs_engine",  # reported, no target
+                 "prefix_ttft_off_over_on_triton", "prefix_ttft_off_over_on_frontend"):
         if r.get(name) is not None:
             print(f"  {name:32s} {r[name]:8.2f}")
     if r.get("engine_drift") is not None:
@@ -1350,6 +1433,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     steps = (("hf", bench.run_hf), ("engine", bench.run_engine), ("hf_alternating", bench.run_hf_alternating),
              ("prefix", bench.run_prefix),
              ("chunked", bench.run_chunked), ("servers", lambda: bench.run_servers(run_dir)),
+             ("prefix_servers", lambda: bench.run_prefix_servers(run_dir)),
              ("engine_after", bench.run_engine_after))
     signal.signal(signal.SIGTERM, _cut_off)
     interrupted = False
