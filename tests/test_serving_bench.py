@@ -69,3 +69,21 @@ def test_an_interrupt_while_the_frontend_starts_stops_it(tmp_path, demo_model_pa
     with pytest.raises(KeyboardInterrupt):
         fe.start(timeout=30)
     assert fe.proc is None  # terminated and waited for
+
+
+def test_a_salted_workload_sends_each_request_its_own_cache_salt():
+    # prefix_servers' "off": a salt per request keeps every request from the cached prefix, on
+    # both paths (the ensemble's sampling_parameters, the frontend's extra body).
+    from bench.load_clients import Workload
+
+    plain = Workload([[1, 2], [3, 4]], [4, 4], 0.0, [0, 0])
+    salted = Workload([[1, 2], [3, 4]], [4, 4], 0.0, [0, 0], cache_salts=["a", "b"])
+    assert "cache_salt" not in plain.sampling(0)
+    assert [salted.sampling(i)["cache_salt"] for i in range(2)] == ["a", "b"]
+
+
+def test_the_sdk_part_of_a_request_runs_the_real_sdk_against_a_stand_in():
+    # No server: a transport that answers at once (a wrong stand-in answer fails the SDK's parse).
+    from bench.serving_bench import sdk_request_ms
+
+    assert 0 < sdk_request_ms(list(range(100, 1124)), 4, repeats=2) < 5000
