@@ -799,13 +799,7 @@ class Bench:
         prompts = self.prefix_prompts()
         n = len(prompts)
         indices = list(range(1, n))
-        env = {"LLM_MODEL_PATH": str(a.model_path)}
-        if a.device != "auto":
-            env["LLM_DEVICE"] = a.device
-        for k, v in a.engine_args.items():
-            env[f"LLM_{k.upper()}"] = str(v).lower() if isinstance(v, bool) else str(v)
-        env.update(a.server_env)
-        env["LLM_ENABLE_PREFIX_CACHING"] = "true"
+        env = {**self.server_env({}), "LLM_ENABLE_PREFIX_CACHING": "true"}  # whatever --server-env said
         out: dict[str, Any] = {"prefix_len": a.prefix_len, "requests": len(indices), "concurrency": a.prefix_concurrency,
                                "max_new_tokens": a.prefix_new_tokens, "server_env": env}
         log("starting tritonserver with prefix caching on (prefix through the server paths)")
@@ -982,18 +976,25 @@ class Bench:
 
         return pool, close
 
+    def server_env(self, engine_overrides: dict[str, Any]) -> dict[str, str]:
+        """tritonserver's environment: the model, the device, --engine-arg and these overrides
+        as LLM_<NAME>, then --server-env."""
+        a = self.args
+        env = {"LLM_MODEL_PATH": str(a.model_path)}
+        if a.device != "auto":
+            env["LLM_DEVICE"] = a.device
+        for k, v in {**a.engine_args, **engine_overrides}.items():
+            env[f"LLM_{k.upper()}"] = str(v).lower() if isinstance(v, bool) else str(v)
+        env.update(a.server_env)
+        return env
+
     def run_servers(self, run_dir: Path) -> None:
         if not any(self.want(s) for s in (*SERVER_PATHS, "perf_analyzer")):
             return
         from client.local_server import LocalTritonServer
 
         a = self.args
-        env = {"LLM_MODEL_PATH": str(a.model_path)}
-        if a.device != "auto":
-            env["LLM_DEVICE"] = a.device
-        for k, v in {**a.engine_args, **self.main_prefix_override()}.items():
-            env[f"LLM_{k.upper()}"] = str(v).lower() if isinstance(v, bool) else str(v)
-        env.update(a.server_env)
+        env = self.server_env(self.main_prefix_override())
         self.results["server_env"] = env
         log("starting tritonserver")
         srv = LocalTritonServer(env=env, log_file=run_dir / "tritonserver.log")

@@ -130,9 +130,11 @@ def _unpack_libb64() -> None:
         def download() -> bool:
             return subprocess.run(["apt-get", "download", "libb64-0d"], cwd=tmp, capture_output=True).returncode == 0
 
-        if not download() and os.geteuid() == 0:
+        downloaded = download()
+        if not downloaded and os.geteuid() == 0:
             subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
-        if not list(Path(tmp).glob("*.deb")) and not download():
+            downloaded = download()
+        if not downloaded:
             raise RuntimeError("could not download Debian's libb64-0d (apt-get download libb64-0d) for perf_analyzer")
         deb = next(Path(tmp).glob("libb64-0d_*.deb"))
         subprocess.run(["dpkg-deb", "-x", str(deb), str(Path(tmp) / "root")], check=True)
