@@ -1036,12 +1036,19 @@ def test_the_stream_timeout_bounds_a_whole_beam_search(triton):
         wait_kv_blocks_free(_metrics_url(triton), timeout=10)
 
 
+def _requests_ended(server, model: str) -> int:
+    """Requests `model` has ended, succeeded or failed (Triton's statistics)."""
+    stats = httpx.get(f"http://{server.http_url}/v2/models/{model}/stats", timeout=10).json()["model_stats"][0]["inference_stats"]
+    return int(stats["success"]["count"]) + int(stats["fail"]["count"])
+
+
 def test_a_disconnect_during_a_beam_searchs_tokenize_leaves_the_grpc_call_alone(triton, cancelled_grpc_reads):
     """Beam search tokenizes the prompt with a unary call to preprocessing; a client leaving
     meanwhile cancelled the task awaiting it (review s20), which grpc.aio leaks."""
     settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, abort_model="llm")
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 400_000}],
                        "use_beam_search": True, "n": 2, "max_tokens": 5}).encode()
+    ended = _requests_ended(triton["server"], "preprocessing")
     with serve_in_thread(create_app(settings)) as url:
         url = httpx.URL(url)
         with socket.create_connection((url.host, url.port), timeout=10) as sock:
@@ -1051,7 +1058,13 @@ def test_a_disconnect_during_a_beam_searchs_tokenize_leaves_the_grpc_call_alone(
             sock.setblocking(False)
             with pytest.raises(BlockingIOError):
                 sock.recv(1)  # not answered yet: the tokenize was still in flight
-        time.sleep(3)  # the shielded call finishes on its own
+        # The shielded call finishes on its own. Until it has, closing the frontend would cancel
+        # it (a slower host under the suite's other lane took over 3.3 s to tokenize).
+        deadline = time.monotonic() + 60
+        while _requests_ended(triton["server"], "preprocessing") == ended:
+            assert time.monotonic() < deadline, "preprocessing never ended the tokenize call"
+            time.sleep(0.1)
+        time.sleep(0.5)  # its answer's way back to the frontend
     assert cancelled_grpc_reads[0] == 0
     wait_kv_blocks_free(_metrics_url(triton), timeout=10)
 
