@@ -37,13 +37,8 @@
 #   OPENAI_FRONTEND_API_KEY     read by the frontend: require this bearer token
 #   LLM_* engine settings       read by the llm model (see README: LLM_NUM_KV_BLOCKS, LLM_MAX_MODEL_LEN, ...)
 set -euo pipefail
-# Started in the background by a non-interactive shell (`docker-entrypoint.sh &` in a script), bash inherits
-# SIGINT ignored and cannot trap a signal ignored at its start: `kill -INT` did nothing (QA). Start
-# again with it at its default (coreutils' env, as client/local_server.py starts tritonserver).
-ignored=$(awk '/^SigIgn:/ {print $2}' /proc/$$/status 2>/dev/null) || true
-if (( 0x${ignored:-0} & 2 )) && env --default-signal=INT true 2>/dev/null; then
-  exec env --default-signal=INT "$BASH" "$0" "$@"
-fi
+# shellcheck source=scripts/default-sigint.sh
+. "$(dirname "${BASH_SOURCE[0]}")/default-sigint.sh"  # `kill -INT` works when started with `&` too
 
 APP_DIR=${APP_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 PYTHON=${PYTHON:-python3}

@@ -24,13 +24,8 @@
 # the engine), or cuts the direct requests' grace short.
 # Every other engine setting: env LLM_<NAME> (README, "Engine settings").
 set -euo pipefail
-# Started in the background by a non-interactive shell (`scripts/serve.sh &` in a script), bash inherits
-# SIGINT ignored and cannot trap a signal ignored at its start: `kill -INT` did nothing (QA). Start
-# again with it at its default (coreutils' env, as client/local_server.py starts tritonserver).
-ignored=$(awk '/^SigIgn:/ {print $2}' /proc/$$/status 2>/dev/null) || true
-if (( 0x${ignored:-0} & 2 )) && env --default-signal=INT true 2>/dev/null; then
-  exec env --default-signal=INT "$BASH" "$0" "$@"
-fi
+# shellcheck source=scripts/default-sigint.sh
+. "$(dirname "${BASH_SOURCE[0]}")/default-sigint.sh"  # `kill -INT` works when started with `&` too
 CALLER=$PWD
 # A path the caller gave, relative to the caller's directory (this script works from the repo's).
 abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$CALLER/$1" ;; esac; }
