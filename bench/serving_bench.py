@@ -305,8 +305,8 @@ def engine_config(args, **overrides):
     return EngineConfig(**kwargs), dropped
 
 
-def compare_outputs(off: Sequence[Sequence[int]], on: Sequence[Sequence[int]]) -> dict[str, Any]:
-    """Cached against uncached outputs, request by request. In bf16 a cached prompt's suffix is
+def compare_outputs(off: Sequence[Sequence[Any]], on: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """Cached against uncached outputs (token ids, or texts), request by request. In bf16 a cached prompt's suffix is
     computed by other kernels than a whole prompt's prefill (a flat step replays the decode
     graph), so the logits differ in their last bits and a greedy near-tie can go the other way:
     where the outputs part says whether that is what happened (late, a few requests) or a bug
@@ -835,8 +835,7 @@ class Bench:
                         self.record(f"{system}_prefix_{mode}", a.prefix_concurrency, m)
                     off, on = row["off"]["ttft_ms_p50"], row["on"]["ttft_ms_p50"]
                     row["ttft_p50_off_over_on"] = off / on if off and on else None
-                    equal = sum(x == y for x, y in zip(outputs["off"], outputs["on"]))
-                    row["requests_equal"] = f"{equal}/{len(indices)}"
+                    row.update(compare_outputs(outputs["off"], outputs["on"]))
                     if system == "frontend":
                         row["sdk_request_ms"] = sdk_request_ms(prompts[1], a.prefix_new_tokens)
                     out[system] = row
