@@ -154,12 +154,39 @@ def resolve_path(value: str | Path) -> Path:
     return path if path.is_absolute() else repo_root() / path
 
 
+def _model_config(args: Mapping[str, Any]) -> dict[str, Any]:
+    config = args["model_config"]
+    return json.loads(config) if isinstance(config, str) else config
+
+
 def config_parameters(args: Mapping[str, Any]) -> dict[str, str]:
     """The `parameters` of a model's config.pbtxt as {key: string_value}, from initialize(args)."""
-    config = args["model_config"]
-    if isinstance(config, str):
-        config = json.loads(config)
-    return {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
+    return {k: v.get("string_value", "") for k, v in (_model_config(args).get("parameters") or {}).items()}
+
+
+def instance_count(args: Mapping[str, Any]) -> int:
+    """How many instances of this model Triton starts, from its normalized config: each group's
+    count, once per GPU listed for a KIND_GPU group (Triton fills the list with every visible GPU
+    when the config names none). Passive instances count: they are loaded all the same."""
+    groups = _model_config(args).get("instance_group") or []
+    return sum(int(g.get("count", 1)) * max(1, len(g.get("gpus") or [])) for g in groups) or 1
+
+
+def check_serving_config(args: Mapping[str, Any], model: str, *, one_instance: Optional[str] = None,
+                         decoupled: Optional[str] = None) -> None:
+    """Refuses at load, with the reasons given, a config.pbtxt edited into one this model cannot
+    serve correctly although Triton would run it: a second instance (`one_instance`: why there
+    must be one; Triton would route requests to either, silently), or a transaction policy that
+    is not decoupled (`decoupled`: why it must be)."""
+    problems = []
+    if one_instance is not None and (n := instance_count(args)) != 1:
+        problems.append(f"its instance_group gives {n} instances; it must have exactly one "
+                        f"(instance_group [ {{ count: 1, kind: KIND_CPU }} ]): {one_instance}")
+    policy = _model_config(args).get("model_transaction_policy") or {}
+    if decoupled is not None and not policy.get("decoupled", False):
+        problems.append(f"it must be decoupled (model_transaction_policy {{ decoupled: true }}): {decoupled}")
+    if problems:
+        raise ValueError(f"{model} config.pbtxt: " + "; ".join(problems))
 
 
 def model_path_from_config(args: Mapping[str, Any], env: Optional[Mapping[str, str]] = None) -> Path:

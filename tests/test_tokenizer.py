@@ -10,7 +10,8 @@ import pytest
 
 from backend.tokenizer import encode_prompt, load_tokenizer, render_chat
 from backend.triton_utils import (
-    chat_template_from_config, model_path_from_config, preprocess_arrays, repo_root, trust_request_chat_template,
+    chat_template_from_config, instance_count, model_path_from_config, preprocess_arrays, repo_root,
+    check_serving_config, trust_request_chat_template,
 )
 from conftest import FakeRequest, load_triton_model
 
@@ -428,3 +429,39 @@ def test_an_assistants_reasoning_reaches_the_template_under_either_name():
     assert (m["reasoning"], m["reasoning_content"]) == ("new", "old")  # both given: as sent
     [m] = normalize_messages([{"role": "user", "content": "q", "reasoning": "x"}])
     assert "reasoning_content" not in m
+
+
+def _instances(*groups, decoupled: bool = True) -> dict:
+    return {"model_config": json.dumps({"instance_group": list(groups),
+                                        "model_transaction_policy": {"decoupled": decoupled}})}
+
+
+def test_instance_count_reads_the_normalized_instance_groups():
+    assert instance_count({"model_config": "{}"}) == 1  # Triton always adds one group; a bare config means one
+    assert instance_count(_instances({"kind": "KIND_CPU", "count": 1, "gpus": []})) == 1
+    assert instance_count(_instances({"kind": "KIND_CPU", "count": 2})) == 2
+    # KIND_GPU: one instance per count and GPU listed (Triton lists every visible GPU when none is named)
+    assert instance_count(_instances({"kind": "KIND_GPU", "count": 1, "gpus": [0, 1]})) == 2
+    assert instance_count(_instances({"kind": "KIND_CPU", "count": 1}, {"kind": "KIND_CPU", "count": 1, "passive": True})) == 2
+
+
+def test_check_serving_config_names_every_problem_with_its_reason():
+    one = {"kind": "KIND_GPU", "count": 1, "gpus": [3]}
+    check_serving_config(_instances(one), "llm", one_instance="alone", decoupled="streams")
+    check_serving_config(_instances(one, decoupled=False), "postprocessing", one_instance="in order")  # not asked
+    check_serving_config({"model_config": "{}"}, "m", one_instance="alone")
+    with pytest.raises(ValueError, match=r"^llm config.pbtxt: its instance_group gives 4 instances; it must have "
+                                         r"exactly one \(.*\): alone$"):
+        check_serving_config(_instances({"kind": "KIND_GPU", "count": 2, "gpus": [0, 1]}), "llm", one_instance="alone")
+    with pytest.raises(ValueError, match=r"^llm config.pbtxt: its instance_group gives 2 .*: alone; it must be "
+                                         r"decoupled \(model_transaction_policy \{ decoupled: true \}\): streams$"):
+        check_serving_config(_instances({"count": 2}, decoupled=False), "llm", one_instance="alone", decoupled="streams")
+    with pytest.raises(ValueError, match=r"^m config.pbtxt: it must be decoupled .*: streams$"):
+        check_serving_config({"model_config": "{}"}, "m", decoupled="streams")
+
+
+def test_postprocessing_model_py_refuses_a_second_instance(fake_pb_utils, demo_model_path, monkeypatch):
+    monkeypatch.setenv("LLM_MODEL_PATH", str(demo_model_path))
+    model = load_triton_model("postprocessing").TritonPythonModel()
+    with pytest.raises(ValueError, match="postprocessing config.pbtxt: its instance_group gives 2 instances.*sent them out of order"):
+        model.initialize(_instances({"kind": "KIND_CPU", "count": 2}))

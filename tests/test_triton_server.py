@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.local_server import LocalTritonServer
+from client.local_server import REPO_ROOT, LocalTritonServer
 from client.triton_stream import TritonStreamClient
 from tritonclient.utils import InferenceServerException
 
@@ -523,3 +523,36 @@ def test_an_interrupt_while_the_server_starts_stops_it(tmp_path, demo_model_path
     with pytest.raises(ProcessLookupError):
         os.killpg(calls[0], 0)
     assert took < 15, took
+
+
+def test_a_second_instance_or_a_non_decoupled_llm_is_refused_at_load(tmp_path, demo_model_path):
+    # QA: with `count: 2` Triton started two engines (two KV pools) and routed each request to
+    # either, so an abort or a `rid` check reached the engine that did not hold the request, and
+    # two postprocessing instances reordered a stream's text. Made non-decoupled, llm answered
+    # one-response requests but left every streamed or n > 1 request hanging ("Non-decoupled
+    # model cannot send more than one response" in the log only). Each load fails instead, saying why.
+    repo = tmp_path / "repository"
+    for name in ("llm", "postprocessing"):
+        config = (REPO_ROOT / "model_repository" / name / "config.pbtxt").read_text()
+        assert "instance_group [ { count: 1, kind: KIND_CPU } ]" in config
+        (repo / name / "1").mkdir(parents=True)
+        config = config.replace("instance_group [ { count: 1, kind: KIND_CPU } ]", "instance_group [ { count: 2, kind: KIND_CPU } ]")
+        if name == "llm":
+            assert "model_transaction_policy { decoupled: true }" in config
+            config = config.replace("model_transaction_policy { decoupled: true }", "model_transaction_policy { decoupled: false }")
+        (repo / name / "config.pbtxt").write_text(config)
+        # A link: model.py finds the repository root (backend/) from its resolved path.
+        (repo / name / "1" / "model.py").symlink_to(REPO_ROOT / "model_repository" / name / "1" / "model.py")
+    log = tmp_path / "server.log"
+    server = LocalTritonServer(model_repository=repo, env={"LLM_MODEL_PATH": str(demo_model_path)}, log_file=log)
+    try:
+        with pytest.raises(RuntimeError, match="tritonserver exited"):
+            server.start(timeout=120)
+    finally:
+        server.stop()
+    text = log.read_text()
+    for name in ("llm", "postprocessing"):
+        assert f"{name} config.pbtxt: its instance_group gives 2 instances; it must have exactly one" in text, text[-3000:]
+    assert "the engine is one KV pool and one step loop" in text
+    assert "it must be decoupled (model_transaction_policy { decoupled: true }): a request's tokens stream" in text
+    assert "llm engine ready" not in text  # refused before an engine was built

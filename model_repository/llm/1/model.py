@@ -52,6 +52,7 @@ from backend.triton_metrics import LLMMetrics  # noqa: E402
 from backend.triton_utils import (  # noqa: E402
     GuardedSender,
     OpenRequests,
+    check_serving_config,
     exit_with_server,
     input_arrays,
     model_path_from_config,
@@ -80,6 +81,12 @@ def _send_error(sender: GuardedSender):
 class TritonPythonModel:
     def initialize(self, args):
         self._watcher = exit_with_server("llm")
+        check_serving_config(
+            args, "llm",
+            one_instance="the engine is one KV pool and one step loop, and aborts, `rid` checks and the prefix cache "
+                         "find a request only in the engine that runs it; concurrency comes from continuous batching "
+                         "(for more GPUs, one tritonserver each)",
+            decoupled="a request's tokens stream as responses of their own, and n > 1 samples each end apart")
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         env = dict(os.environ)
