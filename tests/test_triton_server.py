@@ -556,3 +556,28 @@ def test_a_second_instance_or_a_non_decoupled_llm_is_refused_at_load(tmp_path, d
     assert "the engine is one KV pool and one step loop" in text
     assert "it must be decoupled (model_transaction_policy { decoupled: true }): a request's tokens stream" in text
     assert "llm engine ready" not in text  # refused before an engine was built
+
+
+def test_an_llm_whose_ensemble_tokenizes_with_another_model_is_refused_at_load(tmp_path, demo_model_path, monkeypatch):
+    # QA: llm's model_path edited alone (preprocessing and postprocessing left at the demo model)
+    # loaded, then served the model another tokenizer's ids, with nothing in any log.
+    from tests.test_ensemble_check import _repository, _tokenizer_copy
+
+    monkeypatch.delenv("LLM_MODEL_PATH", raising=False)
+    other = _tokenizer_copy(demo_model_path, tmp_path / "other", change=True)
+    repo = _repository(tmp_path, {"llm": str(other)})
+    for model in ("preprocessing", "llm", "postprocessing"):
+        (repo / model / "1").mkdir()
+        (repo / model / "1" / "model.py").symlink_to(REPO_ROOT / "model_repository" / model / "1" / "model.py")
+    (repo / "ensemble" / "1").mkdir()
+    log = tmp_path / "server.log"
+    server = LocalTritonServer(model_repository=repo, log_file=log)
+    try:
+        with pytest.raises(RuntimeError, match="tritonserver exited"):
+            server.start(timeout=120)
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert (f"llm serves {other}, but preprocessing (a step of ensemble) loads its tokenizer from "
+            f"{REPO_ROOT / 'models' / 'demo'}; postprocessing (a step of ensemble)") in text, text[-3000:]
+    assert "llm engine ready" not in text

@@ -21,6 +21,7 @@ from backend.abort_acks import AbortAcks  # noqa: E402
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import EngineOverloaded, EngineStats, LLMEngine, RequestError  # noqa: E402
 from backend.engine_process import EngineProxy  # noqa: E402
+from backend.ensemble_check import check_ensemble_tokenizers  # noqa: E402
 from backend.gc_freeze import freeze_startup_heap  # noqa: E402
 from backend.outbox import Outbox, StreamResponder  # noqa: E402
 from backend.outputs import RequestOutput  # noqa: E402
@@ -87,6 +88,7 @@ class TritonPythonModel:
                          "find a request only in the engine that runs it; concurrency comes from continuous batching "
                          "(for more GPUs, one tritonserver each)",
             decoupled="a request's tokens stream as responses of their own, and n > 1 samples each end apart")
+        check_ensemble_tokenizers(args)
         model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
         env = dict(os.environ)
