@@ -475,6 +475,8 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     async def health() -> Response:
         if await ctx.client.is_ready():
             return Response(status_code=200)
+        if problem := getattr(ctx.client, "contract_error", None):  # ready, but not a model this frontend can call
+            raise APIError(500, problem)
         raise unavailable(f"Triton model '{settings.triton_model}' at {settings.triton_url} is not ready")
 
     @app.get("/health_generate")

@@ -559,6 +559,29 @@ def _cancelled_from_outside() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+# What generate() may send and what it reads back. A model without them fails every request
+# ("unexpected inference input") or, `llm` itself, answers /generate's ids with empty text: the
+# frontend checks once, when the model is first ready (QA: --triton-model llm did both).
+ENSEMBLE_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+                   "continue_final_message", "documents", "chat_template", "add_special_tokens", "input_ids",
+                   "input_embeds", "stream", "sampling_parameters")
+ENSEMBLE_OUTPUTS = _FIELDS
+
+
+def contract_problem(model: str, metadata: dict[str, Any]) -> Optional[str]:
+    """Why `model` (its Triton metadata) cannot serve this frontend, or None when it can."""
+    inputs = {t.get("name") for t in metadata.get("inputs") or []}
+    outputs = {t.get("name") for t in metadata.get("outputs") or []}
+    missing = [f"no {kind} {', '.join(names)}" for kind, names in (
+        ("output", [n for n in ENSEMBLE_OUTPUTS if n not in outputs]),
+        ("input", [n for n in ENSEMBLE_INPUTS if n not in inputs])) if names]
+    if not missing:
+        return None
+    return (f"Triton model '{model}' is not one this frontend can call: it has {' and '.join(missing)}. The frontend "
+            "calls the ensemble (preprocessing -> llm -> postprocessing), or a model with the same inputs and "
+            "outputs; --triton-model names it")
+
+
 class TritonLLMClient:
     """Async client of the ensemble model over gRPC. Create once per process.
 
@@ -587,6 +610,8 @@ class TritonLLMClient:
         self.abort_model = abort_model
         self.frontend_id = frontend_id or uuid.uuid4().hex[:12]
         self._client: Optional[grpcclient_aio.InferenceServerClient] = None
+        # None until the model's metadata was read (contract_problem); then "" or the problem.
+        self.contract_error: Optional[str] = None
         self._aborts: set[asyncio.Task] = set()
         # The Triton request id of every stream in flight, by the request id the client knows
         # (SGLang's /abort_request names the latter).
@@ -617,11 +642,24 @@ class TritonLLMClient:
             await client.close()
 
     async def is_ready(self) -> bool:
+        """The model is ready, and is one this frontend can call (contract_error says why not)."""
         try:
-            return bool(await self._get().is_model_ready(self.model_name, client_timeout=self.ready_timeout))
+            ready = bool(await self._get().is_model_ready(self.model_name, client_timeout=self.ready_timeout))
+            return ready and not await self._check_contract()
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
             log.debug("readiness check failed: %s", exc)
             return False
+
+    async def _check_contract(self) -> str:
+        """The model's inputs and outputs against what generate() sends and reads, once; the
+        problem found, or "". Raises what the metadata call raised (nothing is remembered then)."""
+        if self.contract_error is None:
+            metadata = await self._get().get_model_metadata(self.model_name, as_json=True,
+                                                            client_timeout=self.ready_timeout)
+            self.contract_error = contract_problem(self.model_name, metadata) or ""
+            if self.contract_error:
+                log.error("%s", self.contract_error)
+        return self.contract_error
 
     async def _serving(self) -> Optional[bool]:
         """Whether the server says it is ready and so is its model; None when it gave no answer
@@ -666,6 +704,13 @@ class TritonLLMClient:
         Closing the iterator before the end (or cancelling the task consuming it) cancels the
         gRPC stream, which cancels the request in Triton.
         """
+        if self.contract_error is None:
+            try:
+                await self._check_contract()
+            except (InferenceServerException, grpc.RpcError, OSError) as exc:
+                log.debug("model metadata unavailable: %s", exc)  # the call below says what is wrong
+        if self.contract_error:
+            raise APIError(500, self.contract_error)
         claims = self._claims(request)  # claimed below with the stream, with no await between
         inputs = build_inputs(request)
         # Unique per stream (client-supplied ids may repeat), traceable to the client's id, and

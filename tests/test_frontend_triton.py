@@ -600,6 +600,22 @@ def test_request_id_echoed_and_api_key(triton, base_url):
         assert httpx.get(url + "/metrics").status_code == 200
 
 
+def test_a_frontend_pointed_at_a_model_it_cannot_call_says_so(triton):
+    # QA: --triton-model llm (the engine, not the ensemble) answered chat with Triton's
+    # "unexpected inference input 'messages'" and /generate's ids with empty text, /health 200.
+    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, triton_model="llm")
+    with serve_in_thread(create_app(settings)) as url:
+        health = _error(httpx.get(url + "/health"), 500)
+        assert health["message"].startswith(
+            "Triton model 'llm' is not one this frontend can call: it has no output text_output and no input "
+            "text_input, messages, "), health
+        assert "--triton-model names it" in health["message"]
+        chat = _error(httpx.post(url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}), 500)
+        ids = _error(httpx.post(url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}), 500)
+        assert chat["message"] == ids["message"] == health["message"]
+
+
 def test_models_health_and_parse_function_call(base_url):
     models = httpx.get(base_url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]

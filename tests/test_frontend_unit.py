@@ -1280,6 +1280,11 @@ class _FailingStream:
     def stream_infer(self, requests, stream_timeout=None):
         return self
 
+    async def get_model_metadata(self, model_name, as_json=False, client_timeout=None):  # the ensemble's
+        from openai_frontend.triton_client import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
+
+        return {"inputs": [{"name": n} for n in ENSEMBLE_INPUTS], "outputs": [{"name": n} for n in ENSEMBLE_OUTPUTS]}
+
     def __aiter__(self):
         return self
 
@@ -1536,6 +1541,35 @@ def test_build_inputs():
     with pytest.raises(APIError):
         build_inputs(EngineRequest({}))
     assert np  # keep the import used
+
+
+def test_the_contract_check_covers_every_tensor_the_frontend_sends_and_the_ensemble_declares_them():
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from openai_frontend.engine_types import EngineRequest
+    from openai_frontend.triton_client import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, build_inputs, contract_problem
+
+    sent = set()
+    for req in (EngineRequest({}, text_input="hi", add_special_tokens=False, n=2),
+                EngineRequest({}, input_ids=[1]), EngineRequest({}, input_embeds=[[0.5, 0.5]]),
+                EngineRequest({}, messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}],
+                              chat_template_kwargs={"a": 1}, add_generation_prompt=False, continue_final_message=True,
+                              documents=[{"text": "d"}], chat_template="{{ 1 }}", add_special_tokens=True)):
+        sent |= {t.name() for t in build_inputs(req)}
+    assert sent == set(ENSEMBLE_INPUTS)
+    config = text_format.Parse((REPO_ROOT / "model_repository" / "ensemble" / "config.pbtxt").read_text(),
+                               model_config_pb2.ModelConfig())
+    metadata = {"inputs": [{"name": t.name} for t in config.input], "outputs": [{"name": t.name} for t in config.output]}
+    assert contract_problem("ensemble", metadata) is None
+    llm = text_format.Parse((REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text(),
+                            model_config_pb2.ModelConfig())
+    problem = contract_problem("llm", {"inputs": [{"name": t.name} for t in llm.input],
+                                       "outputs": [{"name": t.name} for t in llm.output]})
+    assert problem.startswith("Triton model 'llm' is not one this frontend can call: it has no output text_output "
+                              "and no input text_input, messages, tools, "), problem
+    assert contract_problem("m", {"inputs": metadata["inputs"], "outputs": []}).startswith(
+        f"Triton model 'm' is not one this frontend can call: it has no output {', '.join(ENSEMBLE_OUTPUTS)}. ")
 
 
 def test_nameless_functions_and_messages_without_content_are_refused(client, fake):
