@@ -525,6 +525,18 @@ def test_an_interrupt_while_the_server_starts_stops_it(tmp_path, demo_model_path
     assert took < 15, took
 
 
+def _failed_load_log(repo, tmp_path, env=None) -> str:
+    """The log of a tritonserver on `repo` that must exit because a model failed to load."""
+    log = tmp_path / "server.log"
+    server = LocalTritonServer(model_repository=repo, env=env, log_file=log)
+    try:
+        with pytest.raises(RuntimeError, match="tritonserver exited"):
+            server.start(timeout=120)
+    finally:
+        server.stop()
+    return log.read_text()
+
+
 def test_a_second_instance_or_a_non_decoupled_llm_is_refused_at_load(tmp_path, demo_model_path):
     # QA: with `count: 2` Triton started two engines (two KV pools) and routed each request to
     # either, so an abort or a `rid` check reached the engine that did not hold the request, and
@@ -543,14 +555,7 @@ def test_a_second_instance_or_a_non_decoupled_llm_is_refused_at_load(tmp_path, d
         (repo / name / "config.pbtxt").write_text(config)
         # A link: model.py finds the repository root (backend/) from its resolved path.
         (repo / name / "1" / "model.py").symlink_to(REPO_ROOT / "model_repository" / name / "1" / "model.py")
-    log = tmp_path / "server.log"
-    server = LocalTritonServer(model_repository=repo, env={"LLM_MODEL_PATH": str(demo_model_path)}, log_file=log)
-    try:
-        with pytest.raises(RuntimeError, match="tritonserver exited"):
-            server.start(timeout=120)
-    finally:
-        server.stop()
-    text = log.read_text()
+    text = _failed_load_log(repo, tmp_path, env={"LLM_MODEL_PATH": str(demo_model_path)})
     for name in ("llm", "postprocessing"):
         assert f"{name} config.pbtxt: its instance_group gives 2 instances; it must have exactly one" in text, text[-3000:]
     assert "the engine is one KV pool and one step loop" in text
@@ -569,14 +574,7 @@ def test_an_llm_whose_ensemble_tokenizes_with_another_model_is_refused_at_load(t
     # llm reads the other steps' config.pbtxt only: they need not load (without a model.py they fail at once).
     (repo / "llm" / "1").mkdir()
     (repo / "llm" / "1" / "model.py").symlink_to(REPO_ROOT / "model_repository" / "llm" / "1" / "model.py")
-    log = tmp_path / "server.log"
-    server = LocalTritonServer(model_repository=repo, log_file=log)
-    try:
-        with pytest.raises(RuntimeError, match="tritonserver exited"):
-            server.start(timeout=120)
-    finally:
-        server.stop()
-    text = log.read_text()
+    text = _failed_load_log(repo, tmp_path)
     assert (f"llm serves {other}, but preprocessing (a step of ensemble) loads its tokenizer from "
             f"{REPO_ROOT / 'models' / 'demo'}; postprocessing (a step of ensemble)") in text, text[-3000:]
     assert "llm engine ready" not in text
