@@ -1,4 +1,5 @@
-"""scripts/gpu_check.sh: the wheels it fetches for a GPU host are this repository's pinned versions."""
+"""scripts/gpu_check.sh: the wheels it fetches for a GPU host are this repository's pinned versions, and
+every bench run its steps make parses with that bench's own arguments."""
 
 from __future__ import annotations
 
@@ -77,3 +78,92 @@ def test_a_serving_variant_can_be_the_frontends_worker_count():
     text = SCRIPT.read_text()
     branch = text[text.index('if [ "$key" = frontend_workers ]'):]
     assert "--frontend-workers $val" in branch.split("else")[0] and "LLM_${key^^}" in branch.split("fi")[0]
+
+
+def _expand(text: str, values: dict[str, str]) -> str:
+    """A line of the script with its shell words filled in: ${X:-default} -> values or default."""
+    text = re.sub(r"\$\{(\w+)\^\^\}", lambda m: values[m.group(1)].upper(), text)
+    text = re.sub(r"\$\{(\w+):-((?:[^{}]|\{[^{}]*\})*)\}", lambda m: values.get(m.group(1), _expand(m.group(2), values)), text)
+    text = re.sub(r"\$\{?(\w+)\}?", lambda m: values[m.group(1)], text)
+    return text.replace('"', "")
+
+
+def _bench_commands() -> list[tuple[str, list[str]]]:
+    """(module, argv) of every bench run the GPU steps make, with sample values for their variables."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    values = {"OUT": "/tmp/out", "py": "python", "1": "auto", "2": "128", "results": "/tmp/results", "unit": "2048",
+              "SCRIPT": "gpu_check.sh"}
+    commands = []
+    for line in text.splitlines():
+        for module, args in re.findall(r'-m (bench\.\w+) (.*?)(?:;;|$)', line):
+            if module != "bench.serving_bench":
+                commands.append((module, _expand(args, values).split()))
+    # serving_bench: the serving() line, once with each SERVING_ARGS a step sets.
+    base = re.search(r"-m bench\.serving_bench (.*)", text).group(1)
+    variants = re.findall(r'SERVING_ARGS="(.*?)"', text)
+    assert len(variants) >= 5, variants
+    default = re.search(r"SERVING_VARIANTS:-([^}]*)\}", text).group(1).split() + ["frontend_workers=2"]
+    for variant in default:
+        key, val = variant.split("=")
+        what = re.search(r'what="(--only engine,frontend[^"]*)"' if key == "frontend_workers"
+                         else r'what="(--only engine,triton[^"]*)"', text).group(1)
+        what = _expand(what, {"key": key, "val": val})
+        for serving_args in [""] + variants:
+            serving_args = _expand(serving_args, {**values, "what": what, "SERVING_ARGS": ""})
+            args = _expand(base, {**values, "SERVING_ARGS": serving_args})
+            commands.append(("bench.serving_bench", args.split()))
+    return commands
+
+
+def test_every_bench_run_of_the_gpu_steps_parses_with_its_modules_arguments():
+    # A GPU session is a few minutes now and then: a flag renamed in a bench script and left in
+    # gpu_check.sh would cost one of its runs. Each run's arguments go through its module's own
+    # parser here (argparse's checks, and serving_bench's sections; engine and server settings
+    # against the engine's names), stopped before it does anything.
+    import json
+
+    from backend.config import EngineConfig
+    from backend.triton_io import unknown_llm_env
+
+    commands = _bench_commands()
+    modules = {m for m, _ in commands}
+    assert {"bench.serving_bench", "bench.chunked_probe", "bench.decode_probe", "bench.prefix_probe"} <= modules
+    for module, argv in commands:
+        for flag, value in zip(argv, argv[1:]):
+            if flag == "--engine-arg":
+                assert value.split("=")[0] in EngineConfig.model_fields, (module, argv)
+            if flag == "--server-env":
+                key, _, val = value.partition("=")
+                assert not unknown_llm_env({key: val}), (module, argv)
+    driver = (
+        "import argparse, json, runpy, sys\n"
+        "class Parsed(Exception): pass\n"
+        "original = argparse.ArgumentParser.parse_args\n"
+        "def parse(self, args=None, namespace=None):\n"
+        "    original(self, args, namespace)\n"
+        "    raise Parsed\n"
+        "argparse.ArgumentParser.parse_args = parse\n"
+        "failed = []\n"
+        "for module, argv in json.loads(sys.argv[1]):\n"
+        "    sys.argv = [module, *argv]\n"
+        "    try:\n"
+        "        if module == 'bench.serving_bench':  # its own checks follow argparse's\n"
+        "            argparse.ArgumentParser.parse_args = original\n"
+        "            try:\n"
+        "                import bench.serving_bench as sb; sb.parse_args(argv)\n"
+        "            finally:\n"
+        "                argparse.ArgumentParser.parse_args = parse\n"
+        "            continue\n"
+        "        runpy.run_module(module, run_name='__main__')\n"
+        "        failed.append((module, argv, 'no parse_args'))\n"
+        "    except Parsed:\n"
+        "        pass\n"
+        "    except SystemExit as e:\n"
+        "        failed.append((module, argv, f'exit {e.code}'))\n"
+        "print(json.dumps(failed))\n"
+    )
+    run = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", driver, json.dumps(commands)],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    failed = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not failed, (failed, run.stderr[-3000:])
