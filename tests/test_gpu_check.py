@@ -167,3 +167,9 @@ def test_every_bench_run_of_the_gpu_steps_parses_with_its_modules_arguments():
     assert run.returncode == 0, run.stderr[-3000:]
     failed = json.loads(run.stdout.strip().splitlines()[-1])
     assert not failed, (failed, run.stderr[-3000:])
+
+
+def test_every_test_file_the_gpu_steps_run_exists():
+    named = set(re.findall(r"tests/test_\w+\.py", SCRIPT.read_text()))
+    assert len(named) >= 10 and {"tests/test_engine.py", "tests/test_decode_graphs.py"} <= named
+    assert not [f for f in named if not (REPO / f).is_file()]
