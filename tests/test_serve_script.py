@@ -113,3 +113,47 @@ def test_sweep_shm_kills_the_stubs_whose_tritonserver_is_gone(tmp_path):
         orphan.kill()
         os.killpg(parent.pid, signal.SIGKILL)
         parent.wait()
+
+
+def test_the_readmes_own_tritonserver_command_serves_from_any_directory(demo_model_path, tmp_path):
+    # The README's block for running tritonserver without serve.sh, run as it stands (ports
+    # added), from a directory that is not the repository's.
+    import json
+    import time
+    import urllib.request
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("To run `tritonserver` yourself", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert block.startswith(". scripts/env.sh") and "tritonserver --model-repository model_repository" in block
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    script = (block.replace(". scripts/env.sh", f". {REPO}/scripts/env.sh")
+                   .replace("model_repository", str(REPO / "model_repository"))
+                   .strip().replace("tritonserver ", "exec tritonserver ", 1)
+              + f" --http-port {http} --grpc-port {grpc} --metrics-port {metrics}")
+    env = {**os.environ, "LLM_MODEL_PATH": str(demo_model_path), "LLM_NUM_KV_BLOCKS": "256"}
+    env.pop("PYTHONPATH", None)
+    log = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://localhost:{http}/v2/health/ready", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        body = json.dumps({"text_input": "Hello", "max_tokens": 4, "temperature": 0}).encode()
+        out = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"http://localhost:{http}/v2/models/ensemble/generate", body), timeout=60).read())
+        assert out["completion_tokens"] == 4 and out["text_output"], out
+    finally:
+        # SIGTERM: a test run in the background (CI) hands its children SIGINT ignored.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            log.close()
+    assert code == 0, (tmp_path / "server.log").read_text()[-3000:]
