@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -157,3 +158,16 @@ def test_the_readmes_own_tritonserver_command_serves_from_any_directory(demo_mod
                 os.killpg(proc.pid, signal.SIGKILL)
             log.close()
     assert code == 0, (tmp_path / "server.log").read_text()[-3000:]
+
+
+def test_the_readme_lists_serve_sh_options_as_its_help_does():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("```bash\nscripts/serve.sh", 1)[1].split("```", 1)[0]
+    listed = set(re.findall(r"--[a-z][a-z-]+", block))
+    usage = subprocess.run([str(REPO / "scripts" / "serve.sh"), "--help"], capture_output=True, text=True, timeout=30)
+    assert usage.returncode == 0, usage.stderr
+    # Its own options are the bracketed ones; those after "--" go to the frontend.
+    own = set(re.findall(r"\[(--[a-z][a-z-]+)", usage.stdout + usage.stderr))
+    assert len(own) >= 15 and "--model-path" in own
+    assert own <= listed, sorted(own - listed)
+    assert listed <= set(re.findall(r"--[a-z][a-z-]+", usage.stdout + usage.stderr)), sorted(listed)
