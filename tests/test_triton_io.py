@@ -258,3 +258,18 @@ def test_a_request_is_named_by_its_triton_id_or_a_rid_parameter():
     # not a sampling parameter
     _, raw, _ = parse_llm_inputs({"input_ids": np.array([1], dtype=np.int32)}, json.dumps({"rid": "job", "top_k": 2}))
     assert raw == {"top_k": 2}
+
+
+def test_every_llm_setting_is_in_the_readmes_engine_settings_table():
+    import re
+    from pathlib import Path
+
+    from backend.triton_io import LLM_SETTINGS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [line for line in readme.split("## Engine settings", 1)[1].split("\n## ", 1)[0].splitlines()
+            if line.startswith("| `")]
+    named = {n for line in rows for n in re.findall(r"`([a-z_0-9]+)`", line.split("|")[1])}
+    assert named <= set(LLM_SETTINGS), sorted(named - set(LLM_SETTINGS))  # no row for a setting that is gone
+    mentioned = {n for line in rows for n in re.findall(r"`([a-z_0-9]+)`", line)}
+    assert set(LLM_SETTINGS) <= mentioned, sorted(set(LLM_SETTINGS) - mentioned)
