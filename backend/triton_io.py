@@ -18,6 +18,7 @@ import numpy as np
 from backend.host_limits import usable_cpus
 from backend.outputs import RequestOutput
 from backend.sampling_params import SamplingParams, SamplingParamsError
+from backend.triton_utils import PYTHON_BACKEND_PARAMETERS
 
 # Scalar input tensor -> SGLang sampling parameter name.
 SCALAR_INPUTS: dict[str, str] = {
@@ -251,8 +252,9 @@ def unknown_llm_env(env: Mapping[str, str]) -> list[str]:
 
 def unknown_llm_params(params: Mapping[str, str]) -> list[str]:
     """config.pbtxt parameters of the llm model that name no setting (QA: a typo, max_num_seq,
-    was ignored, and made LLM_MAX_NUM_SEQ look known). The model refuses to load with them."""
-    return sorted(name for name in params if name not in LLM_SETTINGS)
+    was ignored, and made LLM_MAX_NUM_SEQ look known). The model refuses to load with them.
+    The Python backend's own (EXECUTION_ENV_PATH, FORCE_CPU_ONLY_INPUT_TENSORS) are Triton's."""
+    return sorted(name for name in params if name not in LLM_SETTINGS and name not in PYTHON_BACKEND_PARAMETERS)
 
 
 # The EngineConfig fields an llm setting sets, and how to read the setting's text.

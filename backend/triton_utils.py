@@ -24,6 +24,14 @@ CHAT_TEMPLATE_ENV = "LLM_CHAT_TEMPLATE"
 
 TRUST_REQUEST_CHAT_TEMPLATE_ENV = "LLM_TRUST_REQUEST_CHAT_TEMPLATE"
 
+# config.pbtxt parameters Triton's Python backend reads itself, in any Python model: a conda-pack
+# environment to run the stub in, and whether inputs may stay in GPU memory. Not ours to refuse.
+PYTHON_BACKEND_PARAMETERS = frozenset({"EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS"})
+PREPROCESSING_PARAMETERS = frozenset({"model_path", "chat_template", "trust_request_chat_template"})
+POSTPROCESSING_PARAMETERS = frozenset({"model_path"})
+# Other stacks' names for a parameter here (TensorRT-LLM's preprocessing and postprocessing).
+_PARAMETER_ALIASES = {"tokenizer_dir": "model_path"}
+
 PREPROCESSING_INPUTS = (
     "text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
     "documents", "chat_template", "add_special_tokens", "input_ids", "input_embeds",
@@ -172,13 +180,19 @@ def instance_count(args: Mapping[str, Any]) -> int:
     return sum(int(g.get("count", 1)) * max(1, len(g.get("gpus") or [])) for g in groups) or 1
 
 
-def check_serving_config(args: Mapping[str, Any], model: str, *, one_instance: Optional[str] = None,
-                         decoupled: Optional[str] = None) -> None:
+def check_serving_config(args: Mapping[str, Any], model: str, *, parameters: Optional[frozenset[str]] = None,
+                         one_instance: Optional[str] = None, decoupled: Optional[str] = None) -> None:
     """Refuses at load, with the reasons given, a config.pbtxt edited into one this model cannot
-    serve correctly although Triton would run it: a second instance (`one_instance`: why there
-    must be one; Triton would route requests to either, silently), or a transaction policy that
-    is not decoupled (`decoupled`: why it must be)."""
+    serve correctly although Triton would run it: parameters it does not read (`parameters`: those
+    it does; Triton passes any on without a word, and TensorRT-LLM's `tokenizer_dir` set in
+    preprocessing was ignored), a second instance (`one_instance`: why there must be one; Triton
+    would route requests to either, silently), or a transaction policy that is not decoupled
+    (`decoupled`: why it must be)."""
     problems = []
+    unknown = sorted(set(config_parameters(args)) - (parameters or set()) - PYTHON_BACKEND_PARAMETERS)
+    if parameters is not None and unknown:
+        named = [f"{n} (here: {_PARAMETER_ALIASES[n]})" if n in _PARAMETER_ALIASES else n for n in unknown]
+        problems.append(f"unknown parameter(s) {', '.join(named)} (it reads {', '.join(sorted(parameters))})")
     if one_instance is not None and (n := instance_count(args)) != 1:
         problems.append(f"its instance_group gives {n} instances; it must have exactly one "
                         f"(instance_group [ {{ count: 1, kind: KIND_CPU }} ]): {one_instance}")

@@ -460,6 +460,20 @@ def test_check_serving_config_names_every_problem_with_its_reason():
         check_serving_config({"model_config": "{}"}, "m", decoupled="streams")
 
 
+def test_check_serving_config_refuses_parameters_the_model_does_not_read_but_not_the_python_backends():
+    def args(**params):
+        return {"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()}})}
+
+    known = frozenset({"model_path", "chat_template"})
+    # Triton's Python backend reads these two itself, in any Python model.
+    check_serving_config(args(model_path="m", EXECUTION_ENV_PATH="$$TRITON_MODEL_DIRECTORY/env.tar.gz",
+                              FORCE_CPU_ONLY_INPUT_TENSORS="no"), "preprocessing", parameters=known)
+    check_serving_config(args(anything="x"), "preprocessing")  # not asked
+    with pytest.raises(ValueError, match=r"^preprocessing config.pbtxt: unknown parameter\(s\) foo, tokenizer_dir "
+                                         r"\(here: model_path\) \(it reads chat_template, model_path\)$"):
+        check_serving_config(args(tokenizer_dir="/t", foo="1", model_path="m"), "preprocessing", parameters=known)
+
+
 def test_postprocessing_model_py_refuses_a_second_instance(fake_pb_utils, demo_model_path, monkeypatch):
     monkeypatch.setenv("LLM_MODEL_PATH", str(demo_model_path))
     model = load_triton_model("postprocessing").TritonPythonModel()

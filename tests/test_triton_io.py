@@ -167,6 +167,8 @@ def test_an_llm_env_variable_that_names_no_setting_is_reported():
     # QA: a config.pbtxt typo was ignored, and made the env typo of the same name look known; a
     # trimmed config.pbtxt made real settings look unknown.
     assert unknown_llm_params({**params, "max_num_seq": "4"}) == ["max_num_seq"]
+    # The Python backend's own parameters are Triton's, in any Python model (QA: they were refused).
+    assert unknown_llm_params({**params, "EXECUTION_ENV_PATH": "env.tar.gz", "FORCE_CPU_ONLY_INPUT_TENSORS": "no"}) == []
     assert unknown_llm_env({"LLM_STREAM_INTERVAL": "5"}) == []
     # QA: an empty variable replaced the parameter with the default; it is unset instead.
     assert llm_setting({"max_num_seqs": "8"}, {"LLM_MAX_NUM_SEQS": ""}, "max_num_seqs") == "8"

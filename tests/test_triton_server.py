@@ -542,7 +542,8 @@ def test_a_second_instance_or_a_non_decoupled_llm_is_refused_at_load(tmp_path, d
     # either, so an abort or a `rid` check reached the engine that did not hold the request, and
     # two postprocessing instances reordered a stream's text. Made non-decoupled, llm answered
     # one-response requests but left every streamed or n > 1 request hanging ("Non-decoupled
-    # model cannot send more than one response" in the log only). Each load fails instead, saying why.
+    # model cannot send more than one response" in the log only). Each load fails instead, saying
+    # why; so does a parameter postprocessing does not read.
     repo = tmp_path / "repository"
     for name in ("llm", "postprocessing"):
         config = (REPO_ROOT / "model_repository" / name / "config.pbtxt").read_text()
@@ -552,14 +553,17 @@ def test_a_second_instance_or_a_non_decoupled_llm_is_refused_at_load(tmp_path, d
         if name == "llm":
             assert "model_transaction_policy { decoupled: true }" in config
             config = config.replace("model_transaction_policy { decoupled: true }", "model_transaction_policy { decoupled: false }")
+        else:  # TensorRT-LLM's name for the tokenizer's directory: not read here
+            config = config.replace("parameters [", 'parameters [\n  { key: "tokenizer_dir", value: { string_value: "/t" } },', 1)
         (repo / name / "config.pbtxt").write_text(config)
         # A link: model.py finds the repository root (backend/) from its resolved path.
         (repo / name / "1" / "model.py").symlink_to(REPO_ROOT / "model_repository" / name / "1" / "model.py")
     text = _failed_load_log(repo, tmp_path, env={"LLM_MODEL_PATH": str(demo_model_path)})
-    for name in ("llm", "postprocessing"):
-        assert f"{name} config.pbtxt: its instance_group gives 2 instances; it must have exactly one" in text, text[-3000:]
+    assert "llm config.pbtxt: its instance_group gives 2 instances; it must have exactly one" in text, text[-3000:]
     assert "the engine is one KV pool and one step loop" in text
     assert "it must be decoupled (model_transaction_policy { decoupled: true }): a request's tokens stream" in text
+    assert ("postprocessing config.pbtxt: unknown parameter(s) tokenizer_dir (here: model_path) (it reads model_path); "
+            "its instance_group gives 2 instances") in text
     assert "llm engine ready" not in text  # refused before an engine was built
 
 

@@ -12,6 +12,7 @@ if str(REPO_ROOT) not in sys.path:
 from backend.gc_freeze import freeze_startup_heap  # noqa: E402
 from backend.tokenizer import load_tokenizer  # noqa: E402
 from backend.triton_utils import (  # noqa: E402
+    POSTPROCESSING_PARAMETERS,
     check_serving_config,
     exit_with_server,
     POSTPROCESSING_INPUTS,
@@ -24,8 +25,10 @@ from backend.triton_utils import (  # noqa: E402
 class TritonPythonModel:
     def initialize(self, args):
         self._watcher = exit_with_server("postprocessing")
-        check_serving_config(args, "postprocessing", one_instance="the ensemble hands it each llm response as it "
-                             "arrives, and two instances decoded a stream's responses concurrently and sent them out of order")
+        check_serving_config(
+            args, "postprocessing", parameters=POSTPROCESSING_PARAMETERS,
+            one_instance="the ensemble hands it each llm response as it arrives, and two instances decoded a "
+                         "stream's responses concurrently and sent them out of order")
         self.model_path = model_path_from_config(args)
         self.tokenizer = load_tokenizer(self.model_path)
         freeze_startup_heap()

@@ -12,6 +12,8 @@ if str(REPO_ROOT) not in sys.path:
 from backend.gc_freeze import freeze_startup_heap  # noqa: E402
 from backend.tokenizer import load_tokenizer  # noqa: E402
 from backend.triton_utils import (  # noqa: E402
+    PREPROCESSING_PARAMETERS,
+    check_serving_config,
     exit_with_server,
     PREPROCESSING_INPUTS,
     chat_template_from_config,
@@ -25,6 +27,7 @@ from backend.triton_utils import (  # noqa: E402
 class TritonPythonModel:
     def initialize(self, args):
         self._watcher = exit_with_server("preprocessing")
+        check_serving_config(args, "preprocessing", parameters=PREPROCESSING_PARAMETERS)
         self.model_path = model_path_from_config(args)
         self.tokenizer = load_tokenizer(self.model_path)
         template = chat_template_from_config(args)
