@@ -189,8 +189,8 @@ def check_serving_config(args: Mapping[str, Any], model: str, *, parameters: Opt
     would route requests to either, silently), or a transaction policy that is not decoupled
     (`decoupled`: why it must be)."""
     problems = []
-    unknown = sorted(set(config_parameters(args)) - (parameters or set()) - PYTHON_BACKEND_PARAMETERS)
-    if parameters is not None and unknown:
+    unknown = sorted(set(config_parameters(args)) - parameters - PYTHON_BACKEND_PARAMETERS) if parameters else []
+    if unknown:
         named = [f"{n} (here: {_PARAMETER_ALIASES[n]})" if n in _PARAMETER_ALIASES else n for n in unknown]
         problems.append(f"unknown parameter(s) {', '.join(named)} (it reads {', '.join(sorted(parameters))})")
     if one_instance is not None and (n := instance_count(args)) != 1:
