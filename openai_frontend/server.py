@@ -477,7 +477,10 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
             return Response(status_code=200)
         if problem := getattr(ctx.client, "contract_error", None):  # ready, but not a model this frontend can call
             raise APIError(500, problem)
-        raise unavailable(f"Triton model '{settings.triton_model}' at {settings.triton_url} is not ready")
+        why = getattr(ctx.client, "not_ready_reason", None)
+        reason = await why() if why is not None else None
+        raise unavailable(f"Triton model '{settings.triton_model}' at {settings.triton_url} is not ready"
+                          + (f": {reason}" if reason else ""))
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:

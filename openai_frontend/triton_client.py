@@ -650,6 +650,23 @@ class TritonLLMClient:
             log.debug("readiness check failed: %s", exc)
             return False
 
+    async def not_ready_reason(self) -> Optional[str]:
+        """Why the model is not ready, from Triton's repository index: no model of that name (and
+        the names it has), or its state and Triton's reason (a failed load says why). None when
+        Triton cannot be asked."""
+        try:
+            index = await self._get().get_model_repository_index(as_json=True, client_timeout=self.ready_timeout)
+        except (InferenceServerException, grpc.RpcError, OSError) as exc:
+            log.debug("repository index unavailable: %s", exc)
+            return None
+        models = index.get("models") or []
+        mine = [m for m in models if m.get("name") == self.model_name]
+        if not mine:
+            names = sorted({str(m.get("name")) for m in models})
+            return f"Triton has no model of that name (it has: {', '.join(names) or 'none'})"
+        states = [f"{m.get('state') or 'UNKNOWN'}" + (f": {m['reason']}" if m.get("reason") else "") for m in mine]
+        return "; ".join(states)
+
     async def _check_contract(self) -> str:
         """The model's inputs and outputs against what generate() sends and reads, once; the
         problem found, or "". Raises what the metadata call raised (nothing is remembered then)."""

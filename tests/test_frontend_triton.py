@@ -600,7 +600,7 @@ def test_request_id_echoed_and_api_key(triton, base_url):
         assert httpx.get(url + "/metrics").status_code == 200
 
 
-def test_a_frontend_pointed_at_a_model_it_cannot_call_says_so(triton):
+def test_a_frontend_pointed_at_a_model_it_cannot_call_or_that_is_not_there_says_so(triton):
     # QA: --triton-model llm (the engine, not the ensemble) answered chat with Triton's
     # "unexpected inference input 'messages'" and /generate's ids with empty text, /health 200.
     settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, triton_model="llm")
@@ -614,6 +614,13 @@ def test_a_frontend_pointed_at_a_model_it_cannot_call_says_so(triton):
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}), 500)
         ids = _error(httpx.post(url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}), 500)
         assert chat["message"] == ids["message"] == health["message"]
+    # A name Triton does not have: /health says so, with the names it has.
+    settings = Settings(triton_url=triton["server"].grpc_url, model_name=MODEL, triton_model="ensembel")
+    with serve_in_thread(create_app(settings)) as url:
+        health = _error(httpx.get(url + "/health"), 503)
+        assert health["message"] == (
+            f"Triton model 'ensembel' at {triton['server'].grpc_url} is not ready: Triton has no model of that name "
+            "(it has: ensemble, llm, postprocessing, preprocessing)"), health
 
 
 def test_models_health_and_parse_function_call(base_url):

@@ -1572,6 +1572,36 @@ def test_the_contract_check_covers_every_tensor_the_frontend_sends_and_the_ensem
         f"Triton model 'm' is not one this frontend can call: it has no output {', '.join(ENSEMBLE_OUTPUTS)}. ")
 
 
+def test_not_ready_reason_reads_the_models_state_from_the_repository_index():
+    import asyncio
+
+    from tritonclient.utils import InferenceServerException
+
+    from openai_frontend.triton_client import TritonLLMClient
+
+    class Index:
+        def __init__(self, models):
+            self.models = models
+
+        async def get_model_repository_index(self, as_json=False, client_timeout=None):
+            if self.models is None:
+                raise InferenceServerException("unavailable")
+            return {"models": self.models}
+
+    async def reason(models):
+        client = TritonLLMClient("localhost:1")
+        client._client = Index(models)
+        return await client.not_ready_reason()
+
+    failed = [{"name": "ensemble", "version": "1", "state": "UNAVAILABLE", "reason": "llm failed to load"},
+              {"name": "llm", "version": "1", "state": "UNAVAILABLE", "reason": "bad config"}]
+    assert asyncio.run(reason(failed)) == "UNAVAILABLE: llm failed to load"
+    assert asyncio.run(reason([{"name": "ensemble", "state": "LOADING"}])) == "LOADING"
+    assert asyncio.run(reason([{"name": "llm", "state": "READY"}])) == "Triton has no model of that name (it has: llm)"
+    assert asyncio.run(reason([])) == "Triton has no model of that name (it has: none)"
+    assert asyncio.run(reason(None)) is None
+
+
 def test_nameless_functions_and_messages_without_content_are_refused(client, fake):
     nameless = {"type": "function", "function": {"name": "", "parameters": {"type": "object"}}}
     for kwargs in ({"tools": [nameless], "tool_choice": "required"},
