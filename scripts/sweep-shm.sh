@@ -13,6 +13,7 @@
 set -u
 dir=${SHM_DIR:-/dev/shm}
 repo=$(cd "$(dirname "$0")/.." && pwd)
+repo_real=$(cd "$repo" && pwd -P)
 
 orphans=()
 for status in /proc/[0-9]*/status; do
@@ -21,8 +22,15 @@ for status in /proc/[0-9]*/status; do
   # Builtins only up to here: this runs for every process on the host.
   read -r comm <"/proc/$pid/comm" 2>/dev/null || continue
   [ "$comm" = triton_python_b ] || continue # the stub, as the kernel names it
-  cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || continue
-  case "$cmd" in *"triton_python_backend_stub $repo/model_repository/"*) ;; *) continue ;; esac
+  mapfile -d '' -t argv <"/proc/$pid/cmdline" 2>/dev/null || continue
+  # The stub's first argument is its model.py as tritonserver was given the repository: relative
+  # to their working directory under `tritonserver --model-repository model_repository`.
+  model=""
+  for ((i = 0; i + 1 < ${#argv[@]}; i++)); do
+    case "${argv[i]}" in *triton_python_backend_stub) model=${argv[i + 1]} && break ;; esac
+  done
+  case "$model" in "") continue ;; /*) ;; *) model="$(readlink "/proc/$pid/cwd" 2>/dev/null)/$model" ;; esac
+  case "$model" in "$repo/model_repository/"* | "$repo_real/model_repository/"*) ;; *) continue ;; esac
   ppid=$(sed -n 's/^PPid:[[:space:]]*//p' "$status" 2>/dev/null)
   parent=""
   read -r parent <"/proc/$ppid/comm" 2>/dev/null

@@ -94,6 +94,11 @@ def test_sweep_shm_kills_the_stubs_whose_tritonserver_is_gone(tmp_path):
     args = [str(stub), str(repo / "model_repository" / "postprocessing" / "1" / "model.py"),
             "triton_python_backend_shm_region_test"]
     orphan = subprocess.Popen(args)  # its parent (this process) is no tritonserver
+    # The README's `tritonserver --model-repository model_repository` gives its stubs a relative
+    # model.py, from their working directory (the sweep missed those); another repository's stays.
+    relative = subprocess.Popen([str(stub), "model_repository/llm/1/model.py", "r"], cwd=repo)
+    (tmp_path / "model_repository" / "llm" / "1").mkdir(parents=True)
+    elsewhere = subprocess.Popen([str(stub), "model_repository/llm/1/model.py", "e"], cwd=tmp_path)
     server = tmp_path / "tritonserver"  # a parent named as tritonserver is, starting its stub
     shutil.copy(shutil.which("sh"), server)
     parent = subprocess.Popen([str(server), "-c", '"$@" & wait', "sh", *args], start_new_session=True)
@@ -106,12 +111,12 @@ def test_sweep_shm_kills_the_stubs_whose_tritonserver_is_gone(tmp_path):
             time.sleep(0.05)
         run = subprocess.run([str(repo / "scripts" / "sweep-shm.sh")], env={**os.environ, "SHM_DIR": str(tmp_path)},
                              capture_output=True, text=True, timeout=60)
-        assert run.returncode == 0 and f"killed 1 Triton stub(s) whose tritonserver is gone: {orphan.pid}" in run.stderr, \
-            run.stderr
-        assert orphan.wait(timeout=10) == -signal.SIGKILL
-        assert parent.poll() is None  # its stub lives on
+        assert run.returncode == 0 and "killed 2 Triton stub(s) whose tritonserver is gone: " in run.stderr, run.stderr
+        assert orphan.wait(timeout=10) == relative.wait(timeout=10) == -signal.SIGKILL
+        assert parent.poll() is None and elsewhere.poll() is None  # its stub lives on, as does another repository's
     finally:
-        orphan.kill()
+        for p in (orphan, relative, elsewhere):
+            p.kill()
         os.killpg(parent.pid, signal.SIGKILL)
         parent.wait()
 
