@@ -652,13 +652,12 @@ class TritonLLMClient:
 
     async def not_ready_reason(self) -> Optional[str]:
         """Why the model is not ready, from Triton's repository index: no model of that name (and
-        the names it has), or its state and Triton's reason (a failed load says why). None when
-        Triton cannot be asked."""
+        the names it has), or its state and Triton's reason (a failed load says why), or that
+        Triton does not answer."""
         try:
             index = await self._get().get_model_repository_index(as_json=True, client_timeout=self.ready_timeout)
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
-            log.debug("repository index unavailable: %s", exc)
-            return None
+            return f"Triton does not answer: {exc}"
         models = index.get("models") or []
         mine = [m for m in models if m.get("name") == self.model_name]
         if not mine:

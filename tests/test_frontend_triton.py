@@ -1259,7 +1259,9 @@ def test_triton_unreachable_is_503():
         assert _error(r, 503)["type"] == "service_unavailable_error" and r.headers["retry-after"]
         r = httpx.post(url + "/generate", json={"text": "x", "stream": True}, timeout=30)
         assert r.status_code == 503  # before the stream starts: a real status code
-        assert httpx.get(url + "/health", timeout=30).status_code == 503
+        health = _error(httpx.get(url + "/health", timeout=30), 503)
+        assert health["message"].startswith(f"Triton model 'ensemble' at {settings.triton_url} is not ready: "
+                                            "Triton does not answer: "), health
         for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
             r = httpx.post(url + path, json=body, timeout=30)
             assert _error(r, 503)["type"] == "service_unavailable_error" and r.headers["retry-after"], path

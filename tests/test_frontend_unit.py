@@ -1599,7 +1599,7 @@ def test_not_ready_reason_reads_the_models_state_from_the_repository_index():
     assert asyncio.run(reason([{"name": "ensemble", "state": "LOADING"}])) == "LOADING"
     assert asyncio.run(reason([{"name": "llm", "state": "READY"}])) == "Triton has no model of that name (it has: llm)"
     assert asyncio.run(reason([])) == "Triton has no model of that name (it has: none)"
-    assert asyncio.run(reason(None)) is None
+    assert asyncio.run(reason(None)) == "Triton does not answer: unavailable"
 
 
 def test_nameless_functions_and_messages_without_content_are_refused(client, fake):
