@@ -7,8 +7,10 @@ looks like a broken model, with nothing in any log. `LLM_MODEL_PATH` (`scripts/s
 --model-path`) sets all three at once; editing the files one by one does not.
 
 Only what can be read is compared: the ensembles in this model's own repository directory that
-name it as a step, and those steps' `model_path` parameters. Two paths holding byte-equal
-tokenizer files (a tokenizer-only copy of the model, as TensorRT-LLM's `tokenizer_dir`) agree.
+name it as a step, and those steps' `model_path` parameters. Another directory agrees when its
+tokenizer files are byte-equal, or when the tokenizer it loads is this one: the same vocabulary
+(added tokens included), special tokens and ids for a probe text. So a tokenizer-only copy (as
+TensorRT-LLM's `tokenizer_dir`), written by `save_pretrained` or trimmed of files, is accepted.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
+from backend.tokenizer import load_tokenizer
 from backend.triton_utils import DEFAULT_MODEL_PATH, MODEL_PATH_ENV, model_path_from_config, resolve_path
 
 # What AutoTokenizer reads: these decide the ids of a text and the text of ids.
@@ -55,14 +58,31 @@ def ensemble_tokenizer_paths(repository: Path, model: str) -> list[tuple[str, st
     return found
 
 
-def same_tokenizer(a: Path, b: Path) -> bool:
-    if a.resolve() == b.resolve():
-        return True
+# Text whose ids tell tokenizers apart: spaces and newlines, digits, code, CJK, emoji, accents.
+_PROBE = "Hello, world!  It's 2026-11-29: café, naïve, 東京 and 🚀.\n\tdef f(x): return x**2  # done"
+
+
+def _same_files(a: Path, b: Path) -> bool:
     for name in TOKENIZER_FILES:
         fa, fb = a / name, b / name
         if fa.exists() != fb.exists() or (fa.exists() and fa.read_bytes() != fb.read_bytes()):
             return False
     return True
+
+
+def _fingerprint(tokenizer: Any) -> tuple:
+    return (sorted(tokenizer.get_vocab().items()), sorted(tokenizer.all_special_ids),
+            tokenizer.encode(_PROBE), tokenizer.encode(_PROBE, add_special_tokens=False))
+
+
+def same_tokenizer(a: Path, b: Path) -> bool:
+    """Whether directories a and b load the same tokenizer (b's failing to load: not the same)."""
+    if a.resolve() == b.resolve() or _same_files(a, b):
+        return True
+    try:
+        return _fingerprint(load_tokenizer(a)) == _fingerprint(load_tokenizer(b))
+    except Exception:  # noqa: BLE001 -- b holds no tokenizer that loads: that step would not serve this model
+        return False
 
 
 def check_ensemble_tokenizers(args: Mapping[str, Any], env: Optional[Mapping[str, str]] = None) -> None:

@@ -1,5 +1,6 @@
 """backend/ensemble_check.py: an llm whose ensemble tokenizes with another model's tokenizer is
-refused at load (QA: llm's model_path edited alone served garbage with nothing in any log)."""
+refused at load (QA: llm's model_path edited alone served garbage with nothing in any log); one
+that loads the same tokenizer from other files is not."""
 
 from __future__ import annotations
 
@@ -81,6 +82,23 @@ def test_a_byte_equal_tokenizer_elsewhere_agrees_and_the_environment_overrides_a
     check_ensemble_tokenizers(_args(repo, str(other)), env={"LLM_MODEL_PATH": str(other)})  # all load it
     with pytest.raises(ValueError):
         check_ensemble_tokenizers(_args(repo, str(other)), env={})
+
+
+def test_a_tokenizer_saved_elsewhere_agrees_though_its_files_differ_and_a_directory_without_one_does_not(
+        tmp_path, demo_model_path):
+    from backend.ensemble_check import same_tokenizer
+    from backend.tokenizer import load_tokenizer
+
+    saved = tmp_path / "saved"  # TensorRT-LLM's tokenizer_dir is made so: other files, other bytes
+    load_tokenizer(demo_model_path).save_pretrained(saved)
+    assert (saved / "tokenizer_config.json").read_bytes() != (demo_model_path / "tokenizer_config.json").read_bytes()
+    assert same_tokenizer(demo_model_path, saved)
+    repo = _repository(tmp_path, {"preprocessing": str(saved), "postprocessing": str(saved)})
+    check_ensemble_tokenizers(_args(repo, str(demo_model_path)), env={})
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert not same_tokenizer(demo_model_path, empty)
+    assert not same_tokenizer(demo_model_path, _tokenizer_copy(demo_model_path, tmp_path / "other", change=True))
 
 
 def test_only_ensembles_naming_the_model_are_read_and_unreadable_configs_are_skipped(tmp_path, demo_model_path):
