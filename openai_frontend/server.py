@@ -371,7 +371,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         client = TritonLLMClient(
             settings.triton_url, settings.triton_model,
             stream_timeout=settings.stream_timeout, abort_model=settings.abort_model,
-            frontend_id=settings.frontend_id,
+            frontend_id=settings.frontend_id, serves_frontend=True,
         )
     ctx = Context(settings=settings, client=client, files=ModelFiles(settings.tokenizer_path))
     created = int(time.time())

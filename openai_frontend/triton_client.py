@@ -29,7 +29,7 @@ import re
 import struct
 import sys
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -559,24 +559,29 @@ def _cancelled_from_outside() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-# What generate() may send and what it reads back. A model without them fails every request
-# ("unexpected inference input") or, `llm` itself, answers /generate's ids with empty text: the
-# frontend checks once, when the model is first ready (QA: --triton-model llm did both).
+# What the frontend may send and what it reads back. A model without them fails requests
+# ("unexpected inference input") or, `llm` itself, answers /generate's ids with empty text (QA:
+# --triton-model llm did both): the frontend's client requires them all (`serves_frontend`);
+# as a library, a client calls any model, and a request is checked for its own inputs only.
 ENSEMBLE_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs", "add_generation_prompt",
                    "continue_final_message", "documents", "chat_template", "add_special_tokens", "input_ids",
                    "input_embeds", "stream", "sampling_parameters")
 ENSEMBLE_OUTPUTS = _FIELDS
 
 
-def contract_problem(model: str, metadata: dict[str, Any]) -> Optional[str]:
-    """Why `model` (its Triton metadata) cannot serve this frontend, or None when it can."""
-    inputs = {t.get("name") for t in metadata.get("inputs") or []}
-    outputs = {t.get("name") for t in metadata.get("outputs") or []}
+def contract_problem(model: str, metadata: dict[str, Any], inputs: Sequence[str] = ENSEMBLE_INPUTS,
+                     outputs: Sequence[str] = ENSEMBLE_OUTPUTS) -> Optional[str]:
+    """Why `model` (its Triton metadata) cannot take `inputs` and give `outputs`, or None. Given
+    only a request's inputs (no outputs): why it cannot take that request."""
+    has_in = {t.get("name") for t in metadata.get("inputs") or []}
+    has_out = {t.get("name") for t in metadata.get("outputs") or []}
     missing = [f"no {kind} {', '.join(names)}" for kind, names in (
-        ("output", [n for n in ENSEMBLE_OUTPUTS if n not in outputs]),
-        ("input", [n for n in ENSEMBLE_INPUTS if n not in inputs])) if names]
+        ("output", [n for n in outputs if n not in has_out]),
+        ("input", [n for n in inputs if n not in has_in])) if names]
     if not missing:
         return None
+    if not outputs:
+        return f"Triton model '{model}' cannot take this request: it has {' and '.join(missing)}"
     return (f"Triton model '{model}' is not one this frontend can call: it has {' and '.join(missing)}. The frontend "
             "calls the ensemble (preprocessing -> llm -> postprocessing), or a model with the same inputs and "
             "outputs; --triton-model names it")
@@ -600,8 +605,10 @@ class TritonLLMClient:
         frontend_id: Optional[str] = None,
         preprocessing_model: str = "preprocessing",
         postprocessing_model: str = "postprocessing",
+        serves_frontend: bool = False,
     ) -> None:
         self.url = url
+        self.serves_frontend = serves_frontend
         self.model_name = model_name
         self.preprocessing_model = preprocessing_model
         self.postprocessing_model = postprocessing_model
@@ -610,8 +617,8 @@ class TritonLLMClient:
         self.abort_model = abort_model
         self.frontend_id = frontend_id or uuid.uuid4().hex[:12]
         self._client: Optional[grpcclient_aio.InferenceServerClient] = None
-        # None until the model's metadata was read (contract_problem); then "" or the problem.
-        self.contract_error: Optional[str] = None
+        # The model's Triton metadata, read once (contract_problem).
+        self._metadata: Optional[dict[str, Any]] = None
         self._aborts: set[asyncio.Task] = set()
         # The Triton request id of every stream in flight, by the request id the client knows
         # (SGLang's /abort_request names the latter).
@@ -641,11 +648,22 @@ class TritonLLMClient:
             client, self._client = self._client, None
             await client.close()
 
+    @property
+    def contract_error(self) -> Optional[str]:
+        """For the frontend's client, once the metadata is read: why the model cannot serve the
+        frontend, or None."""
+        if not self.serves_frontend or self._metadata is None:
+            return None
+        return contract_problem(self.model_name, self._metadata)
+
     async def is_ready(self) -> bool:
-        """The model is ready, and is one this frontend can call (contract_error says why not)."""
+        """The model is ready, and (the frontend's client) one the frontend can call:
+        contract_error says why not."""
         try:
             ready = bool(await self._get().is_model_ready(self.model_name, client_timeout=self.ready_timeout))
-            return ready and not await self._check_contract()
+            if ready and self.serves_frontend:
+                await self._read_metadata()
+            return ready and not self.contract_error
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
             log.debug("readiness check failed: %s", exc)
             return False
@@ -666,16 +684,29 @@ class TritonLLMClient:
         states = [f"{m.get('state') or 'UNKNOWN'}" + (f": {m['reason']}" if m.get("reason") else "") for m in mine]
         return "; ".join(states)
 
-    async def _check_contract(self) -> str:
-        """The model's inputs and outputs against what generate() sends and reads, once; the
-        problem found, or "". Raises what the metadata call raised (nothing is remembered then)."""
-        if self.contract_error is None:
+    async def _read_metadata(self) -> dict[str, Any]:
+        """The model's inputs and outputs, read once. Raises what the call raised (nothing is
+        remembered then)."""
+        if self._metadata is None:
             metadata = await self._get().get_model_metadata(self.model_name, as_json=True,
                                                             client_timeout=self.ready_timeout)
-            self.contract_error = contract_problem(self.model_name, metadata) or ""
+            self._metadata = metadata
             if self.contract_error:
                 log.error("%s", self.contract_error)
-        return self.contract_error
+        return self._metadata
+
+    async def _request_problem(self, inputs: list[InferInput]) -> Optional[str]:
+        """Why the model cannot take this request: the frontend's whole contract, or (a library
+        client) the request's own inputs. None when it can, or when the metadata cannot be read
+        (the call itself then says what is wrong)."""
+        try:
+            metadata = await self._read_metadata()
+        except (InferenceServerException, grpc.RpcError, OSError) as exc:
+            log.debug("model metadata unavailable: %s", exc)
+            return None
+        if self.serves_frontend:
+            return self.contract_error
+        return contract_problem(self.model_name, metadata, inputs=[t.name() for t in inputs], outputs=())
 
     async def _serving(self) -> Optional[bool]:
         """Whether the server says it is ready and so is its model; None when it gave no answer
@@ -720,15 +751,10 @@ class TritonLLMClient:
         Closing the iterator before the end (or cancelling the task consuming it) cancels the
         gRPC stream, which cancels the request in Triton.
         """
-        if self.contract_error is None:
-            try:
-                await self._check_contract()
-            except (InferenceServerException, grpc.RpcError, OSError) as exc:
-                log.debug("model metadata unavailable: %s", exc)  # the call below says what is wrong
-        if self.contract_error:
-            raise APIError(500, self.contract_error)
-        claims = self._claims(request)  # claimed below with the stream, with no await between
         inputs = build_inputs(request)
+        if problem := await self._request_problem(inputs):
+            raise APIError(500, problem)
+        claims = self._claims(request)  # claimed below with the stream, with no await between
         # Unique per stream (client-supplied ids may repeat), traceable to the client's id, and
         # abortable by it from any process sharing this frontend id (abort_requests). A name the
         # client chose is marked (NAMED_SUFFIX): the llm model then refuses a second one while it

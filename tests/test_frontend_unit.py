@@ -1571,6 +1571,28 @@ def test_the_contract_check_covers_every_tensor_the_frontend_sends_and_the_ensem
     assert contract_problem("m", {"inputs": metadata["inputs"], "outputs": []}).startswith(
         f"Triton model 'm' is not one this frontend can call: it has no output {', '.join(ENSEMBLE_OUTPUTS)}. ")
 
+    # As a library the client calls any model (tests and benches stream from llm): a request is
+    # checked for its own inputs; the frontend's client for the whole contract.
+    import asyncio
+
+    from openai_frontend.triton_client import TritonLLMClient
+
+    class Metadata:
+        async def get_model_metadata(self, model_name, as_json=False, client_timeout=None):
+            return {"inputs": [{"name": t.name} for t in llm.input], "outputs": [{"name": t.name} for t in llm.output]}
+
+    async def problem(request, **kwargs):
+        client = TritonLLMClient("localhost:1", "llm", **kwargs)
+        client._client = Metadata()
+        return await client._request_problem(build_inputs(request)), client.contract_error
+
+    ids = EngineRequest({}, input_ids=[1, 2])
+    assert asyncio.run(problem(ids)) == (None, None)
+    chat = asyncio.run(problem(EngineRequest({}, messages=[{"role": "user", "content": "x"}])))
+    assert chat == ("Triton model 'llm' cannot take this request: it has no input messages", None)
+    as_frontend = asyncio.run(problem(ids, serves_frontend=True))
+    assert as_frontend[0] == as_frontend[1] and as_frontend[0].startswith("Triton model 'llm' is not one this frontend")
+
 
 def test_not_ready_reason_reads_the_models_state_from_the_repository_index():
     import asyncio
