@@ -617,7 +617,7 @@ class TritonLLMClient:
         self.abort_model = abort_model
         self.frontend_id = frontend_id or uuid.uuid4().hex[:12]
         self._client: Optional[grpcclient_aio.InferenceServerClient] = None
-        # The model's Triton metadata, read once (contract_problem).
+        # The model's Triton metadata, read once, and again once it was seen not ready (contract_problem).
         self._metadata: Optional[dict[str, Any]] = None
         self._aborts: set[asyncio.Task] = set()
         # The Triton request id of every stream in flight, by the request id the client knows
@@ -661,7 +661,9 @@ class TritonLLMClient:
         contract_error says why not."""
         try:
             ready = bool(await self._get().is_model_ready(self.model_name, client_timeout=self.ready_timeout))
-            if ready and self.serves_frontend:
+            if not ready:
+                self._metadata = None  # it may come back as another model (a reload): read it again then
+            elif self.serves_frontend:
                 await self._read_metadata()
             return ready and not self.contract_error
         except (InferenceServerException, grpc.RpcError, OSError) as exc:

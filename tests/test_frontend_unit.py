@@ -1593,6 +1593,27 @@ def test_the_contract_check_covers_every_tensor_the_frontend_sends_and_the_ensem
     as_frontend = asyncio.run(problem(ids, serves_frontend=True))
     assert as_frontend[0] == as_frontend[1] and as_frontend[0].startswith("Triton model 'llm' is not one this frontend")
 
+    # The verdict is read again once the model was seen not ready (a reload under the same name).
+    class Reloading:
+        ready, metadata = True, Metadata()
+
+        async def is_model_ready(self, model_name, client_timeout=None):
+            return self.ready
+
+        async def get_model_metadata(self, model_name, as_json=False, client_timeout=None):
+            return metadata if self.metadata is None else await self.metadata.get_model_metadata(model_name)
+
+    async def health_over_a_reload():
+        client = TritonLLMClient("localhost:1", "ensemble", serves_frontend=True)
+        client._client = server = Reloading()
+        seen = [await client.is_ready(), client.contract_error is not None]
+        server.ready, server.metadata = False, None
+        seen.append(await client.is_ready())
+        server.ready = True
+        return seen + [await client.is_ready(), client.contract_error]
+
+    assert asyncio.run(health_over_a_reload()) == [False, True, False, True, None]
+
 
 def test_not_ready_reason_reads_the_models_state_from_the_repository_index():
     import asyncio
