@@ -569,12 +569,20 @@ ENSEMBLE_INPUTS = ("text_input", "messages", "tools", "chat_template_kwargs", "a
 ENSEMBLE_OUTPUTS = _FIELDS
 
 
-def contract_problem(model: str, metadata: dict[str, Any], inputs: Sequence[str] = ENSEMBLE_INPUTS,
+Tensors = tuple[frozenset, frozenset]  # a model's input names, output names
+
+
+def model_tensors(metadata: dict[str, Any]) -> Tensors:
+    """The input and output names in a model's Triton metadata (get_model_metadata as JSON)."""
+    return (frozenset(t.get("name") for t in metadata.get("inputs") or []),
+            frozenset(t.get("name") for t in metadata.get("outputs") or []))
+
+
+def contract_problem(model: str, tensors: Tensors, inputs: Sequence[str] = ENSEMBLE_INPUTS,
                      outputs: Sequence[str] = ENSEMBLE_OUTPUTS) -> Optional[str]:
-    """Why `model` (its Triton metadata) cannot take `inputs` and give `outputs`, or None. Given
-    only a request's inputs (no outputs): why it cannot take that request."""
-    has_in = {t.get("name") for t in metadata.get("inputs") or []}
-    has_out = {t.get("name") for t in metadata.get("outputs") or []}
+    """Why `model` (its tensors) cannot take `inputs` and give `outputs`, or None. Given only a
+    request's inputs (no outputs): why it cannot take that request."""
+    has_in, has_out = tensors
     missing = [f"no {kind} {', '.join(names)}" for kind, names in (
         ("output", [n for n in outputs if n not in has_out]),
         ("input", [n for n in inputs if n not in has_in])) if names]
@@ -617,8 +625,10 @@ class TritonLLMClient:
         self.abort_model = abort_model
         self.frontend_id = frontend_id or uuid.uuid4().hex[:12]
         self._client: Optional[grpcclient_aio.InferenceServerClient] = None
-        # The model's Triton metadata, read once, and again once it was seen not ready (contract_problem).
-        self._metadata: Optional[dict[str, Any]] = None
+        # The model's tensors, read once, and again once it was seen not ready; for the frontend's
+        # client, the verdict on them (contract_problem).
+        self._tensors: Optional[Tensors] = None
+        self._contract_error: Optional[str] = None
         self._aborts: set[asyncio.Task] = set()
         # The Triton request id of every stream in flight, by the request id the client knows
         # (SGLang's /abort_request names the latter).
@@ -650,21 +660,19 @@ class TritonLLMClient:
 
     @property
     def contract_error(self) -> Optional[str]:
-        """For the frontend's client, once the metadata is read: why the model cannot serve the
-        frontend, or None."""
-        if not self.serves_frontend or self._metadata is None:
-            return None
-        return contract_problem(self.model_name, self._metadata)
+        """For the frontend's client, once the model's tensors are read: why the model cannot
+        serve the frontend, or None."""
+        return self._contract_error
 
     async def is_ready(self) -> bool:
         """The model is ready, and (the frontend's client) one the frontend can call:
         contract_error says why not."""
         try:
             ready = bool(await self._get().is_model_ready(self.model_name, client_timeout=self.ready_timeout))
-            if not ready:
-                self._metadata = None  # it may come back as another model (a reload): read it again then
+            if not ready:  # it may come back as another model (a reload): read it again then
+                self._tensors = self._contract_error = None
             elif self.serves_frontend:
-                await self._read_metadata()
+                await self._read_tensors()
             return ready and not self.contract_error
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
             log.debug("readiness check failed: %s", exc)
@@ -686,29 +694,30 @@ class TritonLLMClient:
         states = [f"{m.get('state') or 'UNKNOWN'}" + (f": {m['reason']}" if m.get("reason") else "") for m in mine]
         return "; ".join(states)
 
-    async def _read_metadata(self) -> dict[str, Any]:
-        """The model's inputs and outputs, read once. Raises what the call raised (nothing is
-        remembered then)."""
-        if self._metadata is None:
+    async def _read_tensors(self) -> Tensors:
+        """The model's input and output names, read once. Raises what the call raised (nothing
+        is remembered then)."""
+        if self._tensors is None:
             metadata = await self._get().get_model_metadata(self.model_name, as_json=True,
                                                             client_timeout=self.ready_timeout)
-            self._metadata = metadata
-            if self.contract_error:
-                log.error("%s", self.contract_error)
-        return self._metadata
+            self._tensors = model_tensors(metadata)
+            if self.serves_frontend and (problem := contract_problem(self.model_name, self._tensors)):
+                self._contract_error = problem
+                log.error("%s", problem)
+        return self._tensors
 
     async def _request_problem(self, inputs: list[InferInput]) -> Optional[str]:
         """Why the model cannot take this request: the frontend's whole contract, or (a library
-        client) the request's own inputs. None when it can, or when the metadata cannot be read
+        client) the request's own inputs. None when it can, or when the tensors cannot be read
         (the call itself then says what is wrong)."""
         try:
-            metadata = await self._read_metadata()
+            tensors = await self._read_tensors()
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
             log.debug("model metadata unavailable: %s", exc)
             return None
         if self.serves_frontend:
-            return self.contract_error
-        return contract_problem(self.model_name, metadata, inputs=[t.name() for t in inputs], outputs=())
+            return self._contract_error
+        return contract_problem(self.model_name, tensors, inputs=[t.name() for t in inputs], outputs=())
 
     async def _serving(self) -> Optional[bool]:
         """Whether the server says it is ready and so is its model; None when it gave no answer

@@ -1548,7 +1548,9 @@ def test_the_contract_check_covers_every_tensor_the_frontend_sends_and_the_ensem
     from tritonclient.grpc import model_config_pb2
 
     from openai_frontend.engine_types import EngineRequest
-    from openai_frontend.triton_client import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, build_inputs, contract_problem
+    from openai_frontend.triton_client import (
+        ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, build_inputs, contract_problem, model_tensors,
+    )
 
     sent = set()
     for req in (EngineRequest({}, text_input="hi", add_special_tokens=False, n=2),
@@ -1561,14 +1563,14 @@ def test_the_contract_check_covers_every_tensor_the_frontend_sends_and_the_ensem
     config = text_format.Parse((REPO_ROOT / "model_repository" / "ensemble" / "config.pbtxt").read_text(),
                                model_config_pb2.ModelConfig())
     metadata = {"inputs": [{"name": t.name} for t in config.input], "outputs": [{"name": t.name} for t in config.output]}
-    assert contract_problem("ensemble", metadata) is None
+    assert contract_problem("ensemble", model_tensors(metadata)) is None
     llm = text_format.Parse((REPO_ROOT / "model_repository" / "llm" / "config.pbtxt").read_text(),
                             model_config_pb2.ModelConfig())
-    problem = contract_problem("llm", {"inputs": [{"name": t.name} for t in llm.input],
-                                       "outputs": [{"name": t.name} for t in llm.output]})
+    problem = contract_problem("llm", model_tensors({"inputs": [{"name": t.name} for t in llm.input],
+                                                     "outputs": [{"name": t.name} for t in llm.output]}))
     assert problem.startswith("Triton model 'llm' is not one this frontend can call: it has no output text_output "
                               "and no input text_input, messages, tools, "), problem
-    assert contract_problem("m", {"inputs": metadata["inputs"], "outputs": []}).startswith(
+    assert contract_problem("m", model_tensors({"inputs": metadata["inputs"], "outputs": []})).startswith(
         f"Triton model 'm' is not one this frontend can call: it has no output {', '.join(ENSEMBLE_OUTPUTS)}. ")
 
     # As a library the client calls any model (tests and benches stream from llm): a request is
