@@ -176,7 +176,11 @@ def instance_count(args: Mapping[str, Any]) -> int:
     """How many instances of this model Triton starts, from its normalized config: each group's
     count, once per GPU listed for a KIND_GPU group (Triton fills the list with every visible GPU
     when the config names none). Passive instances count: they are loaded all the same."""
-    groups = _model_config(args).get("instance_group") or []
+    return _instances(_model_config(args))
+
+
+def _instances(config: Mapping[str, Any]) -> int:
+    groups = config.get("instance_group") or []
     return sum(int(g.get("count", 1)) * max(1, len(g.get("gpus") or [])) for g in groups) or 1
 
 
@@ -188,15 +192,16 @@ def check_serving_config(args: Mapping[str, Any], model: str, *, parameters: Opt
     preprocessing was ignored), a second instance (`one_instance`: why there must be one; Triton
     would route requests to either, silently), or a transaction policy that is not decoupled
     (`decoupled`: why it must be)."""
+    config = _model_config(args)
     problems = []
-    unknown = sorted(set(config_parameters(args)) - parameters - PYTHON_BACKEND_PARAMETERS) if parameters else []
+    unknown = sorted(set(config.get("parameters") or {}) - parameters - PYTHON_BACKEND_PARAMETERS) if parameters else []
     if unknown:
         named = [f"{n} (here: {_PARAMETER_ALIASES[n]})" if n in _PARAMETER_ALIASES else n for n in unknown]
         problems.append(f"unknown parameter(s) {', '.join(named)} (it reads {', '.join(sorted(parameters))})")
-    if one_instance is not None and (n := instance_count(args)) != 1:
+    if one_instance is not None and (n := _instances(config)) != 1:
         problems.append(f"its instance_group gives {n} instances; it must have exactly one "
                         f"(instance_group [ {{ count: 1, kind: KIND_CPU }} ]): {one_instance}")
-    policy = _model_config(args).get("model_transaction_policy") or {}
+    policy = config.get("model_transaction_policy") or {}
     if decoupled is not None and not policy.get("decoupled", False):
         problems.append(f"it must be decoupled (model_transaction_policy {{ decoupled: true }}): {decoupled}")
     if problems:
