@@ -93,10 +93,12 @@ def check_ensemble_tokenizers(args: Mapping[str, Any], env: Optional[Mapping[str
     if env.get(MODEL_PATH_ENV):
         return
     model, own = args["model_name"], model_path_from_config(args, env)
-    mismatched = []
+    mismatched, same = [], {}  # one comparison a directory, however many steps load from it
     for ensemble, step, raw in ensemble_tokenizer_paths(Path(args["model_repository"]).parent, model):
         path = resolve_path(raw or DEFAULT_MODEL_PATH)  # what that model's model_path_from_config loads
-        if not same_tokenizer(path, own):
+        if path not in same:
+            same[path] = same_tokenizer(path, own)
+        if not same[path]:
             mismatched.append(f"{step} (a step of {ensemble}) loads its tokenizer from {path}")
     if mismatched:
         raise ValueError(
