@@ -553,6 +553,14 @@ with no header, as always.
 """
 
 
+def grpc_url(value: str) -> str:
+    """--url: host:port of Triton's gRPC endpoint; an HTTP URL failed with gRPC's "Misformatted
+    domain name" (QA)."""
+    if value.startswith(("http://", "https://", "grpc://")):
+        raise argparse.ArgumentTypeError(f"Triton's gRPC endpoint as host:port (8001 by default), not a URL: {value!r}")
+    return value
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m client",
@@ -563,7 +571,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("prompt", nargs="?", help="prompt text (read from stdin when omitted or '-')")
     p.add_argument("--model", choices=MODELS, default="ensemble",
                    help="ensemble: text in, text out; llm: the engine alone (tokenized/detokenized here)")
-    p.add_argument("--url", default=os.environ.get("TRITON_GRPC_URL", "localhost:8001"), help="Triton gRPC host:port")
+    p.add_argument("--url", type=grpc_url, default=os.environ.get("TRITON_GRPC_URL", "localhost:8001"),
+                   help="Triton gRPC host:port")
     p.add_argument("--max-tokens", type=int, default=None, help="max_new_tokens")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)

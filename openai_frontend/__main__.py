@@ -19,7 +19,7 @@ from openai_frontend.settings import Settings
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m openai_frontend", description=__doc__)
-    p.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC endpoint (host:port)")
+    p.add_argument("--triton-url", type=grpc_target, default="localhost:8001", help="Triton gRPC endpoint (host:port)")
     p.add_argument("--triton-model", default="ensemble", help="the Triton model to call (default: ensemble)")
     p.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
                    help="model name clients use (default: the --tokenizer-path directory name, else the Triton model)")
@@ -92,6 +92,14 @@ def shutdown_timeout_arg(value: str) -> Optional[float]:
     if not seconds >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError("must be 0 or more (none: no limit)")
     return seconds
+
+
+def grpc_target(value: str) -> str:
+    """--triton-url: Triton's gRPC endpoint, host:port (or a gRPC target such as dns:///h:p). An
+    HTTP URL there failed every call with gRPC's "Misformatted domain name" (QA)."""
+    if value.startswith(("http://", "https://", "grpc://")):
+        raise argparse.ArgumentTypeError(f"Triton's gRPC endpoint as host:port (8001 by default), not a URL: {value!r}")
+    return value
 
 
 def workers_arg(value: str) -> int:

@@ -724,3 +724,13 @@ def test_a_failed_perf_analyzer_level_keeps_its_error_line():
     assert text.startswith("Error: Streaming is only allowed with gRPC") and len(text) <= 2000
     assert text.endswith("usage: -m <model>\n")  # the tail after it
     assert failure_text("plain failure\n" * 3) == "plain failure\n" * 3
+
+
+def test_url_takes_a_grpc_endpoint_not_an_http_url(capsys, monkeypatch):
+    assert cli.parse_args(["hi", "--url", "localhost:9001"]).url == "localhost:9001"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["hi", "--url", "http://localhost:8001"])
+    assert "Triton's gRPC endpoint as host:port (8001 by default), not a URL: 'http://localhost:8001'" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_GRPC_URL", "https://triton:8001")  # the default, from the environment, too
+    with pytest.raises(SystemExit):
+        cli.parse_args(["hi"])

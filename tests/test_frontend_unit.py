@@ -3056,3 +3056,14 @@ def test_metrics_dirs_of_frontends_that_are_gone_are_swept(tmp_path):
         (d / "1.json").write_text("{}")
     sweep_metrics_dirs(str(tmp_path))
     assert not dead.exists() and live.exists() and old_style.exists()
+
+
+def test_triton_url_takes_a_grpc_endpoint_not_an_http_url(capsys):
+    from openai_frontend.__main__ import parse_args
+
+    for good in ("localhost:8001", "10.0.0.5:9001", "[::1]:8001", "dns:///triton:8001"):
+        assert parse_args(["--triton-url", good]).triton_url == good
+    for url in ("http://localhost:8001", "https://triton:8001", "grpc://triton:8001"):
+        with pytest.raises(SystemExit):
+            parse_args(["--triton-url", url])
+        assert f"Triton's gRPC endpoint as host:port (8001 by default), not a URL: '{url}'" in capsys.readouterr().err
