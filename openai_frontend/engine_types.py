@@ -209,6 +209,12 @@ class EngineClient(Protocol):
 
     async def is_ready(self) -> bool: ...
 
+    # Optional (the test fakes leave them out; /health reads them with getattr): why a ready model
+    # cannot serve the frontend, and why a model is not ready (TritonLLMClient).
+    contract_error: Optional[str]
+
+    async def not_ready_reason(self) -> Optional[str]: ...
+
     def hold(self, request: EngineRequest) -> AsyncContextManager[asyncio.Event]:
         """Hold a request made of many engine requests (beam search): its id claimed, and an event
         that /abort_request naming it sets (TritonLLMClient.hold)."""
