@@ -14,12 +14,27 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from backend.host_limits import usable_cpus
+from openai_frontend.router import POLICIES
 from openai_frontend.settings import Settings
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m openai_frontend", description=__doc__)
-    p.add_argument("--triton-url", type=grpc_target, default="localhost:8001", help="Triton gRPC endpoint (host:port)")
+    p.add_argument("--triton-url", type=grpc_targets, action="extend", default=None, metavar="HOST:PORT",
+                   help="Triton gRPC endpoint (default localhost:8001). Several (repeated, or comma-separated): "
+                        "tritonservers serving the same model, one per GPU; each generation goes to one of them "
+                        "(--router-policy)")
+    p.add_argument("--router-policy", default="cache_aware", choices=POLICIES,
+                   help="with several --triton-url: cache_aware (default; SGLang router's: the server that has seen "
+                        "the longest start of the prompt, for its prefix cache, unless loads drift apart), "
+                        "round_robin, power_of_two (the less loaded of two at random), random")
+    p.add_argument("--router-cache-threshold", type=float, default=0.5,
+                   help="cache_aware: a server takes a request for its cache when it has seen more than this share")
+    p.add_argument("--router-balance-abs-threshold", type=int, default=32,
+                   help="cache_aware: loads have drifted apart (least loaded takes the request) when the busiest "
+                        "server has more than this many requests in flight above the idlest ...")
+    p.add_argument("--router-balance-rel-threshold", type=float, default=1.0001,
+                   help="... and more than this many times its count")
     p.add_argument("--triton-model", default="ensemble", help="the Triton model to call (default: ensemble)")
     p.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
                    help="model name clients use (default: the --tokenizer-path directory name, else the Triton model)")
@@ -94,12 +109,17 @@ def shutdown_timeout_arg(value: str) -> Optional[float]:
     return seconds
 
 
-def grpc_target(value: str) -> str:
-    """--triton-url: Triton's gRPC endpoint, host:port (or a gRPC target such as dns:///h:p). An
-    HTTP URL there failed every call with gRPC's "Misformatted domain name" (QA)."""
-    if value.startswith(("http://", "https://", "grpc://")):
-        raise argparse.ArgumentTypeError(f"Triton's gRPC endpoint as host:port (8001 by default), not a URL: {value!r}")
-    return value
+def grpc_targets(value: str) -> list[str]:
+    """--triton-url: Triton gRPC endpoints, host:port (or gRPC targets such as dns:///h:p),
+    comma-separated. An HTTP URL there failed every call with gRPC's "Misformatted domain name" (QA)."""
+    targets = [v.strip() for v in value.split(",") if v.strip()]
+    if not targets:
+        raise argparse.ArgumentTypeError("expected host:port")
+    for target in targets:
+        if target.startswith(("http://", "https://", "grpc://")):
+            raise argparse.ArgumentTypeError(
+                f"Triton's gRPC endpoint as host:port (8001 by default), not a URL: {target!r}")
+    return targets
 
 
 def workers_arg(value: str) -> int:
@@ -120,7 +140,11 @@ def workers_arg(value: str) -> int:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
-        triton_url=args.triton_url,
+        triton_url=",".join(args.triton_url or ["localhost:8001"]),
+        router_policy=args.router_policy,
+        router_cache_threshold=args.router_cache_threshold,
+        router_balance_abs_threshold=args.router_balance_abs_threshold,
+        router_balance_rel_threshold=args.router_balance_rel_threshold,
         triton_model=args.triton_model,
         model_name=args.model_name,
         api_key=args.api_key,
@@ -185,6 +209,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit("--frontend-id: letters, digits, '_' and '-' only")
     if args.enable_reasoning and not args.reasoning_parser:
         raise SystemExit("--enable-reasoning needs --reasoning-parser")
+    urls = settings.triton_urls
+    if len(set(urls)) != len(urls):
+        raise SystemExit(f"--triton-url: a server is named twice ({settings.triton_url})")
+    try:
+        settings.router_config()
+    except ValueError as exc:
+        raise SystemExit(f"--router-*: {exc}") from None
     try:
         settings.check_lora_modules()
     except ValueError as exc:

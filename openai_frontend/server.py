@@ -369,9 +369,9 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         from openai_frontend.triton_client import TritonLLMClient
 
         client = TritonLLMClient(
-            settings.triton_url, settings.triton_model,
+            settings.triton_urls, settings.triton_model,
             stream_timeout=settings.stream_timeout, abort_model=settings.abort_model,
-            frontend_id=settings.frontend_id, serves_frontend=True,
+            frontend_id=settings.frontend_id, serves_frontend=True, router=settings.router_config(),
         )
     ctx = Context(settings=settings, client=client, files=ModelFiles(settings.tokenizer_path))
     created = int(time.time())

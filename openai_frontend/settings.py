@@ -6,10 +6,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
+from openai_frontend.router import RouterConfig
+
 
 @dataclass
 class Settings:
+    # Triton's gRPC endpoint; several, comma-separated, are tritonservers serving the same model
+    # (one per GPU), among which each generation is routed (openai_frontend/router.py).
     triton_url: str = "localhost:8001"
+    router_policy: str = "cache_aware"
+    router_cache_threshold: float = 0.5
+    router_balance_abs_threshold: int = 32
+    router_balance_rel_threshold: float = 1.0001
     triton_model: str = "ensemble"  # the Triton model requests go to
     model_name: Optional[str] = None  # the served name clients use; default: see served_model_name
     api_key: Optional[str] = None
@@ -46,6 +54,16 @@ class Settings:
     enable_custom_logit_processor: bool = False
     retry_after_s: int = 1  # Retry-After on 503s (overload, Triton down)
     health_generate_timeout: float = 20.0  # seconds /health_generate waits for its one token
+
+    @property
+    def triton_urls(self) -> list[str]:
+        return [u.strip() for u in self.triton_url.split(",") if u.strip()]
+
+    def router_config(self) -> RouterConfig:
+        """Raises ValueError on a setting out of range."""
+        return RouterConfig(policy=self.router_policy, cache_threshold=self.router_cache_threshold,
+                            balance_abs_threshold=self.router_balance_abs_threshold,
+                            balance_rel_threshold=self.router_balance_rel_threshold)
 
     @property
     def served_model_name(self) -> str:

@@ -39,6 +39,7 @@ from tritonclient.utils import InferenceServerException
 
 from openai_frontend.engine_types import EngineChunk, EngineRequest
 from openai_frontend.errors import APIError, context_exceeded, timed_out, unavailable
+from openai_frontend.router import Router, RouterConfig, routing_key
 
 log = logging.getLogger(__name__)
 
@@ -543,10 +544,11 @@ CHANNEL_ARGS = [
 class _OpenStream:
     """A stream in flight, as the stopping watch sees it."""
 
-    __slots__ = ("responses", "last", "ended_by_watch")
+    __slots__ = ("responses", "server", "last", "ended_by_watch")
 
-    def __init__(self, responses: Any) -> None:
+    def __init__(self, responses: Any, server: "_Server") -> None:
         self.responses = responses
+        self.server = server
         # When it last received a response (loop time). None before the first: a request not
         # streamed (one response at its end) is silent by design, and a stopping server does
         # answer those, with an error ("Server is stopping, ...").
@@ -595,16 +597,45 @@ def contract_problem(model: str, tensors: Tensors, inputs: Sequence[str] = ENSEM
             "outputs; --triton-model names it")
 
 
+class _Server:
+    """One tritonserver the client sends requests to, as the client last saw it."""
+
+    __slots__ = ("url", "client", "in_flight", "ready", "checked", "tensors", "contract_error", "probe")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client: Optional[grpcclient_aio.InferenceServerClient] = None
+        self.in_flight = 0  # this process's streams on it
+        # Its model's readiness when last asked (None: not asked yet), and when (loop time).
+        # Routing skips one seen not ready, and asks again at most every RECHECK_S.
+        self.ready: Optional[bool] = None
+        self.checked = 0.0
+        # Its model's tensors, read once, and again once it was seen not ready; for the frontend's
+        # client, the verdict on them (contract_problem).
+        self.tensors: Optional[Tensors] = None
+        self.contract_error: Optional[str] = None
+        self.probe: Optional[asyncio.Task] = None
+
+
+# How often a server seen not ready (or unreachable) is asked again while requests go elsewhere.
+RECHECK_S = 2.0
+
+
 class TritonLLMClient:
     """Async client of the ensemble model over gRPC. Create once per process.
 
     The gRPC channel binds to the event loop that first uses it, so it is created lazily on the
     first call (inside the server's loop).
+
+    `url` may name several tritonservers serving the same model (one per GPU: data
+    parallelism). Each generation then goes to one of them, chosen by `router`
+    (openai_frontend/router.py); tokenize / detokenize go to any ready one; aborts, LoRA updates
+    and prefix-cache resets go to all of them.
     """
 
     def __init__(
         self,
-        url: str = "localhost:8001",
+        url: str | Sequence[str] = "localhost:8001",
         model_name: str = "ensemble",
         *,
         stream_timeout: Optional[float] = None,
@@ -614,8 +645,14 @@ class TritonLLMClient:
         preprocessing_model: str = "preprocessing",
         postprocessing_model: str = "postprocessing",
         serves_frontend: bool = False,
+        router: Optional[RouterConfig] = None,
     ) -> None:
-        self.url = url
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls or len(set(urls)) != len(urls):
+            raise ValueError(f"Triton URLs: at least one, each once (got {urls})")
+        self._servers = [_Server(u) for u in urls]
+        self.url = ", ".join(urls)
+        self.router = Router(len(urls), router or RouterConfig())
         self.serves_frontend = serves_frontend
         self.model_name = model_name
         self.preprocessing_model = preprocessing_model
@@ -624,11 +661,6 @@ class TritonLLMClient:
         self.ready_timeout = ready_timeout
         self.abort_model = abort_model
         self.frontend_id = frontend_id or uuid.uuid4().hex[:12]
-        self._client: Optional[grpcclient_aio.InferenceServerClient] = None
-        # The model's tensors, read once, and again once it was seen not ready; for the frontend's
-        # client, the verdict on them (contract_problem).
-        self._tensors: Optional[Tensors] = None
-        self._contract_error: Optional[str] = None
         self._aborts: set[asyncio.Task] = set()
         # The Triton request id of every stream in flight, by the request id the client knows
         # (SGLang's /abort_request names the latter).
@@ -644,46 +676,69 @@ class TritonLLMClient:
         self._open: dict[str, _OpenStream] = {}  # by Triton request id, for _watch_stopping
         self._stopping_watch: Optional[asyncio.Task] = None
 
-    def _get(self) -> grpcclient_aio.InferenceServerClient:
-        if self._client is None:
-            self._client = grpcclient_aio.InferenceServerClient(self.url, channel_args=CHANNEL_ARGS)
-        return self._client
+    def _get(self, server: Optional[_Server] = None) -> grpcclient_aio.InferenceServerClient:
+        server = server or self._servers[0]
+        if server.client is None:
+            server.client = grpcclient_aio.InferenceServerClient(server.url, channel_args=CHANNEL_ARGS)
+        return server.client
 
     async def close(self) -> None:
         if self._stopping_watch is not None:
             self._stopping_watch.cancel()
+        for server in self._servers:
+            if server.probe is not None:
+                server.probe.cancel()
         if self._aborts:
             await asyncio.gather(*self._aborts, return_exceptions=True)
-        if self._client is not None:
-            client, self._client = self._client, None
-            await client.close()
+        for server in self._servers:
+            if server.client is not None:
+                client, server.client = server.client, None
+                await client.close()
+
+    def _each(self, texts: Sequence[tuple[_Server, Optional[str]]]) -> Optional[str]:
+        """One message from per-server ones: as it is with one server; else each prefixed with
+        its server's URL."""
+        found = [(server, text) for server, text in texts if text]
+        if len(self._servers) == 1:
+            return found[0][1] if found else None
+        return "; ".join(f"{server.url}: {text}" for server, text in found) or None
 
     @property
     def contract_error(self) -> Optional[str]:
         """For the frontend's client, once the model's tensors are read: why the model cannot
-        serve the frontend, or None."""
-        return self._contract_error
+        serve the frontend (on each server where it cannot), or None."""
+        return self._each([(s, s.contract_error) for s in self._servers])
 
     async def is_ready(self) -> bool:
-        """The model is ready, and (the frontend's client) one the frontend can call:
-        contract_error says why not."""
+        """The model is ready on some server, and (the frontend's client) one the frontend can
+        call: contract_error says why not."""
+        return any(await asyncio.gather(*(self._check(s) for s in self._servers)))
+
+    async def _check(self, server: _Server) -> bool:
+        server.checked = asyncio.get_running_loop().time()
         try:
-            ready = bool(await self._get().is_model_ready(self.model_name, client_timeout=self.ready_timeout))
+            ready = bool(await self._get(server).is_model_ready(self.model_name, client_timeout=self.ready_timeout))
             if not ready:  # it may come back as another model (a reload): read it again then
-                self._tensors = self._contract_error = None
+                server.tensors = server.contract_error = None
             elif self.serves_frontend:
-                await self._read_tensors()
-            return ready and not self.contract_error
+                await self._read_tensors(server)
+            server.ready = ready and not server.contract_error
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
-            log.debug("readiness check failed: %s", exc)
-            return False
+            log.debug("readiness check of %s failed: %s", server.url, exc)
+            server.ready = False
+        return server.ready
 
     async def not_ready_reason(self) -> Optional[str]:
         """Why the model is not ready, from Triton's repository index: no model of that name (and
         the names it has), or its state and Triton's reason (a failed load says why), or that
-        Triton does not answer."""
+        Triton does not answer. With several servers, each one's where it is not ready."""
+        servers = [s for s in self._servers if len(self._servers) == 1 or not s.ready]
+        reasons = await asyncio.gather(*(self._not_ready_reason(s) for s in servers))
+        return self._each(list(zip(servers, reasons)))
+
+    async def _not_ready_reason(self, server: _Server) -> str:
         try:
-            index = await self._get().get_model_repository_index(as_json=True, client_timeout=self.ready_timeout)
+            index = await self._get(server).get_model_repository_index(as_json=True, client_timeout=self.ready_timeout)
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
             return f"Triton does not answer: {exc}"
         models = index.get("models") or []
@@ -694,36 +749,61 @@ class TritonLLMClient:
         states = [f"{m.get('state') or 'UNKNOWN'}" + (f": {m['reason']}" if m.get("reason") else "") for m in mine]
         return "; ".join(states)
 
-    async def _read_tensors(self) -> Tensors:
-        """The model's input and output names, read once. Raises what the call raised (nothing
-        is remembered then)."""
-        if self._tensors is None:
-            metadata = await self._get().get_model_metadata(self.model_name, as_json=True,
-                                                            client_timeout=self.ready_timeout)
-            self._tensors = model_tensors(metadata)
-            if self.serves_frontend and (problem := contract_problem(self.model_name, self._tensors)):
-                self._contract_error = problem
-                log.error("%s", problem)
-        return self._tensors
+    async def _read_tensors(self, server: _Server) -> Tensors:
+        """The model's input and output names on `server`, read once. Raises what the call raised
+        (nothing is remembered then)."""
+        if server.tensors is None:
+            metadata = await self._get(server).get_model_metadata(self.model_name, as_json=True,
+                                                                  client_timeout=self.ready_timeout)
+            server.tensors = model_tensors(metadata)
+            if self.serves_frontend and (problem := contract_problem(self.model_name, server.tensors)):
+                server.contract_error = problem
+                log.error("%s: %s", server.url, problem)
+        return server.tensors
 
-    async def _request_problem(self, inputs: list[InferInput]) -> Optional[str]:
-        """Why the model cannot take this request: the frontend's whole contract, or (a library
-        client) the request's own inputs. None when it can, or when the tensors cannot be read
-        (the call itself then says what is wrong)."""
+    async def _request_problem(self, server: _Server, inputs: list[InferInput]) -> Optional[str]:
+        """Why the model on `server` cannot take this request: the frontend's whole contract, or
+        (a library client) the request's own inputs. None when it can, or when the tensors cannot
+        be read (the call itself then says what is wrong)."""
         try:
-            tensors = await self._read_tensors()
+            tensors = await self._read_tensors(server)
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
-            log.debug("model metadata unavailable: %s", exc)
+            log.debug("model metadata unavailable on %s: %s", server.url, exc)
             return None
         if self.serves_frontend:
-            return self._contract_error
+            return server.contract_error
         return contract_problem(self.model_name, tensors, inputs=[t.name() for t in inputs], outputs=())
 
-    async def _serving(self) -> Optional[bool]:
+    def _eligible(self) -> list[_Server]:
+        """The servers a request may go to: those not seen failing (a server seen not ready is
+        asked again in the background, at most every RECHECK_S); all of them when none is left,
+        so that the request's own error says what is wrong."""
+        if len(self._servers) == 1:
+            return self._servers
+        now = asyncio.get_running_loop().time()
+        for server in self._servers:
+            if server.ready is False and server.probe is None and now - server.checked >= RECHECK_S:
+                server.probe = asyncio.ensure_future(self._probe(server))
+        return [s for s in self._servers if s.ready is not False] or self._servers
+
+    async def _probe(self, server: _Server) -> None:
+        try:
+            await self._check(server)
+        finally:
+            server.probe = None
+
+    def _route(self, request: EngineRequest, eligible: list[_Server]) -> _Server:
+        if len(eligible) == 1:
+            return eligible[0]
+        index = self.router.choose(routing_key(request), [s.in_flight for s in self._servers],
+                                   [self._servers.index(s) for s in eligible])
+        return self._servers[index]
+
+    async def _serving(self, server: _Server) -> Optional[bool]:
         """Whether the server says it is ready and so is its model; None when it gave no answer
         (a timeout under load is no answer). Triton 2.51, stopping, answers both calls with
         UNAVAILABLE "Server exiting": a not-ready answer, not a lost connection."""
-        client = self._get()
+        client = self._get(server)
         try:
             return (bool(await client.is_server_ready(client_timeout=self.ready_timeout))
                     and bool(await client.is_model_ready(self.model_name, client_timeout=self.ready_timeout)))
@@ -737,7 +817,7 @@ class TritonLLMClient:
             return None
 
     async def _watch_stopping(self) -> None:
-        """While streams are open: end those silent for STOPPING_SILENCE_S once the server says
+        """While streams are open: end those silent for STOPPING_SILENCE_S once their server says
         it or its model is not ready (see STOPPING_SILENCE_S)."""
         loop = asyncio.get_running_loop()
         try:
@@ -746,13 +826,16 @@ class TritonLLMClient:
                 now = loop.time()
                 silent = [o for o in self._open.values()
                           if o.last is not None and now - o.last >= STOPPING_SILENCE_S and not o.ended_by_watch]
-                if not silent or await self._serving() is not False:
-                    continue
-                log.warning("Triton server or model %s not ready: ending %d stream(s) silent for %.0f s or more",
-                            self.model_name, len(silent), STOPPING_SILENCE_S)
-                for stream in silent:
-                    stream.ended_by_watch = True
-                    stream.responses.cancel()
+                for server in {o.server for o in silent}:
+                    if await self._serving(server) is not False:
+                        continue
+                    server.ready = False
+                    mine = [o for o in silent if o.server is server]
+                    log.warning("Triton server %s or model %s not ready: ending %d stream(s) silent for %.0f s or "
+                                "more", server.url, self.model_name, len(mine), STOPPING_SILENCE_S)
+                    for stream in mine:
+                        stream.ended_by_watch = True
+                        stream.responses.cancel()
         finally:
             self._stopping_watch = None
 
@@ -761,9 +844,31 @@ class TritonLLMClient:
 
         Closing the iterator before the end (or cancelling the task consuming it) cancels the
         gRPC stream, which cancels the request in Triton.
+
+        With several servers: one whose connection fails before the request got any response
+        is marked not ready (routing skips it until it answers again), and the request goes to
+        another one.
         """
+        tried: list[_Server] = []
+        while True:
+            eligible = [s for s in self._eligible() if s not in tried]
+            server = self._route(request, eligible or self._servers)
+            tried.append(server)
+            answered = False
+            try:
+                async for chunk in self._generate_on(server, request):
+                    answered = True
+                    yield chunk
+                return
+            except APIError as exc:
+                if answered or server.ready is not False or not [s for s in self._eligible() if s not in tried]:
+                    raise
+                log.warning("Triton server %s failed before answering request %s (%s): sending it to another server",
+                            server.url, request.request_id or "-", exc.message)
+
+    async def _generate_on(self, server: _Server, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         inputs = build_inputs(request)
-        if problem := await self._request_problem(inputs):
+        if problem := await self._request_problem(server, inputs):
             raise APIError(500, problem)
         claims = self._claims(request)  # claimed below with the stream, with no await between
         # Unique per stream (client-supplied ids may repeat), traceable to the client's id, and
@@ -787,16 +892,17 @@ class TritonLLMClient:
             await done.wait()
 
         try:
-            responses = ResponseReader(self._get().stream_infer(requests(), stream_timeout=self.stream_timeout))
+            responses = ResponseReader(self._get(server).stream_infer(requests(), stream_timeout=self.stream_timeout))
         except InferenceServerException as exc:
             raise unavailable(f"Triton server unavailable: {exc.message()}") from None
         loop = asyncio.get_running_loop()
-        watched = self._open[request_id] = _OpenStream(responses)
+        watched = self._open[request_id] = _OpenStream(responses, server)
         if self._stopping_watch is None:
             self._stopping_watch = asyncio.ensure_future(self._watch_stopping())
         streams = self._streams.setdefault(request.request_id, set())
         streams.add(request_id)
         self._claimed |= claims
+        server.in_flight += 1
         if request.batch_item:
             self._batch_items[request.request_id] = self._batch_items.get(request.request_id, 0) + 1
         decode = ResponseDecoder()
@@ -833,20 +939,23 @@ class TritonLLMClient:
             if not watched.ended_by_watch or _cancelled_from_outside():
                 raise
             finished = True
-            raise self._stopped_error() from None
+            raise self._stopped_error(server) from None
         except grpc.RpcError as exc:
             if watched.ended_by_watch:
                 finished = True
-                raise self._stopped_error() from None
+                raise self._stopped_error(server) from None
             # Ended on our side (its deadline: --stream-timeout): the request runs on in the engine
             # unless aborted below, as for a disconnect (QA: it generated to its length for a
             # client that had its 504). A lost connection has nothing to abort on.
             code, details = _rpc_status(exc)
             finished = _connection_lost(code.name if code else "", details)
+            if finished and not (code == grpc.StatusCode.UNAVAILABLE and "overloaded" in details.lower()):
+                server.ready = False  # routing skips it until it answers again
             raise map_rpc_error(exc) from None
         finally:
             done.set()
             del self._open[request_id]
+            server.in_flight -= 1
             self._claimed -= claims
             if request.batch_item:
                 left = self._batch_items.pop(request.request_id) - 1
@@ -858,7 +967,7 @@ class TritonLLMClient:
             if not finished:
                 responses.close()
                 if self.abort_model:
-                    task = asyncio.ensure_future(self._abort(request_id))
+                    task = asyncio.ensure_future(self._abort(request_id, server))
                     self._aborts.add(task)
                     task.add_done_callback(self._aborts.discard)
                     # Waited for, within a bound: at a forced shutdown (a second Ctrl-C) uvicorn
@@ -899,8 +1008,9 @@ class TritonLLMClient:
             if not held and self._held.get(request.request_id) is held:
                 del self._held[request.request_id]
 
-    def _stopped_error(self) -> APIError:
-        return unavailable(f"Triton server is stopping (it or model '{self.model_name}' is not ready) and the "
+    def _stopped_error(self, server: _Server) -> APIError:
+        which = f"Triton server {server.url}" if len(self._servers) > 1 else "Triton server"
+        return unavailable(f"{which} is stopping (it or model '{self.model_name}' is not ready) and the "
                            f"stream got no response for {STOPPING_SILENCE_S:.0f} s")
 
     async def abort_requests(self, rid: Optional[str] = None, abort_all: bool = False) -> int:
@@ -930,10 +1040,10 @@ class TritonLLMClient:
         held_ids = {client_id for client_id, _ in held}
         count = len(held) + sum(len(ids) for client_id, ids in self._streams.items()
                                 if client_id not in held_ids and named(client_id, client_id in self._batch_items))
-        await asyncio.gather(*(self._abort(triton_id) for triton_id in targets))
+        await asyncio.gather(*(self._abort(triton_id, self._open[triton_id].server) for triton_id in targets))
         command = json.dumps({"frontend": self.frontend_id, "rid": None if abort_all else rid})
-        meta = await self._llm_control([_bytes_input("abort_client", command)], "abort_client", 10)
-        return count + int(meta["aborted"])
+        answers = await self._llm_control_all([_bytes_input("abort_client", command)], "abort_client", 10)
+        return count + sum(int(meta["aborted"]) for meta in answers)
 
     async def tokenize(self, request: EngineRequest) -> list[int]:
         """The prompt's token ids as the server computes them for generation: the
@@ -968,16 +1078,27 @@ class TritonLLMClient:
         # disconnect during a beam search's tokenize) would otherwise reach the task awaiting
         # gRPC's batch, which grpc.aio leaks (see ResponseReader). The call itself, a few
         # milliseconds' work in the server, is left to finish.
-        call = asyncio.ensure_future(self._get().infer(model, inputs, outputs=[InferRequestedOutput(output)],
-                                                       client_timeout=self.stream_timeout))
-        call.add_done_callback(_retrieve_exception)
-        try:
-            result = await asyncio.shield(call)
-        except InferenceServerException as exc:
-            raise map_infer_error(exc) from None
-        except grpc.RpcError as exc:
-            raise map_rpc_error(exc) from None
-        return result.as_numpy(output)
+        # With several servers, one whose connection fails is marked not ready and the call
+        # (idempotent) goes to another.
+        tried: list[_Server] = []
+        while True:
+            server = min([s for s in self._eligible() if s not in tried] or self._servers, key=lambda s: s.in_flight)
+            tried.append(server)
+            call = asyncio.ensure_future(self._get(server).infer(model, inputs, outputs=[InferRequestedOutput(output)],
+                                                                 client_timeout=self.stream_timeout))
+            call.add_done_callback(_retrieve_exception)
+            try:
+                result = await asyncio.shield(call)
+            except InferenceServerException as exc:
+                status, msg = str(exc.status() or ""), exc.message() or str(exc)
+                if len(self._servers) > 1 and _connection_lost(status, msg):
+                    server.ready = False
+                    if [s for s in self._eligible() if s not in tried]:
+                        continue
+                raise map_infer_error(exc) from None
+            except grpc.RpcError as exc:
+                raise map_rpc_error(exc) from None
+            return result.as_numpy(output)
 
     def _out_of_order(self, request_id: str, before: int, now: int) -> None:
         """Triton delivered a stream's responses out of order (seen with an ensemble whose
@@ -991,28 +1112,67 @@ class TritonLLMClient:
     async def lora_update(self, command: dict[str, Any]) -> dict[str, str]:
         """Send the llm model a `lora_update` control request ({"op": "load" | "unload" | "list",
         "name", "path"}); returns the adapters it serves afterwards, name -> path."""
-        # Loading reads the adapter's weights: a generous timeout.
-        meta = await self._llm_control([_bytes_input("lora_update", json.dumps(command))], "lora_update", 120)
-        return dict(meta["loaded_adapters"])
+        # Loading reads the adapter's weights: a generous timeout. Every server serves every
+        # adapter, or requests naming it fail on some: one that cannot answer fails the update.
+        answers = await self._llm_control_all([_bytes_input("lora_update", json.dumps(command))], "lora_update", 120,
+                                              every=True)
+        loaded = [dict(meta["loaded_adapters"]) for meta in answers]
+        if any(other != loaded[0] for other in loaded[1:]):
+            raise APIError(500, "the Triton servers serve different LoRA adapters: "
+                           + "; ".join(f"{s.url}: {', '.join(sorted(a)) or 'none'}" for s, a in zip(self._servers, loaded)))
+        return loaded[0]
 
     async def reset_prefix_cache(self) -> int:
-        """Have the engine forget the cached KV blocks no request holds; returns how many."""
-        meta = await self._llm_control([_bool_input("reset_prefix_cache", True)], "reset_prefix_cache", 30)
-        return int(meta["forgotten_blocks"])
+        """Have the engine forget the cached KV blocks no request holds; returns how many (on all
+        the servers that answer)."""
+        answers = await self._llm_control_all([_bool_input("reset_prefix_cache", True)], "reset_prefix_cache", 30)
+        return sum(int(meta["forgotten_blocks"]) for meta in answers)
 
     async def engine_info(self) -> dict[str, Any]:
-        """The engine's effective configuration and counters (the llm model's `engine_info`)."""
-        return await self._llm_control([_bool_input("engine_info", True)], "engine_info", 30)
+        """The engine's effective configuration and counters (the llm model's `engine_info`).
+        With several servers: one's configuration, the counters summed over all that answer, and
+        each one's own under `data_parallel`."""
+        inputs = [_bool_input("engine_info", True)]
+        if len(self._servers) == 1:
+            return await self._llm_control(inputs, "engine_info", 30)
+        answers = await self._llm_control_all(inputs, "engine_info", 30, with_url=True)
+        info = dict(answers[0])
+        info["stats"] = _summed([meta.get("stats") or {} for meta in answers])
+        info["data_parallel"] = [{"url": meta["url"], "stats": meta.get("stats") or {}} for meta in answers]
+        return info
 
-    async def _llm_control(self, inputs: list[InferInput], what: str, timeout: float) -> dict[str, Any]:
+    async def _llm_control_all(self, inputs: list[InferInput], what: str, timeout: float, *, every: bool = False,
+                               with_url: bool = False) -> list[dict[str, Any]]:
+        """A control request to the llm model of every server: the answers of those that answer
+        (each with its "url" when asked), in server order. A server that is unavailable is left
+        out, unless `every` (or none answers): its error is raised then."""
+        results = await asyncio.gather(*(self._llm_control(inputs, what, timeout, s) for s in self._servers),
+                                       return_exceptions=True)
+        answers, failures = [], []
+        for server, result in zip(self._servers, results):
+            if isinstance(result, BaseException):
+                failures.append((server, result))
+            else:
+                answers.append({**result, "url": server.url} if with_url else result)
+        for server, failure in failures:
+            down = isinstance(failure, APIError) and failure.status_code == 503
+            if every or not down or not answers:
+                if len(self._servers) > 1 and isinstance(failure, APIError):
+                    failure.message = f"{server.url}: {failure.message}"
+                raise failure
+            log.warning("%s request: Triton server %s did not answer: %s", what, server.url, failure)
+        return answers
+
+    async def _llm_control(self, inputs: list[InferInput], what: str, timeout: float,
+                           server: Optional[_Server] = None) -> dict[str, Any]:
         """One control request to the llm model; its answer is the final response's meta_info."""
-        meta = await self._llm_request(inputs, what, timeout, f"{what}.{uuid.uuid4().hex}")
+        meta = await self._llm_request(inputs, what, timeout, f"{what}.{uuid.uuid4().hex}", server)
         if meta is None:
             raise unavailable(f"the llm model sent no answer to the {what} request")
         return meta
 
     async def _llm_request(self, inputs: list[InferInput], what: str, timeout: float,
-                           request_id: str) -> Optional[dict[str, Any]]:
+                           request_id: str, server: Optional[_Server] = None) -> Optional[dict[str, Any]]:
         """A one-response request to the llm model: its meta_info, or None when the final
         response carries none."""
         payload = {
@@ -1026,7 +1186,7 @@ class TritonLLMClient:
             yield payload
 
         answer: Optional[dict[str, Any]] = None
-        responses = ResponseReader(self._get().stream_infer(one()))
+        responses = ResponseReader(self._get(server).stream_infer(one()))
         try:
             async with asyncio.timeout(timeout):
                 async for result, error in responses:
@@ -1051,7 +1211,7 @@ class TritonLLMClient:
         await _until_the_call_ends(responses)
         return answer
 
-    async def _abort(self, request_id: str) -> None:
+    async def _abort(self, request_id: str, server: _Server) -> None:
         """Ask the engine model to drop `request_id`.
 
         Triton propagates an ensemble's cancellation only to steps not yet scheduled, so the
@@ -1061,6 +1221,22 @@ class TritonLLMClient:
         """
         try:
             await self._llm_request([_bytes_input("abort_request_id", request_id)], "abort", 10,
-                                    f"abort.{request_id}")
+                                    f"abort.{request_id}", server)
         except (APIError, InferenceServerException) as exc:
-            log.warning("abort of %s failed: %s", request_id, exc)
+            log.warning("abort of %s on %s failed: %s", request_id, server.url, exc)
+
+
+def _summed(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Engine counters of several servers added up (per-position lists position by position)."""
+    total: dict[str, Any] = {}
+    for one in stats:
+        for key, value in one.items():
+            if isinstance(value, (list, tuple)):
+                have = total.get(key) or []
+                total[key] = [(have[i] if i < len(have) else 0) + (value[i] if i < len(value) else 0)
+                              for i in range(max(len(have), len(value)))]
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+            else:
+                total.setdefault(key, value)
+    return total

@@ -1327,10 +1327,10 @@ def test_a_stream_that_fails_after_llm_started_is_aborted(answered, message, abo
 
     client = TritonLLMClient("localhost:1", abort_model="llm")
     first = _infer_response({"text_output": "a", "output_ids": [5], "finish_reason": ""})
-    client._client = _FailingStream([first] if answered else [], message)
+    client._servers[0].client = _FailingStream([first] if answered else [], message)
     sent = []
 
-    async def abort(request_id: str) -> None:
+    async def abort(request_id: str, server) -> None:
         sent.append(request_id)
 
     client._abort = abort
@@ -1585,8 +1585,8 @@ def test_the_contract_check_covers_every_tensor_the_frontend_sends_and_the_ensem
 
     async def problem(request, **kwargs):
         client = TritonLLMClient("localhost:1", "llm", **kwargs)
-        client._client = Metadata()
-        return await client._request_problem(build_inputs(request)), client.contract_error
+        client._servers[0].client = Metadata()
+        return await client._request_problem(client._servers[0], build_inputs(request)), client.contract_error
 
     ids = EngineRequest({}, input_ids=[1, 2])
     assert asyncio.run(problem(ids)) == (None, None)
@@ -1607,7 +1607,7 @@ def test_the_contract_check_covers_every_tensor_the_frontend_sends_and_the_ensem
 
     async def health_over_a_reload():
         client = TritonLLMClient("localhost:1", "ensemble", serves_frontend=True)
-        client._client = server = Reloading()
+        client._servers[0].client = server = Reloading()
         seen = [await client.is_ready(), client.contract_error is not None]
         server.ready, server.metadata = False, None
         seen.append(await client.is_ready())
@@ -1635,7 +1635,7 @@ def test_not_ready_reason_reads_the_models_state_from_the_repository_index():
 
     async def reason(models):
         client = TritonLLMClient("localhost:1")
-        client._client = Index(models)
+        client._servers[0].client = Index(models)
         return await client.not_ready_reason()
 
     failed = [{"name": "ensemble", "version": "1", "state": "UNAVAILABLE", "reason": "llm failed to load"},
@@ -2742,7 +2742,7 @@ def test_a_one_response_llm_call_is_read_until_the_server_ends_it(monkeypatch, e
 
     monkeypatch.setattr(triton_client, "CALL_END_WAIT_S", 0.3)
     client = TritonLLMClient("localhost:1", abort_model="llm")
-    call = client._client = _OneAnswerCall({"aborted": 1}, end_after)
+    call = client._servers[0].client = _OneAnswerCall({"aborted": 1}, end_after)
     t0 = time.monotonic()
     answer = asyncio.run(client._llm_request([], "abort", 5, "abort.x"))
     assert answer == {"aborted": 1}
@@ -3058,11 +3058,23 @@ def test_metrics_dirs_of_frontends_that_are_gone_are_swept(tmp_path):
     assert not dead.exists() and live.exists() and old_style.exists()
 
 
-def test_triton_url_takes_a_grpc_endpoint_not_an_http_url(capsys):
-    from openai_frontend.__main__ import parse_args
+def test_triton_url_takes_grpc_endpoints_not_an_http_url(capsys):
+    from openai_frontend.__main__ import main, parse_args, settings_from_args
 
     for good in ("localhost:8001", "10.0.0.5:9001", "[::1]:8001", "dns:///triton:8001"):
-        assert parse_args(["--triton-url", good]).triton_url == good
+        assert parse_args(["--triton-url", good]).triton_url == [good]
+    assert settings_from_args(parse_args([])).triton_urls == ["localhost:8001"]
+    # Several servers (data parallelism): repeated or comma-separated.
+    several = settings_from_args(parse_args(["--triton-url", "a:8001,b:8001", "--triton-url", "c:8001"]))
+    assert several.triton_urls == ["a:8001", "b:8001", "c:8001"]
+    assert several.router_config().policy == "cache_aware"
+    with pytest.raises(SystemExit, match="a server is named twice"):
+        main(["--triton-url", "a:8001,a:8001"])
+    with pytest.raises(SystemExit, match="cache_threshold must be within"):
+        main(["--router-cache-threshold", "2"])
+    with pytest.raises(SystemExit):
+        parse_args(["--router-policy", "least_busy"])
+    assert "invalid choice: 'least_busy'" in capsys.readouterr().err
     for url in ("http://localhost:8001", "https://triton:8001", "grpc://triton:8001"):
         with pytest.raises(SystemExit):
             parse_args(["--triton-url", url])

@@ -1,0 +1,157 @@
+"""One frontend in front of two real tritonservers (data parallelism: one per GPU on a GPU host),
+called with the OpenAI SDK: each chat stays on the server that holds its prefix, aborts and
+prefix-cache resets reach both, a stopped server's requests go to the other."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from client.local_server import triton_home
+from openai_frontend.server import create_app
+from openai_frontend.settings import Settings
+from openai_frontend.testing import scrape_metric, serve_in_thread, start_triton, wait_kv_blocks_free
+
+MODEL = "demo"
+SYSTEMS = {
+    "ledger": "You are the accounting team's assistant. Answer about ledgers, journals and audits. " * 6,
+    "travel": "You plan train journeys across Europe; give times, changes and prices in euros. " * 6,
+    "garden": "You answer questions about vegetable gardens, soil and the seasons, in short lists. " * 6,
+}
+
+
+@pytest.fixture(scope="module")
+def servers(demo_model_path, tmp_path_factory):
+    if not (triton_home() / "backends" / "python" / "triton_python_backend_stub").exists():
+        pytest.skip("tritonserver's Python backend stub is not installed (scripts/setup.sh)")
+    started: dict[int, object] = {}
+    # Made here, not in the threads: pytest creates its base directory on first use, racily.
+    logs = [tmp_path_factory.mktemp(f"triton{i}") / "server.log" for i in range(2)]
+
+    def start(i: int) -> None:
+        started[i] = start_triton(demo_model_path, logs[i], env={"LLM_NUM_KV_BLOCKS": "128"})
+
+    # Both at once: a start is mostly waiting for the stubs' imports.
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert len(started) == 2, "a tritonserver did not start"
+        yield [started[0], started[1]]
+    finally:
+        for server in started.values():
+            server.stop(timeout=10)
+
+
+def _frontend(servers, **settings):
+    urls = ",".join(s.grpc_url for s in servers)
+    return serve_in_thread(create_app(Settings(triton_url=urls, model_name=MODEL, abort_model="llm", **settings)))
+
+
+@pytest.fixture(scope="module")
+def base_url(servers):
+    with _frontend(servers) as url:
+        yield url
+
+
+def _sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+def _ensemble_requests(server) -> float:
+    return scrape_metric(server.metrics_url, "nv_inference_request_success", 'model="ensemble",version="1"') or 0.0
+
+
+def _chat_turns(url: str, system: str, turns: int) -> list[int]:
+    """A chat of `turns` user turns, each sent with the history so far: each turn's cached tokens."""
+    sdk = _sdk(url)
+    messages = [{"role": "system", "content": system}]
+    cached = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn}: what should I look at first?"})
+        r = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content or "ok"})
+    return cached
+
+
+def test_each_chat_stays_where_its_prefix_is_cached(servers, base_url):
+    before = [_ensemble_requests(s) for s in servers]
+    cached = {name: _chat_turns(base_url, system, 3) for name, system in SYSTEMS.items()}
+    after = [_ensemble_requests(s) for s in servers]
+    # Every later turn finds at least its system prompt cached: it went where the first turn went.
+    for name, per_turn in cached.items():
+        assert all(c >= 64 for c in per_turn[1:]), (name, per_turn)
+    # And the chats were spread: both servers served some.
+    served = [a - b for a, b in zip(after, before)]
+    assert sum(served) == 9 and min(served) >= 3, served
+    # The same chats through round robin: every second turn lands where its history is not.
+    with _frontend(servers, router_policy="round_robin") as url:
+        rr = _chat_turns(url, "A new system prompt for round robin, never seen by either server. " * 6, 3)
+    assert rr[1] < 16, rr
+
+
+def test_health_info_aborts_and_cache_resets_cover_both_servers(servers, base_url):
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    info = httpx.get(f"{base_url}/get_server_info").json()["engine"]
+    assert [d["url"] for d in info["data_parallel"]] == [s.grpc_url for s in servers]
+    assert info["stats"]["num_kv_blocks"] == 256  # the two pools of 128, summed
+
+    # Two long streams, one on each server (different prefixes: spread), aborted by one call.
+    sdk, results = _sdk(base_url), {}
+
+    def stream(name: str) -> None:
+        chunks = sdk.chat.completions.create(
+            model=MODEL, stream=True, max_tokens=600, temperature=1.0, extra_body={"ignore_eos": True},
+            messages=[{"role": "system", "content": SYSTEMS[name]}, {"role": "user", "content": "go on"}])
+        results[name] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+    threads = [threading.Thread(target=stream, args=(name,)) for name in ("ledger", "travel")]
+    for t in threads:
+        t.start()
+    deadline = 30.0
+    import time
+
+    start = time.monotonic()
+    while time.monotonic() - start < deadline:
+        running = [scrape_metric(s.metrics_url, "llm_num_requests_running") or 0 for s in servers]
+        if sum(running) == 2:
+            break
+        time.sleep(0.1)
+    assert running == [1, 1], running
+    r = httpx.post(f"{base_url}/abort_request", json={"abort_all": True})
+    assert r.status_code == 200, r.text
+    for t in threads:
+        t.join(30)
+    assert results == {"ledger": ["abort"], "travel": ["abort"]}
+    for server in servers:
+        wait_kv_blocks_free(server.metrics_url)
+
+    # /flush_cache empties both prefix caches: the next turn of a cached chat is cold.
+    assert _chat_turns(base_url, SYSTEMS["garden"], 2)[1] >= 64
+    assert httpx.post(f"{base_url}/flush_cache").status_code == 200
+    assert _chat_turns(base_url, SYSTEMS["garden"], 1) == [0]
+
+
+def test_a_stopped_server_s_requests_go_to_the_other(servers, base_url):
+    """Last in this module: it stops one of the servers."""
+    homes = {}
+    for name, system in SYSTEMS.items():
+        before = [_ensemble_requests(s) for s in servers]
+        _chat_turns(base_url, system, 1)
+        homes[name] = max(range(2), key=lambda i: _ensemble_requests(servers[i]) - before[i])
+    stopped = homes["ledger"]
+    servers[stopped].stop(timeout=10)
+    # Its chats now go to the other server, from the first request on: none fails.
+    for name in SYSTEMS:
+        assert len(_chat_turns(base_url, SYSTEMS[name], 2)) == 2
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    streamed = _sdk(base_url).chat.completions.create(
+        model=MODEL, stream=True, max_tokens=8, messages=[{"role": "system", "content": SYSTEMS["ledger"]},
+                                                          {"role": "user", "content": "one more"}])
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["length"]

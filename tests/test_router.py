@@ -1,0 +1,370 @@
+"""Routing across several tritonservers (openai_frontend/router.py, TritonLLMClient with several
+URLs): the policy alone, then the client over fake servers. tests/test_data_parallel.py runs two
+real tritonservers behind one frontend."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import numpy as np
+import pytest
+
+from openai_frontend.engine_types import EngineRequest
+from openai_frontend.errors import APIError
+from openai_frontend.router import CHUNK_CHARS, Router, RouterConfig, routing_key
+
+SYSTEM_A = "You are a careful assistant for the accounting team. " * 8
+SYSTEM_B = "Tu es un assistant qui répond en français, brièvement. " * 8
+
+
+def _chat(system: str, *turns: str, **kwargs) -> EngineRequest:
+    messages = [{"role": "system", "content": system}]
+    for i, turn in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": turn})
+    return EngineRequest({"max_new_tokens": 4, **kwargs}, messages=messages)
+
+
+def _route(router: Router, request: EngineRequest, loads=(0, 0), eligible=(0, 1)) -> int:
+    return router.choose(routing_key(request), list(loads), list(eligible))
+
+
+# --- the policy -------------------------------------------------------------------------------
+
+
+def test_a_chats_later_turns_go_where_its_first_turn_went():
+    router = Router(2)
+    first_a = _route(router, _chat(SYSTEM_A, "What is a ledger?"))
+    first_b = _route(router, _chat(SYSTEM_B, "Quelle heure est-il ?"))
+    assert first_a != first_b  # a new prefix goes to the server that has seen the least
+    for turns in (("What is a ledger?", "A book of accounts.", "And a journal?"),
+                  ("What is a ledger?", "A book of accounts.", "And a journal?", "Where entries start.", "Thanks")):
+        assert _route(router, _chat(SYSTEM_A, *turns)) == first_a
+        assert _route(router, _chat(SYSTEM_B, *turns)) == first_b
+    # Round robin sends the same chat wherever the turn falls.
+    rr = Router(2, RouterConfig(policy="round_robin"))
+    assert [_route(rr, _chat(SYSTEM_A, "q")) for _ in range(4)] == [0, 1, 0, 1]
+
+
+def test_cache_aware_gives_way_to_load_and_to_a_short_match():
+    router = Router(2, RouterConfig(balance_abs_threshold=4))
+    home = _route(router, _chat(SYSTEM_A, "q1"))
+    other = 1 - home
+    # Loads apart by up to the threshold: the cache wins.
+    loads = [0, 0]
+    loads[home] = 4
+    assert _route(router, _chat(SYSTEM_A, "q1"), loads=loads) == home
+    # Further apart: the least loaded takes it, cache or not (and has seen the prefix since: with
+    # both having it, the less loaded one takes the next).
+    loads[home] = 5
+    assert _route(router, _chat(SYSTEM_A, "q1"), loads=loads) == other
+    loads[home] = 1
+    assert _route(router, _chat(SYSTEM_A, "q1"), loads=loads) == other
+    # A prompt that shares less than cache_threshold of itself with what a server has seen is a new
+    # prefix: it goes to the server that has seen the least.
+    strict = Router(2, RouterConfig(cache_threshold=0.9))
+    home = _route(strict, _chat(SYSTEM_A, "q"))
+    long_question = "Explain double-entry bookkeeping with three worked examples. " * 30
+    assert _route(strict, _chat(SYSTEM_A, long_question)) == 1 - home
+    # Only eligible servers are chosen (one seen failing is skipped).
+    assert _route(router, _chat(SYSTEM_A, "q1"), eligible=[other]) == other
+
+
+def test_routing_keys_keep_a_chats_prefix_and_tell_adapters_apart():
+    one, two = routing_key(_chat(SYSTEM_A, "q")), routing_key(_chat(SYSTEM_A, "q", "a", "q2"))
+    assert two.startswith(one[:-2])  # the next turn's JSON starts as the last one's did
+    assert routing_key(_chat(SYSTEM_A, "q", lora_path="sql")) != one
+    assert routing_key(EngineRequest({}, input_ids=[1, 2, 3])).endswith("1,2,3")
+    assert routing_key(EngineRequest({}, input_embeds=[[0.0]])) == ""  # no key: least loaded
+    router = Router(3)
+    assert _route(router, EngineRequest({}, input_embeds=[[0.0]]), loads=(2, 0, 1), eligible=(0, 1, 2)) == 1
+
+
+def test_the_routers_memory_is_bounded():
+    router = Router(2, RouterConfig(max_chunks=10))
+    for i in range(50):
+        router.choose(f"{i:04d}" * CHUNK_CHARS, [0, 0], [0, 1])
+    assert [len(seen) for seen in router._seen] == [10, 10]
+
+
+def test_power_of_two_and_random_choose_among_the_eligible():
+    p2 = Router(4, RouterConfig(policy="power_of_two"), seed=1)
+    picks = {p2.choose("", [5, 0, 5, 5], [0, 1, 2, 3]) for _ in range(50)}
+    assert 1 in picks and picks <= {0, 1, 2, 3}
+    # The less loaded of the two drawn: the busiest is never taken over another.
+    assert 3 not in {p2.choose("", [1, 1, 1, 9], [0, 1, 2, 3]) for _ in range(50)}
+    rnd = Router(3, RouterConfig(policy="random"), seed=2)
+    assert {rnd.choose("", [0, 0, 0], [0, 2]) for _ in range(30)} == {0, 2}
+
+
+def test_router_settings_are_checked():
+    for bad in ({"policy": "least"}, {"cache_threshold": 1.5}, {"balance_rel_threshold": 0.5}, {"max_chunks": 0}):
+        with pytest.raises(ValueError):
+            RouterConfig(**bad)
+
+
+# --- the client over fake servers -------------------------------------------------------------
+
+
+class _Result:
+    def __init__(self, response, meta=None) -> None:
+        self._response, self._meta = response, meta
+
+    def get_response(self):
+        return self._response
+
+    def as_numpy(self, name):
+        return None if self._meta is None else np.array([json.dumps(self._meta).encode()], dtype=np.object_)
+
+
+def _response(outputs: dict, final: bool = False):
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    resp = service_pb2.ModelInferResponse(model_name="ensemble")
+    for name, value in outputs.items():
+        out = resp.outputs.add(name=name)
+        if isinstance(value, str):
+            out.datatype, out.shape[:] = "BYTES", [1]
+            resp.raw_output_contents.append(serialize_byte_tensor(np.array([value.encode()], dtype=np.object_)).item())
+        else:
+            arr = np.asarray(value, dtype=np.int32)
+            out.datatype, out.shape[:] = "INT32", [arr.size]
+            resp.raw_output_contents.append(arr.tobytes())
+    if final:
+        resp.parameters["triton_final_response"].bool_param = True
+    return resp
+
+
+def _unavailable() -> grpc.aio.AioRpcError:
+    """What a dead server's stream raises (tritonclient's aio stream passes gRPC's error on)."""
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details="failed to connect to all addresses")
+
+
+def _refused():
+    """What a dead server's unary calls raise (tritonclient wraps gRPC's error)."""
+    from tritonclient.utils import InferenceServerException
+
+    return InferenceServerException("failed to connect to all addresses", status="StatusCode.UNAVAILABLE")
+
+
+class FakeTriton:
+    """One fake tritonserver: serves the ensemble (two responses per generation) and the llm
+    model's control requests; `down` makes every call fail as a dead server's do."""
+
+    def __init__(self, name: str, adapters=None) -> None:
+        self.name, self.down = name, False
+        self.generations: list[str] = []  # Triton request ids of the generations it got
+        self.controls: list[str] = []
+        self.adapters = adapters or {}
+        self.hold: asyncio.Event | None = None  # set: generations wait for it before answering
+
+    async def is_model_ready(self, model_name, client_timeout=None):
+        if self.down:
+            raise _refused()
+        return True
+
+    async def get_model_repository_index(self, as_json=False, client_timeout=None):
+        if self.down:
+            raise _refused()
+        return {"models": [{"name": "ensemble", "state": "READY"}]}
+
+    async def get_model_metadata(self, model_name, as_json=False, client_timeout=None):
+        from openai_frontend.triton_client import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
+
+        if self.down:
+            raise _refused()
+        return {"inputs": [{"name": n} for n in ENSEMBLE_INPUTS], "outputs": [{"name": n} for n in ENSEMBLE_OUTPUTS]}
+
+    async def infer(self, model, inputs, outputs=None, client_timeout=None):
+        if self.down:
+            raise _refused()
+        self.controls.append(f"infer:{model}")
+        return type("R", (), {"as_numpy": lambda _, name: np.array([7, 8], dtype=np.int32)})()
+
+    def stream_infer(self, requests, stream_timeout=None):
+        return _FakeStream(self, requests)
+
+
+class _FakeStream:
+    def __init__(self, server: FakeTriton, requests) -> None:
+        self.server, self.requests, self.items = server, requests, None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items is None:
+            if self.server.down:
+                raise _unavailable()
+            payload = await self.requests.__anext__()
+            self.items = self._answer(payload)
+            if self.server.hold is not None and payload["model_name"] == "ensemble":
+                await self.server.hold.wait()
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0), None
+
+    def _answer(self, payload) -> list:
+        names = [i.name() for i in payload["inputs"]]
+        if payload["model_name"] == "ensemble":
+            self.server.generations.append(payload["request_id"])
+            text = self.server.name
+            return [_Result(_response({"text_output": text, "output_ids": [1], "finish_reason": "",
+                                       "completion_tokens": [1]})),
+                    _Result(_response({"text_output": "", "output_ids": [], "finish_reason": "length",
+                                       "completion_tokens": [1]}, final=True))]
+        what = names[0]
+        self.server.controls.append(what)
+        meta = {"abort_client": {"aborted": 1}, "reset_prefix_cache": {"forgotten_blocks": 3},
+                "lora_update": {"loaded_adapters": self.server.adapters},
+                "engine_info": {"max_model_len": 64, "stats": {"num_running": 1, "prompt_tokens_total": 10,
+                                                               "spec_accepted_per_position": [2, 1]}},
+                "abort_request_id": {}}[what]
+        return [_Result(_response({}, final=True), meta)]
+
+    def cancel(self) -> None:
+        pass
+
+
+def _client(*servers: FakeTriton, **kwargs):
+    from openai_frontend.triton_client import TritonLLMClient
+
+    client = TritonLLMClient([f"{s.name}:8001" for s in servers], abort_model="llm", serves_frontend=True, **kwargs)
+    for slot, fake in zip(client._servers, servers):
+        slot.client = fake
+    return client
+
+
+async def _text(client, request: EngineRequest) -> str:
+    return "".join([chunk.text async for chunk in client.generate(request)])
+
+
+def test_the_client_routes_each_chat_to_its_server_and_counts_load():
+    a, b = FakeTriton("a"), FakeTriton("b")
+
+    async def scenario():
+        client = _client(a, b)
+        first = await _text(client, _chat(SYSTEM_A, "q"))
+        second = await _text(client, _chat(SYSTEM_B, "q"))
+        later = [await _text(client, _chat(SYSTEM_A, "q", "r", f"q{i}")) for i in range(3)]
+        # In flight: counted per server while the stream runs, back to zero after.
+        a.hold = b.hold = asyncio.Event()
+        task = asyncio.ensure_future(_text(client, _chat(SYSTEM_B, "q", "r", "again")))
+        await asyncio.sleep(0.05)
+        during = [s.in_flight for s in client._servers]
+        a.hold.set()
+        await task
+        return first, second, later, during, [s.in_flight for s in client._servers]
+
+    first, second, later, during, after = asyncio.run(scenario())
+    assert {first, second} == {"a", "b"} and later == [first] * 3
+    assert sorted(during) == [0, 1] and during[["a", "b"].index(second)] == 1
+    assert after == [0, 0]
+
+
+def test_a_dead_server_is_skipped_its_request_retried_and_it_comes_back(monkeypatch):
+    from openai_frontend import triton_client
+
+    monkeypatch.setattr(triton_client, "RECHECK_S", 0.05)
+    a, b = FakeTriton("a"), FakeTriton("b")
+
+    async def scenario():
+        client = _client(a, b)
+        home = await _text(client, _chat(SYSTEM_A, "q"))
+        dead = a if home == "a" else b
+        dead.down = True
+        # Its connection fails before any answer: the request goes to the other server, which
+        # takes the next ones too (no time lost on the dead one).
+        moved = [await _text(client, _chat(SYSTEM_A, "q")) for _ in range(3)]
+        tried_dead = len(dead.generations)
+        dead.down = False
+        await asyncio.sleep(0.1)
+        await _text(client, _chat(SYSTEM_B, "x"))  # routing notices the server may be back: asks it
+        await asyncio.sleep(0.05)
+        back = await _text(client, _chat(SYSTEM_A, "q"))
+        return home, moved, tried_dead, back, await client.is_ready()
+
+    home, moved, tried_dead, back, ready = asyncio.run(scenario())
+    other = "b" if home == "a" else "a"
+    assert moved == [other] * 3 and tried_dead == 1
+    assert back == home and ready  # the prefix is still remembered there
+
+
+def test_every_server_down_fails_the_request_with_a_503():
+    a, b = FakeTriton("a"), FakeTriton("b")
+    a.down = b.down = True
+
+    async def scenario():
+        client = _client(a, b)
+        with pytest.raises(APIError) as err:
+            await _text(client, _chat(SYSTEM_A, "q"))
+        return err.value, await client.is_ready(), await client.not_ready_reason()
+
+    error, ready, reason = asyncio.run(scenario())
+    assert error.status_code == 503 and not ready
+    assert reason.startswith("a:8001: Triton does not answer") and "; b:8001: Triton does not answer" in reason
+
+
+def test_control_requests_go_to_every_server():
+    a, b = FakeTriton("a", adapters={"sql": "/x"}), FakeTriton("b", adapters={"sql": "/x"})
+
+    async def scenario():
+        client = _client(a, b)
+        aborted = await client.abort_requests(abort_all=True)
+        forgotten = await client.reset_prefix_cache()
+        loaded = await client.lora_update({"op": "list"})
+        info = await client.engine_info()
+        b.adapters = {}
+        with pytest.raises(APIError) as mismatch:
+            await client.lora_update({"op": "list"})
+        b.down = True  # one server gone: the others answer; an update that must reach all fails
+        partial = await client.reset_prefix_cache()
+        with pytest.raises(APIError) as gone:
+            await client.lora_update({"op": "list"})
+        tokens = await client.tokenize(EngineRequest({}, text_input="hi"))
+        a.down, b.down = True, False  # tokenizing is idempotent: a failed connection tries another server
+        retried = await client.tokenize(EngineRequest({}, text_input="hi"))
+        assert b.controls[-1] == "infer:preprocessing" and client._servers[0].ready is False
+        return aborted, forgotten, loaded, info, mismatch.value, partial, gone.value, tokens + retried
+
+    aborted, forgotten, loaded, info, mismatch, partial, gone, tokens = asyncio.run(scenario())
+    assert aborted == 2 and forgotten == 6 and loaded == {"sql": "/x"}
+    assert info["max_model_len"] == 64
+    assert info["stats"] == {"num_running": 2, "prompt_tokens_total": 20, "spec_accepted_per_position": [4, 2]}
+    assert [d["url"] for d in info["data_parallel"]] == ["a:8001", "b:8001"]
+    assert mismatch.status_code == 500 and "b:8001: none" in mismatch.message
+    assert partial == 3
+    assert gone.status_code == 503 and gone.message.startswith("b:8001: ")
+    assert tokens == [7, 8] * 2 and a.controls[-1] == "infer:preprocessing"
+
+
+def test_an_abort_by_rid_reaches_the_server_that_runs_it():
+    a, b = FakeTriton("a"), FakeTriton("b")
+
+    async def scenario():
+        client = _client(a, b)
+        await _text(client, _chat(SYSTEM_A, "warm a"))
+        await _text(client, _chat(SYSTEM_B, "warm b"))
+        hold = a.hold = b.hold = asyncio.Event()
+        request = _chat(SYSTEM_A, "warm a", "x", "long one")
+        request.request_id, request.client_named = "mine", True
+        task = asyncio.ensure_future(_text(client, request))
+        await asyncio.sleep(0.05)
+        # A second request under the same rid is refused whichever server it would go to.
+        twin = _chat(SYSTEM_B, "other")
+        twin.request_id, twin.client_named = "mine", True
+        with pytest.raises(APIError, match="Duplicate request ID"):
+            await _text(client, twin)
+        stream = next(iter(client._open.values()))
+        await client.abort_requests(rid="mine")
+        hold.set()
+        await task
+        return stream.server.url
+
+    url = asyncio.run(scenario())
+    runs_it, other = (a, b) if url == "a:8001" else (b, a)
+    assert "abort_request_id" in runs_it.controls and "abort_request_id" not in other.controls
+    assert "abort_client" in runs_it.controls and "abort_client" in other.controls
