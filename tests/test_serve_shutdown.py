@@ -15,11 +15,12 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import pytest
 
-from openai_frontend.testing import free_port
+from openai_frontend.testing import free_port, scrape_metric
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,11 +54,11 @@ def _stream(url: str, max_tokens: int, started: threading.Event, out: dict, n: i
     started.set()
 
 
-def _start(model_path: Path, tmp_path: Path, *extra: str,
-           sigint=signal.SIG_DFL) -> tuple[subprocess.Popen, str, list[int], Path]:
+def _start(model_path: Path, tmp_path: Path, *extra: str, sigint=signal.SIG_DFL,
+           ports: Optional[list[int]] = None) -> tuple[subprocess.Popen, str, list[int], Path]:
     """scripts/serve.sh on free ports, up and answering: (process, frontend url, ports, log).
     sigint: SIGINT's disposition at its start (SIG_IGN: as from `serve.sh &` in a script)."""
-    ports = [free_port() for _ in range(4)]
+    ports = ports or [free_port() for _ in range(4)]
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -112,7 +113,7 @@ def _kill(proc: subprocess.Popen, ports: list[int]) -> None:
             pass
         proc.wait()
         # The frontend runs in a session of its own (serve.sh): not in the group above.
-        subprocess.run(["pkill", "-KILL", "-f", f"openai_frontend --triton-url localhost:{ports[1]} "], check=False)
+        subprocess.run(["pkill", "-KILL", "-f", f"openai_frontend --triton-url localhost:{ports[1]}[ ,]"], check=False)
 
 
 def test_ctrl_c_drains_short_streams_cancels_long_ones_and_stops_everything(demo_model_path, tmp_path):
@@ -220,7 +221,56 @@ def test_frontend_options_pass_through(demo_model_path, tmp_path):
         _kill(proc, ports)
 
 
+def _free_with_neighbours(step: int, count: int) -> int:
+    """A port p with p + step * i free for i < count (serve.sh's server i listens 3 * i above)."""
+    for _ in range(100):
+        port = free_port()
+        try:
+            for i in range(1, count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port + step * i))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free ports")
+
+
+def test_data_parallel_serves_from_every_server_and_stops_them_all(demo_model_path, tmp_path):
+    """--data-parallel-size 2: two tritonservers behind the one frontend (one per GPU on a GPU
+    host; here both on the CPU), each chat routed to one, and a Ctrl-C stops every process."""
+    ports = [_free_with_neighbours(3, 2) for _ in range(3)] + [free_port()]
+    proc, url, ports, log = _start(demo_model_path, tmp_path, "--dp-size", "2", ports=ports)
+    all_ports = ports + [p + 3 for p in ports[:3]]
+    try:
+        systems = [f"You are assistant number {i}; answer in one short sentence about topic {i}. " * 5
+                   for i in range(4)]
+        for system in systems:
+            body = {"model": "demo", "max_tokens": 2,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+            assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        served = [scrape_metric(f"http://localhost:{ports[2] + 3 * i}/metrics", "nv_inference_request_success",
+                                'model="ensemble",version="1"') for i in range(2)]
+        assert sum(served) == 4 and min(served) >= 1, served  # four new prefixes: spread over both
+        info = httpx.get(url + "/get_server_info", timeout=10).json()
+        assert [d["url"] for d in info["engine"]["data_parallel"]] == [f"localhost:{ports[1]}", f"localhost:{ports[1] + 3}"]
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        assert proc.wait(timeout=60) == 130
+        text = log.read_text()
+        assert text.count("Found 0 model versions that have in-flight inferences") >= 2, text[-3000:]
+        assert "outlived tritonserver" not in text and "SIGKILL" not in text
+        _assert_all_gone(proc, all_ports)
+        _no_exit_timeout(text)
+    finally:
+        _kill(proc, ports)
+
+
 def test_help_lists_the_options_and_an_unknown_one_says_where_to_look():
+    for args, env, message in ((["--dp-size", "0"], {}, "--data-parallel-size takes a count (1 or more), not '0'"),
+                               (["--data-parallel-size", "3"], {"CUDA_VISIBLE_DEVICES": "0,1"},
+                                "--data-parallel-size 3, but CUDA_VISIBLE_DEVICES names 2 GPU(s)")):
+        r = subprocess.run([str(REPO / "scripts/serve.sh"), *args], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, **env})
+        assert r.returncode == 2 and message in r.stderr, r
     ok = subprocess.run([str(REPO / "scripts/serve.sh"), "--help"], capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0 and "--graceful-shutdown-timeout" in ok.stdout and "#" not in ok.stdout[:5], ok
     bad = subprocess.run([str(REPO / "scripts/serve.sh"), "--bogus"], capture_output=True, text=True, timeout=30)
