@@ -1,0 +1,165 @@
+"""Routing across several tritonservers: cache-aware against round robin, in one run.
+
+Starts N tritonservers (one per GPU on a GPU host; here all on the CPU) and, for each routing
+policy in turn, one frontend in front of them; then runs the same multi-turn chats through the
+OpenAI SDK: C conversations at once, each with a system prompt of its own, T turns each, every
+turn sent with the whole history so far. Before each policy the servers' prefix caches are
+flushed. Reports per policy the share of later turns' prompt tokens served from the prefix cache,
+their TTFT p50/p99 and the turns per second, and the ratios of cache_aware to round_robin.
+
+    .venv/bin/python -m bench.router_bench [--servers 2] [--conversations 16] [--turns 4]
+        [--model-path models/demo] [--out bench/results/router_bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from bench.serving_bench import Frontend, div
+from client.local_server import LocalTritonServer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOPICS = ["ledgers and audits", "train timetables", "vegetable gardens", "tax forms", "bicycle repair",
+          "sourdough baking", "chess openings", "home networking", "bird watching", "jazz harmony",
+          "marathon training", "roof insulation", "beekeeping", "watch repair", "sailing knots", "cheese making"]
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.router_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", type=Path, default=REPO_ROOT / "models" / "demo")
+    p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-chars", type=int, default=2000, help="length of each conversation's system prompt")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--policies", default="cache_aware,round_robin")
+    p.add_argument("--num-kv-blocks", type=int, default=0, help="LLM_NUM_KV_BLOCKS per server (0: the engine's default)")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "router_bench.json")
+    args = p.parse_args(argv)
+    if args.servers < 2:
+        p.error("--servers: at least 2 (routing needs a choice)")
+    return args
+
+
+def system_prompt(i: int, chars: int) -> str:
+    topic = TOPICS[i % len(TOPICS)]
+    sentence = f"You are assistant {i}, an expert on {topic}; answer briefly and precisely. "
+    return (sentence * (chars // len(sentence) + 1))[:chars]
+
+
+async def conversation(sdk: Any, model: str, i: int, args: argparse.Namespace) -> list[dict[str, float]]:
+    messages = [{"role": "system", "content": system_prompt(i, args.system_chars)}]
+    turns = []
+    for turn in range(args.turns):
+        messages.append({"role": "user", "content": f"Question {turn} about it: what comes first?"})
+        start = time.perf_counter()
+        ttft, text, usage = None, [], None
+        stream = await sdk.chat.completions.create(
+            model=model, messages=messages, max_tokens=args.max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                ttft = ttft or time.perf_counter() - start
+                text.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        details = usage.prompt_tokens_details
+        turns.append({"turn": turn, "ttft_s": ttft or time.perf_counter() - start,
+                      "latency_s": time.perf_counter() - start, "prompt_tokens": usage.prompt_tokens,
+                      "cached_tokens": (details.cached_tokens or 0) if details else 0})
+        messages.append({"role": "assistant", "content": "".join(text) or "ok"})
+    return turns
+
+
+async def run_chats(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    sdk = AsyncOpenAI(base_url=f"{url}/v1", api_key="bench", max_retries=0, timeout=600)
+    start = time.perf_counter()
+    per_chat = await asyncio.gather(*(conversation(sdk, model, i, args) for i in range(args.conversations)))
+    wall = time.perf_counter() - start
+    await sdk.close()
+    later = [t for chat in per_chat for t in chat if t["turn"] > 0]
+    ttfts = sorted(t["ttft_s"] for t in later)
+    return {
+        "wall_s": wall,
+        "turns_per_s": sum(len(c) for c in per_chat) / wall,
+        "later_turns_cached_share": sum(t["cached_tokens"] for t in later) / max(1, sum(t["prompt_tokens"] for t in later)),
+        "later_turns_ttft_p50_ms": 1e3 * statistics.median(ttfts) if ttfts else None,
+        "later_turns_ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+        "turns": per_chat,
+    }
+
+
+def post(url: str) -> None:
+    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=60) as r:
+        r.read()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    env = {"LLM_MODEL_PATH": str(args.model_path.resolve())}
+    if args.num_kv_blocks:
+        env["LLM_NUM_KV_BLOCKS"] = str(args.num_kv_blocks)
+    logs = Path(tempfile.mkdtemp(prefix="router-bench-"))
+    servers = [LocalTritonServer(env=env, log_file=logs / f"triton{i}.log") for i in range(args.servers)]
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "policies": {}}
+    try:
+        for server in servers:
+            server.start(timeout=600)
+        urls = ",".join(s.grpc_url for s in servers)
+        for policy in policies:
+            frontend = Frontend(urls, args.model_path, logs / f"frontend-{policy}.log")
+            frontend.cmd += ["--router-policy", policy]
+            frontend.start()
+            try:
+                url = f"http://127.0.0.1:{frontend.port}"
+                post(f"{url}/flush_cache")  # every policy starts with cold caches
+                before = [_ensemble_requests(s) for s in servers]
+                run = results["policies"][policy] = asyncio.run(run_chats(url, frontend.name, args))
+                run["requests_per_server"] = [_ensemble_requests(s) - b for s, b in zip(servers, before)]
+            finally:
+                frontend.stop()
+            print(f"{policy:12s} later turns: {run['later_turns_cached_share']:.0%} of prompt tokens cached, "
+                  f"TTFT p50 {run['later_turns_ttft_p50_ms']:.1f} ms p99 {run['later_turns_ttft_p99_ms']:.1f} ms; "
+                  f"{run['turns_per_s']:.2f} turns/s", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    ca, rr = results["policies"].get("cache_aware"), results["policies"].get("round_robin")
+    if ca and rr:
+        results["ratios"] = {
+            "round_robin_ttft_p50_over_cache_aware": div(rr["later_turns_ttft_p50_ms"], ca["later_turns_ttft_p50_ms"]),
+            "cache_aware_throughput_over_round_robin": div(ca["turns_per_s"], rr["turns_per_s"]),
+            "cached_share_cache_aware": ca["later_turns_cached_share"],
+            "cached_share_round_robin": rr["later_turns_cached_share"],
+        }
+        r = results["ratios"]
+        print(f"cache_aware vs round_robin: TTFT p50 {r['round_robin_ttft_p50_over_cache_aware']:.2f}x lower, "
+              f"throughput {r['cache_aware_throughput_over_round_robin']:.2f}x, cached share "
+              f"{r['cached_share_cache_aware']:.0%} vs {r['cached_share_round_robin']:.0%}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _ensemble_requests(server: LocalTritonServer) -> float:
+    from openai_frontend.testing import scrape_metric
+
+    return scrape_metric(server.metrics_url, "nv_inference_request_success", 'model="ensemble",version="1"') or 0.0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
