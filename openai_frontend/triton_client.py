@@ -439,6 +439,14 @@ def _invalid_request(msg: str) -> APIError:
     return _context_exceeded(msg, param) or APIError(400, msg, param=param)
 
 
+_MODEL_UNAVAILABLE = "Triton model unavailable: "
+
+
+def _model_unavailable(failure: APIError) -> bool:
+    """The server does not serve the model now (not loaded, loading, stopping): map_stream_error's 503."""
+    return failure.status_code == 503 and failure.message.startswith(_MODEL_UNAVAILABLE)
+
+
 def map_stream_error(message: str) -> APIError:
     """An error the server sent inside the stream (the model's or the ensemble's).
 
@@ -457,7 +465,7 @@ def map_stream_error(message: str) -> APIError:
         return _overloaded(msg)
     if ("unknown model" in low or "is not ready" in low or "shutting down" in low or "server is stopping" in low
             or ("model" in low and "not found" in low)):
-        return unavailable(f"Triton model unavailable: {msg}")
+        return unavailable(f"{_MODEL_UNAVAILABLE}{msg}")
     if "internal error" in low or "stub process" in low or ("model instance" in low and "crash" in low):
         return APIError(500, msg)
     return APIError(400, msg)
@@ -619,6 +627,12 @@ class _Server:
 
 # How often a server seen not ready (or unreachable) is asked again while requests go elsewhere.
 RECHECK_S = 2.0
+
+
+def _mark_down(server: _Server) -> None:
+    """Seen failing now: routing skips it, and asks it again RECHECK_S later."""
+    server.ready = False
+    server.checked = asyncio.get_running_loop().time()
 
 
 class TritonLLMClient:
@@ -829,7 +843,7 @@ class TritonLLMClient:
                 for server in {o.server for o in silent}:
                     if await self._serving(server) is not False:
                         continue
-                    server.ready = False
+                    _mark_down(server)
                     mine = [o for o in silent if o.server is server]
                     log.warning("Triton server %s or model %s not ready: ending %d stream(s) silent for %.0f s or "
                                 "more", server.url, self.model_name, len(mine), STOPPING_SILENCE_S)
@@ -839,16 +853,21 @@ class TritonLLMClient:
         finally:
             self._stopping_watch = None
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        """Yield the ensemble's responses for `request` until the final one.
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """The ensemble's responses for `request` until the final one.
 
         Closing the iterator before the end (or cancelling the task consuming it) cancels the
         gRPC stream, which cancels the request in Triton.
 
-        With several servers: one whose connection fails before the request got any response
-        is marked not ready (routing skips it until it answers again), and the request goes to
-        another one.
+        With several servers: one that fails before the request got any response (its
+        connection, or its model not ready) is marked not ready (routing skips it until it
+        answers again), and the request goes to another one.
         """
+        if len(self._servers) == 1:
+            return self._generate_on(self._servers[0], request)
+        return self._generate_routed(request)
+
+    async def _generate_routed(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         tried: list[_Server] = []
         while True:
             eligible = [s for s in self._eligible() if s not in tried]
@@ -856,9 +875,12 @@ class TritonLLMClient:
             tried.append(server)
             answered = False
             try:
-                async for chunk in self._generate_on(server, request):
-                    answered = True
-                    yield chunk
+                # Closed with this generator (a consumer's aclose()), not when collected: its
+                # cleanup sends the engine its abort.
+                async with contextlib.aclosing(self._generate_on(server, request)) as chunks:
+                    async for chunk in chunks:
+                        answered = True
+                        yield chunk
                 return
             except APIError as exc:
                 if answered or server.ready is not False or not [s for s in self._eligible() if s not in tried]:
@@ -915,6 +937,8 @@ class TritonLLMClient:
                     text = error.message() if isinstance(error, InferenceServerException) else str(error)
                     failure = map_stream_error(text)
                     finished = not _may_still_run(failure, text, watched.last is not None, self.abort_model or "llm")
+                    if watched.last is None and _model_unavailable(failure):
+                        _mark_down(server)  # not serving the model (loading, stopping): skipped until it is
                     raise failure
                 watched.last = loop.time()
                 response = result.get_response()
@@ -950,7 +974,7 @@ class TritonLLMClient:
             code, details = _rpc_status(exc)
             finished = _connection_lost(code.name if code else "", details)
             if finished and not (code == grpc.StatusCode.UNAVAILABLE and "overloaded" in details.lower()):
-                server.ready = False  # routing skips it until it answers again
+                _mark_down(server)  # routing skips it until it answers again
             raise map_rpc_error(exc) from None
         finally:
             done.set()
@@ -1092,7 +1116,7 @@ class TritonLLMClient:
             except InferenceServerException as exc:
                 status, msg = str(exc.status() or ""), exc.message() or str(exc)
                 if len(self._servers) > 1 and _connection_lost(status, msg):
-                    server.ready = False
+                    _mark_down(server)
                     if [s for s in self._eligible() if s not in tried]:
                         continue
                 raise map_infer_error(exc) from None

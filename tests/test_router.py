@@ -160,11 +160,13 @@ class FakeTriton:
         self.controls: list[str] = []
         self.adapters = adapters or {}
         self.hold: asyncio.Event | None = None  # set: generations wait for it before answering
+        self.pause: asyncio.Event | None = None  # set: generations wait for it after their first response
+        self.refuse: str | None = None  # set: generations fail at once with this error message
 
     async def is_model_ready(self, model_name, client_timeout=None):
         if self.down:
             raise _refused()
-        return True
+        return not self.refuse
 
     async def get_model_repository_index(self, as_json=False, client_timeout=None):
         if self.down:
@@ -201,8 +203,16 @@ class _FakeStream:
                 raise _unavailable()
             payload = await self.requests.__anext__()
             self.items = self._answer(payload)
-            if self.server.hold is not None and payload["model_name"] == "ensemble":
+            self.generation = payload["model_name"] == "ensemble"
+            if self.generation and self.server.refuse:
+                from tritonclient.utils import InferenceServerException
+
+                self.items = []
+                return None, InferenceServerException(self.server.refuse)
+            if self.server.hold is not None and self.generation:
                 await self.server.hold.wait()
+        elif self.generation and self.server.pause is not None:
+            await self.server.pause.wait()
         if not self.items:
             raise StopAsyncIteration
         return self.items.pop(0), None
@@ -368,3 +378,38 @@ def test_an_abort_by_rid_reaches_the_server_that_runs_it():
     runs_it, other = (a, b) if url == "a:8001" else (b, a)
     assert "abort_request_id" in runs_it.controls and "abort_request_id" not in other.controls
     assert "abort_client" in runs_it.controls and "abort_client" in other.controls
+
+
+def test_a_server_whose_model_is_not_ready_is_skipped_like_a_dead_one():
+    # A restarted tritonserver answers before its models are loaded: Triton's "unknown model".
+    a, b = FakeTriton("a"), FakeTriton("b")
+
+    async def scenario():
+        client = _client(a, b)
+        home = await _text(client, _chat(SYSTEM_A, "q"))
+        loading = a if home == "a" else b
+        loading.refuse = "Request for unknown model: 'ensemble' is not found"
+        moved = await _text(client, _chat(SYSTEM_A, "q"))
+        return home, moved, loading.generations, [s.ready for s in client._servers]
+
+    home, moved, tried, ready = asyncio.run(scenario())
+    assert moved != home and len(tried) == 2  # its first, then the refused one
+    assert ready[["a", "b"].index(home)] is False
+
+
+def test_closing_a_routed_stream_aborts_its_request_before_close_returns():
+    # The handlers close a stream early (a disconnect, n > 1 merging, best_of): the engine's abort
+    # must go out then, not when the inner stream is collected.
+    a, b = FakeTriton("a"), FakeTriton("b")
+
+    async def scenario():
+        client = _client(a, b)
+        a.pause = b.pause = asyncio.Event()
+        stream = client.generate(_chat(SYSTEM_A, "q"))
+        first = await stream.__anext__()
+        await stream.aclose()
+        aborts = [c for fake in (a, b) for c in fake.controls if c == "abort_request_id"]
+        return first.text, aborts, [s.in_flight for s in client._servers]
+
+    text, aborts, in_flight = asyncio.run(scenario())
+    assert text in ("a", "b") and aborts == ["abort_request_id"] and in_flight == [0, 0]
