@@ -1137,14 +1137,20 @@ class TritonLLMClient:
         """Send the llm model a `lora_update` control request ({"op": "load" | "unload" | "list",
         "name", "path"}); returns the adapters it serves afterwards, name -> path."""
         # Loading reads the adapter's weights: a generous timeout. Every server serves every
-        # adapter, or requests naming it fail on some: one that cannot answer fails the update.
+        # adapter, or requests naming it fail on some: a load or unload fails when a server
+        # cannot answer it. A list is read from the servers that answer.
+        listing = command.get("op") == "list"
         answers = await self._llm_control_all([_bytes_input("lora_update", json.dumps(command))], "lora_update", 120,
-                                              every=True)
+                                              every=not listing, with_url=True)
         loaded = [dict(meta["loaded_adapters"]) for meta in answers]
-        if any(other != loaded[0] for other in loaded[1:]):
-            raise APIError(500, "the Triton servers serve different LoRA adapters: "
-                           + "; ".join(f"{s.url}: {', '.join(sorted(a)) or 'none'}" for s, a in zip(self._servers, loaded)))
-        return loaded[0]
+        if all(other == loaded[0] for other in loaded[1:]):
+            return loaded[0]
+        each = "; ".join(f"{meta['url']}: {', '.join(sorted(a)) or 'none'}" for meta, a in zip(answers, loaded))
+        if not listing:
+            raise APIError(500, f"the Triton servers serve different LoRA adapters: {each}")
+        # A server restarted since (its runtime adapters gone): only those every server has are usable.
+        log.warning("the Triton servers serve different LoRA adapters (%s): listing those all of them serve", each)
+        return {name: path for name, path in loaded[0].items() if all(name in other for other in loaded[1:])}
 
     async def reset_prefix_cache(self) -> int:
         """Have the engine forget the cached KV blocks no request holds; returns how many (on all

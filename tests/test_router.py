@@ -327,13 +327,15 @@ def test_control_requests_go_to_every_server():
         forgotten = await client.reset_prefix_cache()
         loaded = await client.lora_update({"op": "list"})
         info = await client.engine_info()
-        b.adapters = {}
+        b.adapters = {}  # b restarted: its runtime adapters are gone
         with pytest.raises(APIError) as mismatch:
-            await client.lora_update({"op": "list"})
+            await client.lora_update({"op": "load", "name": "sql", "path": "/x"})
+        assert await client.lora_update({"op": "list"}) == {}  # only what every server serves
         b.down = True  # one server gone: the others answer; an update that must reach all fails
         partial = await client.reset_prefix_cache()
+        assert await client.lora_update({"op": "list"}) == {"sql": "/x"}
         with pytest.raises(APIError) as gone:
-            await client.lora_update({"op": "list"})
+            await client.lora_update({"op": "unload", "name": "sql"})
         tokens = await client.tokenize(EngineRequest({}, text_input="hi"))
         a.down, b.down = True, False  # tokenizing is idempotent: a failed connection tries another server
         retried = await client.tokenize(EngineRequest({}, text_input="hi"))
