@@ -10,6 +10,9 @@ locks needed) and rendered in the Prometheus text exposition format (version 0.0
 * `frontend_request_duration_seconds{endpoint}`: histogram, until the last byte was sent.
 * `frontend_triton_out_of_order_responses_total`: stream responses that arrived after a later one
   of the same sample (should stay 0).
+* With several tritonservers (--triton-url repeated), per server: `frontend_triton_server_requests_total`
+  (generations sent), `frontend_triton_server_requests_in_flight`, and `frontend_triton_server_up`
+  (1 while routing takes it; 0 once it failed, until it answers again).
 
 The engine's own metrics (KV blocks, queue, tokens, latencies) are on tritonserver's metrics
 port; these are the HTTP side.
@@ -63,6 +66,8 @@ class FrontendMetrics:
         # endpoint -> [bucket counts..., +Inf count], sum
         self._hist: dict[str, list[int]] = {}
         self._hist_sum: dict[str, float] = {}
+        # Per tritonserver (the client's server_counts): requests, in_flight, up.
+        self.servers: dict[str, dict[str, int]] = {}
 
     # -- updates (called by the server middleware and SSEResponse) ----------------------------
 
@@ -93,8 +98,10 @@ class FrontendMetrics:
 
     # -- one worker's counts, and their sum over workers ---------------------------------------
 
-    def snapshot(self, out_of_order: Optional[int] = None) -> dict[str, Any]:
+    def snapshot(self, out_of_order: Optional[int] = None,
+                 servers: Optional[dict[str, dict[str, int]]] = None) -> dict[str, Any]:
         return {
+            "servers": servers or {},
             "requests": [[e, s, v] for (e, s), v in self.requests.items()],
             "in_flight": dict(self.in_flight),
             "streams_in_flight": self.streams_in_flight,
@@ -117,11 +124,18 @@ class FrontendMetrics:
             for i, c in enumerate(counts):
                 mine[i] += c
             self._hist_sum[e] = self._hist_sum.get(e, 0.0) + total
+        for url, counts in (snap.get("servers") or {}).items():
+            mine = self.servers.setdefault(url, {"requests": 0, "in_flight": 0, "up": 1})
+            mine["requests"] += counts["requests"]
+            if live:  # up while every live worker routes to it
+                mine["in_flight"] += counts["in_flight"]
+                mine["up"] = min(mine["up"], counts["up"])
 
     # -- exposition ---------------------------------------------------------------------------
 
-    def render(self, out_of_order: Optional[int] = None) -> str:
+    def render(self, out_of_order: Optional[int] = None, servers: Optional[dict[str, dict[str, int]]] = None) -> str:
         lines: list[str] = []
+        servers = servers if servers is not None else self.servers
 
         def family(name: str, kind: str, help_text: str, samples: Iterable[str]) -> None:
             lines.append(f"# HELP {name} {help_text}")
@@ -145,6 +159,15 @@ class FrontendMetrics:
             family("frontend_triton_out_of_order_responses_total", "counter",
                    "Stream responses Triton delivered after a later one of the same sample (scrambled text).",
                    [f"frontend_triton_out_of_order_responses_total {out_of_order}"])
+        for key, name, kind, help_text in (
+                ("requests", "frontend_triton_server_requests_total", "counter", "Generations sent to each tritonserver."),
+                ("in_flight", "frontend_triton_server_requests_in_flight", "gauge",
+                 "Generations in flight on each tritonserver."),
+                ("up", "frontend_triton_server_up", "gauge",
+                 "1 while requests are routed to the tritonserver; 0 once it failed, until it answers again.")):
+            if servers:
+                family(name, kind, help_text,
+                       (f'{name}{{server="{_escape(url)}"}} {counts[key]}' for url, counts in sorted(servers.items())))
         samples = []
         for e, counts in sorted(self._hist.items()):
             label = _escape(e)
@@ -184,8 +207,8 @@ class SharedMetrics:
         self.path = self.directory / f"{os.getpid()}.json"
         self._written: Optional[str] = None
 
-    def publish(self, out_of_order: Optional[int] = None) -> None:
-        text = json.dumps(self.metrics.snapshot(out_of_order))
+    def publish(self, out_of_order: Optional[int] = None, servers: Optional[dict[str, dict[str, int]]] = None) -> None:
+        text = json.dumps(self.metrics.snapshot(out_of_order, servers))
         if text == self._written:
             return
         tmp = self.path.with_suffix(".tmp")
@@ -193,14 +216,15 @@ class SharedMetrics:
         os.replace(tmp, self.path)  # a reader sees the old file or the new one, never half of one
         self._written = text
 
-    async def run(self, out_of_order: Any) -> None:
-        """Publish every PUBLISH_INTERVAL_S until cancelled; `out_of_order()` is the count to add."""
+    async def run(self, client_counts: Any) -> None:
+        """Publish every PUBLISH_INTERVAL_S until cancelled; `client_counts()` gives the engine
+        client's counts to add (publish's keyword arguments)."""
         while True:
-            self.publish(out_of_order())
+            self.publish(**client_counts())
             await asyncio.sleep(PUBLISH_INTERVAL_S)
 
-    def render(self, out_of_order: Optional[int] = None) -> str:
-        self.publish(out_of_order)
+    def render(self, out_of_order: Optional[int] = None, servers: Optional[dict[str, dict[str, int]]] = None) -> str:
+        self.publish(out_of_order, servers)
         total = FrontendMetrics()
         disordered: Optional[int] = None
         for path in sorted(self.directory.glob("*.json")):

@@ -378,16 +378,19 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     shared = SharedMetrics(ctx.metrics, settings.metrics_dir) if settings.metrics_dir else None
 
-    def out_of_order() -> Optional[int]:
-        return getattr(ctx.client, "out_of_order_responses", None)
+    def client_counts() -> dict[str, Any]:
+        """The engine client's own counts for /metrics (TritonLLMClient has them; fakes do not)."""
+        servers = getattr(ctx.client, "server_counts", None)
+        return {"out_of_order": getattr(ctx.client, "out_of_order_responses", None),
+                "servers": servers() if servers is not None else None}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        publisher = asyncio.ensure_future(shared.run(out_of_order)) if shared else None
+        publisher = asyncio.ensure_future(shared.run(client_counts)) if shared else None
         yield
         if publisher is not None:
             publisher.cancel()
-            shared.publish(out_of_order())
+            shared.publish(**client_counts())
         if owns_client:
             await client.close()
 
@@ -501,7 +504,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = (shared or ctx.metrics).render(out_of_order=out_of_order())
+        text = (shared or ctx.metrics).render(**client_counts())
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/get_server_info")

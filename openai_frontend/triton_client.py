@@ -608,12 +608,13 @@ def contract_problem(model: str, tensors: Tensors, inputs: Sequence[str] = ENSEM
 class _Server:
     """One tritonserver the client sends requests to, as the client last saw it."""
 
-    __slots__ = ("url", "client", "in_flight", "ready", "checked", "tensors", "contract_error", "probe")
+    __slots__ = ("url", "client", "in_flight", "requests", "ready", "checked", "tensors", "contract_error", "probe")
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.client: Optional[grpcclient_aio.InferenceServerClient] = None
         self.in_flight = 0  # this process's streams on it
+        self.requests = 0  # and all it ever sent there
         # Its model's readiness when last asked (None: not asked yet), and when (loop time).
         # Routing skips one seen not ready, and asks again at most every RECHECK_S.
         self.ready: Optional[bool] = None
@@ -708,6 +709,14 @@ class TritonLLMClient:
             if server.client is not None:
                 client, server.client = server.client, None
                 await client.close()
+
+    def server_counts(self) -> Optional[dict[str, dict[str, int]]]:
+        """With several servers, per server for /metrics: generations sent, in flight, and
+        whether routing takes it (up)."""
+        if len(self._servers) == 1:
+            return None
+        return {s.url: {"requests": s.requests, "in_flight": s.in_flight, "up": int(s.ready is not False)}
+                for s in self._servers}
 
     def _each(self, texts: Sequence[tuple[_Server, Optional[str]]]) -> Optional[str]:
         """One message from per-server ones: as it is with one server; else each prefixed with
@@ -925,6 +934,7 @@ class TritonLLMClient:
         streams.add(request_id)
         self._claimed |= claims
         server.in_flight += 1
+        server.requests += 1
         if request.batch_item:
             self._batch_items[request.request_id] = self._batch_items.get(request.request_id, 0) + 1
         decode = ResponseDecoder()

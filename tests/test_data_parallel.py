@@ -16,6 +16,11 @@ from openai_frontend.settings import Settings
 from openai_frontend.testing import scrape_metric, serve_in_thread, start_triton, wait_kv_blocks_free
 
 MODEL = "demo"
+
+
+def scrape_metric_text(text: str, name: str, labels: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(f"{name}{{{labels}}} "))
+    return float(line.rsplit(" ", 1)[1])
 SYSTEMS = {
     "ledger": "You are the accounting team's assistant. Answer about ledgers, journals and audits. " * 6,
     "travel": "You plan train journeys across Europe; give times, changes and prices in euros. " * 6,
@@ -151,6 +156,10 @@ def test_a_stopped_server_s_requests_go_to_the_other(servers, base_url):
     for name in SYSTEMS:
         assert len(_chat_turns(base_url, SYSTEMS[name], 2)) == 2
     assert httpx.get(f"{base_url}/health").status_code == 200
+    metrics = httpx.get(f"{base_url}/metrics").text
+    up = {s.grpc_url: scrape_metric_text(metrics, "frontend_triton_server_up", f'server="{s.grpc_url}"')
+          for s in servers}
+    assert up == {servers[stopped].grpc_url: 0, servers[1 - stopped].grpc_url: 1}, metrics
     streamed = _sdk(base_url).chat.completions.create(
         model=MODEL, stream=True, max_tokens=8, messages=[{"role": "system", "content": SYSTEMS["ledger"]},
                                                           {"role": "user", "content": "one more"}])
