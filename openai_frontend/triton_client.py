@@ -949,6 +949,8 @@ class TritonLLMClient:
                     finished = not _may_still_run(failure, text, watched.last is not None, self.abort_model or "llm")
                     if watched.last is None and _model_unavailable(failure):
                         _mark_down(server)  # not serving the model (loading, stopping): skipped until it is
+                        # It may come back as another model (a reload): its tensors are read again.
+                        server.tensors = server.contract_error = None
                     raise failure
                 watched.last = loop.time()
                 response = result.get_response()

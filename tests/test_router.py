@@ -415,3 +415,29 @@ def test_closing_a_routed_stream_aborts_its_request_before_close_returns():
 
     text, aborts, in_flight = asyncio.run(scenario())
     assert text in ("a", "b") and aborts == ["abort_request_id"] and in_flight == [0, 0]
+
+
+def test_a_model_seen_unavailable_mid_run_is_read_again_when_it_returns():
+    # A reload under the same name that no /health call saw: the stream that met it says so, and
+    # the model's tensors are read again (here it came back as one the frontend cannot call).
+    server = FakeTriton("a")
+
+    async def scenario():
+        client = _client(server)
+        first = await _text(client, _chat(SYSTEM_A, "q"))
+        server.refuse = "Request for unknown model: 'ensemble' is not found"
+        with pytest.raises(APIError) as gone:
+            await _text(client, _chat(SYSTEM_A, "q"))
+        server.refuse = None
+        server.get_model_metadata = _llm_metadata
+        with pytest.raises(APIError) as changed:
+            await _text(client, _chat(SYSTEM_A, "q"))
+        return first, gone.value, changed.value
+
+    first, gone, changed = asyncio.run(scenario())
+    assert first == "a" and gone.status_code == 503
+    assert changed.status_code == 500 and "not one this frontend can call" in changed.message
+
+
+async def _llm_metadata(model_name, as_json=False, client_timeout=None):
+    return {"inputs": [{"name": "input_ids"}], "outputs": [{"name": "output_ids"}]}
