@@ -1253,7 +1253,7 @@ class TritonLLMClient:
         await _until_the_call_ends(responses)
         return answer
 
-    async def _abort(self, request_id: str, server: _Server) -> None:
+    async def _abort(self, request_id: str, server: Optional[_Server] = None) -> None:
         """Ask the engine model to drop `request_id`.
 
         Triton propagates an ensemble's cancellation only to steps not yet scheduled, so the
@@ -1265,7 +1265,7 @@ class TritonLLMClient:
             await self._llm_request([_bytes_input("abort_request_id", request_id)], "abort", 10,
                                     f"abort.{request_id}", server)
         except (APIError, InferenceServerException) as exc:
-            log.warning("abort of %s on %s failed: %s", request_id, server.url, exc)
+            log.warning("abort of %s on %s failed: %s", request_id, (server or self._servers[0]).url, exc)
 
 
 def _summed(stats: list[dict[str, Any]]) -> dict[str, Any]:

@@ -37,7 +37,7 @@ def servers(demo_model_path, tmp_path_factory):
     logs = [tmp_path_factory.mktemp(f"triton{i}") / "server.log" for i in range(2)]
 
     def start(i: int) -> None:
-        started[i] = start_triton(demo_model_path, logs[i], env={"LLM_NUM_KV_BLOCKS": "128"})
+        started[i] = start_triton(demo_model_path, logs[i], env={"LLM_NUM_KV_BLOCKS": "256", "LLM_MAX_MODEL_LEN": "4096"})
 
     # Both at once: a start is mostly waiting for the stubs' imports.
     threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
@@ -105,30 +105,30 @@ def test_health_info_aborts_and_cache_resets_cover_both_servers(servers, base_ur
     assert httpx.get(f"{base_url}/health").status_code == 200
     info = httpx.get(f"{base_url}/get_server_info").json()["engine"]
     assert [d["url"] for d in info["data_parallel"]] == [s.grpc_url for s in servers]
-    assert info["stats"]["num_kv_blocks"] == 256  # the two pools of 128, summed
+    assert info["stats"]["num_kv_blocks"] == 512  # the two pools of 256, summed
 
     # Two long streams, one on each server (different prefixes: spread), aborted by one call.
     sdk, results = _sdk(base_url), {}
+    started = {name: threading.Event() for name in ("ledger", "travel")}
 
     def stream(name: str) -> None:
         chunks = sdk.chat.completions.create(
-            model=MODEL, stream=True, max_tokens=600, temperature=1.0, extra_body={"ignore_eos": True},
+            model=MODEL, stream=True, max_tokens=3900, temperature=1.0, extra_body={"ignore_eos": True},
             messages=[{"role": "system", "content": SYSTEMS[name]}, {"role": "user", "content": "go on"}])
-        results[name] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        reasons = results[name] = []
+        for chunk in chunks:
+            started[name].set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reasons.append(chunk.choices[0].finish_reason)
 
-    threads = [threading.Thread(target=stream, args=(name,)) for name in ("ledger", "travel")]
+    threads = [threading.Thread(target=stream, args=(name,)) for name in started]
     for t in threads:
         t.start()
-    deadline = 30.0
-    import time
-
-    start = time.monotonic()
-    while time.monotonic() - start < deadline:
-        running = [scrape_metric(s.metrics_url, "llm_num_requests_running") or 0 for s in servers]
-        if sum(running) == 2:
-            break
-        time.sleep(0.1)
-    assert running == [1, 1], running
+    assert all(event.wait(30) for event in started.values())
+    # One on each server, as the frontend counts them (at once; the engines publish theirs later).
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert [scrape_metric_text(metrics, "frontend_triton_server_requests_in_flight", f'server="{s.grpc_url}"')
+            for s in servers] == [1, 1], metrics
     r = httpx.post(f"{base_url}/abort_request", json={"abort_all": True})
     assert r.status_code == 200, r.text
     for t in threads:
