@@ -22,6 +22,28 @@ from openai_frontend.errors import APIError
 Script = Callable[[EngineRequest], Union[Sequence[EngineChunk], APIError]]
 
 
+def infer_response(outputs: dict[str, Any], final: bool = False, model: str = "ensemble") -> Any:
+    """A Triton ModelInferResponse as the ensemble streams it: str values as BYTES [1], others as
+    INT32 [n], raw contents as the server sends them; `final` sets triton_final_response."""
+    import numpy as np
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    resp = service_pb2.ModelInferResponse(model_name=model)
+    for name, value in outputs.items():
+        out = resp.outputs.add(name=name)
+        if isinstance(value, str):
+            out.datatype, out.shape[:] = "BYTES", [1]
+            resp.raw_output_contents.append(serialize_byte_tensor(np.array([value.encode()], dtype=np.object_)).item())
+        else:
+            arr = np.asarray(value, dtype=np.int32)
+            out.datatype, out.shape[:] = "INT32", [arr.size]
+            resp.raw_output_contents.append(arr.tobytes())
+    if final:
+        resp.parameters["triton_final_response"].bool_param = True
+    return resp
+
+
 def text_chunks(
     pieces: Sequence[str], finish: str = "stop", prompt_tokens: int = 7, stop_reason: Any = None,
     meta: Optional[Sequence[str]] = None,

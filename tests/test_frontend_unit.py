@@ -20,7 +20,7 @@ from openai_frontend.engine_types import EngineChunk
 from openai_frontend.errors import APIError
 from openai_frontend.server import create_app
 from openai_frontend.settings import Settings
-from openai_frontend.testing import FakeLLMClient, serve_in_thread, text_chunks
+from openai_frontend.testing import FakeLLMClient, infer_response, serve_in_thread, text_chunks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The OpenAI endpoints ask for vLLM's repetition penalty, which counts prompt tokens too.
@@ -1233,30 +1233,10 @@ def test_json_array_scanner_partial_inputs():
 # ---------------------------------------------------------------------------------------------
 
 
-def _infer_response(outputs: dict, final: bool = False):
-    import numpy as np
-    from tritonclient.grpc import service_pb2
-    from tritonclient.utils import serialize_byte_tensor
-
-    resp = service_pb2.ModelInferResponse(model_name="ensemble")
-    for name, value in outputs.items():
-        out = resp.outputs.add(name=name)
-        if isinstance(value, str):
-            out.datatype, out.shape[:] = "BYTES", [1]
-            resp.raw_output_contents.append(serialize_byte_tensor(np.array([value.encode()], dtype=np.object_)).item())
-        else:
-            arr = np.asarray(value, dtype=np.int32)
-            out.datatype, out.shape[:] = "INT32", [arr.size]
-            resp.raw_output_contents.append(arr.tobytes())
-    if final:
-        resp.parameters["triton_final_response"].bool_param = True
-    return resp
-
-
 def test_decode_response_fast_path():
     from openai_frontend.triton_client import _is_final, decode_response
 
-    resp = _infer_response({
+    resp = infer_response({
         "text_output": "héllo 世界", "output_ids": [5, 6, 70000], "finish_reason": "stop",
         "meta_info": '{"stop_reason": "</s>"}', "prompt_tokens": [12], "completion_tokens": [3],
     }, final=True)
@@ -1265,9 +1245,9 @@ def test_decode_response_fast_path():
     assert chunk.finish_reason == "stop" and chunk.stop_reason == "</s>"
     assert (chunk.prompt_tokens, chunk.completion_tokens) == (12, 3)
     assert _is_final(resp)
-    mid = decode_response(_infer_response({"text_output": "", "output_ids": [], "finish_reason": ""}))
+    mid = decode_response(infer_response({"text_output": "", "output_ids": [], "finish_reason": ""}))
     assert mid.text == "" and mid.token_ids == [] and mid.finish_reason is None
-    assert not _is_final(_infer_response({"text_output": "x"}))
+    assert not _is_final(infer_response({"text_output": "x"}))
 
 
 class _FailingStream:
@@ -1326,7 +1306,7 @@ def test_a_stream_that_fails_after_llm_started_is_aborted(answered, message, abo
     from openai_frontend.triton_client import TritonLLMClient
 
     client = TritonLLMClient("localhost:1", abort_model="llm")
-    first = _infer_response({"text_output": "a", "output_ids": [5], "finish_reason": ""})
+    first = infer_response({"text_output": "a", "output_ids": [5], "finish_reason": ""})
     client._servers[0].client = _FailingStream([first] if answered else [], message)
     sent = []
 

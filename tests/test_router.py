@@ -14,6 +14,7 @@ import pytest
 from openai_frontend.engine_types import EngineRequest
 from openai_frontend.errors import APIError
 from openai_frontend.router import CHUNK_CHARS, Router, RouterConfig, routing_key
+from openai_frontend.testing import infer_response
 
 SYSTEM_A = "You are a careful assistant for the accounting team. " * 8
 SYSTEM_B = "Tu es un assistant qui répond en français, brièvement. " * 8
@@ -118,25 +119,6 @@ class _Result:
         return None if self._meta is None else np.array([json.dumps(self._meta).encode()], dtype=np.object_)
 
 
-def _response(outputs: dict, final: bool = False):
-    from tritonclient.grpc import service_pb2
-    from tritonclient.utils import serialize_byte_tensor
-
-    resp = service_pb2.ModelInferResponse(model_name="ensemble")
-    for name, value in outputs.items():
-        out = resp.outputs.add(name=name)
-        if isinstance(value, str):
-            out.datatype, out.shape[:] = "BYTES", [1]
-            resp.raw_output_contents.append(serialize_byte_tensor(np.array([value.encode()], dtype=np.object_)).item())
-        else:
-            arr = np.asarray(value, dtype=np.int32)
-            out.datatype, out.shape[:] = "INT32", [arr.size]
-            resp.raw_output_contents.append(arr.tobytes())
-    if final:
-        resp.parameters["triton_final_response"].bool_param = True
-    return resp
-
-
 def _unavailable() -> grpc.aio.AioRpcError:
     """What a dead server's stream raises (tritonclient's aio stream passes gRPC's error on)."""
     return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
@@ -222,9 +204,9 @@ class _FakeStream:
         if payload["model_name"] == "ensemble":
             self.server.generations.append(payload["request_id"])
             text = self.server.name
-            return [_Result(_response({"text_output": text, "output_ids": [1], "finish_reason": "",
+            return [_Result(infer_response({"text_output": text, "output_ids": [1], "finish_reason": "",
                                        "completion_tokens": [1]})),
-                    _Result(_response({"text_output": "", "output_ids": [], "finish_reason": "length",
+                    _Result(infer_response({"text_output": "", "output_ids": [], "finish_reason": "length",
                                        "completion_tokens": [1]}, final=True))]
         what = names[0]
         self.server.controls.append(what)
@@ -233,7 +215,7 @@ class _FakeStream:
                 "engine_info": {"max_model_len": 64, "stats": {"num_running": 1, "prompt_tokens_total": 10,
                                                                "spec_accepted_per_position": [2, 1]}},
                 "abort_request_id": {}}[what]
-        return [_Result(_response({}, final=True), meta)]
+        return [_Result(infer_response({}, final=True), meta)]
 
     def cancel(self) -> None:
         pass
