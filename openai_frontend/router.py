@@ -141,8 +141,3 @@ class Router:
             seen.move_to_end(h)
         while len(seen) > self.config.max_chunks:
             seen.popitem(last=False)
-
-    def matched_share(self, server: int, key: str) -> float:
-        """How much of `key` the router believes `server` has cached (0 to 1)."""
-        hashes = chunk_hashes(key)
-        return self._matched(server, hashes) / len(hashes) if hashes else 0.0
