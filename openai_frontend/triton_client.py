@@ -809,6 +809,10 @@ class TritonLLMClient:
                 server.probe = asyncio.ensure_future(self._probe(server))
         return [s for s in self._servers if s.ready is not False] or self._servers
 
+    def _untried(self, tried: list[_Server]) -> list[_Server]:
+        """The eligible servers a failed request has not been sent to yet."""
+        return [s for s in self._eligible() if s not in tried]
+
     async def _probe(self, server: _Server) -> None:
         try:
             await self._check(server)
@@ -879,8 +883,7 @@ class TritonLLMClient:
     async def _generate_routed(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         tried: list[_Server] = []
         while True:
-            eligible = [s for s in self._eligible() if s not in tried]
-            server = self._route(request, eligible or self._servers)
+            server = self._route(request, self._untried(tried) or self._servers)
             tried.append(server)
             answered = False
             try:
@@ -892,7 +895,7 @@ class TritonLLMClient:
                         yield chunk
                 return
             except APIError as exc:
-                if answered or server.ready is not False or not [s for s in self._eligible() if s not in tried]:
+                if answered or server.ready is not False or not self._untried(tried):
                     raise
                 log.warning("Triton server %s failed before answering request %s (%s): sending it to another server",
                             server.url, request.request_id or "-", exc.message)
@@ -1118,7 +1121,7 @@ class TritonLLMClient:
         # (idempotent) goes to another.
         tried: list[_Server] = []
         while True:
-            server = min([s for s in self._eligible() if s not in tried] or self._servers, key=lambda s: s.in_flight)
+            server = min(self._untried(tried) or self._servers, key=lambda s: s.in_flight)
             tried.append(server)
             call = asyncio.ensure_future(self._get(server).infer(model, inputs, outputs=[InferRequestedOutput(output)],
                                                                  client_timeout=self.stream_timeout))
@@ -1129,7 +1132,7 @@ class TritonLLMClient:
                 status, msg = str(exc.status() or ""), exc.message() or str(exc)
                 if len(self._servers) > 1 and _connection_lost(status, msg):
                     _mark_down(server)
-                    if [s for s in self._eligible() if s not in tried]:
+                    if self._untried(tried):
                         continue
                 raise map_infer_error(exc) from None
             except grpc.RpcError as exc:
