@@ -1181,7 +1181,7 @@ class TritonLLMClient:
         if len(self._servers) == 1:
             return await self._llm_control(inputs, "engine_info", 30)
         answers = await self._llm_control_all(inputs, "engine_info", 30, with_url=True)
-        info = dict(answers[0])
+        info = {key: value for key, value in answers[0].items() if key != "url"}
         info["stats"] = _summed([meta.get("stats") or {} for meta in answers])
         info["data_parallel"] = [{"url": meta["url"], "stats": meta.get("stats") or {}} for meta in answers]
         return info

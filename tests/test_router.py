@@ -326,7 +326,7 @@ def test_control_requests_go_to_every_server():
 
     aborted, forgotten, loaded, info, mismatch, partial, gone, tokens = asyncio.run(scenario())
     assert aborted == 2 and forgotten == 6 and loaded == {"sql": "/x"}
-    assert info["max_model_len"] == 64
+    assert info["max_model_len"] == 64 and "url" not in info
     assert info["stats"] == {"num_running": 2, "prompt_tokens_total": 20, "spec_accepted_per_position": [4, 2]}
     assert [d["url"] for d in info["data_parallel"]] == ["a:8001", "b:8001"]
     assert mismatch.status_code == 500 and "b:8001: none" in mismatch.message
