@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from backend.host_limits import usable_cpus
-from openai_frontend.router import POLICIES
+from openai_frontend.router import PLACEMENTS, POLICIES
 from openai_frontend.settings import Settings
 
 
@@ -35,6 +35,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "server has more than this many requests in flight above the idlest ...")
     p.add_argument("--router-balance-rel-threshold", type=float, default=1.0001,
                    help="... and more than this many times its count")
+    p.add_argument("--router-placement", default="auto", choices=("auto",) + PLACEMENTS,
+                   help="cache_aware, a prompt no server has seen enough of: least_seen (SGLang's: the server that "
+                        "has seen the least; this process's view), hash (a hash of the chat's opening, the same in "
+                        "every --workers process, within 1.25x the average load); auto (default): hash with "
+                        "several --workers")
     p.add_argument("--triton-model", default="ensemble", help="the Triton model to call (default: ensemble)")
     p.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
                    help="model name clients use (default: the --tokenizer-path directory name, else the Triton model)")
@@ -145,6 +150,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         router_cache_threshold=args.router_cache_threshold,
         router_balance_abs_threshold=args.router_balance_abs_threshold,
         router_balance_rel_threshold=args.router_balance_rel_threshold,
+        router_placement=(args.router_placement if args.router_placement != "auto"
+                          else "hash" if args.workers > 1 else "least_seen"),
         triton_model=args.triton_model,
         model_name=args.model_name,
         api_key=args.api_key,

@@ -11,6 +11,15 @@ already seen the longest start of its prompt, so that the engine's prefix cache 
 drifted apart, when the least loaded one takes it. Round robin would send a chat's next turn to
 another server half the time (two servers), which then prefills the whole history again.
 
+A prompt no server has seen enough of is placed (`placement`): `least_seen`, SGLang router's
+choice, sends it to the server that has seen the least (balanced, but known only to this
+process); `hash` sends it where a hash of its opening (a chat's messages up to its first user
+message; a prompt's first OPENING_CHARS) ranks the servers first, unless that one carries more
+than PLACEMENT_LOAD_FACTOR times the average load (consistent hashing with bounded loads). Every
+process computes that rank alike, which matters where several `--workers` processes route, each
+by its own memory: a chat's next turn that reaches a process that never saw the chat still goes
+where its first turn went. The frontend uses `hash` when it runs several processes.
+
 What a server "has seen" is remembered here as the chained hashes of each prompt's 64-character
 chunks (the engine's block hashes, on text): the match is the number of leading chunks the server
 has, bounded per server by an LRU of `max_chunks`. It approximates the server's real cache: the
@@ -19,7 +28,9 @@ router sees prompts, not KV blocks, and the engine may have evicted what the rou
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,7 +39,10 @@ from typing import Optional, Sequence
 from openai_frontend.engine_types import EngineRequest
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+PLACEMENTS = ("least_seen", "hash")
 CHUNK_CHARS = 64
+OPENING_CHARS = 1024
+PLACEMENT_LOAD_FACTOR = 1.25
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,7 @@ class RouterConfig:
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.0001
     max_chunks: int = 1 << 16  # remembered prompt chunks per server (64 characters each)
+    placement: str = "least_seen"  # cache_aware, a prompt no server has seen enough of: see the module's doc
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -54,6 +69,8 @@ class RouterConfig:
             raise ValueError("balance thresholds: abs >= 0, rel >= 1")
         if self.max_chunks < 1:
             raise ValueError("max_chunks must be at least 1")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement {self.placement!r} is not one of {', '.join(PLACEMENTS)}")
 
 
 def routing_key(request: EngineRequest) -> str:
@@ -74,6 +91,17 @@ def routing_key(request: EngineRequest) -> str:
     return ""
 
 
+def conversation_opening(request: EngineRequest, key: str) -> str:
+    """What a new prompt is placed by (see the module's doc): for a chat, everything up to its
+    first user message, which its later turns repeat; otherwise the key's first OPENING_CHARS."""
+    if request.messages is not None:
+        first_user = next((i for i, m in enumerate(request.messages)
+                           if isinstance(m, dict) and m.get("role") == "user"), len(request.messages) - 1)
+        body = json.dumps(request.messages[:first_user + 1], sort_keys=True, separators=(",", ":"), default=str)
+        return key[:key.rindex("\x00") + 1] + body
+    return key[:OPENING_CHARS]
+
+
 def chunk_hashes(key: str) -> list[int]:
     """Chained hashes of the key's whole CHUNK_CHARS chunks: equal lists up to i mean equal
     text up to chunk i's end."""
@@ -88,14 +116,19 @@ class Router:
     """Picks a server index per request; `loads` are the requests each server has in flight
     from this process (each frontend worker routes on its own)."""
 
-    def __init__(self, servers: int, config: RouterConfig = RouterConfig(), seed: Optional[int] = None) -> None:
+    def __init__(self, servers: int, config: RouterConfig = RouterConfig(), seed: Optional[int] = None,
+                 names: Optional[Sequence[str]] = None) -> None:
         self.config = config
+        # What placement hashes with the opening: the servers' URLs, so that frontends listing them
+        # in another order still agree.
+        self._names = [n.encode() for n in (names or [str(i) for i in range(servers)])]
         self._seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(servers)]
         self._next = 0
         self._random = random.Random(seed)
 
-    def choose(self, key: str, loads: Sequence[int], eligible: Sequence[int]) -> int:
-        """A server among `eligible` (indexes, not empty) for a request whose routing_key is `key`."""
+    def choose(self, key: str, loads: Sequence[int], eligible: Sequence[int], opening: Optional[str] = None) -> int:
+        """A server among `eligible` (indexes, not empty) for a request whose routing_key is `key`
+        and conversation_opening `opening` (default: the key's start)."""
         if len(eligible) == 1:
             choice = eligible[0]
         elif self.config.policy == "round_robin":
@@ -106,11 +139,12 @@ class Router:
             a, b = self._random.sample(list(eligible), 2)
             choice = a if loads[a] <= loads[b] else b
         else:
-            return self._cache_aware(chunk_hashes(key), loads, eligible)
+            opening = key[:OPENING_CHARS] if opening is None else opening
+            return self._cache_aware(chunk_hashes(key), opening, loads, eligible)
         self._next = choice + 1
         return choice
 
-    def _cache_aware(self, hashes: list[int], loads: Sequence[int], eligible: Sequence[int]) -> int:
+    def _cache_aware(self, hashes: list[int], opening: str, loads: Sequence[int], eligible: Sequence[int]) -> int:
         busiest, idlest = max(loads[i] for i in eligible), min(loads[i] for i in eligible)
         drifted = (busiest - idlest > self.config.balance_abs_threshold
                    and busiest > idlest * self.config.balance_rel_threshold)
@@ -120,12 +154,24 @@ class Router:
         else:
             matched = {i: self._matched(i, hashes) for i in eligible}
             best = max(eligible, key=lambda i: (matched[i], -loads[i]))
-            # No server has seen enough of it: the one with the least remembered (most room
-            # for a new prefix), the least loaded among equals: SGLang's choice.
-            choice = best if matched[best] / len(hashes) > self.config.cache_threshold else min(
-                eligible, key=lambda i: (len(self._seen[i]), loads[i]))
+            if matched[best] / len(hashes) > self.config.cache_threshold:
+                choice = best
+            elif self.config.placement == "hash":
+                choice = self._place(opening, loads, eligible, least_loaded)
+            else:  # the one with the least remembered (most room for a new prefix), then the least loaded
+                choice = min(eligible, key=lambda i: (len(self._seen[i]), loads[i]))
         self._remember(choice, hashes)
         return choice
+
+    def _place(self, opening: str, loads: Sequence[int], eligible: Sequence[int], least_loaded: int) -> int:
+        """A new prompt's server: the first its opening ranks (a keyed hash, the same in every
+        process, not Python's salted one) whose load stays within PLACEMENT_LOAD_FACTOR times the
+        average once it takes it."""
+        digest = hashlib.blake2b(opening.encode(), digest_size=16).digest()
+        ranked = sorted(eligible, key=lambda i: hashlib.blake2b(self._names[i], key=digest, digest_size=8).digest(),
+                        reverse=True)
+        bound = math.ceil(PLACEMENT_LOAD_FACTOR * (sum(loads[i] for i in eligible) + 1) / len(eligible))
+        return next((i for i in ranked if loads[i] + 1 <= bound), least_loaded)
 
     def _matched(self, server: int, hashes: list[int]) -> int:
         seen = self._seen[server]

@@ -18,6 +18,7 @@ class Settings:
     router_cache_threshold: float = 0.5
     router_balance_abs_threshold: int = 32
     router_balance_rel_threshold: float = 1.0001
+    router_placement: str = "least_seen"  # the CLI's auto: hash with several --workers (router.py)
     triton_model: str = "ensemble"  # the Triton model requests go to
     model_name: Optional[str] = None  # the served name clients use; default: see served_model_name
     api_key: Optional[str] = None
@@ -63,7 +64,8 @@ class Settings:
         """Raises ValueError on a setting out of range."""
         return RouterConfig(policy=self.router_policy, cache_threshold=self.router_cache_threshold,
                             balance_abs_threshold=self.router_balance_abs_threshold,
-                            balance_rel_threshold=self.router_balance_rel_threshold)
+                            balance_rel_threshold=self.router_balance_rel_threshold,
+                            placement=self.router_placement)
 
     @property
     def served_model_name(self) -> str:

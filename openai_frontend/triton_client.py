@@ -39,7 +39,7 @@ from tritonclient.utils import InferenceServerException
 
 from openai_frontend.engine_types import EngineChunk, EngineRequest
 from openai_frontend.errors import APIError, context_exceeded, timed_out, unavailable
-from openai_frontend.router import Router, RouterConfig, routing_key
+from openai_frontend.router import Router, RouterConfig, conversation_opening, routing_key
 
 log = logging.getLogger(__name__)
 
@@ -667,7 +667,7 @@ class TritonLLMClient:
             raise ValueError(f"Triton URLs: at least one, each once (got {urls})")
         self._servers = [_Server(u) for u in urls]
         self.url = ", ".join(urls)
-        self.router = Router(len(urls), router or RouterConfig())
+        self.router = Router(len(urls), router or RouterConfig(), names=urls)
         self.serves_frontend = serves_frontend
         self.model_name = model_name
         self.preprocessing_model = preprocessing_model
@@ -822,8 +822,9 @@ class TritonLLMClient:
     def _route(self, request: EngineRequest, eligible: list[_Server]) -> _Server:
         if len(eligible) == 1:
             return eligible[0]
-        index = self.router.choose(routing_key(request), [s.in_flight for s in self._servers],
-                                   [self._servers.index(s) for s in eligible])
+        key = routing_key(request)
+        index = self.router.choose(key, [s.in_flight for s in self._servers], [self._servers.index(s) for s in eligible],
+                                   opening=conversation_opening(request, key))
         return self._servers[index]
 
     async def _serving(self, server: _Server) -> Optional[bool]:

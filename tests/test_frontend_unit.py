@@ -3056,6 +3056,9 @@ def test_triton_url_takes_grpc_endpoints_not_an_http_url(capsys):
     several = settings_from_args(parse_args(["--triton-url", "a:8001,b:8001", "--triton-url", "c:8001"]))
     assert several.triton_urls == ["a:8001", "b:8001", "c:8001"]
     assert several.router_config().policy == "cache_aware"
+    # cache_aware's placement of new prompts: the same in every process when there are several.
+    placements = {w: settings_from_args(parse_args(["--workers", w])).router_config().placement for w in ("1", "3")}
+    assert placements == {"1": "least_seen", "3": "hash"}
     with pytest.raises(SystemExit, match="a server is named twice"):
         main(["--triton-url", "a:8001,a:8001"])
     with pytest.raises(SystemExit, match="cache_threshold must be within"):

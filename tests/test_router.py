@@ -72,6 +72,49 @@ def test_cache_aware_gives_way_to_load_and_to_a_short_match():
     assert _route(router, _chat(SYSTEM_A, "q1"), eligible=[other]) == other
 
 
+def _route_turn(router: Router, request: EngineRequest, loads=(0, 0), eligible=(0, 1)) -> int:
+    """As TritonLLMClient routes: with the chat's opening."""
+    from openai_frontend.router import conversation_opening
+
+    key = routing_key(request)
+    return router.choose(key, list(loads), list(eligible), opening=conversation_opening(request, key))
+
+
+def test_hash_placement_keeps_a_chat_on_one_server_across_frontend_processes():
+    # Two --workers processes, each with its own memory; a chat's turns reach either of them.
+    turns = [_chat(SYSTEM_A, "q1"), _chat(SYSTEM_A, "q1", "a1", "q2"), _chat(SYSTEM_A, "q1", "a1", "q2", "a2", "q3")]
+    others = [_chat(f"Assistant {i}: " + SYSTEM_B, "hello") for i in range(6)]
+
+    def homes(placement: str) -> list[int]:
+        one, two = (Router(2, RouterConfig(placement=placement), names=["a:8001", "b:8001"]) for _ in range(2))
+        for other in others:  # what the second process saw before: other chats, while b was busy
+            assert _route_turn(two, other, loads=(0, 40)) == 0
+        return [_route_turn(worker, turn) for worker, turn in zip((one, two, one), turns)]
+
+    assert len(set(homes("hash"))) == 1
+    # SGLang's least_seen placement is one process's view: the second process, which never saw
+    # this chat, sends its second turn where it has placed the least.
+    assert len(set(homes("least_seen"))) == 2
+
+
+def test_hash_placement_spreads_new_chats_and_bounds_the_load():
+    names = ["a:8001", "b:8001", "c:8001"]
+    router = Router(3, RouterConfig(placement="hash"), names=names)
+    placed = [_route_turn(router, _chat(f"System prompt number {i}. " * 40, "hi"), loads=(0, 0, 0), eligible=(0, 1, 2))
+              for i in range(300)]
+    assert all(80 <= placed.count(i) <= 120 for i in range(3)), [placed.count(i) for i in range(3)]
+    # The rank follows the servers' names, not their order on the command line.
+    chat = _chat("A system prompt of its own, long enough to count. " * 10, "hi")
+    flipped = Router(3, RouterConfig(placement="hash"), names=names[::-1])
+    assert names[_route_turn(Router(3, RouterConfig(placement="hash"), names=names), chat, (0, 0, 0), (0, 1, 2))] \
+        == names[::-1][_route_turn(flipped, chat, (0, 0, 0), (0, 1, 2))]
+    # Its first-ranked server over 1.25x the average load once it takes it: the next one ranked.
+    first = _route_turn(Router(3, RouterConfig(placement="hash"), names=names), chat, (0, 0, 0), (0, 1, 2))
+    loads = [2, 2, 2]
+    loads[first] = 6
+    assert _route_turn(Router(3, RouterConfig(placement="hash"), names=names), chat, loads, (0, 1, 2)) != first
+
+
 def test_routing_keys_keep_a_chats_prefix_and_tell_adapters_apart():
     one, two = routing_key(_chat(SYSTEM_A, "q")), routing_key(_chat(SYSTEM_A, "q", "a", "q2"))
     assert two.startswith(one[:-2])  # the next turn's JSON starts as the last one's did
@@ -100,7 +143,8 @@ def test_power_of_two_and_random_choose_among_the_eligible():
 
 
 def test_router_settings_are_checked():
-    for bad in ({"policy": "least"}, {"cache_threshold": 1.5}, {"balance_rel_threshold": 0.5}, {"max_chunks": 0}):
+    for bad in ({"policy": "least"}, {"cache_threshold": 1.5}, {"balance_rel_threshold": 0.5}, {"max_chunks": 0},
+                {"placement": "sticky"}):
         with pytest.raises(ValueError):
             RouterConfig(**bad)
 
