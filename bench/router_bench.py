@@ -8,7 +8,8 @@ flushed. Reports per policy the share of later turns' prompt tokens served from 
 their TTFT p50/p99 and the turns per second, and the ratios of cache_aware to round_robin.
 
     .venv/bin/python -m bench.router_bench [--servers 2] [--conversations 16] [--turns 4]
-        [--model-path models/demo] [--out bench/results/router_bench.json]
+        [--frontend-workers 1] [--router-placement auto] [--model-path models/demo]
+        [--out bench/results/router_bench.json]
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--system-chars", type=int, default=2000, help="length of each conversation's system prompt")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--policies", default="cache_aware,round_robin")
+    p.add_argument("--frontend-workers", type=int, default=1, help="the frontend's --workers")
+    p.add_argument("--router-placement", default="auto", help="the frontend's --router-placement")
+    p.add_argument("--connection-per-turn", action="store_true",
+                   help="each turn on a new HTTP connection (as behind a proxy that pools them): with several "
+                        "frontend workers, a chat's turns then reach any of them")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="LLM_NUM_KV_BLOCKS per server (0: the engine's default)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "router_bench.json")
     args = p.parse_args(argv)
@@ -61,6 +67,8 @@ async def conversation(sdk: Any, model: str, i: int, args: argparse.Namespace) -
     messages = [{"role": "system", "content": system_prompt(i, args.system_chars)}]
     turns = []
     for turn in range(args.turns):
+        if args.connection_per_turn:
+            sdk = sdk.with_options(http_client=_fresh_http_client())
         messages.append({"role": "user", "content": f"Question {turn} about it: what comes first?"})
         start = time.perf_counter()
         ttft, text, usage = None, [], None
@@ -79,6 +87,12 @@ async def conversation(sdk: Any, model: str, i: int, args: argparse.Namespace) -
                       "cached_tokens": (details.cached_tokens or 0) if details else 0})
         messages.append({"role": "assistant", "content": "".join(text) or "ok"})
     return turns
+
+
+def _fresh_http_client() -> Any:
+    import httpx
+
+    return httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=600)
 
 
 async def run_chats(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -120,8 +134,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             server.start(timeout=600)
         urls = ",".join(s.grpc_url for s in servers)
         for policy in policies:
-            frontend = Frontend(urls, args.model_path, logs / f"frontend-{policy}.log")
-            frontend.cmd += ["--router-policy", policy]
+            frontend = Frontend(urls, args.model_path, logs / f"frontend-{policy}.log", workers=args.frontend_workers)
+            frontend.cmd += ["--router-policy", policy, "--router-placement", args.router_placement]
             frontend.start()
             try:
                 url = f"http://127.0.0.1:{frontend.port}"
