@@ -239,7 +239,8 @@ def test_data_parallel_serves_from_every_server_and_stops_them_all(demo_model_pa
     """--data-parallel-size 2: two tritonservers behind the one frontend (one per GPU on a GPU
     host; here both on the CPU), each chat routed to one, and a Ctrl-C stops every process."""
     ports = [_free_with_neighbours(3, 2) for _ in range(3)] + [free_port()]
-    proc, url, ports, log = _start(demo_model_path, tmp_path, "--dp-size", "2", ports=ports)
+    # One frontend process: new prefixes go to the server that has seen the least (spread for sure).
+    proc, url, ports, log = _start(demo_model_path, tmp_path, "--dp-size", "2", "--frontend-workers", "1", ports=ports)
     all_ports = ports + [p + 3 for p in ports[:3]]
     try:
         systems = [f"You are assistant number {i}; answer in one short sentence about topic {i}. " * 5
