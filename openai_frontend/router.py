@@ -126,6 +126,11 @@ class Router:
         self._next = 0
         self._random = random.Random(seed)
 
+    @property
+    def places_by_opening(self) -> bool:
+        """Whether `choose` reads a request's conversation_opening (else it need not be made)."""
+        return self.config.policy == "cache_aware" and self.config.placement == "hash"
+
     def choose(self, key: str, loads: Sequence[int], eligible: Sequence[int], opening: Optional[str] = None) -> int:
         """A server among `eligible` (indexes, not empty) for a request whose routing_key is `key`
         and conversation_opening `opening` (default: the key's start)."""

@@ -824,7 +824,7 @@ class TritonLLMClient:
             return eligible[0]
         key = routing_key(request)
         index = self.router.choose(key, [s.in_flight for s in self._servers], [self._servers.index(s) for s in eligible],
-                                   opening=conversation_opening(request, key))
+                                   opening=conversation_opening(request, key) if self.router.places_by_opening else None)
         return self._servers[index]
 
     async def _serving(self, server: _Server) -> Optional[bool]:

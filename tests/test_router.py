@@ -467,3 +467,17 @@ def test_a_model_seen_unavailable_mid_run_is_read_again_when_it_returns():
 
 async def _llm_metadata(model_name, as_json=False, client_timeout=None):
     return {"inputs": [{"name": "input_ids"}], "outputs": [{"name": "output_ids"}]}
+
+
+def test_two_frontend_processes_with_hash_placement_send_a_chats_turns_to_one_server():
+    a, b = FakeTriton("a"), FakeTriton("b")
+
+    async def scenario():
+        one, two = (_client(a, b, router=RouterConfig(placement="hash")) for _ in range(2))
+        for i in range(4):  # the second process has seen other chats, and so has its memory
+            await _text(two, _chat(f"Other chat {i}. " * 30, "hi"))
+        return [await _text(worker, _chat(SYSTEM_A, *turns)) for worker, turns in
+                ((one, ("q",)), (two, ("q", "r", "q2")), (one, ("q", "r", "q2", "s", "q3")))]
+
+    homes = asyncio.run(scenario())
+    assert len(set(homes)) == 1, homes
