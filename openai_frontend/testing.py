@@ -228,10 +228,15 @@ def start_triton(model_path: str, log_file: Any, env: Optional[dict[str, str]] =
 def scrape_metric(metrics_url: str, name: str, labels: str = "") -> Optional[float]:
     """The value of sample `name` on a Prometheus page: the one whose labels are exactly `labels`
     (e.g. 'finish_reason="abort"') when given, else the first one."""
-    import re
     import urllib.request
 
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return metric_value(urllib.request.urlopen(metrics_url, timeout=5).read().decode(), name, labels)
+
+
+def metric_value(text: str, name: str, labels: str = "") -> Optional[float]:
+    """scrape_metric's reading of a Prometheus page already fetched."""
+    import re
+
     label_re = re.escape("{" + labels + "}") if labels else r"(?:\{[^}]*\})?"
     match = re.search(rf"^{re.escape(name)}{label_re} ([0-9.e+-]+|NaN)$", text, re.M)
     return float(match.group(1)) if match else None

@@ -13,14 +13,9 @@ import pytest
 from client.local_server import triton_home
 from openai_frontend.server import create_app
 from openai_frontend.settings import Settings
-from openai_frontend.testing import scrape_metric, serve_in_thread, start_triton, wait_kv_blocks_free
+from openai_frontend.testing import metric_value, scrape_metric, serve_in_thread, start_triton, wait_kv_blocks_free
 
 MODEL = "demo"
-
-
-def scrape_metric_text(text: str, name: str, labels: str) -> float:
-    line = next(line for line in text.splitlines() if line.startswith(f"{name}{{{labels}}} "))
-    return float(line.rsplit(" ", 1)[1])
 SYSTEMS = {
     "ledger": "You are the accounting team's assistant. Answer about ledgers, journals and audits. " * 6,
     "travel": "You plan train journeys across Europe; give times, changes and prices in euros. " * 6,
@@ -127,7 +122,7 @@ def test_health_info_aborts_and_cache_resets_cover_both_servers(servers, base_ur
     assert all(event.wait(30) for event in started.values())
     # One on each server, as the frontend counts them (at once; the engines publish theirs later).
     metrics = httpx.get(f"{base_url}/metrics").text
-    assert [scrape_metric_text(metrics, "frontend_triton_server_requests_in_flight", f'server="{s.grpc_url}"')
+    assert [metric_value(metrics, "frontend_triton_server_requests_in_flight", f'server="{s.grpc_url}"')
             for s in servers] == [1, 1], metrics
     r = httpx.post(f"{base_url}/abort_request", json={"abort_all": True})
     assert r.status_code == 200, r.text
@@ -157,7 +152,7 @@ def test_a_stopped_server_s_requests_go_to_the_other(servers, base_url):
         assert len(_chat_turns(base_url, SYSTEMS[name], 2)) == 2
     assert httpx.get(f"{base_url}/health").status_code == 200
     metrics = httpx.get(f"{base_url}/metrics").text
-    up = {s.grpc_url: scrape_metric_text(metrics, "frontend_triton_server_up", f'server="{s.grpc_url}"')
+    up = {s.grpc_url: metric_value(metrics, "frontend_triton_server_up", f'server="{s.grpc_url}"')
           for s in servers}
     assert up == {servers[stopped].grpc_url: 0, servers[1 - stopped].grpc_url: 1}, metrics
     streamed = _sdk(base_url).chat.completions.create(
