@@ -10,6 +10,8 @@
 # Run:    docker run --gpus all --shm-size=1g -p 8000-8002:8000-8002 -p 9000:9000 \
 #           -v /models/Qwen2.5-0.5B-Instruct:/models/llm:ro -e LLM_MODEL_PATH=/models/llm triton-llm
 #         (without -v/-e it serves the built-in demo model). See README "GPU hosts".
+#         Several GPUs: -e DATA_PARALLEL_SIZE=N, one tritonserver per GPU behind the one frontend
+#         (README "Several GPUs").
 #
 # Python: the pinned stack (transformers 5.x, triton 3.9) needs Python >= 3.11, the image has 3.10.
 # So the project runs in a Python 3.11 venv, and the llm models' Python-backend stub is the 3.11

@@ -23,7 +23,8 @@ where its first turn went. The frontend uses `hash` when it runs several process
 What a server "has seen" is remembered here as the chained hashes of each prompt's 64-character
 chunks (the engine's block hashes, on text): the match is the number of leading chunks the server
 has, bounded per server by an LRU of `max_chunks`. It approximates the server's real cache: the
-router sees prompts, not KV blocks, and the engine may have evicted what the router remembers.
+router sees prompts, not KV blocks, and the engine may have evicted what the router remembers. A
+server seen going down is forgotten (`forget`): it most likely comes back restarted, empty.
 """
 
 from __future__ import annotations
@@ -134,20 +135,25 @@ class Router:
     def choose(self, key: str, loads: Sequence[int], eligible: Sequence[int], opening: Optional[str] = None) -> int:
         """A server among `eligible` (indexes, not empty) for a request whose routing_key is `key`
         and conversation_opening `opening` (default: the key's start)."""
+        if self.config.policy == "cache_aware":
+            # Also with one server eligible (the others down): what it is sent is remembered.
+            opening = key[:OPENING_CHARS] if opening is None else opening
+            return self._cache_aware(chunk_hashes(key), opening, loads, eligible)
         if len(eligible) == 1:
             choice = eligible[0]
         elif self.config.policy == "round_robin":
             choice = min(eligible, key=lambda i: (i - self._next) % len(loads))
-        elif self.config.policy == "random":
-            choice = self._random.choice(list(eligible))
         elif self.config.policy == "power_of_two":
             a, b = self._random.sample(list(eligible), 2)
             choice = a if loads[a] <= loads[b] else b
         else:
-            opening = key[:OPENING_CHARS] if opening is None else opening
-            return self._cache_aware(chunk_hashes(key), opening, loads, eligible)
+            choice = self._random.choice(list(eligible))
         self._next = choice + 1
         return choice
+
+    def forget(self, server: int) -> None:
+        """Drop what `server` was remembered to have seen (its cache is gone, or going)."""
+        self._seen[server].clear()
 
     def _cache_aware(self, hashes: list[int], opening: str, loads: Sequence[int], eligible: Sequence[int]) -> int:
         busiest, idlest = max(loads[i] for i in eligible), min(loads[i] for i in eligible)

@@ -630,12 +630,6 @@ class _Server:
 RECHECK_S = 2.0
 
 
-def _mark_down(server: _Server) -> None:
-    """Seen failing now: routing skips it, and asks it again RECHECK_S later."""
-    server.ready = False
-    server.checked = asyncio.get_running_loop().time()
-
-
 class TritonLLMClient:
     """Async client of the ensemble model over gRPC. Create once per process.
 
@@ -745,11 +739,28 @@ class TritonLLMClient:
                 server.tensors = server.contract_error = None
             elif self.serves_frontend:
                 await self._read_tensors(server)
-            server.ready = ready and not server.contract_error
+            ready = ready and not server.contract_error
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
             log.debug("readiness check of %s failed: %s", server.url, exc)
-            server.ready = False
-        return server.ready
+            ready = False
+        if ready:
+            server.ready = True
+        else:
+            self._went_down(server)
+        return ready
+
+    def _mark_down(self, server: _Server) -> None:
+        """Seen failing now: routing skips it, and asks it again RECHECK_S later."""
+        self._went_down(server)
+        server.checked = asyncio.get_running_loop().time()
+
+    def _went_down(self, server: _Server) -> None:
+        """Not ready now. The router forgets what it had sent there: a server that comes back has
+        most likely restarted with an empty cache, and a chat that moved to another server
+        meanwhile has its history there now, which a tie with the stale memory could undo."""
+        if server.ready is not False:
+            self.router.forget(self._servers.index(server))
+        server.ready = False
 
     async def not_ready_reason(self) -> Optional[str]:
         """Why the model is not ready, from Triton's repository index: no model of that name (and
@@ -820,8 +831,6 @@ class TritonLLMClient:
             server.probe = None
 
     def _route(self, request: EngineRequest, eligible: list[_Server]) -> _Server:
-        if len(eligible) == 1:
-            return eligible[0]
         key = routing_key(request)
         index = self.router.choose(key, [s.in_flight for s in self._servers], [self._servers.index(s) for s in eligible],
                                    opening=conversation_opening(request, key) if self.router.places_by_opening else None)
@@ -857,7 +866,7 @@ class TritonLLMClient:
                 for server in {o.server for o in silent}:
                     if await self._serving(server) is not False:
                         continue
-                    _mark_down(server)
+                    self._mark_down(server)
                     mine = [o for o in silent if o.server is server]
                     log.warning("Triton server %s or model %s not ready: ending %d stream(s) silent for %.0f s or "
                                 "more", server.url, self.model_name, len(mine), STOPPING_SILENCE_S)
@@ -952,7 +961,7 @@ class TritonLLMClient:
                     failure = map_stream_error(text)
                     finished = not _may_still_run(failure, text, watched.last is not None, self.abort_model or "llm")
                     if watched.last is None and _model_unavailable(failure):
-                        _mark_down(server)  # not serving the model (loading, stopping): skipped until it is
+                        self._mark_down(server)  # not serving the model (loading, stopping): skipped until it is
                         # It may come back as another model (a reload): its tensors are read again.
                         server.tensors = server.contract_error = None
                     raise failure
@@ -990,7 +999,7 @@ class TritonLLMClient:
             code, details = _rpc_status(exc)
             finished = _connection_lost(code.name if code else "", details)
             if finished and not (code == grpc.StatusCode.UNAVAILABLE and "overloaded" in details.lower()):
-                _mark_down(server)  # routing skips it until it answers again
+                self._mark_down(server)  # routing skips it until it answers again
             raise map_rpc_error(exc) from None
         finally:
             done.set()
@@ -1132,7 +1141,7 @@ class TritonLLMClient:
             except InferenceServerException as exc:
                 status, msg = str(exc.status() or ""), exc.message() or str(exc)
                 if len(self._servers) > 1 and _connection_lost(status, msg):
-                    _mark_down(server)
+                    self._mark_down(server)
                     if self._untried(tried):
                         continue
                 raise map_infer_error(exc) from None

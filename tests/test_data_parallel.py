@@ -1,10 +1,16 @@
-"""One frontend in front of two real tritonservers (data parallelism: one per GPU on a GPU host),
-called with the OpenAI SDK: each chat stays on the server that holds its prefix, aborts and
-prefix-cache resets reach both, a stopped server's requests go to the other."""
+"""One frontend in front of two real tritonservers (data parallelism: one per GPU on a GPU host), as
+scripts/docker-entrypoint.sh runs them with DATA_PARALLEL_SIZE=2, called with the OpenAI SDK: each
+chat stays on the server that holds its prefix, aborts and prefix-cache resets reach both, a
+killed server's requests go to the other while the supervisor starts it again, and then it takes
+new chats again."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
+from dataclasses import dataclass
 
 import httpx
 import openai
@@ -13,7 +19,8 @@ import pytest
 from client.local_server import triton_home
 from openai_frontend.server import create_app
 from openai_frontend.settings import Settings
-from openai_frontend.testing import metric_value, scrape_metric, serve_in_thread, start_triton, wait_kv_blocks_free
+from openai_frontend.testing import metric_value, scrape_metric, serve_in_thread, wait_kv_blocks_free
+from tests.entrypoint import Entrypoint
 
 MODEL = "demo"
 SYSTEMS = {
@@ -23,29 +30,28 @@ SYSTEMS = {
 }
 
 
+@dataclass
+class _Server:
+    grpc_url: str
+    metrics_url: str
+
+
 @pytest.fixture(scope="module")
-def servers(demo_model_path, tmp_path_factory):
+def entry(demo_model_path, tmp_path_factory):
     if not (triton_home() / "backends" / "python" / "triton_python_backend_stub").exists():
         pytest.skip("tritonserver's Python backend stub is not installed (scripts/setup.sh)")
-    started: dict[int, object] = {}
-    # Made here, not in the threads: pytest creates its base directory on first use, racily.
-    logs = [tmp_path_factory.mktemp(f"triton{i}") / "server.log" for i in range(2)]
-
-    def start(i: int) -> None:
-        started[i] = start_triton(demo_model_path, logs[i], env={"LLM_NUM_KV_BLOCKS": "256", "LLM_MAX_MODEL_LEN": "4096"})
-
-    # Both at once: a start is mostly waiting for the stubs' imports.
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    e = Entrypoint(demo_model_path, tmp_path_factory.mktemp("data_parallel") / "entrypoint.log",
+                   data_parallel_size=2, env={"LLM_NUM_KV_BLOCKS": "256"})
     try:
-        assert len(started) == 2, "a tritonserver did not start"
-        yield [started[0], started[1]]
+        yield e.start()
     finally:
-        for server in started.values():
-            server.stop(timeout=10)
+        if e.process is not None:
+            e.stop(30)
+
+
+@pytest.fixture(scope="module")
+def servers(entry):
+    return [_Server(g, m) for g, m in zip(entry.grpc_urls(), entry.metrics_urls())]
 
 
 def _frontend(servers, **settings):
@@ -54,9 +60,8 @@ def _frontend(servers, **settings):
 
 
 @pytest.fixture(scope="module")
-def base_url(servers):
-    with _frontend(servers) as url:
-        yield url
+def base_url(entry):
+    return entry.url  # the entrypoint's frontend, over both servers
 
 
 def _sdk(url: str) -> openai.OpenAI:
@@ -138,24 +143,44 @@ def test_health_info_aborts_and_cache_resets_cover_both_servers(servers, base_ur
     assert _chat_turns(base_url, SYSTEMS["garden"], 1) == [0]
 
 
-def test_a_stopped_server_s_requests_go_to_the_other(servers, base_url):
-    """Last in this module: it stops one of the servers."""
+def _up(base_url: str, servers) -> dict[str, float]:
+    metrics = httpx.get(f"{base_url}/metrics").text
+    return {s.grpc_url: metric_value(metrics, "frontend_triton_server_up", f'server="{s.grpc_url}"') for s in servers}
+
+
+def test_a_killed_server_s_chats_go_to_the_other_and_it_serves_again_once_restarted(entry, servers, base_url):
+    """Last in this module: it kills one of the servers."""
     homes = {}
     for name, system in SYSTEMS.items():
         before = [_ensemble_requests(s) for s in servers]
         _chat_turns(base_url, system, 1)
         homes[name] = max(range(2), key=lambda i: _ensemble_requests(servers[i]) - before[i])
-    stopped = homes["ledger"]
-    servers[stopped].stop(timeout=10)
+    killed = homes["ledger"]
+    os.kill(entry.tritonserver_pids()[killed], signal.SIGKILL)
     # Its chats now go to the other server, from the first request on: none fails.
     for name in SYSTEMS:
         assert len(_chat_turns(base_url, SYSTEMS[name], 2)) == 2
     assert httpx.get(f"{base_url}/health").status_code == 200
-    metrics = httpx.get(f"{base_url}/metrics").text
-    up = {s.grpc_url: metric_value(metrics, "frontend_triton_server_up", f'server="{s.grpc_url}"')
-          for s in servers}
-    assert up == {servers[stopped].grpc_url: 0, servers[1 - stopped].grpc_url: 1}, metrics
+    assert _up(base_url, servers) == {servers[killed].grpc_url: 0, servers[1 - killed].grpc_url: 1}
     streamed = _sdk(base_url).chat.completions.create(
         model=MODEL, stream=True, max_tokens=8, messages=[{"role": "system", "content": SYSTEMS["ledger"]},
                                                           {"role": "user", "content": "one more"}])
     assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["length"]
+
+    # The supervisor starts it again, the other serving meanwhile; the frontend finds it by itself.
+    name = entry.names()[killed]
+    deadline = time.monotonic() + 240
+    while entry.log().count(f"{name} ready") < 2 or _up(base_url, servers)[servers[killed].grpc_url] != 1:
+        assert entry.process.poll() is None and time.monotonic() < deadline, entry.supervisor_lines()
+        httpx.get(f"{base_url}/health")  # asks each server
+        time.sleep(0.5)
+    assert f"{name} exited (status 137)" in entry.log()
+    # New chats go to it again (what the frontend remembered of the killed one was dropped), and the
+    # moved ones stay where their history now is.
+    served = _ensemble_requests(servers[killed])
+    for i in range(4):
+        _chat_turns(base_url, f"Chat {i} after the restart: a system prompt of its own, long enough to count. " * 3, 1)
+    assert _ensemble_requests(servers[killed]) > served
+    before = _ensemble_requests(servers[killed])
+    assert all(c >= 64 for c in _chat_turns(base_url, SYSTEMS["ledger"], 2))
+    assert _ensemble_requests(servers[killed]) == before

@@ -20,8 +20,6 @@ import json
 import os
 import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,89 +27,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from client.local_server import REPO_ROOT, free_port, server_env, triton_home
 from client.triton_stream import TritonStreamClient
+from tests.entrypoint import Entrypoint, children, completion, exe_name
 from tests.test_soak import soak
 
 pytestmark = pytest.mark.timeout(300)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-class Entrypoint:
-    """scripts/docker-entrypoint.sh as a child process, with its ports and log."""
-
-    def __init__(self, model_path: Path, log_path: Path) -> None:
-        self.ports = {name: free_port() for name in ("HTTP_PORT", "GRPC_PORT", "METRICS_PORT", "FRONTEND_PORT")}
-        self.env = server_env({
-            **{k: str(v) for k, v in self.ports.items()},
-            "TRITONSERVER": str(triton_home() / "bin" / "tritonserver"),
-            "TRITON_BACKEND_DIR": str(triton_home() / "backends"),
-            "PYTHON": sys.executable, "LLM_MODEL_PATH": str(model_path), "SERVED_MODEL_NAME": "demo",
-            "LLM_NUM_KV_BLOCKS": "512", "LLM_MAX_MODEL_LEN": "4096", "WATCHDOG_INTERVAL": "1", "EXIT_TIMEOUT": "5",
-            "MAX_RESTARTS": "20",  # this module restarts tritonserver on purpose, six times and more
-            "FRONTEND_ARGS": "--log-level warning", "TRITON_ARGS": "--log-verbose=0",
-        })
-        self.log_path = log_path
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['FRONTEND_PORT']}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"localhost:{self.ports['GRPC_PORT']}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://localhost:{self.ports['METRICS_PORT']}/metrics"
-
-    def start(self) -> "Entrypoint":
-        self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen([str(REPO_ROOT / "scripts" / "docker-entrypoint.sh")], env=self.env,
-                                        stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_serving(300)
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def supervisor_lines(self) -> str:
-        return "\n".join(line for line in self.log().splitlines() if line.startswith("[entrypoint "))
-
-    def wait_serving(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                # Serving, and the supervisor has seen its latest tritonserver ready (it polls once a
-                # second): a test that stops the server sooner would test that poll's timing instead.
-                starts = [line for line in self.supervisor_lines().splitlines()
-                          if "tritonserver started" in line or "tritonserver ready" in line]
-                if (_completion(self.url, timeout=10).status_code == 200
-                        and (not starts or "tritonserver ready" in starts[-1])):
-                    return
-            except httpx.HTTPError:
-                pass
-            assert self.process.poll() is None, "the entrypoint exited:\n" + self.log()[-4000:]
-            assert time.monotonic() < deadline, "not serving:\n" + self.log()[-4000:]
-            time.sleep(0.5)
-
-    def tritonserver_pid(self) -> int:
-        pids = [p for p in _children(self.process.pid) if _exe_name(p) == "tritonserver"]
-        assert len(pids) == 1, pids
-        return pids[0]
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._log.close()
-        return self.process.returncode
 
 
 @pytest.fixture(scope="module")
@@ -128,28 +50,10 @@ def entry(demo_model_path, tmp_path_factory):
         e.stop()
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            if f"\nPPid:\t{pid}\n" in status.read_text():
-                out.append(int(status.parent.name))
-        except OSError:
-            continue
-    return out
-
-
-def _exe_name(pid: int) -> str:
-    try:
-        return Path(os.readlink(f"/proc/{pid}/exe")).name
-    except OSError:
-        return ""
-
-
 def _llm_stub_pids(server_pid: int, model: str = "llm") -> list[int]:
     """A model's Python-backend stub processes (children of this tritonserver only)."""
     pids = []
-    for pid in _children(server_pid):
+    for pid in children(server_pid):
         try:
             args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -190,11 +94,6 @@ def _wait_no_open_requests(base_url: str, timeout: float = 15.0) -> int:
         if n == 0 or time.monotonic() > deadline:
             return n
         time.sleep(0.25)
-
-
-def _completion(base_url: str, max_tokens: int = 4, timeout: float = 30.0) -> httpx.Response:
-    return httpx.post(f"{base_url}/v1/completions", timeout=timeout,
-                      json={"model": "demo", "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0})
 
 
 # ------------------------------------------------------------------------------ cancel storms
@@ -247,7 +146,7 @@ def test_cancel_storm_through_the_frontend_frees_all_blocks(entry):
     assert after["length"] - before["length"] == 0
     assert _wait_no_open_requests(entry.url) == 0
     assert time.monotonic() - t0 < 60
-    assert _completion(entry.url).status_code == 200
+    assert completion(entry.url).status_code == 200
     # QA: the container's frontend had no --tool-call-parser (scripts/serve.sh's is qwen25), so a
     # served demo model's tool calls came back as text; the server's parser answers here.
     text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
@@ -359,7 +258,7 @@ async def _until(cond, timeout: float, message: str) -> None:
 def test_tritonserver_killed_under_load_503_then_recovers(entry):
     load = _Load(entry.url)
     old_pid = entry.tritonserver_pid()
-    old_stubs = [p for p in _children(old_pid) if _exe_name(p) == "triton_python_backend_stub"]
+    old_stubs = [p for p in children(old_pid) if exe_name(p) == "triton_python_backend_stub"]
     assert len(old_stubs) >= 3, old_stubs  # preprocessing, llm, postprocessing
 
     async def scenario():
@@ -395,7 +294,7 @@ def test_tritonserver_killed_under_load_503_then_recovers(entry):
     deadline = time.monotonic() + 15
     while [p for p in old_stubs if Path(f"/proc/{p}").exists()] and time.monotonic() < deadline:
         time.sleep(0.5)
-    survivors = [p for p in old_stubs if Path(f"/proc/{p}").exists() and _exe_name(p) == "triton_python_backend_stub"]
+    survivors = [p for p in old_stubs if Path(f"/proc/{p}").exists() and exe_name(p) == "triton_python_backend_stub"]
     assert not survivors, f"stubs of the killed tritonserver still running: {survivors}"
 
 
@@ -460,7 +359,7 @@ def test_killed_postprocessing_stub_stops_the_server_and_service_resumes(entry):
     assert len(stubs) == 1, stubs
     os.kill(stubs[0], signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while Path(f"/proc/{server_pid}").exists() and _exe_name(server_pid) == "tritonserver":
+    while Path(f"/proc/{server_pid}").exists() and exe_name(server_pid) == "tritonserver":
         assert time.monotonic() < deadline, "tritonserver still running with a dead postprocessing stub"
         time.sleep(0.5)
     entry.wait_serving(240)
@@ -477,7 +376,7 @@ def test_a_restarted_tritonserver_stopped_while_it_loads_is_started_again(entry)
     first = entry.tritonserver_pid()
     os.kill(first, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while not (second := [p for p in _children(entry.process.pid) if _exe_name(p) == "tritonserver" and p != first]):
+    while not (second := [p for p in children(entry.process.pid) if exe_name(p) == "tritonserver" and p != first]):
         assert time.monotonic() < deadline, entry.supervisor_lines()
         time.sleep(0.05)
     os.kill(second[0], signal.SIGTERM)  # loading takes seconds: stopped before it is ready
@@ -535,13 +434,13 @@ def test_tritonserver_stopping_ends_frontend_streams_with_503(entry):
 
 
 def test_sigterm_stops_everything(entry):
-    children = _children(entry.process.pid)
-    assert children
+    kids = children(entry.process.pid)
+    assert kids
     t0 = time.monotonic()
     assert entry.stop(60) == 0, entry.log()[-3000:]
     assert time.monotonic() - t0 < 50
     assert "shutting down" in entry.log()
     deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}").exists() and _exe_name(pid) for pid in children):
+    while any(Path(f"/proc/{pid}").exists() and exe_name(pid) for pid in kids):
         assert time.monotonic() < deadline, "processes left after SIGTERM"
         time.sleep(0.2)

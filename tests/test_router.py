@@ -321,12 +321,16 @@ def test_a_dead_server_is_skipped_its_request_retried_and_it_comes_back(monkeypa
         await _text(client, _chat(SYSTEM_B, "x"))  # routing notices the server may be back: asks it
         await asyncio.sleep(0.05)
         back = await _text(client, _chat(SYSTEM_A, "q"))
-        return home, moved, tried_dead, back, await client.is_ready()
+        fresh = await _text(client, _chat("A system prompt neither server has seen, long enough to count. " * 4, "n"))
+        return home, moved, tried_dead, back, fresh, await client.is_ready()
 
-    home, moved, tried_dead, back, ready = asyncio.run(scenario())
+    home, moved, tried_dead, back, fresh, ready = asyncio.run(scenario())
     other = "b" if home == "a" else "a"
-    assert moved == [other] * 3 and tried_dead == 1
-    assert back == home and ready  # the prefix is still remembered there
+    assert moved == [other] * 3 and tried_dead == 1 and ready
+    # What the router remembered of the server that went down was dropped (a server that comes back
+    # has most likely restarted, empty): the chat stays where its history moved, and a new one
+    # goes to the server that came back.
+    assert back == other and fresh == home
 
 
 def test_every_server_down_fails_the_request_with_a_503():
