@@ -1,13 +1,14 @@
-"""Routing across several tritonservers: cache-aware against round robin, in one run.
+"""Routing across several tritonservers: the routing policies against each other, in one run.
 
 Starts N tritonservers (one per GPU on a GPU host; here all on the CPU) and, for each routing
 policy in turn, one frontend in front of them; then runs the same multi-turn chats through the
 OpenAI SDK: C conversations at once, each with a system prompt of its own, T turns each, every
 turn sent with the whole history so far. Before each policy the servers' prefix caches are
 flushed. Reports per policy the share of later turns' prompt tokens served from the prefix cache,
-their TTFT p50/p99 and the turns per second, and the ratios of cache_aware to round_robin.
+their TTFT p50/p99 and the turns per second, and the first policy's ratios to each other one.
 
     .venv/bin/python -m bench.router_bench [--servers 2] [--conversations 16] [--turns 4]
+        [--policies cache_aware,round_robin] [--shared-system-prompt] [--pin-servers]
         [--frontend-workers 1] [--router-placement auto] [--model-path models/demo]
         [--out bench/results/router_bench.json]
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -42,6 +44,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-chars", type=int, default=2000, help="length of each conversation's system prompt")
+    p.add_argument("--shared-system-prompt", action="store_true",
+                   help="one system prompt for every conversation (each asks its own first question): the case "
+                        "where a frontend process that never saw a chat sends its next turn where only the system "
+                        "prompt is cached")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--policies", default="cache_aware,round_robin")
     p.add_argument("--frontend-workers", type=int, default=1, help="the frontend's --workers")
@@ -49,12 +55,28 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--connection-per-turn", action="store_true",
                    help="each turn on a new HTTP connection (as behind a proxy that pools them): with several "
                         "frontend workers, a chat's turns then reach any of them")
+    p.add_argument("--pin-servers", action="store_true",
+                   help="server i on CPU i (mod the CPUs; taskset), its engine on one thread: each server with "
+                        "compute of its own, as each GPU of a multi-GPU host, so that how the load is spread shows "
+                        "in throughput (the frontend and the clients share every CPU)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="LLM_NUM_KV_BLOCKS per server (0: the engine's default)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "router_bench.json")
     args = p.parse_args(argv)
     if args.servers < 2:
         p.error("--servers: at least 2 (routing needs a choice)")
     return args
+
+
+class PinnedServer(LocalTritonServer):
+    """A tritonserver (its stubs and engine too) on one CPU: the engine takes one thread there
+    (backend/triton_io.py server_torch_threads reads the affinity)."""
+
+    def __init__(self, cpu: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cpu = cpu
+
+    def command(self) -> list[str]:
+        return ["taskset", "-c", str(self.cpu), *super().command()]
 
 
 def system_prompt(i: int, chars: int) -> str:
@@ -64,12 +86,13 @@ def system_prompt(i: int, chars: int) -> str:
 
 
 async def conversation(sdk: Any, model: str, i: int, args: argparse.Namespace) -> list[dict[str, float]]:
-    messages = [{"role": "system", "content": system_prompt(i, args.system_chars)}]
+    messages = [{"role": "system", "content": system_prompt(0 if args.shared_system_prompt else i, args.system_chars)}]
+    who = f"Conversation {i}. " if args.shared_system_prompt else ""
     turns = []
     for turn in range(args.turns):
         if args.connection_per_turn:
             sdk = sdk.with_options(http_client=_fresh_http_client())
-        messages.append({"role": "user", "content": f"Question {turn} about it: what comes first?"})
+        messages.append({"role": "user", "content": f"{who}Question {turn} about it: what comes first?"})
         start = time.perf_counter()
         ttft, text, usage = None, [], None
         stream = await sdk.chat.completions.create(
@@ -127,7 +150,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.num_kv_blocks:
         env["LLM_NUM_KV_BLOCKS"] = str(args.num_kv_blocks)
     logs = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    servers = [LocalTritonServer(env=env, log_file=logs / f"triton{i}.log") for i in range(args.servers)]
+    cpus = sorted(os.sched_getaffinity(0))
+    servers = [PinnedServer(cpus[i % len(cpus)], env=env, log_file=logs / f"triton{i}.log") if args.pin_servers
+               else LocalTritonServer(env=env, log_file=logs / f"triton{i}.log") for i in range(args.servers)]
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "policies": {}}
     try:
         for server in servers:
@@ -151,18 +176,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         for server in servers:
             server.stop()
-    ca, rr = results["policies"].get("cache_aware"), results["policies"].get("round_robin")
-    if ca and rr:
-        results["ratios"] = {
-            "round_robin_ttft_p50_over_cache_aware": div(rr["later_turns_ttft_p50_ms"], ca["later_turns_ttft_p50_ms"]),
-            "cache_aware_throughput_over_round_robin": div(ca["turns_per_s"], rr["turns_per_s"]),
-            "cached_share_cache_aware": ca["later_turns_cached_share"],
-            "cached_share_round_robin": rr["later_turns_cached_share"],
+    runs = results["policies"]
+    first = policies[0] if policies and policies[0] in runs else None
+    results["ratios"] = {}
+    for other in [p for p in policies if first and p != first and p in runs]:
+        a, b = runs[first], runs[other]
+        r = results["ratios"][f"{first}_vs_{other}"] = {
+            "ttft_p50_lower": div(b["later_turns_ttft_p50_ms"], a["later_turns_ttft_p50_ms"]),
+            "throughput": div(a["turns_per_s"], b["turns_per_s"]),
+            "cached_share": [a["later_turns_cached_share"], b["later_turns_cached_share"]],
         }
-        r = results["ratios"]
-        print(f"cache_aware vs round_robin: TTFT p50 {r['round_robin_ttft_p50_over_cache_aware']:.2f}x lower, "
-              f"throughput {r['cache_aware_throughput_over_round_robin']:.2f}x, cached share "
-              f"{r['cached_share_cache_aware']:.0%} vs {r['cached_share_round_robin']:.0%}")
+        print(f"{first} vs {other}: TTFT p50 {r['ttft_p50_lower']:.2f}x lower, throughput {r['throughput']:.2f}x, "
+              f"cached share {r['cached_share'][0]:.0%} vs {r['cached_share'][1]:.0%}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

@@ -27,7 +27,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--router-policy", default="cache_aware", choices=POLICIES,
                    help="with several --triton-url: cache_aware (default; SGLang router's: the server that has seen "
                         "the longest start of the prompt, for its prefix cache, unless loads drift apart), "
-                        "round_robin, power_of_two (the less loaded of two at random), random")
+                        "load_aware (vLLM production-stack's: the best of the share of the prompt seen less "
+                        "--router-load-beta times the load above the mean), round_robin, power_of_two (the less "
+                        "loaded of two at random), random")
     p.add_argument("--router-cache-threshold", type=float, default=0.5,
                    help="cache_aware: a server takes a request for its cache when it has seen more than this share")
     p.add_argument("--router-balance-abs-threshold", type=int, default=32,
@@ -35,6 +37,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "server has more than this many requests in flight above the idlest ...")
     p.add_argument("--router-balance-rel-threshold", type=float, default=1.0001,
                    help="... and more than this many times its count")
+    p.add_argument("--router-load-beta", type=float, default=1.0,
+                   help="load_aware: how much a server's in-flight load, relative to the mean, counts against the "
+                        "share of the prompt it has cached (1: twice the mean costs a whole prompt's worth)")
     p.add_argument("--router-placement", default="auto", choices=("auto",) + PLACEMENTS,
                    help="cache_aware, a prompt no server has seen enough of: least_seen (SGLang's: the server that "
                         "has seen the least; this process's view), hash (a hash of the chat's opening, the same in "
@@ -150,6 +155,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         router_cache_threshold=args.router_cache_threshold,
         router_balance_abs_threshold=args.router_balance_abs_threshold,
         router_balance_rel_threshold=args.router_balance_rel_threshold,
+        router_load_beta=args.router_load_beta,
         router_placement=(args.router_placement if args.router_placement != "auto"
                           else "hash" if args.workers > 1 else "least_seen"),
         triton_model=args.triton_model,
@@ -262,6 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         sweep_metrics_dirs()
         settings.metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
+        share_router_memory(settings)
         os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(settings))
         os.environ[SUPERVISOR_ENV] = str(os.getpid())
         try:
@@ -278,6 +285,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 METRICS_DIR_PREFIX = "openai-frontend-metrics-"
+
+
+def share_router_memory(settings: Settings) -> None:
+    """Several tritonservers under several --workers: one memory of what each server was sent,
+    in a file of the workers' shared directory, so that a chat's next turn finds its server
+    whichever process takes it (openai_frontend/router_memory.py)."""
+    servers = len(settings.triton_urls)
+    from openai_frontend.router import CACHE_POLICIES
+    from openai_frontend.router_memory import RouterMemory, shared_path
+
+    if servers < 2 or settings.router_policy not in CACHE_POLICIES:
+        return
+
+    path = shared_path(settings.metrics_dir)
+    RouterMemory.create_file(path, servers, settings.router_config().max_chunks * servers)
+    settings.router_memory_path = path
 
 
 def sweep_metrics_dirs(root: Optional[str] = None) -> None:

@@ -20,11 +20,12 @@ process computes that rank alike, which matters where several `--workers` proces
 by its own memory: a chat's next turn that reaches a process that never saw the chat still goes
 where its first turn went. The frontend uses `hash` when it runs several processes.
 
-What a server "has seen" is remembered here as the chained hashes of each prompt's 64-character
-chunks (the engine's block hashes, on text): the match is the number of leading chunks the server
-has, bounded per server by an LRU of `max_chunks`. It approximates the server's real cache: the
-router sees prompts, not KV blocks, and the engine may have evicted what the router remembers. A
-server seen going down is forgotten (`forget`): it most likely comes back restarted, empty.
+What a server "has seen" is remembered as the hashes of each prompt's 64-byte chunks (the
+engine's block hashes, on text), in a table the frontend's processes share (router_memory.py):
+the match is the number of leading chunks sent to the server, out of at most `max_chunks` per
+server. It approximates the server's real cache: the router sees prompts, not KV blocks, and the
+engine may have evicted what the router remembers. A server seen going down is forgotten
+(`forget`): it most likely comes back restarted, empty.
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ import hashlib
 import json
 import math
 import random
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from openai_frontend.engine_types import EngineRequest
+import numpy as np
 
-POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+from openai_frontend.engine_types import EngineRequest
+from openai_frontend.router_memory import RouterMemory, chunk_hashes
+
+POLICIES = ("cache_aware", "load_aware", "round_robin", "power_of_two", "random")
+CACHE_POLICIES = ("cache_aware", "load_aware")  # those that read what each server was sent
 PLACEMENTS = ("least_seen", "hash")
-CHUNK_CHARS = 64
 OPENING_CHARS = 1024
 PLACEMENT_LOAD_FACTOR = 1.25
 
@@ -58,8 +61,10 @@ class RouterConfig:
     # `balance_rel_threshold` times its count.
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.0001
-    max_chunks: int = 1 << 16  # remembered prompt chunks per server (64 characters each)
+    max_chunks: int = 1 << 16  # remembered prompt chunks per server (64 bytes each)
     placement: str = "least_seen"  # cache_aware, a prompt no server has seen enough of: see the module's doc
+    # load_aware: how much a server's load counts against what it has cached (see _load_aware).
+    load_beta: float = 1.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -70,6 +75,8 @@ class RouterConfig:
             raise ValueError("balance thresholds: abs >= 0, rel >= 1")
         if self.max_chunks < 1:
             raise ValueError("max_chunks must be at least 1")
+        if self.load_beta < 0:
+            raise ValueError("load_beta must be at least 0")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement {self.placement!r} is not one of {', '.join(PLACEMENTS)}")
 
@@ -103,42 +110,34 @@ def conversation_opening(request: EngineRequest, key: str) -> str:
     return key[:OPENING_CHARS]
 
 
-def chunk_hashes(key: str) -> list[int]:
-    """Chained hashes of the key's whole CHUNK_CHARS chunks: equal lists up to i mean equal
-    text up to chunk i's end."""
-    hashes, prev = [], 0
-    for start in range(0, len(key) - CHUNK_CHARS + 1, CHUNK_CHARS):
-        prev = hash((prev, key[start:start + CHUNK_CHARS]))
-        hashes.append(prev)
-    return hashes
-
-
 class Router:
     """Picks a server index per request; `loads` are the requests each server has in flight
-    from this process (each frontend worker routes on its own)."""
+    from this process. `memory_path`: the table of what each server was sent, shared with the
+    frontend's other processes (router_memory.py; None: this process's own)."""
 
     def __init__(self, servers: int, config: RouterConfig = RouterConfig(), seed: Optional[int] = None,
-                 names: Optional[Sequence[str]] = None) -> None:
+                 names: Optional[Sequence[str]] = None, memory_path: Optional[str] = None) -> None:
         self.config = config
         # What placement hashes with the opening: the servers' URLs, so that frontends listing them
         # in another order still agree.
         self._names = [n.encode() for n in (names or [str(i) for i in range(servers)])]
-        self._seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(servers)]
+        self.memory = RouterMemory.shared_or_private(servers, config.max_chunks * servers, memory_path)
         self._next = 0
         self._random = random.Random(seed)
 
     @property
     def places_by_opening(self) -> bool:
         """Whether `choose` reads a request's conversation_opening (else it need not be made)."""
-        return self.config.policy == "cache_aware" and self.config.placement == "hash"
+        return self.config.policy in CACHE_POLICIES and self.config.placement == "hash"
 
     def choose(self, key: str, loads: Sequence[int], eligible: Sequence[int], opening: Optional[str] = None) -> int:
         """A server among `eligible` (indexes, not empty) for a request whose routing_key is `key`
         and conversation_opening `opening` (default: the key's start)."""
-        if self.config.policy == "cache_aware":
+        if self.config.policy in CACHE_POLICIES:
             # Also with one server eligible (the others down): what it is sent is remembered.
             opening = key[:OPENING_CHARS] if opening is None else opening
-            return self._cache_aware(chunk_hashes(key), opening, loads, eligible)
+            pick = self._cache_aware if self.config.policy == "cache_aware" else self._load_aware
+            return pick(chunk_hashes(key), opening, loads, eligible)
         if len(eligible) == 1:
             choice = eligible[0]
         elif self.config.policy == "round_robin":
@@ -153,25 +152,48 @@ class Router:
 
     def forget(self, server: int) -> None:
         """Drop what `server` was remembered to have seen (its cache is gone, or going)."""
-        self._seen[server].clear()
+        self.memory.forget(server)
 
-    def _cache_aware(self, hashes: list[int], opening: str, loads: Sequence[int], eligible: Sequence[int]) -> int:
+    def _cache_aware(self, hashes: np.ndarray, opening: str, loads: Sequence[int], eligible: Sequence[int]) -> int:
         busiest, idlest = max(loads[i] for i in eligible), min(loads[i] for i in eligible)
         drifted = (busiest - idlest > self.config.balance_abs_threshold
                    and busiest > idlest * self.config.balance_rel_threshold)
-        least_loaded = min(eligible, key=lambda i: (loads[i], len(self._seen[i])))
-        if drifted or not hashes:
+        least_loaded = min(eligible, key=lambda i: (loads[i], self.memory.count(i)))
+        if drifted or not hashes.size:
             choice = least_loaded
         else:
-            matched = {i: self._matched(i, hashes) for i in eligible}
+            matched = dict(zip(eligible, self.memory.matched(hashes, eligible)))
             best = max(eligible, key=lambda i: (matched[i], -loads[i]))
             if matched[best] / len(hashes) > self.config.cache_threshold:
                 choice = best
             elif self.config.placement == "hash":
                 choice = self._place(opening, loads, eligible, least_loaded)
             else:  # the one with the least remembered (most room for a new prefix), then the least loaded
-                choice = min(eligible, key=lambda i: (len(self._seen[i]), loads[i]))
-        self._remember(choice, hashes)
+                choice = min(eligible, key=lambda i: (self.memory.count(i), loads[i]))
+        self.memory.remember(choice, hashes)
+        return choice
+
+    def _load_aware(self, hashes: np.ndarray, opening: str, loads: Sequence[int], eligible: Sequence[int]) -> int:
+        """vLLM production-stack's `loadaware`: the highest score, the share of the prompt a server
+        has seen less `load_beta` times its load's distance from the mean, in units of the mean
+        (one in flight at least). cache_aware sends every request that starts with a long shared
+        system prompt to the one server that saw it first until loads differ by
+        balance_abs_threshold; here a server twice as busy as the mean gives up a whole prompt's
+        worth of cache, so the others take requests, pay that prefix once, and share the load.
+        Ties (nothing seen, equal loads) are placed as a new prompt."""
+        mean = sum(loads[i] for i in eligible) / len(eligible)
+        seen = self.memory.matched(hashes, eligible) if hashes.size else [0] * len(eligible)
+        scores = [m / max(1, len(hashes)) - self.config.load_beta * (loads[i] - mean) / max(1.0, mean)
+                  for i, m in zip(eligible, seen)]
+        top = max(scores)
+        tied = [i for i, score in zip(eligible, scores) if score >= top - 1e-9]
+        if len(tied) == 1:
+            choice = tied[0]
+        elif self.config.placement == "hash":
+            choice = self._place(opening, loads, tied, min(tied, key=lambda i: (loads[i], self.memory.count(i))))
+        else:
+            choice = min(tied, key=lambda i: (self.memory.count(i), loads[i]))
+        self.memory.remember(choice, hashes)
         return choice
 
     def _place(self, opening: str, loads: Sequence[int], eligible: Sequence[int], least_loaded: int) -> int:
@@ -183,18 +205,3 @@ class Router:
                         reverse=True)
         bound = math.ceil(PLACEMENT_LOAD_FACTOR * (sum(loads[i] for i in eligible) + 1) / len(eligible))
         return next((i for i in ranked if loads[i] + 1 <= bound), least_loaded)
-
-    def _matched(self, server: int, hashes: list[int]) -> int:
-        seen = self._seen[server]
-        for n, h in enumerate(hashes):
-            if h not in seen:
-                return n
-        return len(hashes)
-
-    def _remember(self, server: int, hashes: list[int]) -> None:
-        seen = self._seen[server]
-        for h in hashes:
-            seen[h] = None
-            seen.move_to_end(h)
-        while len(seen) > self.config.max_chunks:
-            seen.popitem(last=False)

@@ -372,6 +372,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
             settings.triton_urls, settings.triton_model,
             stream_timeout=settings.stream_timeout, abort_model=settings.abort_model,
             frontend_id=settings.frontend_id, serves_frontend=True, router=settings.router_config(),
+            router_memory_path=settings.router_memory_path,
         )
     ctx = Context(settings=settings, client=client, files=ModelFiles(settings.tokenizer_path))
     created = int(time.time())

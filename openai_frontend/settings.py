@@ -18,6 +18,7 @@ class Settings:
     router_cache_threshold: float = 0.5
     router_balance_abs_threshold: int = 32
     router_balance_rel_threshold: float = 1.0001
+    router_load_beta: float = 1.0
     router_placement: str = "least_seen"  # the CLI's auto: hash with several --workers (router.py)
     triton_model: str = "ensemble"  # the Triton model requests go to
     model_name: Optional[str] = None  # the served name clients use; default: see served_model_name
@@ -47,6 +48,9 @@ class Settings:
     # --workers N: the directory where each worker writes its metrics, so that /metrics answers
     # with all of theirs (openai_frontend/metrics.py SharedMetrics). None: one process.
     metrics_dir: Optional[str] = None
+    # --workers N with several tritonservers: the file of the router's memory that they share
+    # (openai_frontend/router_memory.py), in metrics_dir. None: each process keeps its own.
+    router_memory_path: Optional[str] = None
     # Input safety (issue 7): request body size, stop strings per request.
     max_body_bytes: int = 8 * 1024 * 1024
     max_stop_strings: int = 64
@@ -64,7 +68,7 @@ class Settings:
         """Raises ValueError on a setting out of range."""
         return RouterConfig(policy=self.router_policy, cache_threshold=self.router_cache_threshold,
                             balance_abs_threshold=self.router_balance_abs_threshold,
-                            balance_rel_threshold=self.router_balance_rel_threshold,
+                            balance_rel_threshold=self.router_balance_rel_threshold, load_beta=self.router_load_beta,
                             placement=self.router_placement)
 
     @property

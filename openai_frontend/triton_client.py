@@ -655,13 +655,17 @@ class TritonLLMClient:
         postprocessing_model: str = "postprocessing",
         serves_frontend: bool = False,
         router: Optional[RouterConfig] = None,
+        router_memory_path: Optional[str] = None,
     ) -> None:
         urls = [url] if isinstance(url, str) else list(url)
         if not urls or len(set(urls)) != len(urls):
             raise ValueError(f"Triton URLs: at least one, each once (got {urls})")
         self._servers = [_Server(u) for u in urls]
         self.url = ", ".join(urls)
-        self.router = Router(len(urls), router or RouterConfig(), names=urls)
+        # With several servers and a shared memory file, what each was sent is known to every
+        # --workers process (router_memory.py).
+        self.router = Router(len(urls), router or RouterConfig(), names=urls,
+                             memory_path=router_memory_path if len(urls) > 1 else None)
         self.serves_frontend = serves_frontend
         self.model_name = model_name
         self.preprocessing_model = preprocessing_model

@@ -3046,6 +3046,31 @@ def test_metrics_dirs_of_frontends_that_are_gone_are_swept(tmp_path):
     assert not dead.exists() and live.exists() and old_style.exists()
 
 
+def test_several_workers_over_several_servers_share_one_router_memory(tmp_path):
+    from openai_frontend.__main__ import parse_args, settings_from_args, share_router_memory
+    from openai_frontend.router import Router
+    from openai_frontend.router_memory import chunk_hashes
+
+    def shared(*argv: str):
+        settings = settings_from_args(parse_args(["--workers", "2", *argv]))
+        settings.metrics_dir = str(tmp_path / argv[-1].replace(",", "_"))
+        os.mkdir(settings.metrics_dir)
+        share_router_memory(settings)
+        return settings
+
+    settings = shared("--triton-url", "a:8001,b:8001")
+    assert settings.router_memory_path.startswith(settings.metrics_dir)  # removed with it at exit
+    # Two workers' routers (as each worker's client makes them) see one table.
+    one, two = (Router(2, settings.router_config(), names=settings.triton_urls, memory_path=settings.router_memory_path)
+                for _ in range(2))
+    prompt = "A prompt long enough for a few chunks, sent through the first worker. " * 4
+    one.memory.remember(1, chunk_hashes(prompt))
+    assert two.memory.matched(chunk_hashes(prompt), [0, 1]) == [0, len(chunk_hashes(prompt))]
+    # One server, or a policy that remembers nothing: no file.
+    assert shared("--triton-url", "a:8001").router_memory_path is None
+    assert shared("--router-policy", "round_robin", "--triton-url", "c:8001,d:8001").router_memory_path is None
+
+
 def test_triton_url_takes_grpc_endpoints_not_an_http_url(capsys):
     from openai_frontend.__main__ import main, parse_args, settings_from_args
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -13,7 +14,8 @@ import pytest
 
 from openai_frontend.engine_types import EngineRequest
 from openai_frontend.errors import APIError
-from openai_frontend.router import CHUNK_CHARS, Router, RouterConfig, routing_key
+from openai_frontend.router import Router, RouterConfig, routing_key
+from openai_frontend.router_memory import CHUNK_BYTES, WAYS, RouterMemory, chunk_hashes
 from openai_frontend.testing import infer_response
 
 SYSTEM_A = "You are a careful assistant for the accounting team. " * 8
@@ -127,9 +129,116 @@ def test_routing_keys_keep_a_chats_prefix_and_tell_adapters_apart():
 
 def test_the_routers_memory_is_bounded():
     router = Router(2, RouterConfig(max_chunks=10))
+    assert router.memory.entries == 4 * WAYS  # 20 asked: whole buckets, a power of two of them
     for i in range(50):
-        router.choose(f"{i:04d}" * CHUNK_CHARS, [0, 0], [0, 1])
-    assert [len(seen) for seen in router._seen] == [10, 10]
+        router.choose(f"{i:04d}" * CHUNK_BYTES, [0, 0], [0, 1])  # 4 chunks each
+    assert sum(router.memory.count(i) for i in range(2)) <= router.memory.entries
+    # The latest prompts are remembered; the first ones gave way.
+    latest, first = (chunk_hashes(f"{i:04d}" * CHUNK_BYTES) for i in (49, 0))
+    assert max(router.memory.matched(latest, [0, 1])) == 4
+    assert router.memory.matched(first, [0, 1]) == [0, 0]
+
+
+def test_chunk_hashes_cover_the_prompt_up_to_each_chunk_and_are_the_same_in_every_process():
+    text = "The quick brown fox jumps over the lazy dog; 彼は走った. " * 12
+    hashes = chunk_hashes(text)
+    assert len(hashes) == len(text.encode()) // CHUNK_BYTES
+    # A prompt that differs from chunk 3 on shares the first three hashes only.
+    changed = text.encode()[:3 * CHUNK_BYTES] + b"X" + text.encode()[3 * CHUNK_BYTES + 1:]
+    other = chunk_hashes(changed.decode(errors="surrogateescape"))
+    assert (hashes[:3] == other[:3]).all() and not (hashes[3:] == other[3:]).any()
+    # The same chunks in another order hash apart.
+    a, b = "a" * CHUNK_BYTES, "b" * CHUNK_BYTES
+    assert chunk_hashes(a + b)[1] != chunk_hashes(b + a)[1]
+    assert len(chunk_hashes("short")) == 0
+    # Another interpreter (another hash salt) gets the same values.
+    import subprocess
+    import sys
+
+    code = f"from openai_frontend.router_memory import chunk_hashes; print(list(chunk_hashes({text!r})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin"}, cwd=str(Path(__file__).parents[1]))
+    assert out.stdout.strip() == str([int(h) for h in hashes]).replace("np.uint64(", "").replace(")", "")
+
+
+def test_a_shared_memory_file_is_one_table_for_every_process(tmp_path):
+    path = str(tmp_path / "router_memory")
+    RouterMemory.create_file(path, 3, 3 * 1024)
+    one, two = RouterMemory(3, 3 * 1024, path), RouterMemory(3, 3 * 1024, path)
+    chat = chunk_hashes("A chat's history so far, long enough for several chunks of it. " * 8)
+    one.remember(2, chat)
+    assert two.matched(chat, [0, 1, 2]) == [0, 0, len(chat)]
+    assert two.matched(chat[:3], [2]) == [3]
+    two.remember(0, chat[:2])  # a shorter prompt with the same start, sent elsewhere
+    assert one.matched(chat, [0, 1, 2]) == [2, 0, len(chat)]
+    one.forget(2)
+    assert two.matched(chat, [0, 1, 2]) == [2, 0, 0] and one.count(2) == 0
+    # A file made for another layout is not mapped: the process keeps a table of its own.
+    assert RouterMemory.shared_or_private(2, 3 * 1024, path).path is None
+    assert RouterMemory.shared_or_private(3, 3 * 1024, str(tmp_path / "missing")).path is None
+    with pytest.raises(ValueError):
+        RouterMemory(65, 10)
+
+
+def test_two_routers_on_one_memory_send_a_chats_turns_to_its_server(tmp_path):
+    # Two --workers processes; a chat's turns reach either. A system prompt shared by every chat was
+    # sent to server b by the second process (a was busy then).
+    shared = "You are the support assistant of a large shop; answer politely, in short sentences. " * 12
+    turns = [("Chat 9: my parcel arrived damaged; the box was crushed and the lid broken.",),
+             ("Chat 9: my parcel arrived damaged; the box was crushed and the lid broken.", "Sorry!", "Refund?")]
+
+    def homes(path) -> list[int]:
+        config = RouterConfig(placement="least_seen")
+        if path:
+            RouterMemory.create_file(path, 2, config.max_chunks * 2)
+        one, two = (Router(2, config, names=["a:8001", "b:8001"], memory_path=path) for _ in range(2))
+        for i in range(4):
+            assert _route_turn(two, _chat(shared, f"Chat {i}: where is my order?"), loads=(40, 0)) == 1
+        return [_route_turn(one, _chat(shared, *turns[0])), _route_turn(two, _chat(shared, *turns[1])),
+                _route_turn(one, _chat(shared, *turns[1]))]
+
+    # One table: the first process sees the system prompt on b and sends the chat there; every
+    # later turn follows, whichever process takes it.
+    assert homes(str(tmp_path / "router_memory")) == [1, 1, 1]
+    # A table each: the first process places the chat on a, the second sends its next turn to b,
+    # where only the system prompt is.
+    assert homes(None) == [0, 1, 0]
+
+
+def test_load_aware_shares_a_hot_system_prompt_and_keeps_each_chat_on_its_server():
+    shared = "You are the support assistant of a large shop; answer politely, in short sentences. " * 12
+
+    def burst(policy: str) -> tuple[list[int], list[int]]:
+        """Eight chats start at once (none finishes), then each sends its next turn."""
+        router, loads, homes = Router(2, RouterConfig(policy=policy)), [0, 0], []
+        for i in range(8):
+            homes.append(_route(router, _chat(shared, f"Chat {i}: where is my order?"), loads=loads))
+            loads[homes[-1]] += 1
+        later = [_route(router, _chat(shared, f"Chat {i}: where is my order?", "On its way.", "When?"), loads=loads)
+                 for i in range(8)]
+        return homes, later
+
+    # cache_aware: the system prompt is most of every prompt, so every chat goes where it was seen
+    # first, until 32 more are in flight there than on the other server.
+    homes, later = burst("cache_aware")
+    assert homes == [homes[0]] * 8 and later == homes
+    # load_aware: once a server is busier than the mean, the other takes new chats and pays the
+    # system prompt once; each chat's next turn stays where its history is.
+    homes, later = burst("load_aware")
+    assert sorted(homes.count(i) for i in (0, 1)) == [4, 4], homes
+    assert later == homes
+    # Far busier than the mean, a server gives a chat's turn up, history or not (beta 1: a whole
+    # prompt's worth at twice the mean); with beta 0, the cache alone counts.
+    router = Router(2, RouterConfig(policy="load_aware"))
+    home = _route(router, _chat(shared, "q"))
+    loads = [0, 0]
+    loads[home] = 10
+    assert _route(router, _chat(shared, "q", "a", "q2"), loads=loads) == 1 - home
+    cache_only = Router(2, RouterConfig(policy="load_aware", load_beta=0))
+    home = _route(cache_only, _chat(shared, "q"))
+    loads = [0, 0]
+    loads[home] = 10
+    assert _route(cache_only, _chat(shared, "q", "a", "q2"), loads=loads) == home
 
 
 def test_power_of_two_and_random_choose_among_the_eligible():
@@ -144,6 +253,7 @@ def test_power_of_two_and_random_choose_among_the_eligible():
 
 def test_router_settings_are_checked():
     for bad in ({"policy": "least"}, {"cache_threshold": 1.5}, {"balance_rel_threshold": 0.5}, {"max_chunks": 0},
+                {"load_beta": -1},
                 {"placement": "sticky"}):
         with pytest.raises(ValueError):
             RouterConfig(**bad)
