@@ -111,9 +111,9 @@ def conversation_opening(request: EngineRequest, key: str) -> str:
 
 
 class Router:
-    """Picks a server index per request; `loads` are the requests each server has in flight
-    from this process. `memory_path`: the table of what each server was sent, shared with the
-    frontend's other processes (router_memory.py; None: this process's own)."""
+    """Picks a server index per request. `memory_path`: the table of what each server was sent
+    and of each process's load, shared with the frontend's other processes (router_memory.py;
+    None: this process's own)."""
 
     def __init__(self, servers: int, config: RouterConfig = RouterConfig(), seed: Optional[int] = None,
                  names: Optional[Sequence[str]] = None, memory_path: Optional[str] = None) -> None:
@@ -130,9 +130,15 @@ class Router:
         """Whether `choose` reads a request's conversation_opening (else it need not be made)."""
         return self.config.policy in CACHE_POLICIES and self.config.placement == "hash"
 
+    def note_load(self, server: int, in_flight: int) -> None:
+        """This process now has `in_flight` requests on `server`."""
+        self.memory.set_load(server, in_flight)
+
     def choose(self, key: str, loads: Sequence[int], eligible: Sequence[int], opening: Optional[str] = None) -> int:
         """A server among `eligible` (indexes, not empty) for a request whose routing_key is `key`
-        and conversation_opening `opening` (default: the key's start)."""
+        and conversation_opening `opening` (default: the key's start). `loads`: this process's
+        requests in flight per server; with a shared memory, every process's count instead."""
+        loads = self.memory.loads(loads)
         if self.config.policy in CACHE_POLICIES:
             # Also with one server eligible (the others down): what it is sent is remembered.
             opening = key[:OPENING_CHARS] if opening is None else opening

@@ -2,6 +2,11 @@
 servers it went to. The frontend's `--workers` processes share one table, in a file each maps, so
 that a chat's next turn finds the server that holds its history whichever process takes it.
 
+The file also holds each process's requests in flight per server, a row each, so that every
+process balances by the servers' whole load, not by its own share of it. A process claims its
+row when it maps the file (under a file lock) and writes only that row; a row whose process is
+gone is cleared.
+
 The table is set-associative: a chunk's hash picks a bucket of WAYS entries, and a chunk not in
 it takes the bucket's least recently used entry. An entry is three 8-byte words: the hash, a bit
 per server it was sent to, and when it was last used (CLOCK_MONOTONIC, the same in every
@@ -17,11 +22,13 @@ to it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -30,9 +37,13 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 64  # of the prompt's UTF-8: the engine hashes its KV blocks as 16-token chunks
 WAYS = 8
 MAX_SERVERS = 64  # one bit each in an entry's word
-_MAGIC = 0x314D5452  # "RTM1"
+MAX_PROCESSES = 64  # rows of loads: frontend processes sharing one file
+_MAGIC = 0x324D5452  # "RTM2"
 _HEADER = 8  # words: magic, servers, entries
 _COUNTS = MAX_SERVERS  # words: chunks remembered per server, for least_seen placement
+_PIDS = MAX_PROCESSES  # words: the process of each row of loads (0: free)
+_LOADS = MAX_PROCESSES * MAX_SERVERS  # words: each row's requests in flight per server
+_SWEEP_S = 5.0  # how often a process looks for rows of processes that are gone
 
 _U64 = np.uint64
 _SPLITMIX = (_U64(0x9E3779B97F4A7C15), _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB))
@@ -69,7 +80,7 @@ def _words(servers: int, capacity: int) -> tuple[int, int]:
     in 8-byte words."""
     buckets = 1 << (max(1, -(-capacity // WAYS)) - 1).bit_length()
     entries = buckets * WAYS
-    return entries, _HEADER + _COUNTS + 3 * entries
+    return entries, _HEADER + _COUNTS + _PIDS + _LOADS + 3 * entries
 
 
 class RouterMemory:
@@ -82,20 +93,29 @@ class RouterMemory:
         self.servers = servers
         self.entries, size = _words(servers, capacity)
         self.path = path
+        self._row: Optional[int] = None  # this process's row of loads, in a shared file
+        self._swept = 0.0
         if path is None:
             words = np.zeros(size, dtype=_U64)
             words[:3] = (_MAGIC, servers, self.entries)
         else:
-            with open(path, "r+b") as f:
-                self._map = mmap.mmap(f.fileno(), size * 8)
+            self._file = open(path, "r+b")
+            self._map = mmap.mmap(self._file.fileno(), size * 8)
             words = np.frombuffer(self._map, dtype=_U64)
             if tuple(int(w) for w in words[:3]) != (_MAGIC, servers, self.entries):
                 raise ValueError(f"{path} is not a router memory for {servers} servers and {self.entries} entries")
-        self._counts = words[_HEADER:_HEADER + _COUNTS].view(np.int64)
-        body = words[_HEADER + _COUNTS:]
+        at = _HEADER
+        self._counts = words[at:at + _COUNTS].view(np.int64)
+        at += _COUNTS
+        self._pids = words[at:at + _PIDS]
+        at += _PIDS
+        self._loads = words[at:at + _LOADS].view(np.int64).reshape(MAX_PROCESSES, MAX_SERVERS)
+        body = words[at + _LOADS:]
         self._tags, self._bits, self._stamps = body[:self.entries], body[self.entries:2 * self.entries], body[2 * self.entries:]
         self._ways = np.arange(WAYS)
         self._shifts = np.arange(servers, dtype=_U64)
+        if path is not None:
+            self._claim_row()
 
     @staticmethod
     def create_file(path: str, servers: int, capacity: int) -> None:
@@ -114,6 +134,56 @@ class RouterMemory:
             except (OSError, ValueError) as exc:
                 log.warning("router memory %s not usable (%s): this process routes by its own", path, exc)
         return cls(servers, capacity)
+
+    def set_load(self, server: int, in_flight: int) -> None:
+        """This process now has `in_flight` requests on `server` (shared: others read it)."""
+        if self._row is not None:
+            self._loads[self._row, server] = in_flight
+
+    def loads(self, own: Sequence[int]) -> list[int]:
+        """Requests in flight per server: every sharing process's, or just `own` (this
+        process's) when the table is private."""
+        if self._row is None:
+            return list(own)
+        now = time.monotonic()
+        if now - self._swept >= _SWEEP_S:
+            self._swept = now
+            with self._locked():
+                self._clear_gone(self._live_rows())
+        return [int(n) for n in self._loads[:, :self.servers].sum(axis=0)]
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Rows are claimed and cleared under the file's lock (loads are written without it)."""
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+
+    def _claim_row(self) -> None:
+        """Take a free row, or one whose process is gone (cleared first)."""
+        with self._locked():
+            live = self._live_rows()
+            self._clear_gone(live)
+            row = next((i for i in range(MAX_PROCESSES) if not live[i]), None)
+            if row is None:
+                log.warning("router memory %s: %d processes share it already; this one's load is not shared",
+                            self.path, MAX_PROCESSES)
+                return
+            self._loads[row] = 0
+            self._pids[row] = os.getpid()
+            self._row = row
+
+    def _live_rows(self) -> list[bool]:
+        return [bool(pid) and _alive(int(pid)) for pid in self._pids]
+
+    def _clear_gone(self, live: list[bool]) -> None:
+        """A process killed with requests in flight left them in its row: they count no more."""
+        for row, pid in enumerate(self._pids):
+            if pid and not live[row]:
+                self._loads[row] = 0
+                self._pids[row] = 0
 
     def count(self, server: int) -> int:
         """About how many chunks the server holds here (exact within one process)."""
@@ -173,6 +243,16 @@ class RouterMemory:
         """Entries with these bits are taken over: their servers hold that many fewer chunks."""
         if bits.any():
             self._counts[:self.servers] -= ((bits[:, None] >> self._shifts) & _U64(1)).sum(axis=0).astype(np.int64)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        pass
+    return True
 
 
 def shared_path(directory: str) -> str:

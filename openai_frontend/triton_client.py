@@ -608,10 +608,12 @@ def contract_problem(model: str, tensors: Tensors, inputs: Sequence[str] = ENSEM
 class _Server:
     """One tritonserver the client sends requests to, as the client last saw it."""
 
-    __slots__ = ("url", "client", "in_flight", "requests", "ready", "checked", "tensors", "contract_error", "probe")
+    __slots__ = ("url", "index", "client", "in_flight", "requests", "ready", "checked", "tensors", "contract_error",
+                 "probe")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, index: int) -> None:
         self.url = url
+        self.index = index  # in the client's list, as the router numbers servers
         self.client: Optional[grpcclient_aio.InferenceServerClient] = None
         self.in_flight = 0  # this process's streams on it
         self.requests = 0  # and all it ever sent there
@@ -660,7 +662,7 @@ class TritonLLMClient:
         urls = [url] if isinstance(url, str) else list(url)
         if not urls or len(set(urls)) != len(urls):
             raise ValueError(f"Triton URLs: at least one, each once (got {urls})")
-        self._servers = [_Server(u) for u in urls]
+        self._servers = [_Server(u, i) for i, u in enumerate(urls)]
         self.url = ", ".join(urls)
         # With several servers and a shared memory file, what each was sent is known to every
         # --workers process (router_memory.py).
@@ -763,7 +765,7 @@ class TritonLLMClient:
         most likely restarted with an empty cache, and a chat that moved to another server
         meanwhile has its history there now, which a tie with the stale memory could undo."""
         if server.ready is not False:
-            self.router.forget(self._servers.index(server))
+            self.router.forget(server.index)
         server.ready = False
 
     async def not_ready_reason(self) -> Optional[str]:
@@ -836,7 +838,7 @@ class TritonLLMClient:
 
     def _route(self, request: EngineRequest, eligible: list[_Server]) -> _Server:
         key = routing_key(request)
-        index = self.router.choose(key, [s.in_flight for s in self._servers], [self._servers.index(s) for s in eligible],
+        index = self.router.choose(key, [s.in_flight for s in self._servers], [s.index for s in eligible],
                                    opening=conversation_opening(request, key) if self.router.places_by_opening else None)
         return self._servers[index]
 
@@ -951,6 +953,7 @@ class TritonLLMClient:
         streams.add(request_id)
         self._claimed |= claims
         server.in_flight += 1
+        self.router.note_load(server.index, server.in_flight)
         server.requests += 1
         if request.batch_item:
             self._batch_items[request.request_id] = self._batch_items.get(request.request_id, 0) + 1
@@ -1009,6 +1012,7 @@ class TritonLLMClient:
             done.set()
             del self._open[request_id]
             server.in_flight -= 1
+            self.router.note_load(server.index, server.in_flight)
             self._claimed -= claims
             if request.batch_item:
                 left = self._batch_items.pop(request.request_id) - 1

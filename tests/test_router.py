@@ -180,6 +180,41 @@ def test_a_shared_memory_file_is_one_table_for_every_process(tmp_path):
         RouterMemory(65, 10)
 
 
+def test_every_process_balances_by_the_servers_whole_load(tmp_path):
+    import subprocess
+    import sys
+
+    from openai_frontend.router_memory import MAX_SERVERS
+
+    path = str(tmp_path / "router_memory")
+    RouterMemory.create_file(path, 2, 1024)
+    one, two = RouterMemory(2, 1024, path), RouterMemory(2, 1024, path)
+    one.set_load(0, 5)
+    two.set_load(0, 2)
+    two.set_load(1, 1)
+    assert one.loads([5, 0]) == two.loads([2, 1]) == [7, 1]
+    assert RouterMemory(2, 1024).loads([3, 4]) == [3, 4]  # private: this process's own
+    # A process killed with requests in flight: its row stops counting once it is seen gone.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    three = RouterMemory(2, 1024, path)
+    three._loads[three._row] = [9] * MAX_SERVERS
+    three._pids[three._row] = gone.pid
+    RouterMemory(2, 1024, path)  # the next process to map the file clears it
+    assert one.loads([5, 0]) == [7, 1]
+
+    # A router whose process has nothing in flight still sees the other's 40 requests on the
+    # server that holds a prompt's prefix: loads have drifted apart, the other server takes it.
+    config = RouterConfig()
+    RouterMemory.create_file(path, 2, config.max_chunks * 2)
+    busy, idle = (Router(2, config, memory_path=path) for _ in range(2))
+    home = _route(busy, _chat(SYSTEM_A, "q"))
+    busy.note_load(home, 40)
+    assert _route(idle, _chat(SYSTEM_A, "q"), loads=(0, 0)) == 1 - home
+    busy.note_load(home, 0)
+    assert _route(idle, _chat(SYSTEM_A, "q"), loads=(0, 0)) == home
+
+
 def test_two_routers_on_one_memory_send_a_chats_turns_to_its_server(tmp_path):
     # Two --workers processes; a chat's turns reach either. A system prompt shared by every chat was
     # sent to server b by the second process (a was busy then).
@@ -192,8 +227,10 @@ def test_two_routers_on_one_memory_send_a_chats_turns_to_its_server(tmp_path):
         if path:
             RouterMemory.create_file(path, 2, config.max_chunks * 2)
         one, two = (Router(2, config, names=["a:8001", "b:8001"], memory_path=path) for _ in range(2))
+        two.note_load(0, 40)  # shared: how every process sees it; private: the loads passed below
         for i in range(4):
             assert _route_turn(two, _chat(shared, f"Chat {i}: where is my order?"), loads=(40, 0)) == 1
+        two.note_load(0, 0)
         return [_route_turn(one, _chat(shared, *turns[0])), _route_turn(two, _chat(shared, *turns[1])),
                 _route_turn(one, _chat(shared, *turns[1]))]
 
@@ -409,6 +446,25 @@ def test_the_client_routes_each_chat_to_its_server_and_counts_load():
     assert {first, second} == {"a", "b"} and later == [first] * 3
     assert sorted(during) == [0, 1] and during[["a", "b"].index(second)] == 1
     assert after == [0, 0]
+
+
+def test_clients_sharing_a_router_memory_see_each_others_streams(tmp_path):
+    path = str(tmp_path / "router_memory")
+    RouterMemory.create_file(path, 2, RouterConfig().max_chunks * 2)
+    a, b = FakeTriton("a"), FakeTriton("b")
+
+    async def scenario():
+        one, two = _client(a, b, router_memory_path=path), _client(a, b, router_memory_path=path)
+        a.hold = b.hold = asyncio.Event()
+        task = asyncio.ensure_future(_text(one, _chat(SYSTEM_A, "q")))
+        await asyncio.sleep(0.05)
+        during = two.router.memory.loads([0, 0])
+        a.hold.set()
+        await task
+        return during, two.router.memory.loads([0, 0])
+
+    during, after = asyncio.run(scenario())
+    assert sorted(during) == [0, 1] and after == [0, 0]
 
 
 def test_a_dead_server_is_skipped_its_request_retried_and_it_comes_back(monkeypatch):
