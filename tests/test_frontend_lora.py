@@ -129,7 +129,7 @@ def test_without_runtime_updating_the_startup_list_is_served_as_given():
 def test_an_adapter_unloaded_through_another_worker_is_not_found_there_too():
     """Worker B still lists `sql` when worker A unloads it: the engine refuses B's request
     (400 on lora_path, as the real client maps it), which B answers as vLLM does, 404."""
-    from openai_frontend.triton_client import map_stream_error
+    from openai_frontend.triton_errors import map_stream_error
 
     fake = FakeLLMClient()
     fake.adapters = {"sql": "/sql"}

@@ -1385,7 +1385,7 @@ def test_the_openai_endpoints_ask_for_the_models_default_max_tokens(tmp_path):
 
 
 def test_error_mapping():
-    from openai_frontend.triton_client import map_stream_error
+    from openai_frontend.triton_errors import map_stream_error
 
     e = map_stream_error("in ensemble 'ensemble', unsupported parameter 'n': n > 1 is not supported yet")
     assert e.status_code == 400 and e.message == "unsupported parameter 'n': n > 1 is not supported yet"
@@ -1451,7 +1451,7 @@ def test_error_mapping():
     # preprocessing's message for an empty prompt names the ensemble's tensors: not passed on
     from tritonclient.utils import InferenceServerException
 
-    from openai_frontend.triton_client import map_infer_error
+    from openai_frontend.triton_errors import map_infer_error
 
     for err in (map_stream_error("in ensemble 'ensemble', exactly one of text_input, messages, input_ids, input_embeds is required"),
                 map_infer_error(InferenceServerException(
@@ -1489,7 +1489,7 @@ def test_rpc_errors_map_lost_connections_to_503(code, details, status):
     stream (grpc's error) and a unary call (tritonclient's exception) map it alike."""
     from tritonclient.utils import InferenceServerException
 
-    from openai_frontend.triton_client import map_infer_error, map_rpc_error
+    from openai_frontend.triton_errors import map_infer_error, map_rpc_error
 
     for err in (map_rpc_error(_RpcError(code, details)),
                 map_infer_error(InferenceServerException(details, status=str(code)))):
@@ -2145,7 +2145,7 @@ def test_every_route_has_its_own_metrics_label_and_other_paths_share_one(base_ur
 
 
 def test_overload_and_unavailable_are_503_with_retry_after(client, base_url, fake):
-    from openai_frontend.triton_client import map_stream_error
+    from openai_frontend.triton_errors import map_stream_error
 
     err = map_stream_error("in ensemble 'ensemble', engine overloaded: 1024 requests are waiting")
     assert err.status_code == 503 and err.code == "overloaded" and err.headers["Retry-After"]
