@@ -11,8 +11,10 @@ locks needed) and rendered in the Prometheus text exposition format (version 0.0
 * `frontend_triton_out_of_order_responses_total`: stream responses that arrived after a later one
   of the same sample (should stay 0).
 * With several tritonservers (--triton-url repeated), per server: `frontend_triton_server_requests_total`
-  (generations sent), `frontend_triton_server_requests_in_flight`, and `frontend_triton_server_up`
-  (1 while routing takes it; 0 once it failed, until it answers again).
+  (generations sent), `frontend_triton_server_requests_in_flight`, `frontend_triton_server_up`
+  (1 while routing takes it; 0 once it failed, until it answers again),
+  `frontend_triton_server_prompt_chunks_total` and `..._prompt_chunks_matched_total` (the prompt
+  chunks routed there, and those the router had sent it before: the routing's expected cache hits).
 
 The engine's own metrics (KV blocks, queue, tokens, latencies) are on tritonserver's metrics
 port; these are the HTTP side.
@@ -55,6 +57,9 @@ def endpoint_label(path: str) -> str:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+_SERVER_GAUGES = ("in_flight", "up")  # per-server counts that are not summed over time
 
 
 class FrontendMetrics:
@@ -125,8 +130,10 @@ class FrontendMetrics:
                 mine[i] += c
             self._hist_sum[e] = self._hist_sum.get(e, 0.0) + total
         for url, counts in (snap.get("servers") or {}).items():
-            mine = self.servers.setdefault(url, {"requests": 0, "in_flight": 0, "up": 1})
-            mine["requests"] += counts["requests"]
+            mine = self.servers.setdefault(url, {"in_flight": 0, "up": 1})
+            for key, value in counts.items():
+                if key not in _SERVER_GAUGES:
+                    mine[key] = mine.get(key, 0) + value
             if live:  # up while every live worker routes to it
                 mine["in_flight"] += counts["in_flight"]
                 mine["up"] = min(mine["up"], counts["up"])
@@ -164,10 +171,14 @@ class FrontendMetrics:
                 ("in_flight", "frontend_triton_server_requests_in_flight", "gauge",
                  "Generations in flight on each tritonserver."),
                 ("up", "frontend_triton_server_up", "gauge",
-                 "1 while requests are routed to the tritonserver; 0 once it failed, until it answers again.")):
+                 "1 while requests are routed to the tritonserver; 0 once it failed, until it answers again."),
+                ("prompt_chunks", "frontend_triton_server_prompt_chunks_total", "counter",
+                 "64-byte prompt chunks routed to each tritonserver (cache_aware, load_aware)."),
+                ("prompt_chunks_matched", "frontend_triton_server_prompt_chunks_matched_total", "counter",
+                 "Of those, chunks the router had sent it before: what its prefix cache should hold.")):
             if servers:
                 family(name, kind, help_text,
-                       (f'{name}{{server="{_escape(url)}"}} {counts[key]}' for url, counts in sorted(servers.items())))
+                       (f'{name}{{server="{_escape(url)}"}} {counts.get(key, 0)}' for url, counts in sorted(servers.items())))
         samples = []
         for e, counts in sorted(self._hist.items()):
             label = _escape(e)

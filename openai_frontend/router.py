@@ -37,7 +37,6 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import numpy as np
 
 from openai_frontend.engine_types import EngineRequest
 from openai_frontend.router_memory import RouterMemory, chunk_hashes
@@ -122,6 +121,10 @@ class Router:
         # in another order still agree.
         self._names = [n.encode() for n in (names or [str(i) for i in range(servers)])]
         self.memory = RouterMemory.shared_or_private(servers, config.max_chunks * servers, memory_path)
+        # Per server, this process's: prompt chunks routed there, and of those, ones it had been
+        # sent before (what its prefix cache should hold): the frontend's /metrics.
+        self.prompt_chunks = [0] * servers
+        self.prompt_chunks_matched = [0] * servers
         self._next = 0
         self._random = random.Random(seed)
 
@@ -142,8 +145,14 @@ class Router:
         if self.config.policy in CACHE_POLICIES:
             # Also with one server eligible (the others down): what it is sent is remembered.
             opening = key[:OPENING_CHARS] if opening is None else opening
+            hashes = chunk_hashes(key)
+            matched = dict(zip(eligible, self.memory.matched(hashes, eligible)))
             pick = self._cache_aware if self.config.policy == "cache_aware" else self._load_aware
-            return pick(chunk_hashes(key), opening, loads, eligible)
+            choice = pick(len(hashes), matched, opening, loads, eligible)
+            self.memory.remember(choice, hashes)
+            self.prompt_chunks[choice] += len(hashes)
+            self.prompt_chunks_matched[choice] += matched[choice]
+            return choice
         if len(eligible) == 1:
             choice = eligible[0]
         elif self.config.policy == "round_robin":
@@ -160,26 +169,25 @@ class Router:
         """Drop what `server` was remembered to have seen (its cache is gone, or going)."""
         self.memory.forget(server)
 
-    def _cache_aware(self, hashes: np.ndarray, opening: str, loads: Sequence[int], eligible: Sequence[int]) -> int:
+    def _cache_aware(self, chunks: int, matched: dict[int, int], opening: str, loads: Sequence[int],
+                     eligible: Sequence[int]) -> int:
+        """`matched`: per eligible server, how many of the prompt's `chunks` it was sent."""
         busiest, idlest = max(loads[i] for i in eligible), min(loads[i] for i in eligible)
         drifted = (busiest - idlest > self.config.balance_abs_threshold
                    and busiest > idlest * self.config.balance_rel_threshold)
         least_loaded = min(eligible, key=lambda i: (loads[i], self.memory.count(i)))
-        if drifted or not hashes.size:
-            choice = least_loaded
-        else:
-            matched = dict(zip(eligible, self.memory.matched(hashes, eligible)))
-            best = max(eligible, key=lambda i: (matched[i], -loads[i]))
-            if matched[best] / len(hashes) > self.config.cache_threshold:
-                choice = best
-            elif self.config.placement == "hash":
-                choice = self._place(opening, loads, eligible, least_loaded)
-            else:  # the one with the least remembered (most room for a new prefix), then the least loaded
-                choice = min(eligible, key=lambda i: (self.memory.count(i), loads[i]))
-        self.memory.remember(choice, hashes)
-        return choice
+        if drifted or not chunks:
+            return least_loaded
+        best = max(eligible, key=lambda i: (matched[i], -loads[i]))
+        if matched[best] / chunks > self.config.cache_threshold:
+            return best
+        if self.config.placement == "hash":
+            return self._place(opening, loads, eligible, least_loaded)
+        # the one with the least remembered (most room for a new prefix), then the least loaded
+        return min(eligible, key=lambda i: (self.memory.count(i), loads[i]))
 
-    def _load_aware(self, hashes: np.ndarray, opening: str, loads: Sequence[int], eligible: Sequence[int]) -> int:
+    def _load_aware(self, chunks: int, matched: dict[int, int], opening: str, loads: Sequence[int],
+                    eligible: Sequence[int]) -> int:
         """vLLM production-stack's `loadaware`: the highest score, the share of the prompt a server
         has seen less `load_beta` times its load's distance from the mean, in units of the mean
         (one in flight at least). cache_aware sends every request that starts with a long shared
@@ -188,19 +196,15 @@ class Router:
         worth of cache, so the others take requests, pay that prefix once, and share the load.
         Ties (nothing seen, equal loads) are placed as a new prompt."""
         mean = sum(loads[i] for i in eligible) / len(eligible)
-        seen = self.memory.matched(hashes, eligible) if hashes.size else [0] * len(eligible)
-        scores = [m / max(1, len(hashes)) - self.config.load_beta * (loads[i] - mean) / max(1.0, mean)
-                  for i, m in zip(eligible, seen)]
+        scores = [matched[i] / max(1, chunks) - self.config.load_beta * (loads[i] - mean) / max(1.0, mean)
+                  for i in eligible]
         top = max(scores)
         tied = [i for i, score in zip(eligible, scores) if score >= top - 1e-9]
         if len(tied) == 1:
-            choice = tied[0]
-        elif self.config.placement == "hash":
-            choice = self._place(opening, loads, tied, min(tied, key=lambda i: (loads[i], self.memory.count(i))))
-        else:
-            choice = min(tied, key=lambda i: (self.memory.count(i), loads[i]))
-        self.memory.remember(choice, hashes)
-        return choice
+            return tied[0]
+        if self.config.placement == "hash":
+            return self._place(opening, loads, tied, min(tied, key=lambda i: (loads[i], self.memory.count(i))))
+        return min(tied, key=lambda i: (self.memory.count(i), loads[i]))
 
     def _place(self, opening: str, loads: Sequence[int], eligible: Sequence[int], least_loaded: int) -> int:
         """A new prompt's server: the first its opening ranks (a keyed hash, the same in every

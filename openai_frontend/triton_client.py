@@ -528,11 +528,15 @@ class TritonLLMClient:
                 await client.close()
 
     def server_counts(self) -> Optional[dict[str, dict[str, int]]]:
-        """With several servers, per server for /metrics: generations sent, in flight, and
-        whether routing takes it (up)."""
+        """With several servers, per server for /metrics: generations sent, in flight, whether
+        routing takes it (up), and the prompt chunks routed there and, of those, ones it had been
+        sent before."""
         if len(self._servers) == 1:
             return None
-        return {s.url: {"requests": s.requests, "in_flight": s.in_flight, "up": int(s.ready is not False)}
+        router = self.router
+        return {s.url: {"requests": s.requests, "in_flight": s.in_flight, "up": int(s.ready is not False),
+                        "prompt_chunks": router.prompt_chunks[s.index],
+                        "prompt_chunks_matched": router.prompt_chunks_matched[s.index]}
                 for s in self._servers}
 
     def _each(self, texts: Sequence[tuple[_Server, Optional[str]]]) -> Optional[str]:

@@ -95,6 +95,12 @@ def test_each_chat_stays_where_its_prefix_is_cached(servers, base_url):
     # And the chats were spread: both servers served some.
     served = [a - b for a, b in zip(after, before)]
     assert sum(served) == 9 and min(served) >= 3, served
+    # The frontend's /metrics count, per server, the prompt chunks it routed there and had before.
+    metrics = httpx.get(f"{base_url}/metrics").text
+    for s in servers:
+        sent = metric_value(metrics, "frontend_triton_server_prompt_chunks_total", f'server="{s.grpc_url}"')
+        matched = metric_value(metrics, "frontend_triton_server_prompt_chunks_matched_total", f'server="{s.grpc_url}"')
+        assert sent > matched > 0, metrics
     # The same chats through round robin: every second turn lands where its history is not.
     with _frontend(servers, router_policy="round_robin") as url:
         rr = _chat_turns(url, "A new system prompt for round robin, never seen by either server. " * 6, 3)

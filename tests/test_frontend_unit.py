@@ -2089,11 +2089,13 @@ def test_shared_metrics_sum_every_workers_counts(tmp_path):
         return m
 
     exited = SharedMetrics(worker(3, 2), str(tmp_path))
-    exited.publish(out_of_order=1, servers={"a:8001": {"requests": 4, "in_flight": 2, "up": 0},
+    exited.publish(out_of_order=1, servers={"a:8001": {"requests": 4, "in_flight": 2, "up": 0, "prompt_chunks": 10,
+                                                        "prompt_chunks_matched": 6},
                                             "b:8001": {"requests": 1, "in_flight": 1, "up": 1}})
     os.replace(exited.path, tmp_path / "999999999.json")  # a pid no process has
     me = SharedMetrics(worker(2, 1), str(tmp_path))
-    text = me.render(out_of_order=0, servers={"a:8001": {"requests": 3, "in_flight": 1, "up": 1},
+    text = me.render(out_of_order=0, servers={"a:8001": {"requests": 3, "in_flight": 1, "up": 1, "prompt_chunks": 5,
+                                                          "prompt_chunks_matched": 4},
                                               "b:8001": {"requests": 2, "in_flight": 0, "up": 0}})
     # Per tritonserver (several): requests summed over every worker; in flight and up from the live
     # ones (up while every live worker routes to it).
@@ -2101,6 +2103,9 @@ def test_shared_metrics_sum_every_workers_counts(tmp_path):
     assert _metric(text, 'frontend_triton_server_requests_in_flight{server="a:8001"}') == 1
     assert _metric(text, 'frontend_triton_server_up{server="a:8001"}') == 1
     assert _metric(text, 'frontend_triton_server_up{server="b:8001"}') == 0
+    assert _metric(text, 'frontend_triton_server_prompt_chunks_total{server="a:8001"}') == 15
+    assert _metric(text, 'frontend_triton_server_prompt_chunks_matched_total{server="a:8001"}') == 10
+    assert _metric(text, 'frontend_triton_server_prompt_chunks_total{server="b:8001"}') == 0
     assert _metric(text, 'frontend_requests_total{endpoint="/v1/completions",status="200"}') == 5
     assert _metric(text, 'frontend_request_duration_seconds_count{endpoint="/v1/completions"}') == 5
     assert _metric(text, 'frontend_request_duration_seconds_bucket{endpoint="/v1/completions",le="0.025"}') == 5

@@ -440,12 +440,17 @@ def test_the_client_routes_each_chat_to_its_server_and_counts_load():
         during = [s.in_flight for s in client._servers]
         a.hold.set()
         await task
-        return first, second, later, during, [s.in_flight for s in client._servers]
+        return first, second, later, during, [s.in_flight for s in client._servers], client.server_counts()
 
-    first, second, later, during, after = asyncio.run(scenario())
+    first, second, later, during, after, counts = asyncio.run(scenario())
     assert {first, second} == {"a", "b"} and later == [first] * 3
     assert sorted(during) == [0, 1] and during[["a", "b"].index(second)] == 1
     assert after == [0, 0]
+    # /metrics' routing counts: the later turns found their start where they went.
+    home = counts[f"{first}:8001"]
+    first_turn = len(chunk_hashes(routing_key(_chat(SYSTEM_A, "q"))))
+    assert home["requests"] == 4 and home["prompt_chunks_matched"] >= 3 * (first_turn - 1)  # its last chunk closes the list
+    assert home["prompt_chunks"] > home["prompt_chunks_matched"]
 
 
 def test_clients_sharing_a_router_memory_see_each_others_streams(tmp_path):
