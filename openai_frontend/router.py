@@ -145,12 +145,12 @@ class Router:
         if self.config.policy in CACHE_POLICIES:
             # Also with one server eligible (the others down): what it is sent is remembered.
             opening = key[:OPENING_CHARS] if opening is None else opening
-            hashes = chunk_hashes(key)
-            matched = dict(zip(eligible, self.memory.matched(hashes, eligible)))
+            seen = self.memory.lookup(chunk_hashes(key))
+            matched = dict(zip(eligible, self.memory.matched(seen, eligible)))
             pick = self._cache_aware if self.config.policy == "cache_aware" else self._load_aware
-            choice = pick(len(hashes), matched, opening, loads, eligible)
-            self.memory.remember(choice, hashes)
-            self.prompt_chunks[choice] += len(hashes)
+            choice = pick(len(seen.hashes), matched, opening, loads, eligible)
+            self.memory.remember(choice, seen)
+            self.prompt_chunks[choice] += len(seen.hashes)
             self.prompt_chunks_matched[choice] += matched[choice]
             return choice
         if len(eligible) == 1:

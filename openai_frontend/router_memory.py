@@ -28,7 +28,7 @@ import logging
 import mmap
 import os
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -69,10 +69,13 @@ def chunk_hashes(key: str) -> np.ndarray:
     if n == 0:
         return np.zeros(0, dtype=_U64)
     words = np.frombuffer(data, dtype="<u8", count=n * CHUNK_BYTES // 8).reshape(n, CHUNK_BYTES // 8)
-    chunks = _mix(np.bitwise_xor.reduce(_mix(words ^ _WORD_KEYS), axis=1))
-    positioned = _mix(chunks + np.arange(n, dtype=_U64) * _POSITION_KEY)
-    # A prefix's hash is the wrapping sum of its chunks' (position-keyed): order and content count.
-    return _mix(np.cumsum(positioned, dtype=_U64))
+    # Each word through a bijection of its own (key, odd multiplier, xorshift), the chunk their XOR.
+    words = (words ^ _WORD_KEYS) * _SPLITMIX[1]
+    chunks = np.bitwise_xor.reduce(words ^ (words >> _U64(31)), axis=1)
+    positioned = _mix(chunks ^ (np.arange(n, dtype=_U64) * _POSITION_KEY))
+    # A prefix's hash is the wrapping sum of its chunks' (position-keyed, well mixed, so its low
+    # bits, which pick the bucket, are even): order and content count.
+    return np.cumsum(positioned, dtype=_U64)
 
 
 def _words(servers: int, capacity: int) -> tuple[int, int]:
@@ -81,6 +84,16 @@ def _words(servers: int, capacity: int) -> tuple[int, int]:
     buckets = 1 << (max(1, -(-capacity // WAYS)) - 1).bit_length()
     entries = buckets * WAYS
     return entries, _HEADER + _COUNTS + _PIDS + _LOADS + 3 * entries
+
+
+class Seen(NamedTuple):
+    """A prompt's chunks as the table has them (RouterMemory.lookup)."""
+
+    hashes: np.ndarray
+    slots: np.ndarray  # each hash's bucket, as its WAYS entry indexes (chunks, WAYS)
+    bits: np.ndarray  # its servers' bits, 0 when not in the table
+    where: np.ndarray  # its entry, where found
+    found: np.ndarray
 
 
 class RouterMemory:
@@ -189,55 +202,52 @@ class RouterMemory:
         """About how many chunks the server holds here (exact within one process)."""
         return max(0, int(self._counts[server]))
 
-    def matched(self, hashes: np.ndarray, servers: Sequence[int]) -> list[int]:
-        """Per server, how many of the leading `hashes` were sent to it."""
-        if not hashes.size:
-            return [0] * len(servers)
-        bits, _, _ = self._lookup(hashes)
-        has = ((bits[:, None] >> self._shifts[list(servers)]) & _U64(1)).astype(bool)  # (chunks, servers)
-        return [int(n) for n in np.where(has.all(axis=0), len(hashes), has.argmin(axis=0))]
+    def lookup(self, hashes: np.ndarray) -> Seen:
+        """Where a prompt's chunk hashes are in the table, for `matched` and then `remember`."""
+        slots = (hashes & _U64(self.entries // WAYS - 1)).astype(np.int64)[:, None] * WAYS + self._ways
+        hit = self._tags[slots] == hashes[:, None]
+        found = hit.any(axis=1)
+        where = slots[np.arange(len(hashes)), hit.argmax(axis=1)]
+        return Seen(hashes, slots, np.where(found, self._bits[where], _U64(0)), where, found)
 
-    def remember(self, server: int, hashes: np.ndarray) -> None:
-        """The prompt whose chunk hashes these are was sent to `server`."""
-        if not hashes.size:
+    def matched(self, seen: Seen, servers: Sequence[int]) -> list[int]:
+        """Per server, how many of the prompt's leading chunks were sent to it."""
+        if not seen.hashes.size:
+            return [0] * len(servers)
+        has = ((seen.bits[:, None] >> self._shifts[list(servers)]) & _U64(1)).astype(bool)  # (chunks, servers)
+        return [int(n) for n in np.where(has.all(axis=0), len(seen.hashes), has.argmin(axis=0))]
+
+    def remember(self, server: int, seen: Seen) -> None:
+        """The prompt looked up as `seen` was sent to `server`."""
+        if not seen.hashes.size:
             return
         bit, now = _U64(1) << _U64(server), _U64(time.monotonic_ns())
-        bits, where, found = self._lookup(hashes)
-        known = where[found]
-        self._bits[known] = bits[found] | bit
+        found = seen.found
+        known = seen.where[found]
+        self._bits[known] = seen.bits[found] | bit
         self._stamps[known] = now
-        added = int(np.count_nonzero((bits[found] & bit) == 0))
-        pending = hashes[~found]
+        added = int(np.count_nonzero((seen.bits[found] & bit) == 0))
+        pending, slots = seen.hashes[~found], seen.slots[~found]
         while pending.size:  # new chunks: one per bucket at a time, each into its bucket's LRU way
-            slots = self._slots(pending)
             _, first = np.unique(slots[:, 0], return_index=True)
-            slots = slots[first]
-            victims = slots[np.arange(len(first)), self._stamps[slots].argmin(axis=1)]
+            taken = slots[first]
+            victims = taken[np.arange(len(first)), self._stamps[taken].argmin(axis=1)]
             self._uncount(self._bits[victims])
             self._bits[victims] = bit
             self._stamps[victims] = now
             self._tags[victims] = pending[first]
             added += len(first)
-            pending = np.delete(pending, first)
+            if len(first) == len(pending):
+                break
+            left = np.ones(len(pending), dtype=bool)
+            left[first] = False
+            pending, slots = pending[left], slots[left]
         self._counts[server] += added
 
     def forget(self, server: int) -> None:
         """Nothing was sent to `server` (its cache is gone, or going)."""
         self._bits &= ~(_U64(1) << _U64(server))
         self._counts[server] = 0
-
-    def _slots(self, hashes: np.ndarray) -> np.ndarray:
-        """Each hash's bucket, as its WAYS entry indexes (chunks, WAYS)."""
-        first = (hashes & _U64(self.entries // WAYS - 1)).astype(np.int64) * WAYS
-        return first[:, None] + self._ways
-
-    def _lookup(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per hash: its servers' bits (0 when not here), its entry, whether it is here."""
-        slots = self._slots(hashes)
-        hit = self._tags[slots] == hashes[:, None]
-        found = hit.any(axis=1)
-        where = slots[np.arange(len(hashes)), hit.argmax(axis=1)]
-        return np.where(found, self._bits[where], _U64(0)), where, found
 
     def _uncount(self, bits: np.ndarray) -> None:
         """Entries with these bits are taken over: their servers hold that many fewer chunks."""

@@ -3069,8 +3069,8 @@ def test_several_workers_over_several_servers_share_one_router_memory(tmp_path):
     one, two = (Router(2, settings.router_config(), names=settings.triton_urls, memory_path=settings.router_memory_path)
                 for _ in range(2))
     prompt = "A prompt long enough for a few chunks, sent through the first worker. " * 4
-    one.memory.remember(1, chunk_hashes(prompt))
-    assert two.memory.matched(chunk_hashes(prompt), [0, 1]) == [0, len(chunk_hashes(prompt))]
+    one.memory.remember(1, one.memory.lookup(chunk_hashes(prompt)))
+    assert two.memory.matched(two.memory.lookup(chunk_hashes(prompt)), [0, 1]) == [0, len(chunk_hashes(prompt))]
     # One server, or a policy that remembers nothing: no file.
     assert shared("--triton-url", "a:8001").router_memory_path is None
     assert shared("--router-policy", "round_robin", "--triton-url", "c:8001,d:8001").router_memory_path is None

@@ -135,8 +135,8 @@ def test_the_routers_memory_is_bounded():
     assert sum(router.memory.count(i) for i in range(2)) <= router.memory.entries
     # The latest prompts are remembered; the first ones gave way.
     latest, first = (chunk_hashes(f"{i:04d}" * CHUNK_BYTES) for i in (49, 0))
-    assert max(router.memory.matched(latest, [0, 1])) == 4
-    assert router.memory.matched(first, [0, 1]) == [0, 0]
+    assert max(router.memory.matched(router.memory.lookup(latest), [0, 1])) == 4
+    assert router.memory.matched(router.memory.lookup(first), [0, 1]) == [0, 0]
 
 
 def test_chunk_hashes_cover_the_prompt_up_to_each_chunk_and_are_the_same_in_every_process():
@@ -166,13 +166,13 @@ def test_a_shared_memory_file_is_one_table_for_every_process(tmp_path):
     RouterMemory.create_file(path, 3, 3 * 1024)
     one, two = RouterMemory(3, 3 * 1024, path), RouterMemory(3, 3 * 1024, path)
     chat = chunk_hashes("A chat's history so far, long enough for several chunks of it. " * 8)
-    one.remember(2, chat)
-    assert two.matched(chat, [0, 1, 2]) == [0, 0, len(chat)]
-    assert two.matched(chat[:3], [2]) == [3]
-    two.remember(0, chat[:2])  # a shorter prompt with the same start, sent elsewhere
-    assert one.matched(chat, [0, 1, 2]) == [2, 0, len(chat)]
+    one.remember(2, one.lookup(chat))
+    assert two.matched(two.lookup(chat), [0, 1, 2]) == [0, 0, len(chat)]
+    assert two.matched(two.lookup(chat[:3]), [2]) == [3]
+    two.remember(0, two.lookup(chat[:2]))  # a shorter prompt with the same start, sent elsewhere
+    assert one.matched(one.lookup(chat), [0, 1, 2]) == [2, 0, len(chat)]
     one.forget(2)
-    assert two.matched(chat, [0, 1, 2]) == [2, 0, 0] and one.count(2) == 0
+    assert two.matched(two.lookup(chat), [0, 1, 2]) == [2, 0, 0] and one.count(2) == 0
     # A file made for another layout is not mapped: the process keeps a table of its own.
     assert RouterMemory.shared_or_private(2, 3 * 1024, path).path is None
     assert RouterMemory.shared_or_private(3, 3 * 1024, str(tmp_path / "missing")).path is None
