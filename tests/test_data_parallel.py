@@ -149,6 +149,36 @@ def test_health_info_aborts_and_cache_resets_cover_both_servers(servers, base_ur
     assert _chat_turns(base_url, SYSTEMS["garden"], 1) == [0]
 
 
+def test_frontend_processes_share_what_each_server_was_sent(servers, demo_model_path, tmp_path):
+    """Two --workers processes, each turn on a new connection (either process may take it), and
+    one system prompt for every chat: each later turn finds its own history cached, as the
+    processes share one router memory. With a memory each, a turn that reaches the process that
+    never saw its chat goes where that process saw the system prompt (which process accepts a
+    connection is the kernel's choice: without the shared memory this failed 1 run in 2)."""
+    from bench.serving_bench import Frontend
+
+    system = "You are the help desk of a city library: loans, renewals, opening hours and events. " * 8
+    frontend = Frontend(",".join(s.grpc_url for s in servers), demo_model_path, tmp_path / "frontend.log",
+                        name=MODEL, workers=2).start()
+    try:
+        url = f"http://127.0.0.1:{frontend.port}"
+        for chat in range(6):
+            messages = [{"role": "system", "content": system}]
+            prompts, cached = [], []
+            for turn in range(3):
+                messages.append({"role": "user", "content": f"Reader {chat}, question {turn}: can I renew?"})
+                with httpx.Client(timeout=60) as http:  # a connection of its own
+                    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, http_client=http)
+                    r = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+                prompts.append(r.usage.prompt_tokens)
+                cached.append(r.usage.prompt_tokens_details.cached_tokens)
+                messages.append({"role": "assistant", "content": r.choices[0].message.content or "ok"})
+            # Each later turn: the previous turn's prompt cached (whole 16-token blocks of it).
+            assert all(c >= p - 32 for c, p in zip(cached[1:], prompts)), (chat, prompts, cached)
+    finally:
+        frontend.stop()
+
+
 def _sent(base_url: str, servers) -> list[float]:
     """Generations the frontend has sent each server."""
     metrics = httpx.get(f"{base_url}/metrics").text
