@@ -21,7 +21,8 @@
 # - the frontend exited            -> start it again.
 # A restarted tritonserver that does not come up is started again too; only a failing first start
 # exits at once (1). A restart does not hold up the others' supervision. More than MAX_RESTARTS
-# restarts (all servers together) within RESTART_WINDOW seconds -> exit 1 (let the orchestrator act).
+# restarts of one process (each server, the frontend) within RESTART_WINDOW seconds -> exit 1 (let
+# the orchestrator act).
 # SIGTERM/SIGINT: stop the frontend (uvicorn drains in-flight streams), then give the requests made
 # to each tritonserver directly EXIT_TIMEOUT less 10 seconds and abort the rest (client/drain.py),
 # then stop the tritonservers; exit 0, or 1 when one did not exit cleanly.
@@ -133,7 +134,7 @@ TRITON_PIDS=()    # per tritonserver
 LOADING_SINCE=()  # per tritonserver: $SECONDS at its start while it loads, empty once it is ready
 FRONTEND_PID=""
 STOPPING=0
-RESTARTS=()
+declare -A RESTARTS=()  # per tritonserver index, and "frontend": the times of its recent restarts
 
 # Start tritonserver i, without waiting for it (poll_loading does).
 launch_triton() {
@@ -235,15 +236,19 @@ llm_stub_alive() {
   return 1
 }
 
+# One restart of $1 (a tritonserver's index, or "frontend"). Each has a budget of its own: with
+# several servers, one restart each (a driver hiccup on every GPU) is no reason to give up.
 note_restart() {
   local now=$SECONDS kept=() t
-  for t in "${RESTARTS[@]}"; do
+  for t in ${RESTARTS[$1]:-}; do
     [ $((now - t)) -lt "$RESTART_WINDOW" ] && kept+=("$t")
   done
   kept+=("$now")
-  RESTARTS=("${kept[@]}")
-  if [ "${#RESTARTS[@]}" -gt "$MAX_RESTARTS" ]; then
-    log "more than $MAX_RESTARTS restarts in ${RESTART_WINDOW}s: giving up"
+  RESTARTS[$1]="${kept[*]}"
+  if [ "${#kept[@]}" -gt "$MAX_RESTARTS" ]; then
+    local what=$1
+    [ "$what" = frontend ] || what=$(server_name "$what")
+    log "$what: more than $MAX_RESTARTS restarts in ${RESTART_WINDOW}s: giving up"
     shutdown 1
   fi
 }
@@ -260,7 +265,7 @@ restart_triton() {
   else
     log "restarting $(server_name "$i"): $2"
   fi
-  note_restart
+  note_restart "$i"
   launch_triton "$i"
 }
 
@@ -273,7 +278,7 @@ watch_triton() {
     rc=0
     poll_loading "$i" || rc=$?
     if [ "$rc" = 2 ]; then
-      note_restart
+      note_restart "$i"
       launch_triton "$i"
     fi
     return 0
@@ -290,7 +295,7 @@ watch_triton() {
   if ! alive "${TRITON_PIDS[i]}"; then
     wait "${TRITON_PIDS[i]}" 2>/dev/null && rc=0 || rc=$?
     log "$(server_name "$i") exited (status $rc)"
-    note_restart
+    note_restart "$i"
     launch_triton "$i"
   elif ! llm_stub_alive "${TRITON_PIDS[i]}"; then
     restart_triton "$i" "the llm model's Python stub process is gone"
@@ -343,7 +348,7 @@ while [ "$STOPPING" = 0 ]; do
   if [ "$FRONTEND" = 1 ] && ! alive "$FRONTEND_PID"; then
     wait "$FRONTEND_PID" 2>/dev/null && rc=0 || rc=$?
     log "frontend exited (status $rc)"
-    note_restart
+    note_restart frontend
     start_frontend
   fi
 done

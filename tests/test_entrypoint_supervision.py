@@ -187,3 +187,23 @@ def test_data_parallel_size_is_checked_before_anything_starts(tmp_path):
                "TRITONSERVER": "/bin/false", "LLM_MODEL_PATH": str(tmp_path)}
         done = subprocess.run([script], env=env, capture_output=True, text=True, timeout=30)
         assert done.returncode == 2 and says in done.stderr, (size, done.returncode, done.stderr)
+
+
+def test_each_server_has_a_restart_budget_of_its_own(tmp_path):
+    # One restart each (a driver hiccup on every GPU) is no reason to give up; one server restarted
+    # past the budget is.
+    http = port_block(2)
+    env = {"DATA_PARALLEL_SIZE": "2", "HTTP_PORT": str(http), "FAKE_CLEAN_STOP": "1", "STUB_GRACE": "1",
+           "MAX_RESTARTS": "1", "RESTART_WINDOW": "600"}
+    proc, log = _start(tmp_path, env, ready=2)
+    try:
+        os.kill(_fake_pid(http), signal.SIGKILL)
+        _wait_for(log, r"tritonserver 0 ready", 2)
+        os.kill(_fake_pid(http + 3), signal.SIGKILL)
+        _wait_for(log, r"tritonserver 1 ready", 2)
+        assert proc.poll() is None  # one restart each: within the budget
+        os.kill(_fake_pid(http), signal.SIGKILL)  # server 0's second
+        assert proc.wait(timeout=60) == 1, log.read_text()
+        assert "tritonserver 0: more than 1 restarts in 600s: giving up" in log.read_text()
+    finally:
+        _kill(proc)
