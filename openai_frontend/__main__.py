@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from backend.host_limits import usable_cpus
+from openai_frontend.processes import process_alive
 from openai_frontend.router import PLACEMENTS, POLICIES
 from openai_frontend.settings import Settings
 
@@ -310,18 +311,9 @@ def sweep_metrics_dirs(root: Optional[str] = None) -> None:
     base = Path(root or tempfile.gettempdir())
     for d in base.glob(f"{METRICS_DIR_PREFIX}*-*"):
         pid = d.name[len(METRICS_DIR_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and d.is_dir() and not _alive(int(pid)):
+        if pid.isdigit() and d.is_dir() and not process_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process, alive
-        return True
-    return True
 
 
 if __name__ == "__main__":

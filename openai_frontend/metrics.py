@@ -35,6 +35,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from openai_frontend.processes import process_alive
+
 # Paths reported under their own name; anything else is "other" (bounded label cardinality).
 # Every route of server.py (tests/test_frontend_unit.py checks).
 ENDPOINTS = frozenset({
@@ -198,15 +200,6 @@ class FrontendMetrics:
 PUBLISH_INTERVAL_S = 0.5
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 class SharedMetrics:
     """One worker's FrontendMetrics, written to `directory/<pid>.json`; `render` sums every
@@ -243,7 +236,7 @@ class SharedMetrics:
                 snap = json.loads(path.read_text())
             except (OSError, ValueError):  # a worker's file replaced or removed under us
                 continue
-            total.add(snap, live=_alive(int(path.stem)))
+            total.add(snap, live=process_alive(int(path.stem)))
             if snap.get("out_of_order") is not None:
                 disordered = (disordered or 0) + snap["out_of_order"]
         return total.render(out_of_order=disordered)

@@ -32,6 +32,8 @@ from typing import Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from openai_frontend.processes import process_alive
+
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64  # of the prompt's UTF-8: the engine hashes its KV blocks as 16-token chunks
@@ -189,7 +191,7 @@ class RouterMemory:
             self._row = row
 
     def _live_rows(self) -> list[bool]:
-        return [bool(pid) and _alive(int(pid)) for pid in self._pids]
+        return [bool(pid) and process_alive(int(pid)) for pid in self._pids]
 
     def _clear_gone(self, live: list[bool]) -> None:
         """A process killed with requests in flight left them in its row: they count no more."""
@@ -254,15 +256,6 @@ class RouterMemory:
         if bits.any():
             self._counts[:self.servers] -= ((bits[:, None] >> self._shifts) & _U64(1)).sum(axis=0).astype(np.int64)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's: alive
-        pass
-    return True
 
 
 def shared_path(directory: str) -> str:
