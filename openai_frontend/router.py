@@ -120,7 +120,9 @@ class Router:
         # What placement hashes with the opening: the servers' URLs, so that frontends listing them
         # in another order still agree.
         self._names = [n.encode() for n in (names or [str(i) for i in range(servers)])]
-        self.memory = RouterMemory.shared_or_private(servers, config.max_chunks * servers, memory_path)
+        # One server: nothing to choose between (the client does not route), so no room is kept.
+        capacity = config.max_chunks * servers if servers > 1 else 1
+        self.memory = RouterMemory.shared_or_private(servers, capacity, memory_path)
         # Per server, this process's: prompt chunks routed there, and of those, ones it had been
         # sent before (what its prefix cache should hold): the frontend's /metrics.
         self.prompt_chunks = [0] * servers
