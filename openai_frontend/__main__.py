@@ -42,9 +42,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="load_aware: how much a server's in-flight load, relative to the mean, counts against the "
                         "share of the prompt it has cached (1: twice the mean costs a whole prompt's worth)")
     p.add_argument("--router-placement", default="auto", choices=("auto",) + PLACEMENTS,
-                   help="cache_aware, a prompt no server has seen enough of: least_seen (SGLang's: the server that "
-                        "has seen the least; this process's view), hash (a hash of the chat's opening, the same in "
-                        "every --workers process, within 1.25x the average load); auto (default): hash with "
+                   help="cache_aware, a prompt no server has seen enough of (load_aware: a tie): least_seen "
+                        "(SGLang's: the server that has seen the least), hash (a hash of the chat's opening, the same "
+                        "in every --workers process, within 1.25x the average load); auto (default): hash with "
                         "several --workers")
     p.add_argument("--triton-model", default="ensemble", help="the Triton model to call (default: ensemble)")
     p.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
@@ -292,13 +292,12 @@ def share_router_memory(settings: Settings) -> None:
     """Several tritonservers under several --workers: one memory of what each server was sent,
     in a file of the workers' shared directory, so that a chat's next turn finds its server
     whichever process takes it (openai_frontend/router_memory.py)."""
-    servers = len(settings.triton_urls)
     from openai_frontend.router import CACHE_POLICIES
     from openai_frontend.router_memory import RouterMemory, shared_path
 
+    servers = len(settings.triton_urls)
     if servers < 2 or settings.router_policy not in CACHE_POLICIES:
         return
-
     path = shared_path(settings.metrics_dir)
     RouterMemory.create_file(path, servers, settings.router_config().max_chunks * servers)
     settings.router_memory_path = path
@@ -313,7 +312,6 @@ def sweep_metrics_dirs(root: Optional[str] = None) -> None:
         pid = d.name[len(METRICS_DIR_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and d.is_dir() and not process_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
-
 
 
 if __name__ == "__main__":

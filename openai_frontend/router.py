@@ -12,13 +12,14 @@ drifted apart, when the least loaded one takes it. Round robin would send a chat
 another server half the time (two servers), which then prefills the whole history again.
 
 A prompt no server has seen enough of is placed (`placement`): `least_seen`, SGLang router's
-choice, sends it to the server that has seen the least (balanced, but known only to this
-process); `hash` sends it where a hash of its opening (a chat's messages up to its first user
-message; a prompt's first OPENING_CHARS) ranks the servers first, unless that one carries more
-than PLACEMENT_LOAD_FACTOR times the average load (consistent hashing with bounded loads). Every
-process computes that rank alike, which matters where several `--workers` processes route, each
-by its own memory: a chat's next turn that reaches a process that never saw the chat still goes
-where its first turn went. The frontend uses `hash` when it runs several processes.
+choice, sends it to the server that has seen the least; `hash` sends it where a hash of its
+opening (a chat's messages up to its first user message; a prompt's first OPENING_CHARS) ranks
+the servers first, unless that one carries more than PLACEMENT_LOAD_FACTOR times the average load
+(consistent hashing with bounded loads). Every process computes that rank alike, from the chat
+alone, where `least_seen` reads counts that several `--workers` processes placing at the same
+moment read alike (they would pile onto one server), and that a process without the shared
+memory (one that could not map it) has only of its own. The frontend uses `hash` when it runs
+several processes.
 
 What a server "has seen" is remembered as the hashes of each prompt's 64-byte chunks (the
 engine's block hashes, on text), in a table the frontend's processes share (router_memory.py):
@@ -36,7 +37,6 @@ import math
 import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
-
 
 from openai_frontend.engine_types import EngineRequest
 from openai_frontend.router_memory import RouterMemory, chunk_hashes
@@ -177,16 +177,12 @@ class Router:
         busiest, idlest = max(loads[i] for i in eligible), min(loads[i] for i in eligible)
         drifted = (busiest - idlest > self.config.balance_abs_threshold
                    and busiest > idlest * self.config.balance_rel_threshold)
-        least_loaded = min(eligible, key=lambda i: (loads[i], self.memory.count(i)))
         if drifted or not chunks:
-            return least_loaded
+            return min(eligible, key=lambda i: (loads[i], self.memory.count(i)))
         best = max(eligible, key=lambda i: (matched[i], -loads[i]))
         if matched[best] / chunks > self.config.cache_threshold:
             return best
-        if self.config.placement == "hash":
-            return self._place(opening, loads, eligible, least_loaded)
-        # the one with the least remembered (most room for a new prefix), then the least loaded
-        return min(eligible, key=lambda i: (self.memory.count(i), loads[i]))
+        return self._place(opening, loads, eligible)
 
     def _load_aware(self, chunks: int, matched: dict[int, int], opening: str, loads: Sequence[int],
                     eligible: Sequence[int]) -> int:
@@ -202,16 +198,16 @@ class Router:
                   for i in eligible]
         top = max(scores)
         tied = [i for i, score in zip(eligible, scores) if score >= top - 1e-9]
-        if len(tied) == 1:
-            return tied[0]
-        if self.config.placement == "hash":
-            return self._place(opening, loads, tied, min(tied, key=lambda i: (loads[i], self.memory.count(i))))
-        return min(tied, key=lambda i: (self.memory.count(i), loads[i]))
+        return tied[0] if len(tied) == 1 else self._place(opening, loads, tied)
 
-    def _place(self, opening: str, loads: Sequence[int], eligible: Sequence[int], least_loaded: int) -> int:
-        """A new prompt's server: the first its opening ranks (a keyed hash, the same in every
-        process, not Python's salted one) whose load stays within PLACEMENT_LOAD_FACTOR times the
-        average once it takes it."""
+    def _place(self, opening: str, loads: Sequence[int], eligible: Sequence[int]) -> int:
+        """A new prompt's server, by `placement`. least_seen: the one with the least remembered
+        (most room for a new prefix), then the least loaded. hash: the first its opening ranks (a
+        keyed hash, the same in every process, not Python's salted one) whose load stays within
+        PLACEMENT_LOAD_FACTOR times the average once it takes it, else the least loaded."""
+        if self.config.placement == "least_seen":
+            return min(eligible, key=lambda i: (self.memory.count(i), loads[i]))
+        least_loaded = min(eligible, key=lambda i: (loads[i], self.memory.count(i)))
         digest = hashlib.blake2b(opening.encode(), digest_size=16).digest()
         ranked = sorted(eligible, key=lambda i: hashlib.blake2b(self._names[i], key=digest, digest_size=8).digest(),
                         reverse=True)

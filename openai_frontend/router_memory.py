@@ -257,7 +257,6 @@ class RouterMemory:
             self._counts[:self.servers] -= ((bits[:, None] >> self._shifts) & _U64(1)).sum(axis=0).astype(np.int64)
 
 
-
 def shared_path(directory: str) -> str:
     """Where the processes sharing `directory` keep the table."""
     return os.path.join(directory, "router_memory")
