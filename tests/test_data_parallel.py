@@ -7,6 +7,7 @@ new chats again."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -217,7 +218,9 @@ def test_a_killed_server_s_chats_go_to_the_other_and_it_serves_again_once_restar
         assert entry.process.poll() is None and time.monotonic() < deadline, entry.supervisor_lines()
         httpx.get(f"{base_url}/health")  # asks each server
         time.sleep(0.5)
-    assert f"{name} exited (status 137)" in entry.log()
+    # The watchdog may see the server gone, or (on busy cores) first its stub gone and then the
+    # SIGKILL: both are logged as exited with 137.
+    assert re.search(rf"{name} exited \(status 137[,)]", entry.log())
     # New chats go to it again (what the frontend remembered of the killed one was dropped), and the
     # moved ones stay where their history now is.
     served = _ensemble_requests(servers[killed])

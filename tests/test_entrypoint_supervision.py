@@ -158,10 +158,10 @@ def test_data_parallel_servers_each_on_its_gpu_and_ports_restarted_one_by_one(tm
         (record / f"slow-{ports[1]}").touch()
         first = [_fake_pid(p) for p in ports]
         os.kill(first[1], signal.SIGKILL)
-        _wait_for(log, r"tritonserver 1 exited \(status 137\)")
+        _wait_for(log, r"tritonserver 1 exited \(status 137[,)]")
         _wait_for(log, r"tritonserver 1 started", 2)
         os.kill(first[0], signal.SIGKILL)
-        _wait_for(log, r"tritonserver 0 exited \(status 137\)", timeout=10)
+        _wait_for(log, r"tritonserver 0 exited \(status 137[,)]", timeout=10)
         _wait_for(log, r"tritonserver 0 ready", 2, timeout=20)
         assert len(re.findall(r"tritonserver 1 ready", log.read_text())) == 1  # still loading
         # The healthcheck passes while one serves.

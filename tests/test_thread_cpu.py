@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -14,26 +15,42 @@ def test_report_names_the_busy_thread_and_its_process():
     native: list[int] = []
 
     def spin() -> None:
+        # Hashing a large block releases the GIL: a pure-Python loop would hold it and slow the
+        # snapshots (their file reads wait for it) to the point of blurring the interval.
+        block = bytes(1 << 20)
         native.append(threading.get_native_id())
         while not stop.is_set():
-            pass
+            hashlib.sha256(block).digest()
 
     worker = threading.Thread(target=spin)
     worker.start()
     try:
         while not native:
             time.sleep(0.01)
-        before, t0 = snapshot(), time.monotonic()
+        # The thread's own CPU clock is the truth to compare with: on loaded cores (CI runs tests
+        # side by side) the spinning thread may get well under one core. Each snapshot reads the
+        # thread at some moment inside it: its reading lies between the clock before and after.
+        clock = time.pthread_getcpuclockid(worker.ident)
+        outer0 = time.clock_gettime(clock)
+        before = snapshot()
+        inner0 = time.clock_gettime(clock)
         time.sleep(0.6)
-        after, t1 = snapshot(), time.monotonic()
+        inner1 = time.clock_gettime(clock)
+        after = snapshot()
+        outer1 = time.clock_gettime(clock)
     finally:
         stop.set()
         worker.join()
     pid = str(os.getpid())
     assert (pid, str(native[0])) in after  # every thread of every process, keyed by (pid, tid)
-    lines = report(before, after, t1 - t0, top=50).splitlines()
+    # Over "1 second", each figure is the CPU seconds used between the snapshots.
+    lines = report(before, after, 1.0, top=500).splitlines()
     spinning = next(line for line in lines if f"tid {native[0]:>7}" in line)
-    assert spinning.split()[2] == pid and float(spinning.split()[0]) > 0.3, lines
+    assert spinning.split()[2] == pid, lines
+    # /proc counts whole clock ticks (10 ms) at each end, printed to a hundredth.
+    used, slack = float(spinning.split()[0]), 0.03
+    assert inner1 - inner0 - slack <= used <= outer1 - outer0 + slack, (lines, inner1 - inner0, outer1 - outer0)
+    assert used > 0.05  # it did spin between the snapshots
     ours = next(line for line in lines if line.strip().startswith(f"process {pid:>7}"))
     assert float(ours.split()[2]) >= float(spinning.split()[0]) - 0.01  # the process sums its threads
     assert lines[0].startswith("-- ") and "cores busy" in lines[0]
