@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,10 +25,49 @@ from typing import Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
+_LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port nothing listens on, below the kernel's ephemeral range when there is room. Every
+    outgoing connection takes its source port from that range, so a server restarted on such a
+    port (the tests kill and restart servers, and a frontend keeps connecting meanwhile) could
+    find it taken; a port below it is only ever bound on purpose. Never the same port twice in
+    one process; across processes a random pick of ~20k makes a clash unlikely, and a bound port
+    is skipped."""
+    lo, _ = _ephemeral_range()
+    pick = random.SystemRandom()
+    if lo - _LOWEST_PORT >= 1000:
+        for _ in range(100):
+            port = pick.randrange(_LOWEST_PORT, lo)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def triton_home() -> Path:
