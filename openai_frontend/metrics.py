@@ -40,7 +40,7 @@ from openai_frontend.processes import process_alive
 # Paths reported under their own name; anything else is "other" (bounded label cardinality).
 # Every route of server.py (tests/test_frontend_unit.py checks).
 ENDPOINTS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/generate", "/parse_function_call", "/separate_reasoning",
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate", "/parse_function_call", "/separate_reasoning",
     "/v1/models", "/health", "/ping", "/health_generate", "/get_model_info", "/get_server_info", "/server_info", "/metrics",
     "/openapi.json", "/tokenize", "/detokenize", "/abort_request", "/flush_cache", "/reset_prefix_cache",
     "/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
@@ -54,6 +54,8 @@ def endpoint_label(path: str) -> str:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{response_id}"
     return "other"
 
 

@@ -461,6 +461,65 @@ class SeparateReasoningRequest(_Body):
 
 
 # ---------------------------------------------------------------------------------------------
+# OpenAI's Responses API: POST /v1/responses (openai_frontend/responses.py)
+# ---------------------------------------------------------------------------------------------
+
+
+class ResponsesStreamOptions(_Strict):
+    # OpenAI pads stream events with random "obfuscation" text; this server sends none, so only
+    # false (or unset) is accepted, as on the chat route.
+    include_obfuscation: Optional[bool] = None
+
+
+class ResponsesRequest(_Body):
+    """A Responses request. Input items, tools, `text` and `reasoning` are checked where they are
+    turned into a chat request (responses.py), each refusal naming its place in the body."""
+
+    model: Optional[str] = None
+    input: Optional[Union[str, list[dict[str, Any]]]] = None
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    include: Optional[list[str]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    max_tool_calls: Optional[int] = Field(None, ge=1)  # caps built-in tool calls: this server has none
+    text: Optional[dict[str, Any]] = None
+    reasoning: Optional[dict[str, Any]] = None
+    stream: NullableFalse = False
+    stream_options: Optional[ResponsesStreamOptions] = None
+    store: Optional[bool] = None  # None: true, as OpenAI's default
+    metadata: Optional[dict[str, str]] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    user: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    service_tier: Optional[str] = None
+    request_id: Optional[str] = None  # vLLM's: names the request (an X-Request-Id header wins)
+
+    # OpenAI fields this server does not implement (refused when set, naming them)
+    background: Optional[bool] = None
+    conversation: Optional[Any] = None
+    prompt: Optional[Any] = None
+    context_management: Optional[Any] = None
+    access_programs: Optional[Any] = None
+    background_options: Optional[Any] = None
+    image: Optional[Any] = None
+    moderation: Optional[Any] = None
+    prompt_cache_options: Optional[Any] = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, v: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+        return ChatCompletionRequest._metadata_limits(v)
+
+
+# ---------------------------------------------------------------------------------------------
 # Responses (shapes; the handlers build them as dicts)
 # ---------------------------------------------------------------------------------------------
 

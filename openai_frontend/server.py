@@ -3,10 +3,10 @@
 `create_app(settings, client=None)` builds the app; `client` defaults to a `TritonLLMClient` on
 `settings.triton_url` / `settings.triton_model` (tests pass a fake one).
 
-Routes: POST /v1/chat/completions, /v1/completions, /generate, /parse_function_call,
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /generate, /parse_function_call,
 /separate_reasoning, /tokenize, /detokenize, /load_lora_adapter, /unload_lora_adapter (and their
 /v1/ forms, with --allow-runtime-lora-updating);
-GET /v1/models, /v1/models/{id}, /health, /get_model_info, /metrics, /openapi.json.
+GET /v1/models, /v1/models/{id}, /v1/responses/{id} (and DELETE), /health, /get_model_info, /metrics, /openapi.json.
 
 * Errors are OpenAI bodies `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
   requests (FastAPI's 422 is turned into 400), 401 bad API key, 404 unknown model/route,
@@ -26,6 +26,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -54,12 +55,15 @@ from openai_frontend.protocol import (
     GenerateRequest,
     LoadLoraAdapterRequest,
     ParseFunctionCallRequest,
+    ResponsesRequest,
     SeparateReasoningRequest,
     UnloadLoraAdapterRequest,
     TokenizeRequest,
 )
 from openai_frontend import protocol, request_context
 from openai_frontend.reasoning import get_reasoning_format, split_reasoning
+from openai_frontend.response_store import ResponseStore
+from openai_frontend.responses import ResponsesHandler
 from openai_frontend.sampling import openai_param
 from openai_frontend.settings import Settings
 from openai_frontend.streams import DONE_EVENT, run_until_disconnect
@@ -402,6 +406,9 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     )
 
     chat = ChatHandler(ctx)
+    response_store = ResponseStore(settings.responses_store_size,
+                                   os.path.join(settings.metrics_dir, "responses") if settings.metrics_dir else None)
+    responses = ResponsesHandler(ctx, chat, response_store)
     completions = CompletionHandler(ctx)
     generate = GenerateHandler(ctx)
 
@@ -542,6 +549,25 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
             return await cancel_on_disconnect(request, chat(body, _request_id(request, body.request_id, body.rid)))
         except APIError as exc:
             raise openai_param(exc, body) from None
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, responses(body, _request_id(request, body.request_id)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        stored = response_store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"Response with id '{response_id}' not found", param="response_id",
+                           code="response_not_found")
+        return json_response(stored["response"])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        if not response_store.delete(response_id):
+            raise APIError(404, f"Response with id '{response_id}' not found", param="response_id",
+                           code="response_not_found")
+        return json_response({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

@@ -2,8 +2,9 @@
 repository's model_repository/ with the demo model): chat and completions, streaming or not,
 usage, n, logprobs, stop strings, seeds, vLLM extras (logit_bias, allowed_token_ids, echo,
 continue_final_message, truncate_prompt_tokens),
-response_format json_schema, and tool
-calling with tool_choice auto / none / required / named plus a full tool round trip.
+response_format json_schema, tool
+calling with tool_choice auto / none / required / named plus a full tool round trip, and the
+Responses API (/v1/responses) against the chat route.
 
 The demo model has random weights, so checks are about the serving contract (what the engine
 must guarantee: constraints hold, streaming equals non-streaming, seeds reproduce, stops cut),
@@ -1126,3 +1127,61 @@ def test_context_limits_and_param_names_as_vllm(client):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)
         assert err.value.body["param"] == param, (extra, err.value.body)
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/responses (OpenAI's Responses API, served by the chat route)
+# ---------------------------------------------------------------------------------------------
+
+RESPONSES_TOOLS = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+                    "parameters": t["function"]["parameters"]} for t in TOOLS]
+
+
+def test_responses_answer_as_the_chat_route_streamed_and_not(client, tok):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."}, *MESSAGES],
+                                          max_tokens=24, **GREEDY)
+    kwargs = dict(model=MODEL, instructions="Be brief.", input=MESSAGES[0]["content"], max_output_tokens=24, **GREEDY)
+    r = client.responses.create(**kwargs)
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert r.output_text == chat.choices[0].message.content and [o.type for o in r.output] == ["message"]
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    events = list(client.responses.create(stream=True, **kwargs))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    done = events[-1].response
+    assert done.output_text == r.output_text
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (r.usage.input_tokens, r.usage.output_tokens)
+    with client.responses.stream(**kwargs) as stream:  # the SDK's accumulator over the same events
+        last = list(stream)[-1]
+    # A cut by max_output_tokens ends as OpenAI's does, with response.incomplete.
+    assert last.type == f"response.{r.status}" and last.response.output_text == r.output_text
+
+
+def test_responses_previous_response_id_reuses_the_cached_history(client):
+    first = client.responses.create(model=MODEL, input="Tell me about the weather in Paris today, in detail.",
+                                    max_output_tokens=20, **GREEDY)
+    second = client.responses.create(model=MODEL, input="And tomorrow?", previous_response_id=first.id,
+                                     max_output_tokens=8, **GREEDY)
+    # The stored turn is the prompt's start, and the engine's prefix cache still holds it.
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= 16
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+
+
+def test_responses_function_calls_are_held_to_their_schema_streamed_and_not(client):
+    kwargs = dict(model=MODEL, input=MESSAGES[0]["content"], tools=RESPONSES_TOOLS, tool_choice="required",
+                  parallel_tool_calls=False, max_output_tokens=200, **GREEDY)
+    r = client.responses.create(**kwargs)
+    (call,) = r.output
+    assert call.type == "function_call" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    with client.responses.stream(**kwargs) as stream:
+        streamed = stream.get_final_response()
+    assert [(o.type, o.name, o.arguments) for o in streamed.output] == [("function_call", call.name, call.arguments)]
+    # The call's result continues the conversation; the model then answers (tool_choice none).
+    follow = client.responses.create(model=MODEL, previous_response_id=r.id, tools=RESPONSES_TOOLS, tool_choice="none",
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": '{"forecast": "sunny"}'}], max_output_tokens=8, **GREEDY)
+    assert [o.type for o in follow.output] == ["message"]

@@ -1,0 +1,104 @@
+"""Stored Responses (`store: true`, OpenAI's default): what GET /v1/responses/{id} returns and what
+a later request's `previous_response_id` continues from.
+
+A record is the response object, the chat messages of its turn (its input and its output) and
+the id of the response it continued: a conversation is the chain of its turns, so each turn is
+stored once however long the conversation grows. The store keeps the `capacity` records read or
+written last (reading a conversation touches each of its turns, so a conversation in use keeps
+its history). With several frontend `--workers` it lives in a directory they share, one JSON
+file a record, so a conversation's next turn finds its history whichever worker accepts the
+connection; one process keeps them in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Optional
+
+# The ids this server hands out ("resp_" + hex): anything else is no file name to open.
+_ID = re.compile(r"resp_[0-9a-f]{8,64}")
+# Files are pruned to capacity every this many writes (a directory listing each time costs more).
+_PRUNE_EVERY = 32
+
+
+class ResponseStore:
+    def __init__(self, capacity: int = 4096, directory: Optional[str] = None) -> None:
+        self.capacity = capacity
+        self.directory = Path(directory) if directory else None
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self._memory: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._writes = 0
+
+    def put(self, response_id: str, record: dict[str, Any]) -> None:
+        if self.capacity <= 0:
+            return
+        if self.directory is None:
+            self._memory[response_id] = record
+            self._memory.move_to_end(response_id)
+            while len(self._memory) > self.capacity:
+                self._memory.popitem(last=False)
+            return
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, self.directory / f"{response_id}.json")  # readers never see half a record
+        self._writes += 1
+        if self._writes % _PRUNE_EVERY == 0:
+            self._prune()
+
+    def get(self, response_id: str) -> Optional[dict[str, Any]]:
+        if self.directory is None:
+            record = self._memory.get(response_id)
+            if record is not None:
+                self._memory.move_to_end(response_id)
+            return record
+        if not _ID.fullmatch(response_id):
+            return None
+        path = self.directory / f"{response_id}.json"
+        try:
+            record = json.loads(path.read_text())
+            os.utime(path)  # pruning goes by the time of last use
+        except (OSError, ValueError):
+            return None
+        return record
+
+    def conversation(self, response_id: str, limit: int = 100_000) -> Optional[list[dict[str, Any]]]:
+        """The messages of every turn up to and including this response's, oldest first; None when
+        the response, or a turn before it, is no longer stored."""
+        turns = []
+        rid: Optional[str] = response_id
+        while rid is not None and len(turns) < limit:
+            record = self.get(rid)
+            if record is None:
+                return None
+            turns.append(record["turn"])
+            rid = record.get("previous")
+        return [message for turn in reversed(turns) for message in turn]
+
+    def delete(self, response_id: str) -> bool:
+        if self.directory is None:
+            return self._memory.pop(response_id, None) is not None
+        if not _ID.fullmatch(response_id):
+            return False
+        try:
+            (self.directory / f"{response_id}.json").unlink()
+        except OSError:
+            return False
+        return True
+
+    def _prune(self) -> None:
+        entries = []
+        for path in self.directory.glob("resp_*.json"):
+            try:
+                entries.append((path.stat().st_mtime_ns, path))
+            except OSError:  # another worker pruned it meanwhile
+                pass
+        entries.sort()
+        for _, path in entries[: max(0, len(entries) - self.capacity)]:
+            path.unlink(missing_ok=True)

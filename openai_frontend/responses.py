@@ -1,0 +1,537 @@
+"""POST /v1/responses: OpenAI's Responses API, served by the chat route.
+
+A Responses request becomes a chat request (instructions as the system message, input items as
+messages, function tools, `text.format` as `response_format`, `reasoning.effort` as the
+template's `reasoning_effort`) and runs through `ChatHandler`, so tool calls, reasoning,
+structured output and logprobs behave as they do there. Its answer comes back as output items:
+a `reasoning` item (with --reasoning-parser), a `message` with one `output_text` part, then a
+`function_call` item per call. Both modes run the chat route's stream through one translation
+(`_Turn`): streaming sends its Responses events as they come, non-streaming returns the
+response they end with, so both give the same items.
+
+`store` (true unless false) keeps the response and its turn (`ResponseStore`) for
+GET /v1/responses/{id} and for `previous_response_id`, whose conversation (the chain of its
+turns) the new input continues (its instructions are not carried over, as OpenAI's are not).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from pydantic import ValidationError
+from starlette.responses import Response
+
+from openai_frontend.chat import ChatHandler
+from openai_frontend.common import Context, dumps, json_response
+from openai_frontend.errors import APIError, bad_request, unsupported
+from openai_frontend.protocol import ChatCompletionRequest, ResponsesRequest
+from openai_frontend.response_store import ResponseStore
+from openai_frontend.streams import sse_response
+
+# Chat's names for what the request called otherwise: its errors are reported under the
+# Responses names.
+_PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+                "reasoning_effort": "reasoning.effort", "logprobs": "top_logprobs"}
+_REFUSED = ("background", "conversation", "prompt", "context_management", "access_programs", "background_options",
+            "image", "moderation", "prompt_cache_options")
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# -- request: Responses -> chat ------------------------------------------------------------------
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content as one string: text parts joined, other parts refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise unsupported(f"{where}.content[{j}]", f"'{kind}' parts are not supported: this server runs text models")
+        else:
+            raise bad_request(f"{where}.content[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}})",
+                              param=f"{where}.content[{j}]")
+    return "".join(texts)
+
+
+def input_messages(items: Optional[str | list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Input items as chat messages. A function call joins the assistant message before it (or
+    starts one); a reasoning item goes to the assistant message after it as its
+    reasoning_content, which chat templates render (or drop) as they do a chat's."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    reasoning: Optional[str] = None
+
+    def assistant(joins: bool) -> dict[str, Any]:
+        """The assistant message an item goes to: a function call joins the one just before it
+        (a response's message and calls are one chat turn); a message starts its own."""
+        nonlocal reasoning
+        if joins and out and out[-1]["role"] == "assistant" and reasoning is None:
+            return out[-1]
+        msg: dict[str, Any] = {"role": "assistant", "content": ""}
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
+            reasoning = None
+        out.append(msg)
+        return msg
+
+    for i, item in enumerate(items or ()):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"{where}.role must be one of 'user', 'system', 'developer', 'assistant'",
+                                  param=f"{where}.role")
+            text = _text_of(item.get("content"), where)
+            if role == "assistant":
+                assistant(joins=False)["content"] = text
+            else:
+                out.append({"role": role, "content": text})
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
+            assistant(joins=True).setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise bad_request(f"{where}.call_id must be a string", param=f"{where}.call_id")
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text_of(output, where)
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+        elif kind == "reasoning":
+            parts = item.get("content") or []
+            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if item.get("encrypted_content") is not None:
+                raise unsupported(f"{where}.encrypted_content", "this server neither makes nor reads encrypted reasoning")
+        else:
+            raise unsupported(f"{where}.type", f"input items of type '{kind}' are not supported (messages, "
+                                               "function_call, function_call_output and reasoning are)")
+    if reasoning is not None:
+        out.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+    return out
+
+
+_FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
+# Function-tool fields of OpenAI's that change nothing when left at their default, and that this
+# server does not implement otherwise (tool search, programmatic callers, async calls, a schema
+# of what the tool returns).
+_FUNCTION_DEFAULTS = {"defer_loading": False, "async": False, "allowed_callers": ["direct"], "output_schema": None,
+                      "namespace": None}
+
+
+def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Function tools in the chat shape. `strict` defaults to true, as in OpenAI's Responses API:
+    a call's arguments are held to its schema (the chat route's strict tools)."""
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise unsupported(f"tools[{i}].type", f"'{tool.get('type')}' tools are not supported: this server calls "
+                                                  "function tools, which the client runs")
+        for key in sorted(set(tool) - {"type", *_FUNCTION_FIELDS}):
+            if key not in _FUNCTION_DEFAULTS:
+                raise bad_request(f"tools[{i}]: unknown field '{key}'", param=f"tools[{i}].{key}")
+            if tool[key] != _FUNCTION_DEFAULTS[key]:
+                raise unsupported(f"tools[{i}].{key}")
+        fn = {k: tool[k] for k in _FUNCTION_FIELDS if tool.get(k) is not None}
+        fn.setdefault("strict", True)
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise unsupported("tool_choice", "a function ({\"type\": \"function\", \"name\": ...}), 'auto', 'none' or "
+                                     "'required'; hosted and allowed-tools choices are not supported")
+
+
+def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    if not text:
+        return None
+    extra = sorted(set(text) - {"format", "verbosity"})
+    if extra:
+        raise bad_request(f"text: unknown field '{extra[0]}'", param=f"text.{extra[0]}")
+    if text.get("verbosity") is not None:
+        raise unsupported("text.verbosity", "the model's length is set by max_output_tokens here")
+    fmt = text.get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    raise bad_request("text.format.type must be 'text', 'json_object' or 'json_schema'", param="text.format.type")
+
+
+def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The chat request body for `req` after `history` (a stored conversation's messages), and
+    the turn's own input as messages (the instructions left out: they are not carried over)."""
+    for name in _REFUSED:
+        if getattr(req, name) is not None:
+            raise unsupported(name)
+    if req.truncation == "auto":
+        raise unsupported("truncation", "'auto' (dropping earlier input to fit the context): a request that "
+                                        "does not fit is refused instead")
+    for k, value in enumerate(req.include or []):
+        if value != _LOGPROBS_INCLUDE:
+            raise unsupported(f"include[{k}]", f"'{value}' (only '{_LOGPROBS_INCLUDE}')")
+    reasoning = req.reasoning or {}
+    extra = sorted(set(reasoning) - {"effort", "summary", "generate_summary"})
+    if extra:
+        raise bad_request(f"reasoning: unknown field '{extra[0]}'", param=f"reasoning.{extra[0]}")
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) is not None:
+            raise unsupported(f"reasoning.{key}", "the reasoning comes back as it is, in the reasoning item's content")
+    turn = input_messages(req.input)
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) + history + turn
+    logprobs = _LOGPROBS_INCLUDE in (req.include or []) or bool(req.top_logprobs)
+    body: dict[str, Any] = {
+        "model": req.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
+        "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        "tools": _chat_tools(req.tools) if req.tools else None, "tool_choice": _chat_tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
+        "reasoning_effort": reasoning.get("effort"),
+        "logprobs": logprobs, "top_logprobs": req.top_logprobs if logprobs else None,
+        "user": req.user, "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
+        "prompt_cache_retention": req.prompt_cache_retention, "service_tier": req.service_tier,
+    }
+    return {k: v for k, v in body.items() if v is not None}, turn
+
+
+def _validated(body: dict[str, Any]) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        if loc and loc[0] in _PARAM_NAMES:
+            loc[0] = _PARAM_NAMES[loc[0]]
+        param = ".".join(loc) or None
+        message = err["msg"].removeprefix("Value error, ")
+        raise bad_request(f"{param}: {message}" if param else message, param=param) from None
+
+
+# -- answer: chat -> Responses output items -------------------------------------------------------
+
+
+class _OutputBuilder:
+    """Output items from a chat answer's deltas, in order: reasoning, message, function calls.
+    Each call returns the stream events it makes (without sequence numbers)."""
+
+    def __init__(self, logprobs: bool) -> None:
+        self.logprobs = logprobs
+        self.items: list[dict[str, Any]] = []
+        self._open: Optional[dict[str, Any]] = None
+        self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
+        # Logprobs of tokens that came with no text at all (a token ending inside a character, a
+        # marker the parsers hold back): the message's next text takes them; reasoning or a call
+        # coming next shows they were its markers.
+        self._held: list[dict[str, Any]] = []
+
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self._close()
+        self.items.append(item)
+        self._open = item
+        events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                       "item": _snapshot(item)})
+        return events
+
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self.items.index(item)
+        item["status"] = status
+        events: list[dict[str, Any]] = []
+        if item["type"] == "reasoning":
+            part = item["content"][0]
+            events += [{"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": index,
+                        "content_index": 0, "text": part["text"]},
+                       {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
+                        "content_index": 0, "part": dict(part)}]
+        elif item["type"] == "message":
+            part = item["content"][0]
+            done = {"type": "response.output_text.done", "item_id": item["id"], "output_index": index,
+                    "content_index": 0, "text": part["text"]}
+            if self.logprobs:
+                done["logprobs"] = part["logprobs"]
+            events += [done, {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
+                              "content_index": 0, "part": _snapshot(part)}]
+        else:
+            events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                           "output_index": index, "name": item["name"], "arguments": item["arguments"]})
+        events.append({"type": "response.output_item.done", "output_index": index, "item": _snapshot(item)})
+        return events
+
+    def reasoning(self, delta: str) -> list[dict[str, Any]]:
+        self._held = []
+        events: list[dict[str, Any]] = []
+        item = self._open
+        if item is None or item["type"] != "reasoning":
+            item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            events = self._add(item)
+            part = {"type": "reasoning_text", "text": ""}
+            item["content"].append(part)
+            events.append({"type": "response.content_part.added", "item_id": item["id"],
+                           "output_index": len(self.items) - 1, "content_index": 0, "part": dict(part)})
+        item["content"][0]["text"] += delta
+        events.append({"type": "response.reasoning_text.delta", "item_id": item["id"],
+                       "output_index": len(self.items) - 1, "content_index": 0, "delta": delta})
+        return events
+
+    def hold_logprobs(self, logprobs: list[dict[str, Any]]) -> None:
+        self._held.extend(logprobs)
+
+    def text(self, delta: str, logprobs: Optional[list[dict[str, Any]]] = None) -> list[dict[str, Any]]:
+        if self._held:
+            logprobs, self._held = self._held + (logprobs or []), []
+        events: list[dict[str, Any]] = []
+        item = self._open
+        if item is None or item["type"] != "message":
+            item = {"id": _new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                    "content": []}
+            events = self._add(item)
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+            if self.logprobs:
+                part["logprobs"] = []
+            item["content"].append(part)
+            events.append({"type": "response.content_part.added", "item_id": item["id"],
+                           "output_index": len(self.items) - 1, "content_index": 0, "part": _snapshot(part)})
+        part = item["content"][0]
+        part["text"] += delta
+        if self.logprobs:
+            part["logprobs"].extend(logprobs or [])
+        if delta or logprobs:
+            events.append({"type": "response.output_text.delta", "item_id": item["id"],
+                           "output_index": len(self.items) - 1, "content_index": 0, "delta": delta,
+                           "logprobs": logprobs or []})
+        return events
+
+    def tool_call(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """A chat tool-call delta: its first names the call (id, name), later ones add arguments."""
+        events: list[dict[str, Any]] = []
+        index = delta.get("index", len(self._calls))
+        fn = delta.get("function") or {}
+        self._held = []
+        item = self._calls.get(index)
+        if item is None:
+            item = {"id": _new_id("fc"), "type": "function_call", "call_id": delta.get("id") or _new_id("call"),
+                    "name": fn.get("name") or "", "arguments": "", "status": "in_progress"}
+            self._calls[index] = item
+            events += self._add(item)
+        args = fn.get("arguments") or ""
+        if args:
+            item["arguments"] += args
+            events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                           "output_index": self.items.index(item), "delta": args})
+        return events
+
+    def finish(self, incomplete: bool) -> list[dict[str, Any]]:
+        """Closes the open item. An answer with neither text nor a call (nothing at all, or
+        reasoning cut short) still has its message, empty."""
+        opened = self._open is not None and self._open["type"] == "message"
+        needs_message = not any(i["type"] != "reasoning" for i in self.items)
+        events = self.text("") if needs_message or (opened and self._held) else []
+        return events + self._close("incomplete" if incomplete else "completed")
+
+    def reasoning_text(self) -> str:
+        return "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
+
+
+def _snapshot(value: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(value))  # an event holds the item as it was then
+
+
+def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the chat messages a next turn's history holds."""
+    return input_messages([{k: v for k, v in item.items() if k != "status"} for item in items])
+
+
+# -- the handler ------------------------------------------------------------------------------
+
+
+_STATUS_OF_TYPE = {"invalid_request_error": 400, "rate_limit_error": 429, "service_unavailable_error": 503}
+
+
+class _Turn:
+    """One response made from a chat stream: the Responses events, in order, then the response."""
+
+    def __init__(self, handler: "ResponsesHandler", req: ResponsesRequest, model: str, logprobs: bool,
+                 turn_input: list[dict[str, Any]]) -> None:
+        self.handler = handler
+        self.req = req
+        self.model = model
+        self.input = turn_input  # this turn's input as chat messages (stored with its answer)
+        self.id = _new_id("resp")
+        self.created = time.time()
+        self.builder = _OutputBuilder(logprobs)
+        self.response: Optional[dict[str, Any]] = None
+        self.error: Optional[APIError] = None
+
+    def snapshot(self, status: str, usage: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        return self.handler.response_object(self, status, usage)
+
+    async def events(self, chat_events: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+        builder = self.builder
+        started = self.snapshot("in_progress")
+        yield {"type": "response.created", "response": started}
+        yield {"type": "response.in_progress", "response": started}
+        incomplete = False
+        usage = None
+        try:
+            async for raw in chat_events:
+                for line in raw.decode().splitlines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        err = chunk["error"]
+                        self.error = APIError(_STATUS_OF_TYPE.get(err.get("type"), 500), err.get("message", ""),
+                                              param=err.get("param"), code=err.get("code"))
+                        yield {"type": "error", "code": err.get("code"), "message": err.get("message", ""),
+                               "param": err.get("param")}
+                        failed = self.snapshot("failed")
+                        failed["error"] = {"code": err.get("code") or "server_error", "message": err.get("message", "")}
+                        yield {"type": "response.failed", "response": failed}
+                        return
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or ():
+                        delta = choice.get("delta") or {}
+                        lps = (choice.get("logprobs") or {}).get("content")
+                        if delta.get("reasoning_content"):
+                            for e in builder.reasoning(delta["reasoning_content"]):
+                                yield e
+                        if delta.get("content"):
+                            for e in builder.text(delta["content"], lps):
+                                yield e
+                        elif lps and not delta.get("reasoning_content") and not delta.get("tool_calls"):
+                            builder.hold_logprobs(lps)
+                        for call in delta.get("tool_calls") or ():
+                            for e in builder.tool_call(call):
+                                yield e
+                        if choice.get("finish_reason"):
+                            incomplete = choice["finish_reason"] == "length"
+        finally:
+            await chat_events.aclose()  # type: ignore[attr-defined]
+        for e in builder.finish(incomplete):
+            yield e
+        self.response = self.snapshot("incomplete" if incomplete else "completed", usage)
+        self.handler.keep(self)
+        yield {"type": "response.incomplete" if incomplete else "response.completed", "response": self.response}
+
+
+class ResponsesHandler:
+    def __init__(self, ctx: Context, chat: ChatHandler, store: ResponseStore) -> None:
+        self.ctx = ctx
+        self.chat = chat
+        self.store = store
+
+    async def __call__(self, req: ResponsesRequest, request_id: str) -> Response:
+        if req.stream_options is not None and req.stream_options.include_obfuscation:
+            raise unsupported("stream_options.include_obfuscation", "this server does not pad its stream events")
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            stored = self.store.conversation(req.previous_response_id)
+            if stored is None:
+                raise bad_request(f"Previous response with id '{req.previous_response_id}' not found (or a turn "
+                                  "of its conversation is no longer stored)",
+                                  param="previous_response_id", code="previous_response_not_found")
+            history = stored
+        body, turn_input = chat_request(req, history)
+        chat_req = _validated(body)
+        try:
+            # Streamed either way: one path from chat chunks to items makes both modes' items alike.
+            answer = await self.chat(chat_req, request_id)
+        except APIError as exc:
+            if exc.param in _PARAM_NAMES:
+                exc.param = _PARAM_NAMES[exc.param]
+            raise
+        turn = _Turn(self, req, chat_req.model or self.ctx.model_name, bool(chat_req.logprobs), turn_input)
+        events = turn.events(answer.body)
+        if req.stream:
+            return sse_response(_sse(events), hooks=self.ctx.stream_hooks)
+        try:
+            async for _ in events:
+                pass
+        finally:
+            await events.aclose()
+        if turn.error is not None:
+            raise turn.error
+        return json_response(turn.response)
+
+    def _reasoning_tokens(self, builder: _OutputBuilder) -> int:
+        text = builder.reasoning_text()
+        tokenizer = self.ctx.files.tokenizer() if text else None
+        return len(tokenizer.encode(text, add_special_tokens=False).ids) if tokenizer is not None else 0
+
+    def response_object(self, turn: _Turn, status: str, chat_usage: Optional[dict[str, Any]]) -> dict[str, Any]:
+        req = turn.req
+        usage = None
+        if chat_usage is not None:
+            usage = {
+                "input_tokens": chat_usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
+                "output_tokens": chat_usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(turn.builder)},
+                "total_tokens": chat_usage["total_tokens"],
+            }
+        fmt = (req.text or {}).get("format") or {"type": "text"}
+        return {
+            "id": turn.id, "object": "response", "created_at": int(turn.created), "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": req.max_tool_calls, "model": turn.model,
+            "output": _snapshot({"o": turn.builder.items})["o"] if status != "in_progress" else [],
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
+            "store": self._stores(req), "temperature": req.temperature, "text": {"format": fmt},
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p,
+            "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,
+            "metadata": req.metadata or {}, "background": False, "service_tier": req.service_tier or "default",
+            "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
+        }
+
+    def _stores(self, req: ResponsesRequest) -> bool:
+        return req.store is not False and self.store.capacity > 0
+
+    def keep(self, turn: _Turn) -> None:
+        if self._stores(turn.req):
+            self.store.put(turn.id, {"response": turn.response, "previous": turn.req.previous_response_id,
+                                     "turn": turn.input + output_messages(turn.builder.items)})
+
+
+async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """Responses events as SSE, each numbered in order."""
+    try:
+        seq = 0
+        async for payload in events:
+            payload["sequence_number"] = seq
+            seq += 1
+            yield f"event: {payload['type']}\ndata: {dumps(payload)}\n\n".encode()
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,317 @@
+"""/v1/responses (openai_frontend/responses.py) with the official openai SDK against the frontend on
+a scripted engine: the request as the chat request it becomes, output items streamed and not
+(the same items either way, in every chunking), stored responses and previous_response_id, and
+every refusal naming its place in the body. The real server's side is in test_openai_sdk.py."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import httpx
+import openai
+import pytest
+
+from openai_frontend.engine_types import EngineChunk
+from openai_frontend.errors import APIError
+from openai_frontend.response_store import ResponseStore
+from openai_frontend.server import create_app
+from openai_frontend.settings import Settings
+from openai_frontend.testing import FakeLLMClient, serve_in_thread, text_chunks
+
+MODEL = "m"
+THINK = ["<think>", "Let me", " see", "</think>", "It is", " sunny", "."]
+CALL = ['<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": ', '"Paris"}}\n</tool_call>']
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return FakeLLMClient()
+
+
+@pytest.fixture(scope="module")
+def sdk(fake):
+    settings = Settings(model_name=MODEL, tool_call_parser="qwen25", reasoning_parser="qwen3")
+    with serve_in_thread(create_app(settings, client=fake)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(autouse=True)
+def _default_script(fake):
+    fake.script = lambda req: text_chunks(THINK)
+    fake.delay = 0.0
+    yield
+
+
+def _plain(items) -> list[dict]:
+    """Output items without their ids (made per response, a call's too)."""
+    out = []
+    for item in items:
+        d = item.model_dump(exclude_none=True) if hasattr(item, "model_dump") else dict(item)
+        d.pop("id", None)
+        d.pop("call_id", None)
+        out.append(d)
+    return out
+
+
+def _refusal(sdk, **kwargs) -> dict:
+    with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as info:
+        sdk.responses.create(**{"model": MODEL, **kwargs})
+    return info.value.body
+
+
+def test_text_and_reasoning_come_back_as_items_with_usage(sdk, fake):
+    r = sdk.responses.create(model=MODEL, input="Weather?", instructions="Be brief.", max_output_tokens=50,
+                             temperature=0.5, top_p=0.9, metadata={"k": "v"})
+    assert r.object == "response" and r.status == "completed" and r.id.startswith("resp_")
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Let me see"
+    assert r.output_text == "It is sunny."
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (7, 7, 14)
+    assert r.usage.input_tokens_details.cached_tokens == 0
+    assert (r.instructions, r.max_output_tokens, r.temperature, r.top_p, r.metadata) == (
+        "Be brief.", 50, 0.5, 0.9, {"k": "v"})
+    req = fake.requests[-1]
+    assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
+    sp = req.sampling_params
+    assert (sp["max_new_tokens"], sp["temperature"], sp["top_p"]) == (50, 0.5, 0.9)
+
+
+@pytest.mark.parametrize("pieces", [THINK, CALL, ["Hi"] + CALL, ["<think>", "x</think>"] + CALL])
+def test_streamed_items_equal_the_non_streamed_ones_in_every_chunking(sdk, fake, pieces):
+    rng = random.Random(len(pieces))
+    text = "".join(pieces)
+    fake.script = lambda req: text_chunks(pieces)
+    whole = sdk.responses.create(model=MODEL, input="q", tools=TOOLS)
+    for _ in range(4):
+        cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
+        split = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        fake.script = lambda req: text_chunks(split)
+        events = list(sdk.responses.create(model=MODEL, input="q", tools=TOOLS, stream=True))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        assert _plain(events[-1].response.output) == _plain(whole.output), split
+        # The SDK's own accumulator agrees with the events it is given.
+        with sdk.responses.stream(model=MODEL, input="q", tools=TOOLS) as stream:
+            final = stream.get_final_response()
+        assert _plain(final.output) == _plain(whole.output)
+
+
+def test_function_calls_and_their_outputs_continue_a_conversation(sdk, fake):
+    fake.script = lambda req: text_chunks(CALL)
+    r = sdk.responses.create(model=MODEL, input="Weather in Paris?", tools=TOOLS, tool_choice="auto")
+    (call,) = r.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    assert fake.requests[-1].tools[0]["function"]["name"] == "get_weather"
+    # strict by default, as OpenAI's Responses API: a call, once begun, is held to its schema
+    assert "structural_tag" in fake.requests[-1].sampling_params
+    sdk.responses.create(model=MODEL, input="Weather in Paris?", tools=[{**TOOLS[0], "strict": False}])
+    assert "structural_tag" not in fake.requests[-1].sampling_params
+    fake.script = lambda req: text_chunks(["Sunny."])
+    follow = [{"role": "user", "content": "Weather in Paris?"}, *r.output,
+              {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'}]
+    assert sdk.responses.create(model=MODEL, input=follow, tools=TOOLS).output_text == "Sunny."
+    assert fake.requests[-1].messages == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"sky": "clear"}'},
+    ]
+
+
+def test_previous_response_id_continues_the_stored_conversation(sdk, fake):
+    first = sdk.responses.create(model=MODEL, input="Hi", instructions="Only the first turn's.")
+    fake.script = lambda req: text_chunks(["Again."])
+    second = sdk.responses.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "More"}]}],
+                                  previous_response_id=first.id, stream=False)
+    assert second.previous_response_id == first.id
+    # The stored turn with its reasoning and answer, then the new input; instructions are not carried over.
+    assert fake.requests[-1].messages == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "It is sunny.", "reasoning_content": "Let me see"},
+        {"role": "user", "content": "More"},
+    ]
+    # A streamed turn is stored too, and chains on.
+    events = list(sdk.responses.create(model=MODEL, input="Third", previous_response_id=second.id, stream=True))
+    third = events[-1].response
+    sdk.responses.create(model=MODEL, input="Fourth", previous_response_id=third.id)
+    assert [m["content"] for m in fake.requests[-1].messages] == ["Hi", "It is sunny.", "More", "Again.", "Third",
+                                                                  "Again.", "Fourth"]
+    assert sdk.responses.retrieve(first.id).output_text == "It is sunny."
+    body = _refusal(sdk, input="x", previous_response_id="resp_0123456789abcdef")
+    assert body["param"] == "previous_response_id" and "not found" in body["message"]
+
+
+def test_stored_responses_can_be_read_and_deleted_and_store_false_keeps_none(sdk):
+    kept = sdk.responses.create(model=MODEL, input="a")
+    assert kept.store is True and sdk.responses.retrieve(kept.id).id == kept.id
+    sdk.responses.delete(kept.id)
+    for missing in (kept.id, "resp_ffffffffffffffff", "nonsense"):
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve(missing)
+    unkept = sdk.responses.create(model=MODEL, input="a", store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(unkept.id)
+    assert _refusal(sdk, input="b", previous_response_id=unkept.id)["param"] == "previous_response_id"
+
+
+def test_a_server_that_keeps_no_responses_says_so(fake):
+    with serve_in_thread(create_app(Settings(model_name=MODEL, responses_store_size=0), client=fake)) as url:
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = sdk.responses.create(model=MODEL, input="a")
+        assert r.store is False
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve(r.id)
+
+
+def test_text_format_and_reasoning_effort_become_the_chat_request_s(sdk, fake):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fake.script = lambda req: text_chunks(['{"a": 1}'])
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "json"}])
+    for text, response_format in [
+        ({"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}},
+         {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}),
+        ({"format": {"type": "json_object"}}, {"type": "json_object"}),
+    ]:
+        r = sdk.responses.create(model=MODEL, input="json", text=text)
+        assert json.loads(r.output_text) == {"a": 1} and r.text.format.type == text["format"]["type"]
+        constrained = fake.requests[-1].sampling_params
+        sdk.chat.completions.create(response_format=response_format, **chat)
+        assert constrained == fake.requests[-1].sampling_params and "structural_tag" in constrained
+    sdk.responses.create(model=MODEL, input="think hard", reasoning={"effort": "high"})
+    assert fake.requests[-1].chat_template_kwargs == {"reasoning_effort": "high"}
+
+
+def test_logprobs_on_output_text_streamed_and_not(sdk, fake):
+    def with_logprobs(req):
+        meta = [json.dumps({"output_token_logprobs": [[-0.5, 100 + i, None]],
+                            "output_top_logprobs": [[[-0.5, 100 + i, None], [-1.5, 7, None]]]}) for i in range(3)]
+        return text_chunks(["a", "b", "c"], meta=meta)
+
+    fake.script = with_logprobs
+    r = sdk.responses.create(model=MODEL, input="x", include=["message.output_text.logprobs"], top_logprobs=2)
+    lps = r.output[0].content[0].logprobs
+    assert [lp.logprob for lp in lps] == [-0.5] * 3 and all(len(lp.top_logprobs) == 2 for lp in lps)
+    events = list(sdk.responses.create(model=MODEL, input="x", include=["message.output_text.logprobs"],
+                                       top_logprobs=2, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert sum(len(e.logprobs) for e in deltas) == 3
+    assert _plain(events[-1].response.output) == _plain(r.output)
+
+    # With reasoning and calls, the message carries its own tokens' logprobs (and a marker's just
+    # before its text: </think>'s), streamed and not alike; reasoning and call tokens have none.
+    for pieces, tokens in ((THINK, [103, 104, 105, 106]), (["<think>", "a", "</think>"] + CALL, None), (CALL, None)):
+        meta = [json.dumps({"output_token_logprobs": [[-1.0, 100 + i, None]],
+                            "output_top_logprobs": [[[-1.0, 100 + i, None]]]}) for i in range(len(pieces))]
+        fake.script = lambda req: text_chunks(pieces, meta=meta)
+        kwargs = dict(model=MODEL, input="x", tools=TOOLS, include=["message.output_text.logprobs"])
+        whole = sdk.responses.create(**kwargs)
+        events = list(sdk.responses.create(stream=True, **kwargs))
+        assert _plain(events[-1].response.output) == _plain(whole.output), pieces
+        messages = [o for o in whole.output if o.type == "message"]
+        if tokens is None:
+            assert not messages and whole.output[-1].type == "function_call"
+        else:
+            assert [lp.token for lp in messages[0].content[0].logprobs] == [f"token_id:{t}" for t in tokens]
+
+
+def test_max_output_tokens_cut_is_incomplete_streamed_and_not(sdk, fake):
+    fake.script = lambda req: text_chunks(["a", "b"], finish="length")
+    r = sdk.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    assert (r.status, r.incomplete_details.reason, r.output[0].status) == ("incomplete", "max_output_tokens", "incomplete")
+    events = list(sdk.responses.create(model=MODEL, input="x", max_output_tokens=2, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+
+
+def test_an_engine_error_mid_stream_is_an_error_event_then_a_failed_response(sdk, fake):
+    fake.script = lambda req: [EngineChunk("a", [1], None, 3, 1), APIError(500, "the engine stopped")]
+    events = list(sdk.responses.create(model=MODEL, input="x", stream=True))
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert "the engine stopped" in events[-2].message and events[-1].response.status == "failed"
+
+
+def test_a_disconnected_stream_cancels_the_engine_request(sdk, fake):
+    fake.script = lambda req: [EngineChunk("t", [1], None, 3, i + 1) for i in range(10_000)]
+    fake.delay = 0.01
+    fake.closed_early.clear()
+    with httpx.Client(timeout=10) as http:
+        with http.stream("POST", str(sdk.base_url) + "responses", json={"model": MODEL, "input": "x", "stream": True}) as r:
+            deltas = 0
+            for line in r.iter_lines():
+                deltas += line.startswith("event: response.output_text.delta")
+                if deltas >= 3:
+                    break
+    assert fake.closed_early.wait(5), "the engine stream was not closed after the client left"
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}, "bogus": 1}]}, "tools[0].bogus"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}, "defer_loading": True}]}, "tools[0].defer_loading"),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"stream_options": {"include_obfuscation": True}, "stream": True}, "stream_options.include_obfuscation"),
+    ({"service_tier": "flex"}, "service_tier"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"n": 2}, "n"),
+])
+def test_refusals_name_their_place_in_the_body(sdk, kwargs, param):
+    kwargs = {"input": "x", **kwargs}
+    extra = {k: kwargs.pop(k) for k in ("n",) if k in kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.responses.create(model=MODEL, extra_body=extra or None, **kwargs)
+    assert info.value.body["param"] == param, info.value.body
+
+
+def test_chat_s_own_refusals_use_the_responses_names(sdk):
+    assert _refusal(sdk, input=[])["param"] == "input"
+
+
+def test_a_store_in_a_directory_is_shared_and_bounded(tmp_path):
+    one, two = ResponseStore(40, str(tmp_path)), ResponseStore(40, str(tmp_path))
+    ids = [f"resp_{i:016x}" for i in range(100)]
+    for i, rid in enumerate(ids):
+        one.put(rid, {"response": {"id": rid}, "turn": [i], "previous": ids[i - 1] if i else None})
+        time.sleep(0.001)  # distinct modification times
+    assert two.get(ids[-1])["turn"] == [99]
+    left = sorted(p.name for p in tmp_path.glob("resp_*.json"))
+    assert 40 <= len(left) < 40 + 32 and f"{ids[-1]}.json" in left and f"{ids[0]}.json" not in left
+    # A conversation is its chain of turns: gone once a turn before it has been pruned.
+    assert two.conversation(ids[-1]) is None
+    assert ResponseStore(40, str(tmp_path / "b")).conversation("resp_0123456789abcdef") is None
+    assert two.delete(ids[-1]) and one.get(ids[-1]) is None and not one.delete(ids[-1])
+    assert one.get("../etc/passwd") is None and not one.delete("../x")
+
+
+def test_a_conversation_in_use_keeps_its_turns_in_a_store(tmp_path):
+    for store in (ResponseStore(6), ResponseStore(6, str(tmp_path))):
+        chain = [f"resp_{i:016x}" for i in range(3)]
+        for i, rid in enumerate(chain):
+            store.put(rid, {"response": {}, "turn": [f"t{i}"], "previous": chain[i - 1] if i else None})
+        assert store.conversation(chain[-1]) == ["t0", "t1", "t2"]
+        # Other responses come and go; each continued turn reads (and so keeps) the chain.
+        for k in range(40):
+            time.sleep(0.002)
+            store.put(f"resp_{1000 + k:016x}", {"response": {}, "turn": [], "previous": None})
+            if k % 3 == 0:
+                assert store.conversation(chain[-1]) == ["t0", "t1", "t2"], k
+        if store.directory is not None:
+            store._prune()
+        assert store.conversation(chain[-1]) == ["t0", "t1", "t2"]
