@@ -364,6 +364,42 @@ def _snapshot(value: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(value))  # an event holds the item as it was then
 
 
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(value: Optional[str | list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A request's input as OpenAI lists it back (GET .../input_items): items with ids, a
+    message's text as content parts."""
+    if value is None:
+        return []
+    out = []
+    for item in [{"role": "user", "content": value}] if isinstance(value, str) else value:
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", _new_id(_ITEM_ID_PREFIX.get(kind, "item")))
+        out.append(item)
+    return out
+
+
+def list_items(items: list[dict[str, Any]], after: Optional[str], limit: int, order: str) -> dict[str, Any]:
+    """OpenAI's list object over `items` (oldest first): `order` desc starts from the newest;
+    `after` is the id of the item the page starts after."""
+    ordered = items[::-1] if order == "desc" else items
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise bad_request(f"No input item with id '{after}' in this response", param="after")
+        ordered = ordered[ids.index(after) + 1:]
+    page = ordered[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
+
+
 def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as the chat messages a next turn's history holds."""
     return input_messages([{k: v for k, v in item.items() if k != "status"} for item in items])
@@ -522,7 +558,8 @@ class ResponsesHandler:
     def keep(self, turn: _Turn) -> None:
         if self._stores(turn.req):
             self.store.put(turn.id, {"response": turn.response, "previous": turn.req.previous_response_id,
-                                     "turn": turn.input + output_messages(turn.builder.items)})
+                                     "turn": turn.input + output_messages(turn.builder.items),
+                                     "input_items": input_items(turn.req.input)})
 
 
 async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

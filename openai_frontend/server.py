@@ -6,7 +6,7 @@
 Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /generate, /parse_function_call,
 /separate_reasoning, /tokenize, /detokenize, /load_lora_adapter, /unload_lora_adapter (and their
 /v1/ forms, with --allow-runtime-lora-updating);
-GET /v1/models, /v1/models/{id}, /v1/responses/{id} (and DELETE), /health, /get_model_info, /metrics, /openapi.json.
+GET /v1/models, /v1/models/{id}, /v1/responses/{id} (and DELETE) and its /input_items, /health, /get_model_info, /metrics, /openapi.json.
 
 * Errors are OpenAI bodies `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
   requests (FastAPI's 422 is turned into 400), 401 bad API key, 404 unknown model/route,
@@ -44,7 +44,7 @@ from openai_frontend.chat import ChatHandler
 from openai_frontend.common import Context, error_event, json_response
 from openai_frontend.completions import CompletionHandler
 from openai_frontend.engine_types import EngineClient, EngineRequest
-from openai_frontend.errors import APIError, bad_request, model_not_found, unavailable
+from openai_frontend.errors import APIError, bad_request, model_not_found, unavailable, unsupported
 from openai_frontend.generate import GenerateHandler
 from openai_frontend.metrics import FrontendMetrics, SharedMetrics, endpoint_label
 from openai_frontend.protocol import (
@@ -63,7 +63,7 @@ from openai_frontend.protocol import (
 from openai_frontend import protocol, request_context
 from openai_frontend.reasoning import get_reasoning_format, split_reasoning
 from openai_frontend.response_store import ResponseStore
-from openai_frontend.responses import ResponsesHandler
+from openai_frontend.responses import ResponsesHandler, list_items
 from openai_frontend.sampling import openai_param
 from openai_frontend.settings import Settings
 from openai_frontend.streams import DONE_EVENT, run_until_disconnect
@@ -561,6 +561,28 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
             raise APIError(404, f"Response with id '{response_id}' not found", param="response_id",
                            code="response_not_found")
         return json_response(stored["response"])
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request) -> Response:
+        query = request.query_params
+        for key in query:
+            if key not in ("after", "limit", "order"):
+                raise unsupported(key) if key.startswith("include") else bad_request(
+                    f"Unknown query parameter '{key}'", param=key)
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise bad_request("limit must be an integer from 1 to 100", param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request("order must be 'asc' or 'desc'", param="order")
+        stored = response_store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"Response with id '{response_id}' not found", param="response_id",
+                           code="response_not_found")
+        return json_response(list_items(stored.get("input_items", []), query.get("after"), limit, order))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:

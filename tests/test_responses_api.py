@@ -160,6 +160,32 @@ def test_stored_responses_can_be_read_and_deleted_and_store_false_keeps_none(sdk
     assert _refusal(sdk, input="b", previous_response_id=unkept.id)["param"] == "previous_response_id"
 
 
+def test_input_items_list_a_response_s_own_input_in_pages(sdk):
+    given = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "input_text", "text": "u1"}]},
+             {"role": "assistant", "content": "a"}, {"type": "function_call", "call_id": "call_1", "name": "f",
+                                                      "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "42"}, {"role": "user", "content": "u2"}]
+    r = sdk.responses.create(model=MODEL, input=given)
+    newest_first = list(sdk.responses.input_items.list(r.id))  # the SDK pages through `after`
+    assert [i.type for i in newest_first] == ["message", "function_call_output", "function_call", "message",
+                                               "message", "message"]
+    assert newest_first[0].content[0].text == "u2" and newest_first[2].name == "f"
+    assert newest_first[3].content[0].type == "output_text" and newest_first[5].content[0].type == "input_text"
+    page = sdk.responses.input_items.list(r.id, order="asc", limit=4)
+    assert [i.id for i in page.data] == [i.id for i in reversed(newest_first)][:4] and page.has_more
+    rest = sdk.responses.input_items.list(r.id, order="asc", limit=4, after=page.last_id)
+    assert [i.id for i in rest.data] == [i.id for i in reversed(newest_first)][4:] and not rest.has_more
+    text = sdk.responses.create(model=MODEL, input="plain")
+    (item,) = sdk.responses.input_items.list(text.id).data
+    assert (item.role, item.content[0].text, item.content[0].type) == ("user", "plain", "input_text")
+    for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after")):
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.responses.input_items.list(r.id, **query)
+        assert info.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.input_items.list("resp_0123456789abcdef")
+
+
 def test_a_server_that_keeps_no_responses_says_so(fake):
     with serve_in_thread(create_app(Settings(model_name=MODEL, responses_store_size=0), client=fake)) as url:
         sdk = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
