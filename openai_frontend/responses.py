@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from pydantic import ValidationError
@@ -134,26 +135,61 @@ _FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 # Function-tool fields of OpenAI's that change nothing when left at their default, and that this
 # server does not implement otherwise (tool search, programmatic callers, async calls, a schema
 # of what the tool returns).
-_FUNCTION_DEFAULTS = {"defer_loading": False, "async": False, "allowed_callers": ["direct"], "output_schema": None,
-                      "namespace": None}
+_FUNCTION_DEFAULTS = {"defer_loading": False, "async": False, "allowed_callers": ["direct"], "output_schema": None}
 
 
-def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Function tools in the chat shape. `strict` defaults to true, as in OpenAI's Responses API:
-    a call's arguments are held to its schema (the chat route's strict tools)."""
-    out = []
-    for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
-            raise unsupported(f"tools[{i}].type", f"'{tool.get('type')}' tools are not supported: this server calls "
+@dataclass
+class ToolSet:
+    """A request's tools in the chat shape, and what the answer needs to know of them."""
+
+    chat: list[dict[str, Any]] = field(default_factory=list)
+    namespaces: dict[str, str] = field(default_factory=dict)  # function name -> its namespace tool's name
+    defaulted: list[int] = field(default_factory=list)  # chat tools whose `strict` was left out
+
+    def without_default_strict(self) -> list[dict[str, Any]]:
+        """The tools with every left-out `strict` false: OpenAI's fallback for a schema that
+        strict mode cannot take."""
+        return [{"type": "function", "function": {**t["function"], "strict": False}} if i in self.defaulted else t
+                for i, t in enumerate(self.chat)]
+
+
+def _function_tool(tool: dict[str, Any], where: str, tools: ToolSet) -> None:
+    for key in sorted(set(tool) - {"type", *_FUNCTION_FIELDS}):
+        if key not in _FUNCTION_DEFAULTS:
+            raise bad_request(f"{where}: unknown field '{key}'", param=f"{where}.{key}")
+        if tool[key] != _FUNCTION_DEFAULTS[key]:
+            raise unsupported(f"{where}.{key}")
+    fn = {k: tool[k] for k in _FUNCTION_FIELDS if tool.get(k) is not None}
+    if any(t["function"].get("name") == fn.get("name") for t in tools.chat):
+        raise bad_request(f"{where}: a function named '{fn.get('name')}' is declared twice", param=f"{where}.name")
+    if "strict" not in fn:
+        tools.defaulted.append(len(tools.chat))
+        fn["strict"] = True
+    tools.chat.append({"type": "function", "function": fn})
+
+
+def chat_tools(tools: Optional[list[dict[str, Any]]]) -> ToolSet:
+    """Function tools, and the functions of namespace tools (Codex's), in the chat shape. Left
+    out, `strict` is true, as in OpenAI's Responses API (a call's arguments are held to its
+    schema, as a strict tool's on the chat route), with OpenAI's fallback to non-strict when the
+    schema cannot be enforced (ResponsesHandler)."""
+    out = ToolSet()
+    for i, tool in enumerate(tools or ()):
+        kind = tool.get("type")
+        if kind == "function":
+            _function_tool(tool, f"tools[{i}]", out)
+        elif kind == "namespace":
+            if not isinstance(tool.get("name"), str) or not isinstance(tool.get("tools"), list):
+                raise bad_request(f"tools[{i}]: a namespace needs a name and its tools", param=f"tools[{i}]")
+            for j, inner in enumerate(tool["tools"]):
+                where = f"tools[{i}].tools[{j}]"
+                if not isinstance(inner, dict) or inner.get("type") != "function":
+                    raise unsupported(f"{where}.type", "a namespace's tools must be function tools here")
+                _function_tool(inner, where, out)
+                out.namespaces[inner.get("name")] = tool["name"]
+        else:
+            raise unsupported(f"tools[{i}].type", f"'{kind}' tools are not supported: this server calls "
                                                   "function tools, which the client runs")
-        for key in sorted(set(tool) - {"type", *_FUNCTION_FIELDS}):
-            if key not in _FUNCTION_DEFAULTS:
-                raise bad_request(f"tools[{i}]: unknown field '{key}'", param=f"tools[{i}].{key}")
-            if tool[key] != _FUNCTION_DEFAULTS[key]:
-                raise unsupported(f"tools[{i}].{key}")
-        fn = {k: tool[k] for k in _FUNCTION_FIELDS if tool.get(k) is not None}
-        fn.setdefault("strict", True)
-        out.append({"type": "function", "function": fn})
     return out
 
 
@@ -185,9 +221,11 @@ def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
     raise bad_request("text.format.type must be 'text', 'json_object' or 'json_schema'", param="text.format.type")
 
 
-def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The chat request body for `req` after `history` (a stored conversation's messages), and
-    the turn's own input as messages (the instructions left out: they are not carried over)."""
+def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]], ToolSet]:
+    """The chat request body for `req` after `history` (a stored conversation's messages), the
+    turn's own input as messages (the instructions left out: they are not carried over), and
+    its tools."""
     for name in _REFUSED:
         if getattr(req, name) is not None:
             raise unsupported(name)
@@ -205,19 +243,20 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
         if reasoning.get(key) is not None:
             raise unsupported(f"reasoning.{key}", "the reasoning comes back as it is, in the reasoning item's content")
     turn = input_messages(req.input)
+    tools = chat_tools(req.tools)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) + history + turn
     logprobs = _LOGPROBS_INCLUDE in (req.include or []) or bool(req.top_logprobs)
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-        "tools": _chat_tools(req.tools) if req.tools else None, "tool_choice": _chat_tool_choice(req.tool_choice),
+        "tools": tools.chat or None, "tool_choice": _chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
         "reasoning_effort": reasoning.get("effort"),
         "logprobs": logprobs, "top_logprobs": req.top_logprobs if logprobs else None,
         "user": req.user, "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
         "prompt_cache_retention": req.prompt_cache_retention, "service_tier": req.service_tier,
     }
-    return {k: v for k, v in body.items() if v is not None}, turn
+    return {k: v for k, v in body.items() if v is not None}, turn, tools
 
 
 def _validated(body: dict[str, Any]) -> ChatCompletionRequest:
@@ -240,8 +279,9 @@ class _OutputBuilder:
     """Output items from a chat answer's deltas, in order: reasoning, message, function calls.
     Each call returns the stream events it makes (without sequence numbers)."""
 
-    def __init__(self, logprobs: bool) -> None:
+    def __init__(self, logprobs: bool, namespaces: Optional[dict[str, str]] = None) -> None:
         self.logprobs = logprobs
+        self.namespaces = namespaces or {}  # a namespace tool's function -> the namespace (its calls name it)
         self.items: list[dict[str, Any]] = []
         self._open: Optional[dict[str, Any]] = None
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
@@ -339,6 +379,8 @@ class _OutputBuilder:
         if item is None:
             item = {"id": _new_id("fc"), "type": "function_call", "call_id": delta.get("id") or _new_id("call"),
                     "name": fn.get("name") or "", "arguments": "", "status": "in_progress"}
+            if item["name"] in self.namespaces:
+                item["namespace"] = self.namespaces[item["name"]]
             self._calls[index] = item
             events += self._add(item)
         args = fn.get("arguments") or ""
@@ -408,6 +450,12 @@ def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- the handler ------------------------------------------------------------------------------
 
 
+def _about_a_schema(exc: APIError) -> bool:
+    """Whether a refusal is about a schema the grammar cannot take (a strict tool's)."""
+    text = exc.message.lower()
+    return (exc.param or "").startswith("tools") or "schema" in text or "grammar" in text
+
+
 _STATUS_OF_TYPE = {"invalid_request_error": 400, "rate_limit_error": 429, "service_unavailable_error": 503}
 
 
@@ -415,14 +463,14 @@ class _Turn:
     """One response made from a chat stream: the Responses events, in order, then the response."""
 
     def __init__(self, handler: "ResponsesHandler", req: ResponsesRequest, model: str, logprobs: bool,
-                 turn_input: list[dict[str, Any]]) -> None:
+                 turn_input: list[dict[str, Any]], namespaces: dict[str, str]) -> None:
         self.handler = handler
         self.req = req
         self.model = model
         self.input = turn_input  # this turn's input as chat messages (stored with its answer)
         self.id = _new_id("resp")
         self.created = time.time()
-        self.builder = _OutputBuilder(logprobs)
+        self.builder = _OutputBuilder(logprobs, namespaces)
         self.response: Optional[dict[str, Any]] = None
         self.error: Optional[APIError] = None
 
@@ -495,16 +543,21 @@ class ResponsesHandler:
                                   "of its conversation is no longer stored)",
                                   param="previous_response_id", code="previous_response_not_found")
             history = stored
-        body, turn_input = chat_request(req, history)
+        body, turn_input, tools = chat_request(req, history)
         chat_req = _validated(body)
         try:
             # Streamed either way: one path from chat chunks to items makes both modes' items alike.
-            answer = await self.chat(chat_req, request_id)
+            answer = await self._chat(chat_req, request_id)
         except APIError as exc:
-            if exc.param in _PARAM_NAMES:
-                exc.param = _PARAM_NAMES[exc.param]
-            raise
-        turn = _Turn(self, req, chat_req.model or self.ctx.model_name, bool(chat_req.logprobs), turn_input)
+            if not (exc.status_code == 400 and tools.defaulted and _about_a_schema(exc)):
+                raise
+            # OpenAI's rule for a tool that leaves `strict` out: strict where the schema allows it,
+            # else not.
+            body["tools"] = tools.without_default_strict()
+            chat_req = _validated(body)
+            answer = await self._chat(chat_req, request_id)
+        turn = _Turn(self, req, chat_req.model or self.ctx.model_name, bool(chat_req.logprobs), turn_input,
+                     tools.namespaces)
         events = turn.events(answer.body)
         if req.stream:
             return sse_response(_sse(events), hooks=self.ctx.stream_hooks)
@@ -516,6 +569,14 @@ class ResponsesHandler:
         if turn.error is not None:
             raise turn.error
         return json_response(turn.response)
+
+    async def _chat(self, chat_req: ChatCompletionRequest, request_id: str) -> Any:
+        try:
+            return await self.chat(chat_req, request_id)
+        except APIError as exc:
+            if exc.param in _PARAM_NAMES:
+                exc.param = _PARAM_NAMES[exc.param]
+            raise
 
     def _reasoning_tokens(self, builder: _OutputBuilder) -> int:
         text = builder.reasoning_text()

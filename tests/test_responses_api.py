@@ -123,6 +123,40 @@ def test_function_calls_and_their_outputs_continue_a_conversation(sdk, fake):
     ]
 
 
+def test_namespace_tools_are_their_functions_and_calls_name_the_namespace(sdk, fake):
+    shell = {"type": "function", "name": "shell", "description": "Run a command",
+             "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}
+    codex = {"type": "namespace", "name": "codex", "description": "Codex tools", "tools": [shell]}
+    fake.script = lambda req: text_chunks(['<tool_call>\n{"name": "shell", "arguments": {"cmd": "ls"}}\n</tool_call>'])
+    for stream in (False, True):
+        if stream:
+            with sdk.responses.stream(model=MODEL, input="list", tools=[codex, *TOOLS]) as events:
+                r = events.get_final_response()
+        else:
+            r = sdk.responses.create(model=MODEL, input="list", tools=[codex, *TOOLS])
+        (call,) = r.output
+        assert (call.name, call.namespace, json.loads(call.arguments)) == ("shell", "codex", {"cmd": "ls"})
+    assert [t["function"]["name"] for t in fake.requests[-1].tools] == ["shell", "get_weather"]
+    assert _refusal(sdk, input="x", tools=[codex, {**shell}])["param"] == "tools[1].name"
+    custom = {**codex, "tools": [{"type": "custom", "name": "patch"}]}
+    assert _refusal(sdk, input="x", tools=[custom])["param"] == "tools[0].tools[0].type"
+
+
+def test_a_schema_strict_mode_cannot_hold_falls_back_when_strict_was_left_out(sdk, fake):
+    def engine(req):
+        if "structural_tag" in req.sampling_params:  # as the engine refuses a schema its grammar cannot enforce
+            return APIError(400, "invalid json_schema: 'not' at /properties/a is not supported", param="tools")
+        return text_chunks(["fine"])
+
+    fake.script = engine
+    before = len(fake.requests)
+    assert sdk.responses.create(model=MODEL, input="x", tools=TOOLS).output_text == "fine"
+    assert len(fake.requests) == before + 2  # strict first, as OpenAI tries, then not
+    assert [t["function"]["strict"] for t in fake.requests[-1].tools] == [False]
+    # Asked for by name, strict stays: the refusal is the answer.
+    assert _refusal(sdk, input="x", tools=[{**TOOLS[0], "strict": True}])["param"] == "tools"
+
+
 def test_previous_response_id_continues_the_stored_conversation(sdk, fake):
     first = sdk.responses.create(model=MODEL, input="Hi", instructions="Only the first turn's.")
     fake.script = lambda req: text_chunks(["Again."])
