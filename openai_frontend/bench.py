@@ -1,7 +1,7 @@
 """Streaming vs non-streaming throughput of the frontend at a fixed concurrency.
 
     python -m openai_frontend.bench --url http://127.0.0.1:9000 [--concurrency 64] [--requests 256]
-        [--max-tokens 64] [--endpoint chat|completions|generate] [--modes stream,plain]
+        [--max-tokens 64] [--endpoint chat|completions|generate|responses] [--modes stream,plain]
 
 Sends `requests` generations with `concurrency` in flight (HTTP/1.1 keep-alive, one connection
 per worker), all with `ignore_eos` so every request produces exactly `max_tokens` tokens, once
@@ -38,6 +38,9 @@ def _body(endpoint: str, max_tokens: int, stream: bool, i: int,
             "max_tokens": max_tokens, "ignore_eos": True, "stream": stream, **temp,
             **({"stream_options": {"include_usage": True}} if stream else {}),
         }
+    if endpoint == "responses":  # no ignore_eos there: a real model's answers may end early (usage counts them)
+        return "/v1/responses", {"model": "demo", "input": f"Tell me a story number {i}.", "store": False,
+                                 "max_output_tokens": max_tokens, "stream": stream, **temp}
     if endpoint == "completions":
         return "/v1/completions", {"model": "demo", "prompt": f"Story {i}: once upon a time", "max_tokens": max_tokens,
                                    "ignore_eos": True, "stream": stream, **temp,
@@ -55,6 +58,8 @@ async def _one(http: httpx.AsyncClient, endpoint: str, max_tokens: int, stream: 
         data = r.json()
         if endpoint == "generate":
             return data["meta_info"]["completion_tokens"]
+        if endpoint == "responses":
+            return data["usage"]["output_tokens"]
         return data["usage"]["completion_tokens"]
     tokens = 0
     async with http.stream("POST", path, json=body) as r:
@@ -67,6 +72,9 @@ async def _one(http: httpx.AsyncClient, endpoint: str, max_tokens: int, stream: 
                 raise RuntimeError(event["error"])
             if endpoint == "generate":
                 tokens = event["meta_info"]["completion_tokens"]
+            elif endpoint == "responses":
+                if event.get("type") in ("response.completed", "response.incomplete"):
+                    tokens = event["response"]["usage"]["output_tokens"]
             elif event.get("usage"):  # (stream_options.include_usage: events may carry several tokens)
                 tokens = event["usage"]["completion_tokens"]
     return tokens
@@ -121,6 +129,13 @@ class _RawConnection:
 
 
 def _tokens_from(endpoint: str, stream: bool, raw: bytes) -> int:
+    if endpoint == "responses":  # the final event (or body) is the whole response
+        last = raw.rsplit(b"\ndata: ", 1)[-1] if stream else raw
+        response = json.loads(last)
+        response = response.get("response", response)
+        if response.get("status") not in ("completed", "incomplete"):
+            raise RuntimeError(f"the response ended {response.get('status')}: {response.get('error')}")
+        return response["usage"]["output_tokens"]
     if not stream:
         data = json.loads(raw)
         return data["meta_info"]["completion_tokens"] if endpoint == "generate" else data["usage"]["completion_tokens"]
@@ -242,6 +257,14 @@ async def run_sdk_load(url: str, *, endpoint: str, stream: bool, concurrency: in
     async def one(i: int) -> int:
         _, body = _body(endpoint, max_tokens, stream, i, temperature)
         body.pop("stream")
+        if endpoint == "responses":
+            if not stream:
+                return (await client.responses.create(**body)).usage.output_tokens
+            tokens = 0
+            async for event in await client.responses.create(**body, stream=True):
+                if event.type in ("response.completed", "response.incomplete"):
+                    tokens = event.response.usage.output_tokens
+            return tokens
         extra = {"ignore_eos": body.pop("ignore_eos")}
         create = client.chat.completions.create if endpoint == "chat" else client.completions.create
         if not stream:
@@ -343,7 +366,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--fake", action="store_true", help="in-process frontend on a scripted engine")
     p.add_argument("--chunk-delay", type=float, default=0.0,
                    help="--fake: the scripted engine's seconds per token (streamed or not)")
-    p.add_argument("--endpoint", default="chat", choices=["chat", "completions", "generate"])
+    p.add_argument("--endpoint", default="chat", choices=["chat", "completions", "generate", "responses"])
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -161,7 +161,9 @@ class ChatHandler:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
 
-    async def __call__(self, req: ChatCompletionRequest, request_id: str) -> Response:
+    async def __call__(self, req: ChatCompletionRequest, request_id: str, engine_stream: Optional[bool] = None) -> Response:
+        """`engine_stream` False: the engine sends each sample's output in one response even when
+        this answer streams (responses.py: a non-streaming Responses call runs this stream)."""
         ctx = self.ctx
         await ctx.refresh_adapters(req.model)
         model = ctx.check_model(req.model)
@@ -220,7 +222,7 @@ class ChatHandler:
                 add_special_tokens=True if req.add_special_tokens else None,
                 request_id=request_id,
                 n=samples,
-                stream=req.stream,
+                stream=req.stream if engine_stream is None else engine_stream,
             )
         ]
         completion_id = f"chatcmpl-{request_id}"

@@ -547,7 +547,7 @@ class ResponsesHandler:
         chat_req = _validated(body)
         try:
             # Streamed either way: one path from chat chunks to items makes both modes' items alike.
-            answer = await self._chat(chat_req, request_id)
+            answer = await self._chat(chat_req, request_id, req)
         except APIError as exc:
             if not (exc.status_code == 400 and tools.defaulted and _about_a_schema(exc)):
                 raise
@@ -555,7 +555,7 @@ class ResponsesHandler:
             # else not.
             body["tools"] = tools.without_default_strict()
             chat_req = _validated(body)
-            answer = await self._chat(chat_req, request_id)
+            answer = await self._chat(chat_req, request_id, req)
         turn = _Turn(self, req, chat_req.model or self.ctx.model_name, bool(chat_req.logprobs), turn_input,
                      tools.namespaces)
         events = turn.events(answer.body)
@@ -570,9 +570,13 @@ class ResponsesHandler:
             raise turn.error
         return json_response(turn.response)
 
-    async def _chat(self, chat_req: ChatCompletionRequest, request_id: str) -> Any:
+    async def _chat(self, chat_req: ChatCompletionRequest, request_id: str, req: ResponsesRequest) -> Any:
+        # Not streaming, the engine need not send each step's tokens (each response costs Triton's
+        # path as much as a token), except with logprobs: which item a token's logprob goes with
+        # follows the chunks it came in, and a streamed answer has them token by token.
+        one_chunk = not req.stream and not chat_req.logprobs
         try:
-            return await self.chat(chat_req, request_id)
+            return await self.chat(chat_req, request_id, engine_stream=False if one_chunk else None)
         except APIError as exc:
             if exc.param in _PARAM_NAMES:
                 exc.param = _PARAM_NAMES[exc.param]

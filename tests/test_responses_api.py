@@ -78,6 +78,12 @@ def test_text_and_reasoning_come_back_as_items_with_usage(sdk, fake):
     assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
     sp = req.sampling_params
     assert (sp["max_new_tokens"], sp["temperature"], sp["top_p"]) == (50, 0.5, 0.9)
+    # Not streaming, the engine sends the answer in one response, unless logprobs follow the chunks.
+    assert req.stream is False
+    list(sdk.responses.create(model=MODEL, input="Weather?", stream=True))
+    assert fake.requests[-1].stream is True
+    sdk.responses.create(model=MODEL, input="Weather?", top_logprobs=1)
+    assert fake.requests[-1].stream is True
 
 
 @pytest.mark.parametrize("pieces", [THINK, CALL, ["Hi"] + CALL, ["<think>", "x</think>"] + CALL])
