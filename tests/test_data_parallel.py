@@ -176,6 +176,18 @@ def test_frontend_processes_share_what_each_server_was_sent(servers, demo_model_
                 messages.append({"role": "assistant", "content": r.choices[0].message.content or "ok"})
             # Each later turn: the previous turn's prompt cached (whole 16-token blocks of it).
             assert all(c >= p - 32 for c, p in zip(cached[1:], prompts)), (chat, prompts, cached)
+        # A Responses conversation, each turn on a new connection, continued by id: the stored
+        # turns are in a directory both processes read (with a store each, a turn that reached
+        # the other process would be a 400; which process takes a connection is the kernel's
+        # choice, so tests/test_responses_api.py checks the sharing itself).
+        previous = None
+        for turn in range(5):
+            with httpx.Client(timeout=60) as http:
+                sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, http_client=http)
+                r = sdk.responses.create(model=MODEL, instructions=system, input=f"Question {turn}: can I renew?",
+                                         previous_response_id=previous, max_output_tokens=4, temperature=0)
+            assert turn == 0 or r.usage.input_tokens_details.cached_tokens >= 64, r.usage
+            previous = r.id
     finally:
         frontend.stop()
 

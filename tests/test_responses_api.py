@@ -226,6 +226,19 @@ def test_input_items_list_a_response_s_own_input_in_pages(sdk):
         sdk.responses.input_items.list("resp_0123456789abcdef")
 
 
+def test_frontend_processes_with_one_metrics_dir_continue_each_other_s_responses(fake, tmp_path):
+    """--workers gives its processes one directory (metrics_dir): a turn stored by one is found
+    by the other, whichever accepts the next connection."""
+    settings = Settings(model_name=MODEL, metrics_dir=str(tmp_path))
+    with serve_in_thread(create_app(settings, client=fake)) as one, \
+            serve_in_thread(create_app(settings, client=fake)) as two:
+        first = openai.OpenAI(base_url=one + "/v1", api_key="x", max_retries=0).responses.create(model=MODEL, input="a")
+        other = openai.OpenAI(base_url=two + "/v1", api_key="x", max_retries=0)
+        assert other.responses.retrieve(first.id).output_text == first.output_text
+        other.responses.create(model=MODEL, input="b", previous_response_id=first.id)
+        assert [m["content"] for m in fake.requests[-1].messages][:1] == ["a"]
+
+
 def test_a_server_that_keeps_no_responses_says_so(fake):
     with serve_in_thread(create_app(Settings(model_name=MODEL, responses_store_size=0), client=fake)) as url:
         sdk = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
