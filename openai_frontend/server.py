@@ -63,7 +63,8 @@ from openai_frontend.protocol import (
 from openai_frontend import protocol, request_context
 from openai_frontend.reasoning import get_reasoning_format, split_reasoning
 from openai_frontend.response_store import ResponseStore
-from openai_frontend.responses import ResponsesHandler, list_items
+from openai_frontend.response_items import list_items
+from openai_frontend.responses import ResponsesHandler
 from openai_frontend.sampling import openai_param
 from openai_frontend.settings import Settings
 from openai_frontend.streams import DONE_EVENT, run_until_disconnect

@@ -1,4 +1,4 @@
-"""/v1/responses (openai_frontend/responses.py) with the official openai SDK against the frontend on
+"""/v1/responses (openai_frontend/responses.py, response_items.py, response_store.py) with the official openai SDK against the frontend on
 a scripted engine: the request as the chat request it becomes, output items streamed and not
 (the same items either way, in every chunking), stored responses and previous_response_id, and
 every refusal naming its place in the body. The real server's side is in test_openai_sdk.py."""
