@@ -555,13 +555,19 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, responses(body, _request_id(request, body.request_id)))
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> Response:
+    def response_not_found(response_id: str) -> APIError:
+        return APIError(404, f"Response with id '{response_id}' not found", param="response_id",
+                        code="response_not_found")
+
+    def stored_response(response_id: str) -> dict[str, Any]:
         stored = response_store.get(response_id)
         if stored is None:
-            raise APIError(404, f"Response with id '{response_id}' not found", param="response_id",
-                           code="response_not_found")
-        return json_response(stored["response"])
+            raise response_not_found(response_id)
+        return stored
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return json_response(stored_response(response_id)["response"])
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, request: Request) -> Response:
@@ -579,17 +585,13 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise bad_request("order must be 'asc' or 'desc'", param="order")
-        stored = response_store.get(response_id)
-        if stored is None:
-            raise APIError(404, f"Response with id '{response_id}' not found", param="response_id",
-                           code="response_not_found")
+        stored = stored_response(response_id)
         return json_response(list_items(stored.get("input_items", []), query.get("after"), limit, order))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
         if not response_store.delete(response_id):
-            raise APIError(404, f"Response with id '{response_id}' not found", param="response_id",
-                           code="response_not_found")
+            raise response_not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/completions")
