@@ -471,6 +471,27 @@ class ResponsesStreamOptions(_Strict):
     include_obfuscation: Optional[bool] = None
 
 
+class ResponsesTextFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True, populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+    description: Optional[str] = None
+
+
+class ResponsesText(_Strict):
+    format: Optional[ResponsesTextFormat] = None
+    verbosity: Optional[str] = None  # refused when set (responses.py)
+
+
+class ResponsesReasoning(_Strict):
+    effort: Optional[str] = None
+    summary: Optional[str] = None  # refused when set (responses.py)
+    generate_summary: Optional[str] = None  # the older name of summary, refused alike
+
+
 class ResponsesRequest(_Body):
     """A Responses request. Input items, tools, `text` and `reasoning` are checked where they are
     turned into a chat request (responses.py), each refusal naming its place in the body."""
@@ -488,8 +509,8 @@ class ResponsesRequest(_Body):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     max_tool_calls: Optional[int] = Field(None, ge=1)  # caps built-in tool calls: this server has none
-    text: Optional[dict[str, Any]] = None
-    reasoning: Optional[dict[str, Any]] = None
+    text: Optional[ResponsesText] = None
+    reasoning: Optional[ResponsesReasoning] = None
     stream: NullableFalse = False
     stream_options: Optional[ResponsesStreamOptions] = None
     store: Optional[bool] = None  # None: true, as OpenAI's default

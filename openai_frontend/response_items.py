@@ -87,7 +87,12 @@ def input_messages(items: Optional[str | list[dict[str, Any]]]) -> list[dict[str
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         elif kind == "reasoning":
             parts = item.get("content") or []
-            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if not isinstance(parts, list) or not all(
+                    isinstance(part, dict) and part.get("type") == "reasoning_text" and isinstance(part.get("text"), str)
+                    for part in parts):
+                raise bad_request(f"{where}.content must be a list of reasoning_text parts "
+                                  '({"type": "reasoning_text", "text": ...})', param=f"{where}.content")
+            reasoning = "".join(part["text"] for part in parts)
             if item.get("encrypted_content") is not None:
                 raise unsupported(f"{where}.encrypted_content", "this server neither makes nor reads encrypted reasoning")
         else:

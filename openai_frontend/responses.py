@@ -27,7 +27,7 @@ from starlette.responses import Response
 from openai_frontend.chat import ChatHandler
 from openai_frontend.common import Context, dumps, json_response
 from openai_frontend.errors import APIError, bad_request, unsupported
-from openai_frontend.protocol import ChatCompletionRequest, ResponsesRequest
+from openai_frontend.protocol import ChatCompletionRequest, ResponsesReasoning, ResponsesRequest, ResponsesText
 from openai_frontend.response_items import OutputBuilder, input_items, input_messages, new_id, output_messages, snapshot
 from openai_frontend.response_store import ResponseStore
 from openai_frontend.streams import sse_response
@@ -51,6 +51,9 @@ _FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 _FUNCTION_DEFAULTS = {"defer_loading": False, "async": False, "allowed_callers": ["direct"], "output_schema": None}
 
 
+_KIND_NAMES = {str: "a string", dict: "an object", bool: "a boolean"}
+
+
 @dataclass
 class ToolSet:
     """A request's tools in the chat shape, and what the answer needs to know of them."""
@@ -72,6 +75,9 @@ def _function_tool(tool: dict[str, Any], where: str, tools: ToolSet) -> None:
             raise bad_request(f"{where}: unknown field '{key}'", param=f"{where}.{key}")
         if tool[key] != _FUNCTION_DEFAULTS[key]:
             raise unsupported(f"{where}.{key}")
+    for key, kinds in (("name", str), ("description", str), ("parameters", dict), ("strict", bool)):
+        if not isinstance(tool.get(key), kinds) and (key == "name" or tool.get(key) is not None):
+            raise bad_request(f"{where}.{key} must be {_KIND_NAMES[kinds]}", param=f"{where}.{key}")
     fn = {k: tool[k] for k in _FUNCTION_FIELDS if tool.get(k) is not None}
     if any(t["function"].get("name") == fn.get("name") for t in tools.chat):
         raise bad_request(f"{where}: a function named '{fn.get('name')}' is declared twice", param=f"{where}.name")
@@ -115,23 +121,17 @@ def _chat_tool_choice(choice: Any) -> Any:
                                      "'required'; hosted and allowed-tools choices are not supported")
 
 
-def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    if not text:
+def _response_format(text: Optional[ResponsesText]) -> Optional[dict[str, Any]]:
+    if text is None:
         return None
-    extra = sorted(set(text) - {"format", "verbosity"})
-    if extra:
-        raise bad_request(f"text: unknown field '{extra[0]}'", param=f"text.{extra[0]}")
-    if text.get("verbosity") is not None:
+    if text.verbosity is not None:
         raise unsupported("text.verbosity", "the model's length is set by max_output_tokens here")
-    fmt = text.get("format")
-    if fmt is None or fmt.get("type") == "text":
+    fmt = text.format
+    if fmt is None or fmt.type == "text":
         return None
-    if fmt.get("type") == "json_object":
+    if fmt.type == "json_object":
         return {"type": "json_object"}
-    if fmt.get("type") == "json_schema":
-        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-        return {"type": "json_schema", "json_schema": schema}
-    raise bad_request("text.format.type must be 'text', 'json_object' or 'json_schema'", param="text.format.type")
+    return {"type": "json_schema", "json_schema": fmt.model_dump(by_alias=True, exclude_none=True, exclude={"type"})}
 
 
 def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
@@ -148,12 +148,9 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
     for k, value in enumerate(req.include or []):
         if value != _LOGPROBS_INCLUDE:
             raise unsupported(f"include[{k}]", f"'{value}' (only '{_LOGPROBS_INCLUDE}')")
-    reasoning = req.reasoning or {}
-    extra = sorted(set(reasoning) - {"effort", "summary", "generate_summary"})
-    if extra:
-        raise bad_request(f"reasoning: unknown field '{extra[0]}'", param=f"reasoning.{extra[0]}")
+    reasoning = req.reasoning or ResponsesReasoning()
     for key in ("summary", "generate_summary"):
-        if reasoning.get(key) is not None:
+        if getattr(reasoning, key) is not None:
             raise unsupported(f"reasoning.{key}", "the reasoning comes back as it is, in the reasoning item's content")
     turn = input_messages(req.input)
     tools = chat_tools(req.tools)
@@ -164,7 +161,7 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
         "tools": tools.chat or None, "tool_choice": _chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
-        "reasoning_effort": reasoning.get("effort"),
+        "reasoning_effort": reasoning.effort,
         "logprobs": logprobs, "top_logprobs": req.top_logprobs if logprobs else None,
         "user": req.user, "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
         "prompt_cache_retention": req.prompt_cache_retention, "service_tier": req.service_tier,
@@ -337,7 +334,7 @@ class ResponsesHandler:
                 "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(turn.builder)},
                 "total_tokens": chat_usage["total_tokens"],
             }
-        fmt = (req.text or {}).get("format") or {"type": "text"}
+        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"type": "text"}
         return {
             "id": turn.id, "object": "response", "created_at": int(turn.created), "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
@@ -347,7 +344,7 @@ class ResponsesHandler:
             "output": snapshot({"o": turn.builder.items})["o"] if status != "in_progress" else [],
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
             "store": self._stores(req), "temperature": req.temperature, "text": {"format": fmt},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p,

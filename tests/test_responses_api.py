@@ -394,3 +394,49 @@ def test_a_conversation_in_use_keeps_its_turns_in_a_store(tmp_path):
         if store.directory is not None:
             store._prune()
         assert store.conversation(chain[-1]) == ["t0", "t1", "t2"]
+
+
+def test_junk_anywhere_in_the_body_is_a_400_never_a_500(sdk, fake):
+    """Random values put at random places of a full request: each answer is a 200 or a 400 (a
+    404 for an unknown model), never a server error."""
+    rng = random.Random(7)
+    fake.script = lambda req: text_chunks(["ok"])
+    base = {"model": MODEL, "instructions": "i", "max_output_tokens": 8, "temperature": 0.5, "top_p": 0.9,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                      {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c", "output": "x"},
+                      {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "r"}], "summary": []}],
+            "tools": [{**TOOLS[0]}, {"type": "namespace", "name": "ns", "description": "d",
+                                     "tools": [{"type": "function", "name": "g", "parameters": {}}]}],
+            "tool_choice": {"type": "function", "name": "get_weather"}, "text": {"format": {"type": "text"}},
+            "reasoning": {"effort": "low"}, "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+            "metadata": {"a": "b"}, "store": True, "stream": False, "previous_response_id": None,
+            "stream_options": {"include_obfuscation": False}}
+    junk = [None, 0, -1, 1.5, "", "x", [], {}, [1], {"type": 3}, True, "\u0000", [None], {"a": []}]
+
+    def places(value, path=()):
+        yield path
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield from places(v, path + (k,))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                yield from places(v, path + (i,))
+
+    paths = [p for p in places(base) if p]
+    with httpx.Client(base_url=str(sdk.base_url), timeout=30) as http:
+        for _ in range(300):
+            body = json.loads(json.dumps(base))
+            body["stream"] = rng.random() < 0.5
+            path = rng.choice(paths)
+            target = body
+            for key in path[:-1]:
+                target = target[key]
+            target[path[-1]] = rng.choice(junk)
+            r = http.post("responses", json=body)
+            expected = (200, 400, 404) if path == ("model",) else (200, 400)  # an unknown model: 404, as OpenAI
+            assert r.status_code in expected, (path, target, r.status_code, r.text)
+            if r.status_code != 200:
+                assert r.json()["error"]["message"], (path, r.text)
+            elif body["stream"] is True:
+                assert r.text.rstrip().rsplit("\n", 1)[-1].startswith('data: {"type":"response.completed"'), r.text
