@@ -87,7 +87,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "must allow it too: LLM_ENABLE_CUSTOM_LOGIT_PROCESSOR=1). Off: such requests get 400")
     p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503 responses")
     p.add_argument("--responses-store-size", type=int, default=4096,
-                   help="/v1/responses kept for GET and previous_response_id (the newest N; 0: none)")
+                   help="/v1/responses kept for GET and previous_response_id (the N used last; 0: none)")
     p.add_argument("--graceful-shutdown-timeout", type=shutdown_timeout_arg, default=DEFAULT_GRACEFUL_SHUTDOWN_S,
                    help="on SIGTERM/SIGINT, stop accepting and let in-flight requests and streams finish for at "
                         f"most this many seconds (default {DEFAULT_GRACEFUL_SHUTDOWN_S:g}); then the rest are "

@@ -59,8 +59,9 @@ class Settings:
     enable_custom_logit_processor: bool = False
     retry_after_s: int = 1  # Retry-After on 503s (overload, Triton down)
     health_generate_timeout: float = 20.0  # seconds /health_generate waits for its one token
-    # /v1/responses with store (OpenAI's default): the newest this many responses are kept for
-    # GET /v1/responses/{id} and previous_response_id (in metrics_dir with --workers, shared).
+    # /v1/responses with store (OpenAI's default): this many responses, those read or written last,
+    # are kept for GET /v1/responses/{id} and previous_response_id (in metrics_dir with
+    # --workers, shared).
     # 0: none kept, and responses say "store": false.
     responses_store_size: int = 4096
 
