@@ -4,8 +4,8 @@ a later request's `previous_response_id` continues from.
 A record is the response object, the chat messages of its turn (its input and its output) and
 the id of the response it continued: a conversation is the chain of its turns, so each turn is
 stored once however long the conversation grows. The store keeps the `capacity` records read or
-written last (reading a conversation touches each of its turns, so a conversation in use keeps
-its history). With several frontend `--workers` it lives in a directory they share, one JSON
+written last, within `max_bytes` of JSON (reading a conversation touches each of its turns, so a
+conversation in use keeps its history). With several frontend `--workers` it lives in a directory they share, one JSON
 file a record, so a conversation's next turn finds its history whichever worker accepts the
 connection; one process keeps them in memory.
 """
@@ -27,37 +27,43 @@ _PRUNE_EVERY = 32
 
 
 class ResponseStore:
-    def __init__(self, capacity: int = 4096, directory: Optional[str] = None) -> None:
+    def __init__(self, capacity: int = 4096, directory: Optional[str] = None, max_bytes: int = 256 << 20) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes  # the records' JSON, all together (a turn may carry a whole document)
         self.directory = Path(directory) if directory else None
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-        self._memory: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._memory: OrderedDict[str, str] = OrderedDict()  # id -> the record's JSON
+        self._bytes = 0
         self._writes = 0
+        self._written = 0  # bytes written since the directory was last pruned
 
     def put(self, response_id: str, record: dict[str, Any]) -> None:
         if self.capacity <= 0:
             return
+        text = json.dumps(record)
         if self.directory is None:
-            self._memory[response_id] = record
-            self._memory.move_to_end(response_id)
-            while len(self._memory) > self.capacity:
-                self._memory.popitem(last=False)
+            self._bytes += len(text) - len(self._memory.pop(response_id, ""))
+            self._memory[response_id] = text
+            while len(self._memory) > 1 and (len(self._memory) > self.capacity or self._bytes > self.max_bytes):
+                self._bytes -= len(self._memory.popitem(last=False)[1])
             return
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
+            f.write(text)
         os.replace(tmp, self.directory / f"{response_id}.json")  # readers never see half a record
         self._writes += 1
-        if self._writes % _PRUNE_EVERY == 0:
+        self._written += len(text)
+        if self._writes % _PRUNE_EVERY == 0 or self._written > self.max_bytes // _PRUNE_EVERY:
             self._prune()
 
     def get(self, response_id: str) -> Optional[dict[str, Any]]:
         if self.directory is None:
-            record = self._memory.get(response_id)
-            if record is not None:
-                self._memory.move_to_end(response_id)
-            return record
+            text = self._memory.get(response_id)
+            if text is None:
+                return None
+            self._memory.move_to_end(response_id)
+            return json.loads(text)
         if not _ID.fullmatch(response_id):
             return None
         path = self.directory / f"{response_id}.json"
@@ -83,7 +89,9 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         if self.directory is None:
-            return self._memory.pop(response_id, None) is not None
+            text = self._memory.pop(response_id, None)
+            self._bytes -= len(text or "")
+            return text is not None
         if not _ID.fullmatch(response_id):
             return False
         try:
@@ -93,12 +101,18 @@ class ResponseStore:
         return True
 
     def _prune(self) -> None:
+        self._written = 0
         entries = []
         for path in self.directory.glob("resp_*.json"):
             try:
-                entries.append((path.stat().st_mtime_ns, path))
+                stat = path.stat()
             except OSError:  # another worker pruned it meanwhile
-                pass
+                continue
+            entries.append((stat.st_mtime_ns, stat.st_size, path))
         entries.sort()
-        for _, path in entries[: max(0, len(entries) - self.capacity)]:
+        total = sum(size for _, size, _ in entries)
+        for k, (_, size, path) in enumerate(entries[:-1]):  # the newest stays, whatever its size
+            if len(entries) - k <= self.capacity and total <= self.max_bytes:
+                break
             path.unlink(missing_ok=True)
+            total -= size

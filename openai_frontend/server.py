@@ -408,7 +408,8 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     chat = ChatHandler(ctx)
     response_store = ResponseStore(settings.responses_store_size,
-                                   os.path.join(settings.metrics_dir, "responses") if settings.metrics_dir else None)
+                                   os.path.join(settings.metrics_dir, "responses") if settings.metrics_dir else None,
+                                   max_bytes=settings.responses_store_max_mb << 20)
     responses = ResponsesHandler(ctx, chat, response_store)
     completions = CompletionHandler(ctx)
     generate = GenerateHandler(ctx)

@@ -64,6 +64,7 @@ class Settings:
     # --workers, shared).
     # 0: none kept, and responses say "store": false.
     responses_store_size: int = 4096
+    responses_store_max_mb: int = 256  # ... and at most this much of their JSON
 
     @property
     def triton_urls(self) -> list[str]:

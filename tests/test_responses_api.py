@@ -440,3 +440,18 @@ def test_junk_anywhere_in_the_body_is_a_400_never_a_500(sdk, fake):
                 assert r.json()["error"]["message"], (path, r.text)
             elif body["stream"] is True:
                 assert r.text.rstrip().rsplit("\n", 1)[-1].startswith('data: {"type":"response.completed"'), r.text
+
+
+def test_a_store_keeps_within_its_bytes(tmp_path):
+    big = "x" * 10_000
+    for store in (ResponseStore(100, max_bytes=50_000), ResponseStore(100, str(tmp_path), max_bytes=50_000)):
+        ids = [f"resp_{i:016x}" for i in range(40)]
+        for rid in ids:
+            store.put(rid, {"response": {}, "turn": [big], "previous": None})
+            time.sleep(0.001)
+        kept = [rid for rid in ids if store.get(rid) is not None]
+        assert 1 <= len(kept) <= 5 and kept == ids[-len(kept):], kept
+        huge = ResponseStore(100, max_bytes=1000)
+        huge.put(ids[0], {"turn": [big]})  # larger than the budget alone: the newest stays
+        assert huge.get(ids[0]) == {"turn": [big]}
+
