@@ -16,12 +16,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str, field: str = "content") -> str:
     """A message's content as one string: text parts joined, other parts refused."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
+        raise bad_request(f"{where}.{field} must be a string or a list of content parts", param=f"{where}.{field}")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -30,17 +30,18 @@ def _text_of(content: Any, where: str) -> str:
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise unsupported(f"{where}.content[{j}]", f"'{kind}' parts are not supported: this server runs text models")
+            raise unsupported(f"{where}.{field}[{j}]", f"'{kind}' parts are not supported: this server runs text models")
         else:
-            raise bad_request(f"{where}.content[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}})",
-                              param=f"{where}.content[{j}]")
+            raise bad_request(f"{where}.{field}[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}})",
+                              param=f"{where}.{field}[{j}]")
     return "".join(texts)
 
 
 def input_messages(items: Optional[str | list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Input items as chat messages. A function call joins the assistant message before it (or
     starts one); a reasoning item goes to the assistant message after it as its
-    reasoning_content, which chat templates render (or drop) as they do a chat's."""
+    reasoning_content, which chat templates render (or drop) as they do a chat's (with none
+    after it, to an assistant message of its own)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
@@ -59,6 +60,11 @@ def input_messages(items: Optional[str | list[dict[str, Any]]]) -> list[dict[str
         out.append(msg)
         return msg
 
+    def flush_reasoning() -> None:
+        """Reasoning no assistant item followed: an assistant turn of its own."""
+        if reasoning is not None:
+            assistant(joins=False)
+
     for i, item in enumerate(items or ()):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -71,6 +77,7 @@ def input_messages(items: Optional[str | list[dict[str, Any]]]) -> list[dict[str
             if role == "assistant":
                 assistant(joins=False)["content"] = text
             else:
+                flush_reasoning()
                 out.append({"role": role, "content": text})
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
@@ -82,9 +89,8 @@ def input_messages(items: Optional[str | list[dict[str, Any]]]) -> list[dict[str
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where}.call_id must be a string", param=f"{where}.call_id")
-            output = item.get("output")
-            text = output if isinstance(output, str) else _text_of(output, where)
-            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+            flush_reasoning()
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(item.get("output"), where, "output")})
         elif kind == "reasoning":
             parts = item.get("content") or []
             if not isinstance(parts, list) or not all(
@@ -92,14 +98,13 @@ def input_messages(items: Optional[str | list[dict[str, Any]]]) -> list[dict[str
                     for part in parts):
                 raise bad_request(f"{where}.content must be a list of reasoning_text parts "
                                   '({"type": "reasoning_text", "text": ...})', param=f"{where}.content")
-            reasoning = "".join(part["text"] for part in parts)
+            reasoning = (reasoning or "") + "".join(part["text"] for part in parts)
             if item.get("encrypted_content") is not None:
                 raise unsupported(f"{where}.encrypted_content", "this server neither makes nor reads encrypted reasoning")
         else:
             raise unsupported(f"{where}.type", f"input items of type '{kind}' are not supported (messages, "
                                                "function_call, function_call_output and reasoning are)")
-    if reasoning is not None:
-        out.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+    flush_reasoning()
     return out
 
 

@@ -163,6 +163,16 @@ def test_a_schema_strict_mode_cannot_hold_falls_back_when_strict_was_left_out(sd
     assert _refusal(sdk, input="x", tools=[{**TOOLS[0], "strict": True}])["param"] == "tools"
 
 
+def test_reasoning_items_go_to_the_assistant_turn_after_them(sdk, fake):
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]}
+    sdk.responses.create(model=MODEL, input=[{"role": "user", "content": "q"}, thought,
+                                             {"role": "assistant", "content": "a"}, thought,
+                                             {"role": "user", "content": "q2"}])
+    assert fake.requests[-1].messages == [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "hm"},
+        {"role": "assistant", "content": "", "reasoning_content": "hm"}, {"role": "user", "content": "q2"}]
+
+
 def test_previous_response_id_continues_the_stored_conversation(sdk, fake):
     first = sdk.responses.create(model=MODEL, input="Hi", instructions="Only the first turn's.")
     fake.script = lambda req: text_chunks(["Again."])
@@ -337,6 +347,7 @@ def test_a_disconnected_stream_cancels_the_engine_request(sdk, fake):
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
     ({"background": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
