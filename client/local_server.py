@@ -37,7 +37,8 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def _bindable(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether nothing listens on `port` (127.0.0.1) now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -58,7 +59,7 @@ def free_port() -> int:
     if lo - _LOWEST_PORT >= 1000:
         for _ in range(100):
             port = pick.randrange(_LOWEST_PORT, lo)
-            if port not in _handed_out and _bindable(port):
+            if port not in _handed_out and port_free(port):
                 _handed_out.add(port)
                 return port
     while True:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,24 +12,15 @@ from pathlib import Path
 
 import httpx
 
-from client.local_server import REPO_ROOT, free_port, server_env, triton_home
+from client.local_server import REPO_ROOT, free_port, port_free, server_env, triton_home
 
 
 def port_block(servers: int) -> int:
     """A free port p with p + 3*i free too for every server i (the entrypoint's layout)."""
     while True:
         base = free_port()
-        if all(_free(base + 3 * i) for i in range(1, servers)):
+        if all(port_free(base + 3 * i) for i in range(1, servers)):
             return base
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class Entrypoint:
