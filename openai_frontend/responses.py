@@ -31,6 +31,7 @@ from openai_frontend.protocol import ChatCompletionRequest, ResponsesReasoning, 
 from openai_frontend.response_items import OutputBuilder, input_items, input_messages, new_id, output_messages, snapshot
 from openai_frontend.response_store import ResponseStore
 from openai_frontend.streams import sse_response
+from openai_frontend.validation_errors import validation_message
 
 # Chat's names for what the request called otherwise: its errors are reported under the
 # Responses names.
@@ -170,16 +171,14 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
 
 
 def _validated(body: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request, or a 400 as the route's own validation words it, under the Responses names."""
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = [str(p) for p in err["loc"]]
-        if loc and loc[0] in _PARAM_NAMES:
-            loc[0] = _PARAM_NAMES[loc[0]]
-        param = ".".join(loc) or None
-        message = err["msg"].removeprefix("Value error, ")
-        raise bad_request(f"{param}: {message}" if param else message, param=param) from None
+        errors = [{**e, "loc": (_PARAM_NAMES.get(e["loc"][0], e["loc"][0]), *e["loc"][1:])} if e.get("loc") else e
+                  for e in exc.errors()]
+        message, param = validation_message(errors)
+        raise bad_request(message, param=param) from None
 
 
 # -- the handler ------------------------------------------------------------------------------
