@@ -106,6 +106,22 @@ def test_streamed_items_equal_the_non_streamed_ones_in_every_chunking(sdk, fake,
         assert _plain(final.output) == _plain(whole.output)
 
 
+def test_reasoning_tokens_are_the_reasoning_text_s_tokens_with_a_tokenizer(demo_model_path):
+    from tokenizers import Tokenizer
+
+    thinking = "Let me count the ways. One, two, three."
+    fake = FakeLLMClient(lambda req: text_chunks(["<think>", thinking, "</think>", "Three."]))
+    settings = Settings(model_name=MODEL, reasoning_parser="qwen3", tokenizer_path=str(demo_model_path))
+    with serve_in_thread(create_app(settings, client=fake)) as url:
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = sdk.responses.create(model=MODEL, input="count")
+        events = list(sdk.responses.create(model=MODEL, input="count", stream=True))
+    want = len(Tokenizer.from_file(str(demo_model_path / "tokenizer.json")).encode(thinking, add_special_tokens=False).ids)
+    assert r.output[0].content[0].text == thinking and want > 5
+    assert r.usage.output_tokens_details.reasoning_tokens == want
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == want
+
+
 def test_function_calls_and_their_outputs_continue_a_conversation(sdk, fake):
     fake.script = lambda req: text_chunks(CALL)
     r = sdk.responses.create(model=MODEL, input="Weather in Paris?", tools=TOOLS, tool_choice="auto")
