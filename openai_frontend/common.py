@@ -43,8 +43,18 @@ def json_response(body: Any, status_code: int = 200, headers: Optional[dict[str,
     return Response(dumps(body), status_code=status_code, media_type="application/json", headers=headers)
 
 
+class ErrorEvent(bytes):
+    """An SSE error event that keeps the error it was made from: a consumer in this process (the
+    Responses API's translation of a chat stream) gets its status and headers, which the event's
+    body does not carry."""
+
+    error: APIError
+
+
 def error_event(exc: APIError) -> bytes:
-    return b"data: " + dumps(exc.body()).encode() + b"\n\n"
+    event = ErrorEvent(b"data: " + dumps(exc.body()).encode() + b"\n\n")
+    event.error = exc
+    return event
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None,

@@ -204,7 +204,6 @@ class FrontendMetrics:
 PUBLISH_INTERVAL_S = 0.5
 
 
-
 class SharedMetrics:
     """One worker's FrontendMetrics, written to `directory/<pid>.json`; `render` sums every
     worker's file. The directory is made by the launching process and shared by its workers."""

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from openai_frontend.chat import ChatHandler
-from openai_frontend.common import Context, dumps, json_response
+from openai_frontend.common import Context, ErrorEvent, dumps, json_response
 from openai_frontend.errors import APIError, bad_request, unsupported
 from openai_frontend.protocol import ChatCompletionRequest, ResponsesReasoning, ResponsesRequest, ResponsesText
 from openai_frontend.response_items import OutputBuilder, input_items, input_messages, new_id, output_messages, snapshot
@@ -190,9 +190,6 @@ def _about_a_schema(exc: APIError) -> bool:
     return (exc.param or "").startswith("tools") or "schema" in text or "grammar" in text
 
 
-_STATUS_OF_TYPE = {"invalid_request_error": 400, "rate_limit_error": 429, "service_unavailable_error": 503}
-
-
 class _Turn:
     """One response made from a chat stream: the Responses events, in order, then the response."""
 
@@ -226,8 +223,9 @@ class _Turn:
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         err = chunk["error"]
-                        self.error = APIError(_STATUS_OF_TYPE.get(err.get("type"), 500), err.get("message", ""),
-                                              param=err.get("param"), code=err.get("code"))
+                        # The chat stream's error events are ErrorEvents: the error with its status
+                        # (a 504's, say) and headers, for a non-streaming answer to raise.
+                        self.error = raw.error if isinstance(raw, ErrorEvent) else APIError(500, err.get("message", ""))
                         yield {"type": "error", "code": err.get("code"), "message": err.get("message", ""),
                                "param": err.get("param")}
                         failed = self.snapshot("failed")

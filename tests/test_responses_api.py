@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from openai_frontend.engine_types import EngineChunk
-from openai_frontend.errors import APIError
+from openai_frontend.errors import APIError, timed_out
 from openai_frontend.response_store import ResponseStore
 from openai_frontend.server import create_app
 from openai_frontend.settings import Settings
@@ -338,6 +338,12 @@ def test_an_engine_error_mid_stream_is_an_error_event_then_a_failed_response(sdk
     events = list(sdk.responses.create(model=MODEL, input="x", stream=True))
     assert [e.type for e in events[-2:]] == ["error", "response.failed"]
     assert "the engine stopped" in events[-2].message and events[-1].response.status == "failed"
+    # Not streaming, the error is the answer, with its own status and headers: a 504 for a
+    # generation past --stream-timeout, which the SDK is told not to retry.
+    fake.script = lambda req: [EngineChunk("a", [1], None, 3, 1), timed_out("generation ran past 5 s")]
+    r = httpx.post(str(sdk.base_url) + "responses", json={"model": MODEL, "input": "x"}, timeout=30)
+    assert (r.status_code, r.headers.get("x-should-retry")) == (504, "false"), r.text
+    assert "ran past" in r.json()["error"]["message"]
 
 
 def test_a_disconnected_stream_cancels_the_engine_request(sdk, fake):
