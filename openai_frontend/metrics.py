@@ -55,8 +55,9 @@ def endpoint_label(path: str) -> str:
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
     if path.startswith("/v1/responses/"):
-        if path.endswith("/input_items"):
-            return "/v1/responses/{response_id}/input_items"
+        for tail in ("/input_items", "/cancel"):
+            if path.endswith(tail):
+                return "/v1/responses/{response_id}" + tail
         return "/v1/responses/{response_id}"
     return "other"
 

@@ -8,6 +8,11 @@ written last, within `max_bytes` of JSON (reading a conversation touches each of
 conversation in use keeps its history). With several frontend `--workers` it lives in a directory they share, one JSON
 file a record, so a conversation's next turn finds its history whichever worker accepts the
 connection; one process keeps them in memory.
+
+A background response (`background: true`) also has, while it runs and after, the events of its
+stream (when it was created with `stream: true`, for GET ...?stream=true&starting_after=N to
+replay and follow) and may have a cancel asked of it (by whichever worker got the POST .../cancel,
+for the worker running it to act on). Both go with the record: evicted, pruned or deleted with it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class ResponseStore:
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
         self._memory: OrderedDict[str, str] = OrderedDict()  # id -> the record's JSON
+        self._events: dict[str, list[str]] = {}  # id -> its stream's events, JSON each (memory only)
+        self._cancels: set[str] = set()  # ids a cancel was asked of (memory only)
         self._bytes = 0
         self._writes = 0
         self._written = 0  # bytes written since the directory was last pruned
@@ -46,7 +53,7 @@ class ResponseStore:
             self._bytes += len(text) - len(self._memory.pop(response_id, ""))
             self._memory[response_id] = text
             while len(self._memory) > 1 and (len(self._memory) > self.capacity or self._bytes > self.max_bytes):
-                self._bytes -= len(self._memory.popitem(last=False)[1])
+                self._forget(next(iter(self._memory)))
             return
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         with os.fdopen(fd, "w") as f:
@@ -89,16 +96,76 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         if self.directory is None:
-            text = self._memory.pop(response_id, None)
-            self._bytes -= len(text or "")
-            return text is not None
+            known = response_id in self._memory
+            self._forget(response_id)
+            return known
         if not _ID.fullmatch(response_id):
             return False
         try:
             (self.directory / f"{response_id}.json").unlink()
         except OSError:
             return False
+        self._unlink_companions(self.directory / f"{response_id}.json")
         return True
+
+    # -- a background response's stream and cancel ---------------------------------------------
+
+    def open_events(self, response_id: str) -> None:
+        """Starts the (empty) stream of a stored response: events() is a list from now on."""
+        if self.directory is None:
+            if response_id in self._memory:
+                self._events.setdefault(response_id, [])
+        else:
+            (self.directory / f"{response_id}.events").touch()
+
+    def add_event(self, response_id: str, event: dict[str, Any]) -> None:
+        """Appends one event (with its sequence_number) to the response's stream."""
+        line = json.dumps(event)
+        if self.directory is None:
+            if response_id not in self._memory:  # evicted meanwhile: its stream goes with it
+                return
+            self._events.setdefault(response_id, []).append(line)
+            self._bytes += len(line)
+            return
+        with open(self.directory / f"{response_id}.events", "a") as f:
+            f.write(line + "\n")  # one write: a reader sees whole lines and at most one partial last one
+
+    def events(self, response_id: str, after: int = -1) -> Optional[list[dict[str, Any]]]:
+        """The stream's events numbered above `after`; None when the response has no stream kept."""
+        if self.directory is None:
+            lines = self._events.get(response_id)
+            if lines is None:
+                return None
+            return [json.loads(line) for line in lines[after + 1:]]
+        if not _ID.fullmatch(response_id):
+            return None
+        try:
+            text = (self.directory / f"{response_id}.events").read_text()
+        except OSError:
+            return None
+        lines = text.split("\n")[:-1]  # what follows the last newline is still being written
+        return [json.loads(line) for line in lines[after + 1:]]
+
+    def ask_cancel(self, response_id: str) -> None:
+        if self.directory is None:
+            self._cancels.add(response_id)
+        elif _ID.fullmatch(response_id):
+            (self.directory / f"{response_id}.cancel").touch()
+
+    def cancel_asked(self, response_id: str) -> bool:
+        if self.directory is None:
+            return response_id in self._cancels
+        return (self.directory / f"{response_id}.cancel").exists()
+
+    def _forget(self, response_id: str) -> None:
+        self._bytes -= len(self._memory.pop(response_id, ""))
+        self._bytes -= sum(len(line) for line in self._events.pop(response_id, ()))
+        self._cancels.discard(response_id)
+
+    @staticmethod
+    def _unlink_companions(record: Path) -> None:
+        for suffix in (".events", ".cancel"):
+            record.with_suffix(suffix).unlink(missing_ok=True)
 
     def _prune(self) -> None:
         self._written = 0
@@ -108,11 +175,16 @@ class ResponseStore:
                 stat = path.stat()
             except OSError:  # another worker pruned it meanwhile
                 continue
-            entries.append((stat.st_mtime_ns, stat.st_size, path))
+            try:
+                size = stat.st_size + path.with_suffix(".events").stat().st_size
+            except OSError:  # no stream kept
+                size = stat.st_size
+            entries.append((stat.st_mtime_ns, size, path))
         entries.sort()
         total = sum(size for _, size, _ in entries)
         for k, (_, size, path) in enumerate(entries[:-1]):  # the newest stays, whatever its size
             if len(entries) - k <= self.capacity and total <= self.max_bytes:
                 break
             path.unlink(missing_ok=True)
+            self._unlink_companions(path)
             total -= size

@@ -12,6 +12,8 @@ response they end with, so both give the same items.
 `store` (true unless false) keeps the response and its turn (`ResponseStore`) for
 GET /v1/responses/{id} and for `previous_response_id`, whose conversation (the chain of its
 turns) the new input continues (its instructions are not carried over, as OpenAI's are not).
+`background` runs the turn in a task of its own (`background.py`), with GET, replay of its
+stream and cancel from any frontend worker.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Mapping, Optional
 
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from openai_frontend.background import FINAL, BackgroundRuns
 from openai_frontend.chat import ChatHandler
-from openai_frontend.common import Context, ErrorEvent, dumps, json_response
+from openai_frontend.common import Context, ErrorEvent, dumps, error_event, json_response
 from openai_frontend.errors import APIError, bad_request, unsupported
 from openai_frontend.protocol import ChatCompletionRequest, ResponsesReasoning, ResponsesRequest, ResponsesText
-from openai_frontend.response_items import OutputBuilder, input_items, input_messages, new_id, output_messages, snapshot
+from openai_frontend.response_items import (OutputBuilder, input_items, input_messages, list_items, new_id,
+                                            output_messages, snapshot)
 from openai_frontend.response_store import ResponseStore
 from openai_frontend.streams import sse_response
 from openai_frontend.validation_errors import validation_message
@@ -37,7 +41,7 @@ from openai_frontend.validation_errors import validation_message
 # Responses names.
 _PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                 "reasoning_effort": "reasoning.effort", "logprobs": "top_logprobs"}
-_REFUSED = ("background", "conversation", "prompt", "context_management", "access_programs", "background_options",
+_REFUSED = ("conversation", "prompt", "context_management", "access_programs", "background_options",
             "image", "moderation", "prompt_cache_options")
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -208,11 +212,17 @@ class _Turn:
     def snapshot(self, status: str, usage: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         return self.handler.response_object(self, status, usage)
 
+    def record(self, response: dict[str, Any]) -> None:
+        self.handler.record(self, response)
+
     async def events(self, chat_events: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
         builder = self.builder
-        started = self.snapshot("in_progress")
+        # A background response is queued until the engine's first token; a foreground one has
+        # waited for that token before its answer began.
+        queued = bool(self.req.background)
+        started = self.snapshot("queued" if queued else "in_progress")
         yield {"type": "response.created", "response": started}
-        yield {"type": "response.in_progress", "response": started}
+        yield {"type": "response.queued" if queued else "response.in_progress", "response": started}
         incomplete = False
         usage = None
         try:
@@ -221,6 +231,9 @@ class _Turn:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
+                    if queued and "error" not in chunk:
+                        queued = False
+                        yield {"type": "response.in_progress", "response": self.snapshot("in_progress")}
                     if "error" in chunk:
                         err = chunk["error"]
                         # The chat stream's error events are ErrorEvents: the error with its status
@@ -254,7 +267,7 @@ class _Turn:
         for e in builder.finish(incomplete):
             yield e
         self.response = self.snapshot("incomplete" if incomplete else "completed", usage)
-        self.handler.keep(self)
+        self.record(self.response)
         yield {"type": "response.incomplete" if incomplete else "response.completed", "response": self.response}
 
 
@@ -263,35 +276,32 @@ class ResponsesHandler:
         self.ctx = ctx
         self.chat = chat
         self.store = store
+        self.runs = BackgroundRuns(store)
 
     async def __call__(self, req: ResponsesRequest, request_id: str) -> Response:
         if req.stream_options is not None and req.stream_options.include_obfuscation:
             raise unsupported("stream_options.include_obfuscation", "this server does not pad its stream events")
+        if req.background and not self._stores(req):
+            raise bad_request("A background response must be stored: it is read back with GET /v1/responses/{id}"
+                              + (" (store is false)" if req.store is False
+                                 else " (this server keeps no responses: --responses-store-size 0)"),
+                              param="store" if req.store is False else "background")
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
-            stored = self.store.conversation(req.previous_response_id)
-            if stored is None:
-                raise bad_request(f"Previous response with id '{req.previous_response_id}' not found (or a turn "
-                                  "of its conversation is no longer stored)",
-                                  param="previous_response_id", code="previous_response_not_found")
-            history = stored
+            history = self._history(req.previous_response_id)
         body, turn_input, tools = chat_request(req, history)
         chat_req = _validated(body)
-        try:
-            # The chat route streams either way: one path from chat chunks to items makes both
-            # modes' items alike.
-            answer = await self._chat(chat_req, request_id, req)
-        except APIError as exc:
-            if not (exc.status_code == 400 and tools.defaulted and _about_a_schema(exc)):
-                raise
-            # OpenAI's rule for a tool that leaves `strict` out: strict where the schema allows it,
-            # else not.
-            body["tools"] = tools.without_default_strict()
-            chat_req = _validated(body)
-            answer = await self._chat(chat_req, request_id, req)
         turn = _Turn(self, req, chat_req.model or self.ctx.model_name, bool(chat_req.logprobs), turn_input,
                      tools.namespaces)
-        events = turn.events(answer.body)
+        if req.background:
+            # The POST does not wait for the engine: what fails from here on fails the response.
+            turn.record(turn.snapshot("queued"))
+            self.runs.start(turn, turn.events(_started_later(self._start(body, chat_req, tools, request_id, req))),
+                            streamed=bool(req.stream))
+            if req.stream:
+                return sse_response(_sse(self.runs.follow(turn.id, -1)), hooks=self.ctx.stream_hooks)
+            return json_response(self.runs.view(self.store.get(turn.id) or {"response": turn.snapshot("queued")}))
+        events = turn.events((await self._start(body, chat_req, tools, request_id, req)).body)
         if req.stream:
             return sse_response(_sse(events), hooks=self.ctx.stream_hooks)
         try:
@@ -303,11 +313,105 @@ class ResponsesHandler:
             raise turn.error
         return json_response(turn.response)
 
+    def _history(self, previous_response_id: str) -> list[dict[str, Any]]:
+        record = self.store.get(previous_response_id)
+        if record is not None and self.runs.view(record)["status"] in ("queued", "in_progress"):
+            raise bad_request(f"Previous response with id '{previous_response_id}' has not finished yet: a "
+                              "conversation continues from a finished response", param="previous_response_id")
+        stored = self.store.conversation(previous_response_id) if record is not None else None
+        if stored is None:
+            raise bad_request(f"Previous response with id '{previous_response_id}' not found (or a turn "
+                              "of its conversation is no longer stored)",
+                              param="previous_response_id", code="previous_response_not_found")
+        return stored
+
+    async def _start(self, body: dict[str, Any], chat_req: ChatCompletionRequest, tools: ToolSet,
+                     request_id: str, req: ResponsesRequest) -> Any:
+        """The chat route's streamed answer (the chat route streams either way: one path from chat
+        chunks to items makes both modes' items alike)."""
+        try:
+            return await self._chat(chat_req, request_id, req)
+        except APIError as exc:
+            if not (exc.status_code == 400 and tools.defaulted and _about_a_schema(exc)):
+                raise
+        # OpenAI's rule for a tool that leaves `strict` out: strict where the schema allows it,
+        # else not.
+        body["tools"] = tools.without_default_strict()
+        return await self._chat(_validated(body), request_id, req)
+
+    # -- stored responses: GET, input items, cancel, DELETE -------------------------------------
+
+    def stored(self, response_id: str) -> dict[str, Any]:
+        record = self.store.get(response_id)
+        if record is None:
+            raise APIError(404, f"Response with id '{response_id}' not found", param="response_id",
+                           code="response_not_found")
+        return record
+
+    def retrieve(self, response_id: str, query: Mapping[str, str]) -> Response:
+        """The response as it stands, or (stream=true) a background one's events after
+        `starting_after`, then each as it comes."""
+        _known_query(query, ("stream", "starting_after", "include_obfuscation"))
+        if query.get("include_obfuscation", "false") != "false":
+            raise unsupported("include_obfuscation", "this server does not pad its stream events")
+        stream = query.get("stream", "false")
+        if stream not in ("true", "false"):
+            raise bad_request("stream must be 'true' or 'false'", param="stream")
+        record = self.stored(response_id)
+        if stream == "false":
+            if "starting_after" in query:
+                raise bad_request("starting_after goes with stream=true", param="starting_after")
+            return json_response(self.runs.view(record))
+        after = _int_or_none(query.get("starting_after", "-1"))
+        if after is None or after < -1:
+            raise bad_request("starting_after must be an event's sequence number (an integer, 0 or more)",
+                              param="starting_after")
+        if self.store.events(response_id) is None:
+            raise bad_request(f"Response with id '{response_id}' has no stream to replay: only one created with "
+                              "background and stream true keeps its events", param="stream")
+        return sse_response(_sse(self.runs.follow(response_id, after)), hooks=self.ctx.stream_hooks)
+
+    def list_input_items(self, response_id: str, query: Mapping[str, str]) -> Response:
+        _known_query(query, ("after", "limit", "order"))
+        limit = _int_or_none(query.get("limit", "20"))
+        if limit is None or not 1 <= limit <= 100:
+            raise bad_request("limit must be an integer from 1 to 100", param="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request("order must be 'asc' or 'desc'", param="order")
+        record = self.stored(response_id)
+        return json_response(list_items(record.get("input_items", []), query.get("after"), limit, order))
+
+    async def cancel(self, response_id: str) -> Response:
+        """Stops a background response (OpenAI's rules: a foreground one cannot be, a finished one
+        neither, a cancelled one is cancelled again as it was)."""
+        response = self.runs.view(self.stored(response_id))
+        status = response.get("status")
+        if not response.get("background"):
+            raise bad_request("Cannot cancel a synchronous response: only a background one can be cancelled",
+                              param="response_id")
+        if status == "cancelled":
+            return json_response(response)
+        if status in FINAL:
+            raise bad_request(f"Cannot cancel a response that is already {status}", param="response_id")
+        record = await self.runs.cancel(response_id)
+        return json_response(self.runs.view(record if record is not None else self.stored(response_id)))
+
+    async def delete(self, response_id: str) -> Response:
+        record = self.store.get(response_id)
+        if record is not None and self.runs.view(record)["status"] in ("queued", "in_progress"):
+            await self.runs.cancel(response_id)  # a background turn still running stops first
+        if not self.store.delete(response_id):
+            self.stored(response_id)  # the 404
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
     async def _chat(self, chat_req: ChatCompletionRequest, request_id: str, req: ResponsesRequest) -> Any:
         # Not streaming, the engine need not send each step's tokens (each response costs Triton's
         # path as much as a token), except with logprobs: which item a token's logprob goes with
         # follows the chunks it came in, and a streamed answer has them token by token.
-        one_chunk = not req.stream and not chat_req.logprobs
+        # A background response streams from the engine either way: it is in progress from its
+        # first token.
+        one_chunk = not req.stream and not chat_req.logprobs and not req.background
         try:
             return await self.chat(chat_req, request_id, engine_stream=False if one_chunk else None)
         except APIError as exc:
@@ -338,7 +442,7 @@ class ResponsesHandler:
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": req.max_tool_calls, "model": turn.model,
-            "output": snapshot({"o": turn.builder.items})["o"] if status != "in_progress" else [],
+            "output": snapshot({"o": turn.builder.items})["o"] if status not in ("queued", "in_progress") else [],
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
@@ -346,27 +450,57 @@ class ResponsesHandler:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p,
             "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,
-            "metadata": req.metadata or {}, "background": False, "service_tier": req.service_tier or "default",
+            "metadata": req.metadata or {}, "background": bool(req.background), "service_tier": req.service_tier or "default",
             "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
         }
 
     def _stores(self, req: ResponsesRequest) -> bool:
         return req.store is not False and self.store.capacity > 0
 
-    def keep(self, turn: _Turn) -> None:
+    def record(self, turn: _Turn, response: dict[str, Any]) -> None:
+        """Stores the turn as `response` says it stands (with `store`); `worker` names the
+        process (and app) that runs it, for a background one's readers to tell it is gone."""
         if self._stores(turn.req):
-            self.store.put(turn.id, {"response": turn.response, "previous": turn.req.previous_response_id,
+            self.store.put(turn.id, {"response": response, "previous": turn.req.previous_response_id,
                                      "turn": turn.input + output_messages(turn.builder.items),
-                                     "input_items": input_items(turn.req.input)})
+                                     "input_items": input_items(turn.req.input), "worker": self.runs.worker})
+
+
+def _known_query(query: Mapping[str, str], known: tuple[str, ...]) -> None:
+    for key in query:
+        if key not in known:
+            raise unsupported(key) if key.startswith("include") else bad_request(
+                f"Unknown query parameter '{key}'", param=key)
+
+
+def _int_or_none(text: str) -> Optional[int]:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+async def _started_later(start: Awaitable[Response]) -> AsyncIterator[bytes]:
+    """The chat stream `start` answers with, once it does; a refusal to start is its one error event."""
+    try:
+        answer = await start
+    except APIError as exc:
+        yield error_event(exc)
+        return
+    try:
+        async for raw in answer.body:
+            yield raw
+    finally:
+        await answer.body.aclose()
 
 
 async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """Responses events as SSE, each numbered in order."""
+    """Responses events as SSE, numbered in order (a background response's come numbered)."""
     try:
         seq = 0
         async for payload in events:
-            payload["sequence_number"] = seq
-            seq += 1
+            payload.setdefault("sequence_number", seq)
+            seq = payload["sequence_number"] + 1
             yield f"event: {payload['type']}\ndata: {dumps(payload)}\n\n".encode()
     finally:
         await events.aclose()  # type: ignore[attr-defined]

@@ -3,7 +3,7 @@
 `create_app(settings, client=None)` builds the app; `client` defaults to a `TritonLLMClient` on
 `settings.triton_url` / `settings.triton_model` (tests pass a fake one).
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /generate, /parse_function_call,
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{id}/cancel), /generate, /parse_function_call,
 /separate_reasoning, /tokenize, /detokenize, /load_lora_adapter, /unload_lora_adapter (and their
 /v1/ forms, with --allow-runtime-lora-updating);
 GET /v1/models, /v1/models/{id}, /v1/responses/{id} (and DELETE) and its /input_items, /health, /get_model_info, /metrics, /openapi.json.
@@ -42,7 +42,7 @@ from openai_frontend.chat import ChatHandler
 from openai_frontend.common import Context, error_event, json_response
 from openai_frontend.completions import CompletionHandler
 from openai_frontend.engine_types import EngineClient, EngineRequest
-from openai_frontend.errors import APIError, bad_request, model_not_found, unavailable, unsupported
+from openai_frontend.errors import APIError, bad_request, model_not_found, unavailable
 from openai_frontend.generate import GenerateHandler
 from openai_frontend.metrics import FrontendMetrics, SharedMetrics, endpoint_label
 from openai_frontend.protocol import (
@@ -61,7 +61,6 @@ from openai_frontend.protocol import (
 from openai_frontend import request_context
 from openai_frontend.reasoning import get_reasoning_format, split_reasoning
 from openai_frontend.response_store import ResponseStore
-from openai_frontend.response_items import list_items
 from openai_frontend.responses import ResponsesHandler
 from openai_frontend.sampling import openai_param
 from openai_frontend.settings import Settings
@@ -284,6 +283,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     async def lifespan(app: FastAPI):
         publisher = asyncio.ensure_future(shared.run(client_counts)) if shared else None
         yield
+        await responses.runs.close()
         if publisher is not None:
             publisher.cancel()
             shared.publish(**client_counts())
@@ -446,44 +446,21 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, responses(body, _request_id(request, body.request_id)))
 
-    def response_not_found(response_id: str) -> APIError:
-        return APIError(404, f"Response with id '{response_id}' not found", param="response_id",
-                        code="response_not_found")
-
-    def stored_response(response_id: str) -> dict[str, Any]:
-        stored = response_store.get(response_id)
-        if stored is None:
-            raise response_not_found(response_id)
-        return stored
-
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> Response:
-        return json_response(stored_response(response_id)["response"])
+    async def get_response(response_id: str, request: Request) -> Response:
+        return responses.retrieve(response_id, request.query_params)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, request: Request) -> Response:
-        query = request.query_params
-        for key in query:
-            if key not in ("after", "limit", "order"):
-                raise unsupported(key) if key.startswith("include") else bad_request(
-                    f"Unknown query parameter '{key}'", param=key)
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise bad_request("limit must be an integer from 1 to 100", param="limit")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise bad_request("order must be 'asc' or 'desc'", param="order")
-        stored = stored_response(response_id)
-        return json_response(list_items(stored.get("input_items", []), query.get("after"), limit, order))
+        return responses.list_input_items(response_id, request.query_params)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return await responses.cancel(response_id)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
-        if not response_store.delete(response_id):
-            raise response_not_found(response_id)
-        return json_response({"id": response_id, "object": "response", "deleted": True})
+        return await responses.delete(response_id)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

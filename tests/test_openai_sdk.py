@@ -14,6 +14,7 @@ never about the meaning of the text. One tritonserver and one frontend for the m
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -1197,3 +1198,31 @@ def test_responses_tools_are_strict_unless_their_schema_cannot_be_held(client):
     assert "not" in info.value.body["message"]
     # Left out, strict is tried and falls back (OpenAI's rule), so the request is served.
     assert client.responses.create(tools=[tool], **kwargs).status in ("completed", "incomplete")
+
+
+def test_responses_in_the_background_finish_as_in_the_foreground_and_a_cancel_frees_the_engine(client, triton):
+    kwargs = dict(model=MODEL, input=MESSAGES[0]["content"], max_output_tokens=16, **GREEDY)
+    foreground = client.responses.create(**kwargs)
+    r = client.responses.create(background=True, **kwargs)
+    assert r.status == "queued" and r.background
+    deadline = time.monotonic() + 60
+    while r.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        r = client.responses.retrieve(r.id)
+    assert r.status == foreground.status and r.output_text == foreground.output_text
+    # A long one, streamed, left by its client and followed again, then cancelled: the engine
+    # request is aborted (the fixture waits for every KV block to be free).
+    events = client.responses.create(background=True, stream=True, **{**kwargs, "max_output_tokens": 900})
+    seen = []
+    for event in events:
+        seen.append(event)
+        if len(seen) == 8:
+            break
+    events.close()
+    rid = seen[0].response.id
+    again = client.responses.retrieve(rid, stream=True, starting_after=5)
+    assert next(iter(again)).sequence_number == 6
+    again.close()
+    cancelled = client.responses.cancel(rid)
+    assert cancelled.status == "cancelled" and 0 < len(cancelled.output_text) < 900 * 4, cancelled
+    assert client.responses.retrieve(rid).status == "cancelled"

@@ -370,7 +370,6 @@ def test_a_disconnected_stream_cancels_the_engine_request(sdk, fake):
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
-    ({"background": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),
@@ -488,3 +487,193 @@ def test_a_store_keeps_within_its_bytes(tmp_path):
         huge.put(ids[0], {"turn": [big]})  # larger than the budget alone: the newest stays
         assert huge.get(ids[0]) == {"turn": [big]}
 
+
+
+# -- background responses ------------------------------------------------------------------------
+
+
+def _until(sdk, rid: str, statuses: tuple[str, ...], timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        r = sdk.responses.retrieve(rid)
+        if r.status in statuses or time.monotonic() > deadline:
+            return r
+        time.sleep(0.01)
+
+
+def _long(fake, delay: float = 0.01) -> None:
+    fake.script = lambda req: [EngineChunk("t", [1], None, 3, i + 1) for i in range(10_000)]
+    fake.delay = delay
+    fake.closed_early.clear()
+
+
+def test_a_background_response_answers_queued_and_finishes_with_the_foreground_s_output(sdk, fake):
+    fake.script = lambda req: text_chunks(THINK)
+    foreground = sdk.responses.create(model=MODEL, input="Weather?", tools=TOOLS)
+    fake.delay = 0.3  # the first token comes after the POST has answered
+    r = sdk.responses.create(model=MODEL, input="Weather?", tools=TOOLS, background=True)
+    assert (r.status, r.background, r.output) == ("queued", True, [])
+    assert sdk.responses.retrieve(r.id).status == "queued"
+    assert _until(sdk, r.id, ("in_progress", "completed")).status == "in_progress"
+    done = _until(sdk, r.id, ("completed",))
+    assert done.status == "completed" and done.background is True
+    assert _plain(done.output) == _plain(foreground.output) and done.usage.output_tokens == foreground.usage.output_tokens
+    # A background turn streams from the engine, so that it is in progress from its first token.
+    assert fake.requests[-1].stream is True
+    # It continues a conversation once it has finished.
+    fake.delay = 0.0
+    sdk.responses.create(model=MODEL, input="And tomorrow?", previous_response_id=r.id)
+    assert [m["role"] for m in fake.requests[-1].messages][-3:] == ["user", "assistant", "user"]
+
+
+def test_a_background_stream_is_replayed_from_any_sequence_number_and_followed_to_its_end(sdk, fake):
+    fake.script = lambda req: text_chunks(["It", " is", " sunny", "."])
+    fake.delay = 0.05
+    with httpx.Client(timeout=10) as http:
+        with http.stream("POST", str(sdk.base_url) + "responses",
+                         json={"model": MODEL, "input": "x", "background": True, "stream": True}) as r:
+            first = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    first.append(json.loads(line[6:]))
+                if len(first) == 5:
+                    break  # the client leaves: the turn goes on
+    rid = first[0]["response"]["id"]
+    assert [e["type"] for e in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert first[0]["response"]["status"] == "queued" and first[2]["response"]["status"] == "in_progress"
+    rest = list(sdk.responses.retrieve(rid, stream=True, starting_after=4))
+    assert rest[0].sequence_number == 5 and rest[-1].type == "response.completed"
+    whole = list(sdk.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in whole] == list(range(len(whole)))
+    assert [e["type"] for e in first] + [e.type for e in rest] == [e.type for e in whole]
+    assert whole[-1].response.output_text == "It is sunny." == _until(sdk, rid, ("completed",)).output_text
+    # The SDK's own stream manager resumes from a number too.
+    with sdk.responses.stream(response_id=rid, starting_after=2) as stream:
+        assert stream.get_final_response().output_text == "It is sunny."
+    assert fake.finished[-1] == "completed"
+
+
+def test_a_cancelled_background_response_aborts_its_engine_request(sdk, fake):
+    _long(fake)
+    r = sdk.responses.create(model=MODEL, input="x", background=True, stream=False)
+    assert _until(sdk, r.id, ("in_progress",)).status == "in_progress"
+    time.sleep(0.1)
+    cancelled = sdk.responses.cancel(r.id)
+    assert cancelled.status == "cancelled" and cancelled.output_text.startswith("ttt")
+    assert fake.closed_early.wait(5), "the engine stream was not closed"
+    assert sdk.responses.retrieve(r.id).status == "cancelled"
+    assert sdk.responses.cancel(r.id).status == "cancelled"  # again: as it was
+    # A streamed one: its followers' streams end with the events they had.
+    _long(fake)
+    events = sdk.responses.create(model=MODEL, input="x", background=True, stream=True)
+    rid = next(iter(events)).response.id
+    sdk.responses.cancel(rid)
+    rest = list(events)
+    assert rest and rest[-1].type not in ("response.completed", "response.failed")
+    assert list(sdk.responses.retrieve(rid, stream=True, starting_after=len(rest))) == []
+
+
+def test_cancel_refuses_foreground_finished_and_unknown_responses(sdk, fake):
+    fake.script = lambda req: text_chunks(["ok"])
+    foreground = sdk.responses.create(model=MODEL, input="x")
+    with pytest.raises(openai.BadRequestError, match="synchronous"):
+        sdk.responses.cancel(foreground.id)
+    done = sdk.responses.create(model=MODEL, input="x", background=True)
+    _until(sdk, done.id, ("completed",))
+    with pytest.raises(openai.BadRequestError, match="already completed"):
+        sdk.responses.cancel(done.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.cancel("resp_0123456789abcdef")
+    with pytest.raises(openai.BadRequestError, match="no stream to replay"):
+        sdk.responses.retrieve(done.id, stream=True)
+
+
+def test_background_refusals_and_query_errors(sdk, fake):
+    assert _refusal(sdk, input="x", background=True, store=False)["param"] == "store"
+    _long(fake)
+    running = sdk.responses.create(model=MODEL, input="x", background=True, stream=True)
+    rid = next(iter(running)).response.id
+    body = _refusal(sdk, input="y", previous_response_id=rid)
+    assert body["param"] == "previous_response_id" and "has not finished" in body["message"]
+    with httpx.Client(base_url=str(sdk.base_url), timeout=10) as http:
+        for query, param in (({"stream": "yes"}, "stream"), ({"stream": "true", "starting_after": "x"}, "starting_after"),
+                             ({"starting_after": "3"}, "starting_after"), ({"bogus": "1"}, "bogus"),
+                             ({"include_obfuscation": "true"}, "include_obfuscation")):
+            r = http.get(f"responses/{rid}", params=query)
+            assert (r.status_code, r.json()["error"]["param"]) == (400, param), (query, r.text)
+        # DELETE stops a turn still running, then forgets it.
+        assert http.delete(f"responses/{rid}").json()["deleted"] is True
+    assert fake.closed_early.wait(5)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(rid)
+    running.close()
+
+
+def test_a_background_response_that_cannot_start_fails_with_the_reason(sdk, fake):
+    fake.script = lambda req: APIError(400, "the prompt is longer than the model's context", param="input")
+    r = sdk.responses.create(model=MODEL, input="x", background=True)
+    failed = _until(sdk, r.id, ("failed",))
+    assert failed.status == "failed" and "longer than the model" in failed.error.message
+
+
+def test_workers_sharing_a_store_see_follow_and_cancel_each_other_s_background_responses(fake, tmp_path):
+    settings = Settings(model_name=MODEL, metrics_dir=str(tmp_path))
+    with serve_in_thread(create_app(settings, client=fake)) as one, \
+            serve_in_thread(create_app(settings, client=fake)) as two:
+        a = openai.OpenAI(base_url=one + "/v1", api_key="x", max_retries=0)
+        b = openai.OpenAI(base_url=two + "/v1", api_key="x", max_retries=0)
+        fake.script = lambda req: text_chunks(["It", " is", " sunny", "."])
+        fake.delay = 0.05
+        rid = next(iter(a.responses.create(model=MODEL, input="x", background=True, stream=True))).response.id
+        events = list(b.responses.retrieve(rid, stream=True))  # followed from the other worker to its end
+        assert events[-1].type == "response.completed" and events[-1].response.output_text == "It is sunny."
+        assert b.responses.retrieve(rid).status == "completed"
+        _long(fake)
+        r = a.responses.create(model=MODEL, input="x", background=True)
+        assert _until(b, r.id, ("in_progress",)).status == "in_progress"
+        assert b.responses.cancel(r.id).status == "cancelled"  # asked through the store
+        assert fake.closed_early.wait(5) and a.responses.retrieve(r.id).status == "cancelled"
+        # A turn still running when its frontend stops ends failed, saying so.
+        _long(fake)
+        r = b.responses.create(model=MODEL, input="x", background=True)
+        assert _until(a, r.id, ("in_progress",)).status == "in_progress"
+    record = ResponseStore(10, str(tmp_path / "responses")).get(r.id)
+    assert record["response"]["status"] == "failed" and "shut down" in record["response"]["error"]["message"]
+
+
+def test_a_background_response_whose_worker_is_gone_reads_as_failed(tmp_path):
+    import subprocess
+
+    from openai_frontend.background import BackgroundRuns
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    store = ResponseStore(10, str(tmp_path))
+    runs = BackgroundRuns(store)
+    response = {"id": "resp_00000000000000aa", "status": "in_progress", "background": True}
+    for worker, status in ((f"{gone.pid}:abcd", "failed"), (runs.worker, "failed"),
+                           (f"{__import__('os').getpid()}:other", "in_progress")):
+        view = runs.view({"response": response, "worker": worker})
+        assert view["status"] == status, worker
+    assert "exited" in runs.view({"response": response, "worker": f"{gone.pid}:abcd"})["error"]["message"]
+
+
+def test_a_store_forgets_a_response_s_stream_and_cancel_with_it(tmp_path):
+    for store in (ResponseStore(2), ResponseStore(2, str(tmp_path))):
+        ids = [f"resp_{i:016x}" for i in range(3)]
+        store.put(ids[0], {"response": {}})
+        assert store.events(ids[0]) is None
+        store.open_events(ids[0])
+        for k in range(3):
+            store.add_event(ids[0], {"sequence_number": k})
+        assert [e["sequence_number"] for e in store.events(ids[0], 0)] == [1, 2]
+        store.ask_cancel(ids[0])
+        assert store.cancel_asked(ids[0]) and not store.cancel_asked(ids[1])
+        for rid in ids[1:]:
+            time.sleep(0.002)
+            store.put(rid, {"response": {}})
+        if store.directory is not None:
+            store._prune()
+        assert store.get(ids[0]) is None and store.events(ids[0]) is None and not store.cancel_asked(ids[0])
+        if store.directory is not None:
+            assert sorted(p.suffix for p in tmp_path.iterdir() if p.name.startswith("resp_")) == [".json", ".json"]
