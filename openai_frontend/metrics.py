@@ -40,7 +40,7 @@ from openai_frontend.processes import process_alive
 # Paths reported under their own name; anything else is "other" (bounded label cardinality).
 # Every route of server.py (tests/test_frontend_unit.py checks).
 ENDPOINTS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate", "/parse_function_call", "/separate_reasoning",
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/conversations", "/generate", "/parse_function_call", "/separate_reasoning",
     "/v1/models", "/health", "/ping", "/health_generate", "/get_model_info", "/get_server_info", "/server_info", "/metrics",
     "/openapi.json", "/tokenize", "/detokenize", "/abort_request", "/flush_cache", "/reset_prefix_cache",
     "/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
@@ -59,6 +59,12 @@ def endpoint_label(path: str) -> str:
             if path.endswith(tail):
                 return "/v1/responses/{response_id}" + tail
         return "/v1/responses/{response_id}"
+    if path.startswith("/v1/conversations/"):
+        parts = path.split("/")  # "", "v1", "conversations", id[, "items"[, item_id]]
+        if len(parts) == 4:
+            return "/v1/conversations/{conversation_id}"
+        if len(parts) in (5, 6) and parts[4] == "items":
+            return "/v1/conversations/{conversation_id}/items" + ("/{item_id}" if len(parts) == 6 else "")
     return "other"
 
 

@@ -540,6 +540,35 @@ class ResponsesRequest(_Body):
         return ChatCompletionRequest._metadata_limits(v)
 
 
+class ConversationCreateRequest(_Body):
+    """POST /v1/conversations: its first items (as a response's input items), and metadata."""
+
+    items: Optional[list[dict[str, Any]]] = Field(None, max_length=20)
+    metadata: Optional[dict[str, str]] = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, v: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+        return ChatCompletionRequest._metadata_limits(v)
+
+
+class ConversationUpdateRequest(_Body):
+    """POST /v1/conversations/{id}: its metadata, replaced."""
+
+    metadata: dict[str, str]
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, v: dict[str, str]) -> dict[str, str]:
+        return ChatCompletionRequest._metadata_limits(v)
+
+
+class ConversationItemsRequest(_Body):
+    """POST /v1/conversations/{id}/items: items to add at its end."""
+
+    items: list[dict[str, Any]] = Field(..., min_length=1, max_length=20)
+
+
 # ---------------------------------------------------------------------------------------------
 # Responses (shapes; the handlers build them as dicts)
 # ---------------------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ def _text_of(content: Any, where: str, field: str = "content") -> str:
     return "".join(texts)
 
 
-def input_messages(items: Optional[str | list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Input items as chat messages. A function call joins the assistant message before it (or
+def input_messages(items: Optional[str | list[dict[str, Any]]], name: str = "input") -> list[dict[str, Any]]:
+    """Input items (the body's `name`, for errors) as chat messages. A function call joins the assistant message before it (or
     starts one); a reasoning item goes to the assistant message after it as its
     reasoning_content, which chat templates render (or drop) as they do a chat's (with none
     after it, to an assistant message of its own)."""
@@ -66,7 +66,7 @@ def input_messages(items: Optional[str | list[dict[str, Any]]]) -> list[dict[str
             assistant(joins=False)
 
     for i, item in enumerate(items or ()):
-        where = f"input[{i}]"
+        where = f"{name}[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -242,6 +242,11 @@ def snapshot(value: dict[str, Any]) -> dict[str, Any]:
 _ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
+def item_id(kind: Any) -> str:
+    """A new id for an item of this type (OpenAI's prefixes)."""
+    return new_id(_ITEM_ID_PREFIX.get(kind, "item") if isinstance(kind, str) else "item")
+
+
 def input_items(value: Optional[str | list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """A request's input as OpenAI lists it back (GET .../input_items): items with ids, a
     message's text as content parts."""
@@ -256,25 +261,27 @@ def input_items(value: Optional[str | list[dict[str, Any]]]) -> list[dict[str, A
                 part = "output_text" if item.get("role") == "assistant" else "input_text"
                 item["content"] = [{"type": part, "text": item["content"]}]
             item.setdefault("status", "completed")
-        item.setdefault("id", new_id(_ITEM_ID_PREFIX.get(kind, "item")))
+        item.setdefault("id", item_id(kind))
         out.append(item)
     return out
 
 
-def list_items(items: list[dict[str, Any]], after: Optional[str], limit: int, order: str) -> dict[str, Any]:
+def list_items(items: list[dict[str, Any]], after: Optional[str], limit: int, order: str,
+               whose: str = "response's input") -> dict[str, Any]:
     """OpenAI's list object over `items` (oldest first): `order` desc starts from the newest;
     `after` is the id of the item the page starts after."""
     ordered = items[::-1] if order == "desc" else items
     if after is not None:
         ids = [item["id"] for item in ordered]
         if after not in ids:
-            raise bad_request(f"No input item with id '{after}' in this response", param="after")
+            raise bad_request(f"No item with id '{after}' in this {whose}", param="after")
         ordered = ordered[ids.index(after) + 1:]
     page = ordered[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
 
 
-def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A response's output items as the chat messages a next turn's history holds."""
-    return input_messages([{k: v for k, v in item.items() if k != "status"} for item in items])
+def output_messages(items: list[dict[str, Any]], name: str = "output") -> list[dict[str, Any]]:
+    """A response's output items (or a conversation's items) as the chat messages a next turn's
+    history holds."""
+    return input_messages([{k: v for k, v in item.items() if k != "status"} for item in items], name)

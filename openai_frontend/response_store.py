@@ -13,20 +13,25 @@ A background response (`background: true`) also has, while it runs and after, th
 stream (when it was created with `stream: true`, for GET ...?stream=true&starting_after=N to
 replay and follow) and may have a cancel asked of it (by whichever worker got the POST .../cancel,
 for the worker running it to act on). Both go with the record: evicted, pruned or deleted with it.
+
+A conversation (the Conversations API, conversations.py) is a record too, under its "conv_" id,
+changed in place with update(); it shares the capacity and the byte budget.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-# The ids this server hands out ("resp_" + hex): anything else is no file name to open.
-_ID = re.compile(r"resp_[0-9a-f]{8,64}")
+# The ids this server hands out (a response's "resp_" or a conversation's "conv_", then hex):
+# anything else is no file name to open.
+_ID = re.compile(r"(resp|conv)_[0-9a-f]{8,64}")
 # Files are pruned to capacity every this many writes (a directory listing each time costs more).
 _PRUNE_EVERY = 32
 
@@ -81,7 +86,27 @@ class ResponseStore:
             return None
         return record
 
-    def conversation(self, response_id: str, limit: int = 100_000) -> Optional[list[dict[str, Any]]]:
+    def update(self, record_id: str, change: Callable[[dict[str, Any]], Any]) -> Any:
+        """Reads the record, lets `change` edit it and writes it back, in one step for every
+        worker sharing the directory; `change`'s result (None, without writing, when the record
+        is not stored)."""
+        if self.directory is None:
+            record = self.get(record_id)
+            if record is None:
+                return None
+            result = change(record)
+            self.put(record_id, record)
+            return result
+        with open(self.directory / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            record = self.get(record_id)
+            if record is None:
+                return None
+            result = change(record)
+            self.put(record_id, record)
+            return result
+
+    def chain(self, response_id: str, limit: int = 100_000) -> Optional[list[dict[str, Any]]]:
         """The messages of every turn up to and including this response's, oldest first; None when
         the response, or a turn before it, is no longer stored."""
         turns = []
@@ -170,7 +195,7 @@ class ResponseStore:
     def _prune(self) -> None:
         self._written = 0
         entries = []
-        for path in self.directory.glob("resp_*.json"):
+        for path in self.directory.glob("*_*.json"):
             try:
                 stat = path.stat()
             except OSError:  # another worker pruned it meanwhile

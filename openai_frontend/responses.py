@@ -13,7 +13,8 @@ response they end with, so both give the same items.
 GET /v1/responses/{id} and for `previous_response_id`, whose conversation (the chain of its
 turns) the new input continues (its instructions are not carried over, as OpenAI's are not).
 `background` runs the turn in a task of its own (`background.py`), with GET, replay of its
-stream and cancel from any frontend worker.
+stream and cancel from any frontend worker. `conversation` reads a conversation's items as the
+history instead, and adds the turn to it once it has finished (`conversations.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from starlette.responses import Response
 from openai_frontend.background import FINAL, BackgroundRuns
 from openai_frontend.chat import ChatHandler
 from openai_frontend.common import Context, ErrorEvent, dumps, error_event, json_response
+from openai_frontend.conversations import Conversations
 from openai_frontend.errors import APIError, bad_request, unsupported
 from openai_frontend.protocol import ChatCompletionRequest, ResponsesReasoning, ResponsesRequest, ResponsesText
 from openai_frontend.response_items import (OutputBuilder, input_items, input_messages, list_items, new_id,
@@ -41,7 +43,7 @@ from openai_frontend.validation_errors import validation_message
 # Responses names.
 _PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                 "reasoning_effort": "reasoning.effort", "logprobs": "top_logprobs"}
-_REFUSED = ("conversation", "prompt", "context_management", "access_programs", "background_options",
+_REFUSED = ("prompt", "context_management", "access_programs", "background_options",
             "image", "moderation", "prompt_cache_options")
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -204,6 +206,8 @@ class _Turn:
         self.model = model
         self.input = turn_input  # this turn's input as chat messages (stored with its answer)
         self.id = new_id("resp")
+        self.input_items = input_items(req.input)  # with ids, kept from the first record on
+        self.conversation = _conversation_id(req.conversation)
         self.created = time.time()
         self.builder = OutputBuilder(logprobs, namespaces)
         self.response: Optional[dict[str, Any]] = None
@@ -268,6 +272,8 @@ class _Turn:
             yield e
         self.response = self.snapshot("incomplete" if incomplete else "completed", usage)
         self.record(self.response)
+        if self.conversation is not None:
+            self.handler.conversations.append(self.conversation, self.input_items + self.response["output"])
         yield {"type": "response.incomplete" if incomplete else "response.completed", "response": self.response}
 
 
@@ -277,6 +283,7 @@ class ResponsesHandler:
         self.chat = chat
         self.store = store
         self.runs = BackgroundRuns(store)
+        self.conversations = Conversations(store)
 
     async def __call__(self, req: ResponsesRequest, request_id: str) -> Response:
         if req.stream_options is not None and req.stream_options.include_obfuscation:
@@ -287,7 +294,13 @@ class ResponsesHandler:
                                  else " (this server keeps no responses: --responses-store-size 0)"),
                               param="store" if req.store is False else "background")
         history: list[dict[str, Any]] = []
-        if req.previous_response_id is not None:
+        conversation = _conversation_id(req.conversation)
+        if conversation is not None and req.previous_response_id is not None:
+            raise bad_request("conversation and previous_response_id cannot be used together: a response "
+                              "continues one or the other", param="conversation")
+        if conversation is not None:
+            history = self.conversations.history(conversation)
+        elif req.previous_response_id is not None:
             history = self._history(req.previous_response_id)
         body, turn_input, tools = chat_request(req, history)
         chat_req = _validated(body)
@@ -318,7 +331,7 @@ class ResponsesHandler:
         if record is not None and self.runs.view(record)["status"] in ("queued", "in_progress"):
             raise bad_request(f"Previous response with id '{previous_response_id}' has not finished yet: a "
                               "conversation continues from a finished response", param="previous_response_id")
-        stored = self.store.conversation(previous_response_id) if record is not None else None
+        stored = self.store.chain(previous_response_id) if record is not None else None
         if stored is None:
             raise bad_request(f"Previous response with id '{previous_response_id}' not found (or a turn "
                               "of its conversation is no longer stored)",
@@ -445,6 +458,7 @@ class ResponsesHandler:
             "output": snapshot({"o": turn.builder.items})["o"] if status not in ("queued", "in_progress") else [],
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
+            "conversation": {"id": turn.conversation} if turn.conversation is not None else None,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
             "store": self._stores(req), "temperature": req.temperature, "text": {"format": fmt},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
@@ -463,7 +477,18 @@ class ResponsesHandler:
         if self._stores(turn.req):
             self.store.put(turn.id, {"response": response, "previous": turn.req.previous_response_id,
                                      "turn": turn.input + output_messages(turn.builder.items),
-                                     "input_items": input_items(turn.req.input), "worker": self.runs.worker})
+                                     "input_items": turn.input_items, "worker": self.runs.worker})
+
+
+def _conversation_id(value: Any) -> Optional[str]:
+    """`conversation`: its id, or an object with it."""
+    if value is None:
+        return None
+    if isinstance(value, dict) and set(value) == {"id"}:
+        value = value["id"]
+    if not isinstance(value, str):
+        raise bad_request("conversation must be a conversation's id or {\"id\": ...}", param="conversation")
+    return value
 
 
 def _known_query(query: Mapping[str, str], known: tuple[str, ...]) -> None:

@@ -3,10 +3,12 @@
 `create_app(settings, client=None)` builds the app; `client` defaults to a `TritonLLMClient` on
 `settings.triton_url` / `settings.triton_model` (tests pass a fake one).
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{id}/cancel), /generate, /parse_function_call,
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{id}/cancel), /v1/conversations
+(and /{id}, /{id}/items), /generate, /parse_function_call,
 /separate_reasoning, /tokenize, /detokenize, /load_lora_adapter, /unload_lora_adapter (and their
 /v1/ forms, with --allow-runtime-lora-updating);
-GET /v1/models, /v1/models/{id}, /v1/responses/{id} (and DELETE) and its /input_items, /health, /get_model_info, /metrics, /openapi.json.
+GET /v1/models, /v1/models/{id}, /v1/responses/{id} (and DELETE) and its /input_items, /v1/conversations/{id}
+(and DELETE), its /items and /items/{item_id} (and DELETE), /health, /get_model_info, /metrics, /openapi.json.
 
 * Errors are OpenAI bodies `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
   requests (FastAPI's 422 is turned into 400), 401 bad API key, 404 unknown model/route,
@@ -46,6 +48,9 @@ from openai_frontend.errors import APIError, bad_request, model_not_found, unava
 from openai_frontend.generate import GenerateHandler
 from openai_frontend.metrics import FrontendMetrics, SharedMetrics, endpoint_label
 from openai_frontend.protocol import (
+    ConversationCreateRequest,
+    ConversationItemsRequest,
+    ConversationUpdateRequest,
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -461,6 +466,41 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:
         return await responses.delete(response_id)
+
+    conversations = responses.conversations
+
+    @app.post("/v1/conversations")
+    async def create_conversation(body: ConversationCreateRequest) -> Response:
+        return json_response(conversations.create(body.items, body.metadata))
+
+    @app.get("/v1/conversations/{conversation_id}")
+    async def get_conversation(conversation_id: str) -> Response:
+        return json_response(conversations.retrieve(conversation_id))
+
+    @app.post("/v1/conversations/{conversation_id}")
+    async def update_conversation(conversation_id: str, body: ConversationUpdateRequest) -> Response:
+        return json_response(conversations.update(conversation_id, body.metadata))
+
+    @app.delete("/v1/conversations/{conversation_id}")
+    async def delete_conversation(conversation_id: str) -> Response:
+        return json_response(conversations.delete(conversation_id))
+
+    @app.post("/v1/conversations/{conversation_id}/items")
+    async def add_conversation_items(conversation_id: str, body: ConversationItemsRequest,
+                                     request: Request) -> Response:
+        return json_response(conversations.add_items(conversation_id, body.items, request.query_params))
+
+    @app.get("/v1/conversations/{conversation_id}/items")
+    async def list_conversation_items(conversation_id: str, request: Request) -> Response:
+        return json_response(conversations.list_items(conversation_id, request.query_params))
+
+    @app.get("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def get_conversation_item(conversation_id: str, item_id: str, request: Request) -> Response:
+        return json_response(conversations.item(conversation_id, item_id, request.query_params))
+
+    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def delete_conversation_item(conversation_id: str, item_id: str) -> Response:
+        return json_response(conversations.delete_item(conversation_id, item_id))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

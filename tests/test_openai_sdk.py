@@ -1226,3 +1226,20 @@ def test_responses_in_the_background_finish_as_in_the_foreground_and_a_cancel_fr
     cancelled = client.responses.cancel(rid)
     assert cancelled.status == "cancelled" and 0 < len(cancelled.output_text) < 900 * 4, cancelled
     assert client.responses.retrieve(rid).status == "cancelled"
+
+
+def test_a_conversation_carries_responses_turns_and_the_prefix_cache_serves_them(client):
+    conv = client.conversations.create(items=[{"type": "message", "role": "user",
+                                               "content": "Tell me about the weather in Paris today, in detail."}])
+    first = client.responses.create(model=MODEL, input="Please.", conversation=conv.id, max_output_tokens=12, **GREEDY)
+    second = client.responses.create(model=MODEL, input="And tomorrow?", conversation=conv.id, max_output_tokens=8,
+                                     **GREEDY)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= 16
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.type for i in items] == ["message"] * 5
+    assert items[2].content[0].text == first.output_text and items[4].content[0].text == second.output_text
+    # The same turns sent as items give the same answer (greedy): the conversation is the prompt.
+    again = client.responses.create(model=MODEL, input=[i.model_dump(exclude_none=True) for i in items[:4]],
+                                    max_output_tokens=8, **GREEDY)
+    assert again.output_text == second.output_text

@@ -370,7 +370,7 @@ def test_a_disconnected_stream_cancels_the_engine_request(sdk, fake):
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
-    ({"conversation": "conv_1"}, "conversation"),
+    ({"conversation": 5}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
@@ -405,8 +405,8 @@ def test_a_store_in_a_directory_is_shared_and_bounded(tmp_path):
     left = sorted(p.name for p in tmp_path.glob("resp_*.json"))
     assert 40 <= len(left) < 40 + 32 and f"{ids[-1]}.json" in left and f"{ids[0]}.json" not in left
     # A conversation is its chain of turns: gone once a turn before it has been pruned.
-    assert two.conversation(ids[-1]) is None
-    assert ResponseStore(40, str(tmp_path / "b")).conversation("resp_0123456789abcdef") is None
+    assert two.chain(ids[-1]) is None
+    assert ResponseStore(40, str(tmp_path / "b")).chain("resp_0123456789abcdef") is None
     assert two.delete(ids[-1]) and one.get(ids[-1]) is None and not one.delete(ids[-1])
     assert one.get("../etc/passwd") is None and not one.delete("../x")
 
@@ -416,16 +416,16 @@ def test_a_conversation_in_use_keeps_its_turns_in_a_store(tmp_path):
         chain = [f"resp_{i:016x}" for i in range(3)]
         for i, rid in enumerate(chain):
             store.put(rid, {"response": {}, "turn": [f"t{i}"], "previous": chain[i - 1] if i else None})
-        assert store.conversation(chain[-1]) == ["t0", "t1", "t2"]
+        assert store.chain(chain[-1]) == ["t0", "t1", "t2"]
         # Other responses come and go; each continued turn reads (and so keeps) the chain.
         for k in range(40):
             time.sleep(0.002)
             store.put(f"resp_{1000 + k:016x}", {"response": {}, "turn": [], "previous": None})
             if k % 3 == 0:
-                assert store.conversation(chain[-1]) == ["t0", "t1", "t2"], k
+                assert store.chain(chain[-1]) == ["t0", "t1", "t2"], k
         if store.directory is not None:
             store._prune()
-        assert store.conversation(chain[-1]) == ["t0", "t1", "t2"]
+        assert store.chain(chain[-1]) == ["t0", "t1", "t2"]
 
 
 def test_junk_anywhere_in_the_body_is_a_400_never_a_500(sdk, fake):
