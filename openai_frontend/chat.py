@@ -157,9 +157,34 @@ def _constrain_content_only(sp: dict[str, Any], fmt: Optional[ReasoningFormat],
     return out
 
 
+def _prompt_fields(req: ChatCompletionRequest, plan: ToolPlan, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The EngineRequest fields the prompt is rendered from."""
+    return dict(
+        messages=messages,
+        tools=plan.template_tools,
+        # vLLM's: OpenAI's reasoning_effort is a template variable (gpt-oss's template reads
+        # it); preprocessing refuses it for a template that does not.
+        chat_template_kwargs=({**(req.chat_template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
+                              if req.reasoning_effort is not None else req.chat_template_kwargs),
+        add_generation_prompt=None if req.add_generation_prompt else False,
+        continue_final_message=req.continue_final_message,
+        documents=req.documents,
+        chat_template=req.chat_template,
+        add_special_tokens=True if req.add_special_tokens else None,
+    )
+
+
 class ChatHandler:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
+
+    async def prompt_tokens(self, req: ChatCompletionRequest) -> int:
+        """How many tokens the request's prompt is, rendered as generation renders it (the
+        preprocessing model's tokenize: template, tools and all)."""
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.ctx.settings.tool_call_parser,
+                          self.ctx.settings.exclude_tools_when_tool_choice_none)
+        prompt = _prompt_fields(req, plan, normalize_messages(req.messages))
+        return len(await self.ctx.client.tokenize(EngineRequest(sampling_params={}, **prompt)))
 
     async def __call__(self, req: ChatCompletionRequest, request_id: str, engine_stream: Optional[bool] = None) -> Response:
         """`engine_stream` False: the engine sends each sample's output in one response even when
@@ -209,17 +234,7 @@ class ChatHandler:
         requests = [
             EngineRequest(
                 sampling_params=sp,
-                messages=messages,
-                tools=plan.template_tools,
-                # vLLM's: OpenAI's reasoning_effort is a template variable (gpt-oss's template reads
-                # it); preprocessing refuses it for a template that does not.
-                chat_template_kwargs=({**(req.chat_template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
-                                      if req.reasoning_effort is not None else req.chat_template_kwargs),
-                add_generation_prompt=None if req.add_generation_prompt else False,
-                continue_final_message=req.continue_final_message,
-                documents=req.documents,
-                chat_template=req.chat_template,
-                add_special_tokens=True if req.add_special_tokens else None,
+                **_prompt_fields(req, plan, messages),
                 request_id=request_id,
                 n=samples,
                 stream=req.stream if engine_stream is None else engine_stream,

@@ -37,6 +37,7 @@ from openai_frontend.response_items import (OutputBuilder, input_items, input_me
                                             output_messages, snapshot)
 from openai_frontend.response_store import ResponseStore
 from openai_frontend.streams import sse_response
+from openai_frontend.truncation import truncated
 from openai_frontend.validation_errors import validation_message
 
 # Chat's names for what the request called otherwise: its errors are reported under the
@@ -149,9 +150,6 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
     for name in _REFUSED:
         if getattr(req, name) is not None:
             raise unsupported(name)
-    if req.truncation == "auto":
-        raise unsupported("truncation", "'auto' (dropping earlier input to fit the context): a request that "
-                                        "does not fit is refused instead")
     for k, value in enumerate(req.include or []):
         if value != _LOGPROBS_INCLUDE:
             raise unsupported(f"include[{k}]", f"'{value}' (only '{_LOGPROBS_INCLUDE}')")
@@ -341,7 +339,27 @@ class ResponsesHandler:
     async def _start(self, body: dict[str, Any], chat_req: ChatCompletionRequest, tools: ToolSet,
                      request_id: str, req: ResponsesRequest) -> Any:
         """The chat route's streamed answer (the chat route streams either way: one path from chat
-        chunks to items makes both modes' items alike)."""
+        chunks to items makes both modes' items alike); with truncation "auto", from a history
+        cut to fit when the whole one does not."""
+        try:
+            return await self._start_strict(body, chat_req, tools, request_id, req)
+        except APIError as exc:
+            if req.truncation != "auto" or exc.code != "context_length_exceeded":
+                raise
+            context = await self.ctx.max_model_len()
+            if context is None:
+                raise
+            def count(messages: list[dict[str, Any]]) -> Awaitable[int]:
+                return self.chat.prompt_tokens(_validated({**body, "messages": messages}))
+
+            messages = await truncated(body["messages"], count, context - (req.max_output_tokens or 1))
+            if messages is None:
+                raise
+        body["messages"] = messages
+        return await self._start_strict(body, _validated(body), tools, request_id, req)
+
+    async def _start_strict(self, body: dict[str, Any], chat_req: ChatCompletionRequest, tools: ToolSet,
+                            request_id: str, req: ResponsesRequest) -> Any:
         try:
             return await self._chat(chat_req, request_id, req)
         except APIError as exc:

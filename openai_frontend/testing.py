@@ -83,6 +83,7 @@ class FakeLLMClient:
         self.aborts: list[tuple[Optional[str], bool]] = []  # abort_requests calls
         self.held: list[tuple[str, asyncio.Event]] = []  # hold()'s requests in progress
         self.stats: dict[str, Any] = {}  # the engine counters engine_info reports
+        self.max_model_len: Optional[int] = None  # the context engine_info reports (None: not said)
 
     async def lora_update(self, command: dict[str, Any]) -> dict[str, str]:
         op, name = command.get("op"), command.get("name")
@@ -117,6 +118,8 @@ class FakeLLMClient:
 
     async def engine_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"config": {"model_path": "fake"}, "stats": dict(self.stats)}
+        if self.max_model_len is not None:
+            info["config"]["max_model_len"] = self.max_model_len
         if self.eos_token_ids is not None:
             info["eos_token_ids"] = self.eos_token_ids
         return info

@@ -1243,3 +1243,27 @@ def test_a_conversation_carries_responses_turns_and_the_prefix_cache_serves_them
     again = client.responses.create(model=MODEL, input=[i.model_dump(exclude_none=True) for i in items[:4]],
                                     max_output_tokens=8, **GREEDY)
     assert again.output_text == second.output_text
+
+
+def test_responses_truncation_auto_fits_a_history_past_the_context(client):
+    # The test server's context is 1024 tokens (LLM_MAX_MODEL_LEN): eight turns of ~150 tokens each.
+    history = []
+    for i in range(8):
+        history += [{"role": "user", "content": f"Question {i}: " + "tell me about the weather " * 12},
+                    {"role": "assistant", "content": f"Answer {i}: " + "it is sunny and warm " * 12}]
+    kwargs = dict(model=MODEL, input=history + [{"role": "user", "content": "And tomorrow?"}],
+                  max_output_tokens=16, **GREEDY)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**kwargs)
+    assert info.value.body["code"] == "context_length_exceeded"
+    r = client.responses.create(truncation="auto", **kwargs)
+    assert r.status in ("completed", "incomplete") and r.truncation == "auto"
+    assert r.usage.input_tokens <= 1024 - 16
+    # What it kept is the longest tail of whole turns that fits, and answers as that tail sent alone.
+    for k in range(0, len(history), 2):
+        try:
+            alone = client.responses.create(**{**kwargs, "input": kwargs["input"][k:]})
+        except openai.BadRequestError:
+            continue
+        break
+    assert k > 0 and (alone.usage.input_tokens, alone.output_text) == (r.usage.input_tokens, r.output_text)

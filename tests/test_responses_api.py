@@ -372,7 +372,6 @@ def test_a_disconnected_stream_cancels_the_engine_request(sdk, fake):
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
     ({"conversation": 5}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"truncation": "auto"}, "truncation"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
@@ -677,3 +676,80 @@ def test_a_store_forgets_a_response_s_stream_and_cancel_with_it(tmp_path):
         assert store.get(ids[0]) is None and store.events(ids[0]) is None and not store.cancel_asked(ids[0])
         if store.directory is not None:
             assert sorted(p.suffix for p in tmp_path.iterdir() if p.name.startswith("resp_")) == [".json", ".json"]
+
+
+# -- truncation "auto" ---------------------------------------------------------------------------
+
+
+def test_truncated_drops_the_fewest_oldest_turns_and_keeps_the_instructions():
+    import asyncio
+
+    from openai_frontend.truncation import truncated
+
+    msgs = [{"role": "system", "content": "s"}]
+    for i in range(6):
+        msgs += [{"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": "a" * 10},
+                 {"role": "tool", "content": "t"}]
+    counted = []
+
+    async def tokens(m):
+        counted.append(len(m))
+        return sum(len(x["content"]) for x in m)
+
+    def run(limit):
+        return asyncio.run(truncated(msgs, tokens, limit))
+
+    assert run(10_000) == msgs[:1] + msgs[4:]  # the search never returns the whole (already refused)
+    for limit in (14, 30, 60):
+        got = run(limit)
+        assert got[0]["role"] == "system" and got[1]["role"] == "user"
+        assert sum(len(x["content"]) for x in got) <= limit
+        # One turn more would not have fitted.
+        longer = msgs[:1] + msgs[msgs.index(got[1]) - 3:]
+        assert sum(len(x["content"]) for x in longer) > limit
+    counted.clear()
+    assert run(13) is None and len(counted) <= 3  # even the last turn is over: searched by halves
+    assert asyncio.run(truncated(msgs[:2], tokens, 0)) is None  # nothing to drop
+
+
+def test_truncation_auto_drops_the_oldest_turns_a_prompt_past_the_context_cannot_hold(fake):
+    from openai_frontend.errors import context_exceeded
+
+    context = 400
+
+    def script(req):
+        prompt = len(json.dumps(req.messages).encode())  # the fake's tokenize: the messages' JSON bytes
+        if prompt + req.sampling_params.get("max_new_tokens", 1) > context:
+            return context_exceeded(context, prompt)
+        return text_chunks([f"{prompt}"])
+
+    fake.script = script
+    fake.max_model_len = context
+    try:
+        with serve_in_thread(create_app(Settings(model_name=MODEL), client=fake)) as url:
+            sdk = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            history = []
+            for i in range(8):
+                history += [{"role": "user", "content": f"question {i} " + "x" * 40},
+                            {"role": "assistant", "content": f"answer {i} " + "y" * 40}]
+            kwargs = dict(model=MODEL, instructions="Be brief.", max_output_tokens=20,
+                          input=history + [{"role": "user", "content": "last"}])
+            with pytest.raises(openai.BadRequestError) as info:
+                sdk.responses.create(**kwargs)
+            assert info.value.body["code"] == "context_length_exceeded"
+            for stream in (False, True):
+                r = (sdk.responses.create(truncation="auto", **kwargs) if not stream else
+                     list(sdk.responses.create(truncation="auto", stream=True, **kwargs))[-1].response)
+                assert r.truncation == "auto" and int(r.output_text) + 20 <= context
+                sent = fake.requests[-1].messages
+                assert sent[0] == {"role": "system", "content": "Be brief."} and sent[1]["role"] == "user"
+                assert sent[-1]["content"] == "last" and sent[1:] == kwargs["input"][-len(sent) + 1:]
+                # The fewest dropped: one turn more would not have fitted.
+                more = [sent[0]] + kwargs["input"][-len(sent) - 1:]
+                assert len(json.dumps(more).encode()) + 20 > context
+            # An input that alone is past the context is still refused, saying so.
+            with pytest.raises(openai.BadRequestError) as info:
+                sdk.responses.create(**{**kwargs, "input": "z" * 1000}, truncation="auto")
+            assert info.value.body["code"] == "context_length_exceeded"
+    finally:
+        fake.max_model_len = None
