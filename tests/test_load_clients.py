@@ -50,7 +50,9 @@ def test_pool_shares_the_loop_and_keeps_the_order(pool):
     pids, most = _served(recs)
     assert pids == set(pool.pids) and os.getpid() not in pids
     assert most == 2  # concurrency 4 over 2 processes
-    assert 16 / 4 * 0.05 <= wall < 2.0  # 4 rounds of 4 at once
+    # 4 rounds of 4 at once (no upper bound: under a loaded CI the 0.2 s took 2.9 s; `most` above
+    # shows they ran at once).
+    assert wall >= 16 / 4 * 0.05
     # The processes (and their requesters) live on: the next loop runs on the same ones.
     again, _ = asyncio.run(closed_loop(pool, [5, 3, 9], 3))
     assert [r.tokens for r in again] == [5, 3, 9] and _served(again)[0] <= set(pool.pids)
