@@ -540,6 +540,23 @@ class ResponsesRequest(_Body):
         return ChatCompletionRequest._metadata_limits(v)
 
 
+class ResponsesInputTokensRequest(_Body):
+    """POST /v1/responses/input_tokens: the prompt-making part of a Responses request, counted."""
+
+    model: Optional[str] = None
+    input: Optional[Union[str, list[dict[str, Any]]]] = None
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    conversation: Optional[Any] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[ResponsesText] = None
+    reasoning: Optional[ResponsesReasoning] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    personality: Optional[str] = None  # refused when set (responses.py)
+
+
 class ConversationCreateRequest(_Body):
     """POST /v1/conversations: its first items (as a response's input items), and metadata."""
 

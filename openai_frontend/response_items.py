@@ -3,8 +3,10 @@ and their stream events (responses.py runs them)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
+import zlib
 from typing import Any, Optional
 
 from openai_frontend.errors import bad_request, unsupported
@@ -35,6 +37,34 @@ def _text_of(content: Any, where: str, field: str = "content") -> str:
             raise bad_request(f"{where}.{field}[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}})",
                               param=f"{where}.{field}[{j}]")
     return "".join(texts)
+
+
+# `include: ["reasoning.encrypted_content"]`: the reasoning item's text in a form a client passes
+# back as it is (OpenAI's way to continue a turn's reasoning without a stored response). This
+# server holds no key: it is the text compressed and base64-encoded, not encrypted (the same text
+# is in the item's content anyway).
+_BLOB = "trllm-rs1:"
+_BLOB_MAX_CHARS = 16 * 1024 * 1024
+
+
+def reasoning_blob(text: str) -> str:
+    return _BLOB + base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8"))).decode("ascii")
+
+
+def reasoning_from_blob(blob: Any, where: str) -> str:
+    """The reasoning text of an encrypted_content this server made; a 400 naming `where` otherwise."""
+    refusal = bad_request(f"{where} was not made by this server (it reads back only the encrypted_content "
+                          "of its own reasoning items)", param=where)
+    if not isinstance(blob, str) or not blob.startswith(_BLOB):
+        raise refusal
+    try:
+        inflate = zlib.decompressobj()
+        data = inflate.decompress(base64.urlsafe_b64decode(blob[len(_BLOB):].encode("ascii")), _BLOB_MAX_CHARS * 4)
+        if inflate.unconsumed_tail or not inflate.eof:  # past the limit, or cut short
+            raise ValueError
+        return data.decode("utf-8")
+    except (ValueError, zlib.error, UnicodeError):
+        raise refusal from None
 
 
 def input_messages(items: Optional[str | list[dict[str, Any]]], name: str = "input") -> list[dict[str, Any]]:
@@ -98,9 +128,10 @@ def input_messages(items: Optional[str | list[dict[str, Any]]], name: str = "inp
                     for part in parts):
                 raise bad_request(f"{where}.content must be a list of reasoning_text parts "
                                   '({"type": "reasoning_text", "text": ...})', param=f"{where}.content")
-            reasoning = (reasoning or "") + "".join(part["text"] for part in parts)
-            if item.get("encrypted_content") is not None:
-                raise unsupported(f"{where}.encrypted_content", "this server neither makes nor reads encrypted reasoning")
+            text = "".join(part["text"] for part in parts)
+            if item.get("encrypted_content") is not None and not text:
+                text = reasoning_from_blob(item["encrypted_content"], f"{where}.encrypted_content")
+            reasoning = (reasoning or "") + text
         else:
             raise unsupported(f"{where}.type", f"input items of type '{kind}' are not supported (messages, "
                                                "function_call, function_call_output and reasoning are)")
@@ -112,8 +143,10 @@ class OutputBuilder:
     """Output items from a chat answer's deltas, in order: reasoning, message, function calls.
     Each call returns the stream events it makes (without sequence numbers)."""
 
-    def __init__(self, logprobs: bool, namespaces: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, logprobs: bool, namespaces: Optional[dict[str, str]] = None,
+                 reasoning_blob: bool = False) -> None:
         self.logprobs = logprobs
+        self.reasoning_blob = reasoning_blob  # include reasoning.encrypted_content
         self.namespaces = namespaces or {}  # a namespace tool's function -> the namespace (its calls name it)
         self.items: list[dict[str, Any]] = []
         self._open: Optional[dict[str, Any]] = None
@@ -140,6 +173,8 @@ class OutputBuilder:
         events: list[dict[str, Any]] = []
         if item["type"] == "reasoning":
             part = item["content"][0]
+            if self.reasoning_blob:
+                item["encrypted_content"] = reasoning_blob(part["text"])
             events += [{"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": index,
                         "content_index": 0, "text": part["text"]},
                        {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,

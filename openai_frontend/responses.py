@@ -32,7 +32,8 @@ from openai_frontend.chat import ChatHandler
 from openai_frontend.common import Context, ErrorEvent, dumps, error_event, json_response
 from openai_frontend.conversations import Conversations
 from openai_frontend.errors import APIError, bad_request, unsupported
-from openai_frontend.protocol import ChatCompletionRequest, ResponsesReasoning, ResponsesRequest, ResponsesText
+from openai_frontend.protocol import (ChatCompletionRequest, ResponsesInputTokensRequest, ResponsesReasoning,
+                                      ResponsesRequest, ResponsesText)
 from openai_frontend.response_items import (OutputBuilder, input_items, input_messages, list_items, new_id,
                                             output_messages, snapshot)
 from openai_frontend.response_store import ResponseStore
@@ -47,6 +48,8 @@ _PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens
 _REFUSED = ("prompt", "context_management", "access_programs", "background_options",
             "image", "moderation", "prompt_cache_options")
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_REASONING_INCLUDE = "reasoning.encrypted_content"
+_INCLUDES = (_LOGPROBS_INCLUDE, _REASONING_INCLUDE)
 
 
 # -- request: Responses -> chat ------------------------------------------------------------------
@@ -151,8 +154,8 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]
         if getattr(req, name) is not None:
             raise unsupported(name)
     for k, value in enumerate(req.include or []):
-        if value != _LOGPROBS_INCLUDE:
-            raise unsupported(f"include[{k}]", f"'{value}' (only '{_LOGPROBS_INCLUDE}')")
+        if value not in _INCLUDES:
+            raise unsupported(f"include[{k}]", f"'{value}' (only {', '.join(repr(v) for v in _INCLUDES)})")
     reasoning = req.reasoning or ResponsesReasoning()
     for key in ("summary", "generate_summary"):
         if getattr(reasoning, key) is not None:
@@ -207,7 +210,7 @@ class _Turn:
         self.input_items = input_items(req.input)  # with ids, kept from the first record on
         self.conversation = _conversation_id(req.conversation)
         self.created = time.time()
-        self.builder = OutputBuilder(logprobs, namespaces)
+        self.builder = OutputBuilder(logprobs, namespaces, _REASONING_INCLUDE in (req.include or []))
         self.response: Optional[dict[str, Any]] = None
         self.error: Optional[APIError] = None
 
@@ -291,16 +294,7 @@ class ResponsesHandler:
                               + (" (store is false)" if req.store is False
                                  else " (this server keeps no responses: --responses-store-size 0)"),
                               param="store" if req.store is False else "background")
-        history: list[dict[str, Any]] = []
-        conversation = _conversation_id(req.conversation)
-        if conversation is not None and req.previous_response_id is not None:
-            raise bad_request("conversation and previous_response_id cannot be used together: a response "
-                              "continues one or the other", param="conversation")
-        if conversation is not None:
-            history = self.conversations.history(conversation)
-        elif req.previous_response_id is not None:
-            history = self._history(req.previous_response_id)
-        body, turn_input, tools = chat_request(req, history)
+        body, turn_input, tools = chat_request(req, self._history(req))
         chat_req = _validated(body)
         turn = _Turn(self, req, chat_req.model or self.ctx.model_name, bool(chat_req.logprobs), turn_input,
                      tools.namespaces)
@@ -324,7 +318,36 @@ class ResponsesHandler:
             raise turn.error
         return json_response(turn.response)
 
-    def _history(self, previous_response_id: str) -> list[dict[str, Any]]:
+    async def input_tokens(self, count_req: ResponsesInputTokensRequest) -> Response:
+        """POST /v1/responses/input_tokens: the tokens the request's prompt would be (after
+        truncation "auto"), as the preprocessing model renders it for generation."""
+        if count_req.personality is not None:
+            raise unsupported("personality", "this server has no personalities; instructions say how to answer")
+        req = ResponsesRequest(**{name: getattr(count_req, name) for name in count_req.model_fields_set
+                                  if name != "personality"})
+        body, _, _ = chat_request(req, self._history(req))
+        count = await self.chat.prompt_tokens(_validated(body))
+        context = await self.ctx.max_model_len() if req.truncation == "auto" else None
+        if context is not None and count >= context:
+            def tokens(messages: list[dict[str, Any]]) -> Awaitable[int]:
+                return self.chat.prompt_tokens(_validated({**body, "messages": messages}))
+
+            messages = await truncated(body["messages"], tokens, context - 1)
+            if messages is not None:
+                count = await tokens(messages)
+        return json_response({"object": "response.input_tokens", "input_tokens": count})
+
+    def _history(self, req: ResponsesRequest) -> list[dict[str, Any]]:
+        """The messages the request continues: its conversation's, or its previous response's chain."""
+        conversation = _conversation_id(req.conversation)
+        if conversation is not None and req.previous_response_id is not None:
+            raise bad_request("conversation and previous_response_id cannot be used together: a response "
+                              "continues one or the other", param="conversation")
+        if conversation is not None:
+            return self.conversations.history(conversation)
+        if req.previous_response_id is None:
+            return []
+        previous_response_id = req.previous_response_id
         record = self.store.get(previous_response_id)
         if record is not None and self.runs.view(record)["status"] in ("queued", "in_progress"):
             raise bad_request(f"Previous response with id '{previous_response_id}' has not finished yet: a "

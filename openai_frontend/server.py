@@ -3,7 +3,7 @@
 `create_app(settings, client=None)` builds the app; `client` defaults to a `TritonLLMClient` on
 `settings.triton_url` / `settings.triton_model` (tests pass a fake one).
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{id}/cancel), /v1/conversations
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{id}/cancel, /v1/responses/input_tokens), /v1/conversations
 (and /{id}, /{id}/items), /generate, /parse_function_call,
 /separate_reasoning, /tokenize, /detokenize, /load_lora_adapter, /unload_lora_adapter (and their
 /v1/ forms, with --allow-runtime-lora-updating);
@@ -51,6 +51,7 @@ from openai_frontend.protocol import (
     ConversationCreateRequest,
     ConversationItemsRequest,
     ConversationUpdateRequest,
+    ResponsesInputTokensRequest,
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -450,6 +451,10 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, responses(body, _request_id(request, body.request_id)))
+
+    @app.post("/v1/responses/input_tokens")
+    async def count_input_tokens(body: ResponsesInputTokensRequest) -> Response:
+        return await responses.input_tokens(body)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request) -> Response:

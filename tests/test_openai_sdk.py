@@ -1267,3 +1267,10 @@ def test_responses_truncation_auto_fits_a_history_past_the_context(client):
             continue
         break
     assert k > 0 and (alone.usage.input_tokens, alone.output_text) == (r.usage.input_tokens, r.output_text)
+    # /v1/responses/input_tokens counts the prompt as generation renders it, truncated or not.
+    count = client.responses.input_tokens.count
+    assert count(model=MODEL, input=kwargs["input"][k:]).input_tokens == r.usage.input_tokens
+    assert count(model=MODEL, input=kwargs["input"]).input_tokens > 1024
+    assert r.usage.input_tokens <= count(model=MODEL, input=kwargs["input"], truncation="auto").input_tokens < 1024
+    tools = dict(model=MODEL, instructions="Be brief.", input="Weather in Paris?", tools=RESPONSES_TOOLS)
+    assert count(**tools).input_tokens == client.responses.create(max_output_tokens=2, **tools).usage.input_tokens

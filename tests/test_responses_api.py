@@ -372,7 +372,7 @@ def test_a_disconnected_stream_cancels_the_engine_request(sdk, fake):
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
     ({"conversation": 5}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"include": ["file_search_call.results"]}, "include[0]"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
@@ -747,9 +747,58 @@ def test_truncation_auto_drops_the_oldest_turns_a_prompt_past_the_context_cannot
                 # The fewest dropped: one turn more would not have fitted.
                 more = [sent[0]] + kwargs["input"][-len(sent) - 1:]
                 assert len(json.dumps(more).encode()) + 20 > context
+            # Counted with truncation "auto", the prompt is what is left with one token to generate.
+            whole = sdk.responses.input_tokens.count(model=MODEL, instructions="Be brief.", input=kwargs["input"])
+            cut = sdk.responses.input_tokens.count(model=MODEL, instructions="Be brief.", input=kwargs["input"],
+                                                   truncation="auto")
+            assert whole.input_tokens > context and int(r.output_text) <= cut.input_tokens < context
             # An input that alone is past the context is still refused, saying so.
             with pytest.raises(openai.BadRequestError) as info:
                 sdk.responses.create(**{**kwargs, "input": "z" * 1000}, truncation="auto")
             assert info.value.body["code"] == "context_length_exceeded"
     finally:
         fake.max_model_len = None
+
+
+def test_input_tokens_counts_the_prompt_a_request_would_have(sdk, fake):
+    first = sdk.responses.create(model=MODEL, input="Weather?")
+    kwargs = dict(model=MODEL, input="And tomorrow?", instructions="Be brief.", previous_response_id=first.id,
+                  tools=TOOLS, tool_choice="auto")
+    counted = sdk.responses.input_tokens.count(**kwargs)
+    assert counted.object == "response.input_tokens"
+    sdk.responses.create(**kwargs)
+    # The fake's tokenize is the messages' JSON bytes: the count is that of the prompt generation got.
+    assert counted.input_tokens == len(json.dumps(fake.requests[-1].messages).encode())
+    with httpx.Client(base_url=str(sdk.base_url), timeout=10) as http:
+        for body, param in (({"input": "x", "personality": "friendly"}, "personality"),
+                            ({"input": "x", "temperature": 0.5}, "temperature"),
+                            ({"input": "x", "previous_response_id": "resp_0123456789abcdef"}, "previous_response_id"),
+                            ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role")):
+            r = http.post("responses/input_tokens", json=body)
+            assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+
+
+def test_reasoning_comes_back_as_encrypted_content_a_stateless_next_turn_reads(sdk, fake):
+    """Codex's way without stored responses: store false, include reasoning.encrypted_content,
+    and the reasoning items passed back with the next turn's input."""
+    import base64
+    import zlib
+
+    for stream in (False, True):
+        kwargs = dict(model=MODEL, input="Weather?", store=False, include=["reasoning.encrypted_content"])
+        r = (sdk.responses.create(**kwargs) if not stream else
+             list(sdk.responses.create(stream=True, **kwargs))[-1].response)
+        rs = r.output[0]
+        assert rs.type == "reasoning" and rs.encrypted_content.startswith("trllm-rs1:")
+        passed = [{"type": "reasoning", "id": rs.id, "summary": [], "encrypted_content": rs.encrypted_content}]
+        sdk.responses.create(model=MODEL, store=False, input=[{"role": "user", "content": "Weather?"}, *passed,
+                                                               {"role": "assistant", "content": r.output_text},
+                                                               {"role": "user", "content": "Tomorrow?"}])
+        assert fake.requests[-1].messages[1] == {"role": "assistant", "content": "It is sunny.",
+                                                 "reasoning_content": "Let me see"}
+    assert "encrypted_content" not in sdk.responses.create(model=MODEL, input="Weather?").output[0].model_dump(
+        exclude_none=True)
+    bomb = "trllm-rs1:" + base64.urlsafe_b64encode(zlib.compress(b"0" * (80 << 20))).decode()
+    for blob in ("gAAAAB-openai", bomb, "trllm-rs1:!!", "trllm-rs1:" + base64.urlsafe_b64encode(b"x").decode()):
+        body = _refusal(sdk, input=[{"type": "reasoning", "summary": [], "encrypted_content": blob}])
+        assert body["param"] == "input[0].encrypted_content" and "not made by this server" in body["message"]
