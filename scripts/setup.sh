@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
 # Creates .venv with the pinned dependencies and puts the Python-backend stub where tritonserver
-# looks for it. Idempotent: a second run only checks.
+# looks for it. Idempotent: a second run only checks, and not even that when nothing it depends on
+# changed since one that finished (delete .venv/.setup.done to check again).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# What this setup depends on: when none of it changed since a run that finished, there is
+# nothing to check (the checks import torch and friends, ~9 s that every serve.sh start paid).
+fingerprint() {
+  cat requirements.txt constraints.txt scripts/setup.sh kernels/cpu_build.py kernels/csrc/* 2>/dev/null
+  grep -m2 -E '^(model name|flags)' /proc/cpuinfo 2>/dev/null  # the kernels build for this CPU
+  .venv/bin/python -c 'import sys; print(sys.version)' 2>/dev/null
+}
+STAMP=.venv/.setup.done
+if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ -d kernels/.build ] \
+   && [ "$(fingerprint | sha256sum)" = "$(cat "$STAMP")" ]; then
+  exit 0
+fi
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$PY" -m venv .venv
@@ -42,6 +55,9 @@ attention=$!
 wait "$attention"
 # perf_analyzer (tritonclient's) loads Debian's libb64.so.0d: unpacked into .venv when the host
 # lacks it, so its tests run on a fresh machine too. Not fatal: only perf_analyzer needs it.
-.venv/bin/python -c 'from client.perf.run_perf_analyzer import ensure_installed; ensure_installed(install=True)' \
-  || echo "[setup] perf_analyzer's libraries could not be installed: its tests will be skipped" >&2
+if .venv/bin/python -c 'from client.perf.run_perf_analyzer import ensure_installed; ensure_installed(install=True)'; then
+  fingerprint | sha256sum > "$STAMP"  # checked in full again only when something above changes
+else
+  echo "[setup] perf_analyzer's libraries could not be installed: its tests will be skipped" >&2
+fi
 echo "[setup] environment ready"
