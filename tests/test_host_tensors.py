@@ -40,6 +40,23 @@ def test_page_aligned_zeros_are_zeros_on_a_huge_page_boundary(dtype):
     assert t.view(torch.uint8).count_nonzero() > 0
 
 
+def test_page_aligned_zeros_take_memory_only_as_they_are_written():
+    import gc
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = resident()
+    t = page_aligned_zeros((64, 1 << 20), torch.float32)  # 256 MiB
+    gc.collect()  # the mapping lives as long as the tensor, not its builder's locals
+    assert resident() - before < (32 << 20) and not t[::4096].any()
+    t[7].fill_(2.5)
+    assert float(t[7].sum()) == 2.5 * (1 << 20) and float(t.sum()) == 2.5 * (1 << 20)
+    del t
+    gc.collect()
+
+
 def test_the_cpu_kv_cache_starts_on_a_page(demo_model_path):
     from backend.model_runner import ModelRunner
 
