@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Mapping, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Optional
 
 from pydantic import ValidationError
 from starlette.responses import Response
@@ -301,8 +301,8 @@ class ResponsesHandler:
         if req.background:
             # The POST does not wait for the engine: what fails from here on fails the response.
             turn.record(turn.snapshot("queued"))
-            self.runs.start(turn, turn.events(_started_later(self._start(body, chat_req, tools, request_id, req))),
-                            streamed=bool(req.stream))
+            start = lambda: self._start(body, chat_req, tools, request_id, req)  # noqa: E731
+            self.runs.start(turn, turn.events(_started_later(start)), streamed=bool(req.stream))
             if req.stream:
                 return sse_response(_sse(self.runs.follow(turn.id, -1)), hooks=self.ctx.stream_hooks)
             return json_response(self.runs.view(self.store.get(turn.id) or {"response": turn.snapshot("queued")}))
@@ -372,6 +372,7 @@ class ResponsesHandler:
             context = await self.ctx.max_model_len()
             if context is None:
                 raise
+
             def count(messages: list[dict[str, Any]]) -> Awaitable[int]:
                 return self.chat.prompt_tokens(_validated({**body, "messages": messages}))
 
@@ -505,7 +506,8 @@ class ResponsesHandler:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p,
             "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,
-            "metadata": req.metadata or {}, "background": bool(req.background), "service_tier": req.service_tier or "default",
+            "metadata": req.metadata or {}, "background": bool(req.background),
+            "service_tier": req.service_tier or "default",
             "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
         }
 
@@ -546,10 +548,12 @@ def _int_or_none(text: str) -> Optional[int]:
         return None
 
 
-async def _started_later(start: Awaitable[Response]) -> AsyncIterator[bytes]:
-    """The chat stream `start` answers with, once it does; a refusal to start is its one error event."""
+async def _started_later(start: Callable[[], Awaitable[Response]]) -> AsyncIterator[bytes]:
+    """The chat stream `start()` answers with, once it does (called only when this is iterated:
+    a turn cancelled before it begins leaves nothing unawaited); a refusal to start is its one
+    error event."""
     try:
-        answer = await start
+        answer = await start()
     except APIError as exc:
         yield error_event(exc)
         return

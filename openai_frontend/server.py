@@ -3,12 +3,13 @@
 `create_app(settings, client=None)` builds the app; `client` defaults to a `TritonLLMClient` on
 `settings.triton_url` / `settings.triton_model` (tests pass a fake one).
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{id}/cancel, /v1/responses/input_tokens), /v1/conversations
-(and /{id}, /{id}/items), /generate, /parse_function_call,
-/separate_reasoning, /tokenize, /detokenize, /load_lora_adapter, /unload_lora_adapter (and their
-/v1/ forms, with --allow-runtime-lora-updating);
-GET /v1/models, /v1/models/{id}, /v1/responses/{id} (and DELETE) and its /input_items, /v1/conversations/{id}
-(and DELETE), its /items and /items/{item_id} (and DELETE), /health, /get_model_info, /metrics, /openapi.json.
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{id}/cancel,
+/v1/responses/input_tokens), /v1/conversations (and /{id}, /{id}/items), /generate,
+/parse_function_call, /separate_reasoning, /tokenize, /detokenize, /load_lora_adapter,
+/unload_lora_adapter (and their /v1/ forms, with --allow-runtime-lora-updating);
+GET /v1/models, /v1/models/{id}, /v1/responses/{id} (and DELETE) and its /input_items,
+/v1/conversations/{id} (and DELETE), its /items and /items/{item_id} (and DELETE), /health,
+/get_model_info, /metrics, /openapi.json.
 
 * Errors are OpenAI bodies `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
   requests (FastAPI's 422 is turned into 400), 401 bad API key, 404 unknown model/route,
