@@ -82,16 +82,7 @@ class Conversations:
 
     def list_items(self, conversation_id: str, query: Mapping[str, str]) -> dict[str, Any]:
         _no_include(query, _ITEMS_QUERY)
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise bad_request("limit must be an integer from 1 to 100", param="limit")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise bad_request("order must be 'asc' or 'desc'", param="order")
-        return list_items(self._record(conversation_id)["items"], query.get("after"), limit, order, "conversation")
+        return list_items(self._record(conversation_id)["items"], query, "conversation")
 
     def item(self, conversation_id: str, item_id: str, query: Mapping[str, str]) -> dict[str, Any]:
         _no_include(query, ())

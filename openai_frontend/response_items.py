@@ -7,7 +7,7 @@ import base64
 import json
 import uuid
 import zlib
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from openai_frontend.errors import bad_request, unsupported
 
@@ -301,10 +301,21 @@ def input_items(value: Optional[str | list[dict[str, Any]]]) -> list[dict[str, A
     return out
 
 
-def list_items(items: list[dict[str, Any]], after: Optional[str], limit: int, order: str,
-               whose: str = "response's input") -> dict[str, Any]:
-    """OpenAI's list object over `items` (oldest first): `order` desc starts from the newest;
-    `after` is the id of the item the page starts after."""
+def list_items(items: list[dict[str, Any]], query: Mapping[str, str], whose: str = "response's input"
+               ) -> dict[str, Any]:
+    """OpenAI's list object over `items` (oldest first), the page its query asks for: `limit`
+    (1-100, 20), `order` (desc, the default, starts from the newest), `after` (the id of the item
+    the page starts after)."""
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise bad_request("limit must be an integer from 1 to 100", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be 'asc' or 'desc'", param="order")
+    after = query.get("after")
     ordered = items[::-1] if order == "desc" else items
     if after is not None:
         ids = [item["id"] for item in ordered]

@@ -20,6 +20,7 @@ changed in place with update(); it shares the capacity and the byte budget.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -27,7 +28,7 @@ import re
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 # The ids this server hands out (a response's "resp_" or a conversation's "conv_", then hex):
 # anything else is no file name to open.
@@ -90,21 +91,22 @@ class ResponseStore:
         """Reads the record, lets `change` edit it and writes it back, in one step for every
         worker sharing the directory; `change`'s result (None, without writing, when the record
         is not stored)."""
-        if self.directory is None:
+        with self._exclusive():
             record = self.get(record_id)
             if record is None:
                 return None
             result = change(record)
             self.put(record_id, record)
             return result
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        if self.directory is None:  # one process, one event loop: nothing runs between read and write
+            yield
+            return
         with open(self.directory / ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            record = self.get(record_id)
-            if record is None:
-                return None
-            result = change(record)
-            self.put(record_id, record)
-            return result
+            yield
 
     def chain(self, response_id: str, limit: int = 100_000) -> Optional[list[dict[str, Any]]]:
         """The messages of every turn up to and including this response's, oldest first; None when

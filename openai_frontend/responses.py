@@ -428,14 +428,7 @@ class ResponsesHandler:
 
     def list_input_items(self, response_id: str, query: Mapping[str, str]) -> Response:
         _known_query(query, ("after", "limit", "order"))
-        limit = _int_or_none(query.get("limit", "20"))
-        if limit is None or not 1 <= limit <= 100:
-            raise bad_request("limit must be an integer from 1 to 100", param="limit")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise bad_request("order must be 'asc' or 'desc'", param="order")
-        record = self.stored(response_id)
-        return json_response(list_items(record.get("input_items", []), query.get("after"), limit, order))
+        return json_response(list_items(self.stored(response_id).get("input_items", []), query))
 
     async def cancel(self, response_id: str) -> Response:
         """Stops a background response (OpenAI's rules: a foreground one cannot be, a finished one
