@@ -11,7 +11,7 @@ changed in place under the store's lock, so two workers adding to one conversati
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from openai_frontend.errors import APIError, bad_request, unsupported
 from openai_frontend.response_items import input_items, item_id, list_items, new_id, output_messages
@@ -123,11 +123,18 @@ class Conversations:
             raise not_found(conversation_id, param)
         return record
 
-    def _update(self, conversation_id: str, change: Any) -> Any:
-        self._record(conversation_id)
-        missing = object()
-        result = self.store.update(conversation_id, lambda record: change(record) if "items" in record else missing)
-        if result is missing:
+    def _update(self, conversation_id: str, change: Callable[[dict[str, Any]], Any]) -> Any:
+        """`change`'s result on the conversation's record, changed in one step; a 404 when there is
+        no such conversation (or it went meanwhile)."""
+        found = False
+
+        def guarded(record: dict[str, Any]) -> Any:
+            nonlocal found
+            found = "conversation" in record
+            return change(record) if found else None
+
+        result = self.store.update(conversation_id, guarded) if conversation_id.startswith("conv_") else None
+        if not found:
             raise not_found(conversation_id)
         return result
 
