@@ -572,7 +572,8 @@ def test_cli_interrupt_aborts_the_ensemble_request(server, sig, code, said):
 def test_a_second_interrupt_during_the_abort_does_not_skip_it(server):
     # QA: two SIGINTs 1 ms apart (a supervisor signalling twice) interrupted the cleanup between
     # the cancel and the abort, and the request ran on in the engine while the CLI said cancelled.
-    for trial in range(3):
+    interrupted = 0
+    for trial in range(6):
         before = _finished(server)
         proc = subprocess.Popen([sys.executable, "-m", "client", "x", "--url", server.grpc_url, "--max-tokens",
                                  str(LONG), "--json-params", '{"ignore_eos": true}'], cwd=REPO_ROOT,
@@ -580,18 +581,30 @@ def test_a_second_interrupt_during_the_abort_does_not_skip_it(server):
         try:
             ready, _, _ = select.select([proc.stdout], [], [], 60)
             assert ready and os.read(proc.stdout.fileno(), 1), proc.stderr.read()
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGINT)  # (sends nothing to a CLI that has already exited)
             time.sleep(0.001)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=30)
+            out, err = proc.communicate(timeout=30)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        if proc.returncode == 0 and not err:
+            # CI, once: the CLI exited 0, silent, so no signal reached it: it had finished when
+            # its first byte was read (Popen.send_signal sends nothing to an exited process).
+            # Not reproduced; likely the text came in one burst at the stream's end on the loaded
+            # host (merged responses, or held behind a late first one). Nothing was interrupted:
+            # not a trial, and three others must be.
+            assert len(out) > LONG // 10, out[-200:]
+            continue
         # ended by the interrupt either way; one after the cleanup may end it at once (-2)
         assert proc.returncode in (130, -signal.SIGINT), err.decode()
         _assert_engine_aborted(server, before)
+        interrupted += 1
+        if interrupted == 3:
+            break
+    assert interrupted == 3
 
 
 def test_cli_timeout_is_a_clear_error_and_aborts_the_request(server):
