@@ -329,12 +329,9 @@ class ResponsesHandler:
         count = await self.chat.prompt_tokens(_validated(body))
         context = await self.ctx.max_model_len() if req.truncation == "auto" else None
         if context is not None and count >= context:
-            def tokens(messages: list[dict[str, Any]]) -> Awaitable[int]:
-                return self.chat.prompt_tokens(_validated({**body, "messages": messages}))
-
-            messages = await truncated(body["messages"], tokens, context - 1)
+            messages = await self._fitted(body, context - 1)
             if messages is not None:
-                count = await tokens(messages)
+                count = await self._prompt_tokens(body, messages)
         return json_response({"object": "response.input_tokens", "input_tokens": count})
 
     def _history(self, req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -372,15 +369,18 @@ class ResponsesHandler:
             context = await self.ctx.max_model_len()
             if context is None:
                 raise
-
-            def count(messages: list[dict[str, Any]]) -> Awaitable[int]:
-                return self.chat.prompt_tokens(_validated({**body, "messages": messages}))
-
-            messages = await truncated(body["messages"], count, context - (req.max_output_tokens or 1))
+            messages = await self._fitted(body, context - (req.max_output_tokens or 1))
             if messages is None:
                 raise
         body["messages"] = messages
         return await self._start_strict(body, _validated(body), tools, request_id, req)
+
+    def _prompt_tokens(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> Awaitable[int]:
+        return self.chat.prompt_tokens(_validated({**body, "messages": messages}))
+
+    async def _fitted(self, body: dict[str, Any], limit: int) -> Optional[list[dict[str, Any]]]:
+        """truncation "auto": the body's messages cut to a prompt of at most `limit` tokens."""
+        return await truncated(body["messages"], lambda messages: self._prompt_tokens(body, messages), limit)
 
     async def _start_strict(self, body: dict[str, Any], chat_req: ChatCompletionRequest, tools: ToolSet,
                             request_id: str, req: ResponsesRequest) -> Any:
