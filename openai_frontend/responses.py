@@ -37,6 +37,7 @@ from openai_frontend.protocol import (ChatCompletionRequest, ResponsesInputToken
 from openai_frontend.response_items import (OutputBuilder, input_items, input_messages, list_items, new_id,
                                             output_messages, snapshot)
 from openai_frontend.response_store import ResponseStore
+from openai_frontend.sampling import DEFAULT_VERBOSITY
 from openai_frontend.streams import sse_response
 from openai_frontend.truncation import truncated
 from openai_frontend.validation_errors import validation_message
@@ -135,8 +136,9 @@ def _chat_tool_choice(choice: Any) -> Any:
 def _response_format(text: Optional[ResponsesText]) -> Optional[dict[str, Any]]:
     if text is None:
         return None
-    if text.verbosity is not None:
-        raise unsupported("text.verbosity", "the model's length is set by max_output_tokens here")
+    if text.verbosity not in (None, DEFAULT_VERBOSITY):
+        raise unsupported("text.verbosity", f"only '{DEFAULT_VERBOSITY}' (the model as trained); the length is "
+                                            "set by max_output_tokens here")
     fmt = text.format
     if fmt is None or fmt.type == "text":
         return None
@@ -495,7 +497,7 @@ class ResponsesHandler:
             "previous_response_id": req.previous_response_id,
             "conversation": {"id": turn.conversation} if turn.conversation is not None else None,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
-            "store": self._stores(req), "temperature": req.temperature, "text": {"format": fmt},
+            "store": self._stores(req), "temperature": req.temperature, "text": {"format": fmt, "verbosity": DEFAULT_VERBOSITY},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [], "top_logprobs": req.top_logprobs or 0, "top_p": req.top_p,
             "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,

@@ -20,6 +20,9 @@ MAX_TOP_LOGPROBS = 20
 # OpenAI's values (the SDK's ReasoningEffort); the chat template decides what each means.
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_STOP_TOKEN_IDS = 256
+# OpenAI's default verbosity: the model answers at the length it was trained to, which is all
+# this server can do, so "medium" is honoured and "low"/"high" are refused.
+DEFAULT_VERBOSITY = "medium"
 
 # Constraint keys sent to the engine in sampling_parameters (xgrammar semantics; guided_choice
 # is vLLM's, which the engine turns into a grammar); one at most.
@@ -120,8 +123,9 @@ def _check_chat(req: ChatCompletionRequest) -> None:
         raise unsupported("store")
     if req.web_search_options is not None:
         raise unsupported("web_search_options")
-    if req.verbosity is not None:
-        raise unsupported("verbosity")
+    if req.verbosity not in (None, DEFAULT_VERBOSITY):
+        raise unsupported("verbosity", f"only '{DEFAULT_VERBOSITY}' (the model as trained); the length is set by "
+                                       "max_completion_tokens here")
     if req.prompt_cache_retention not in (None, "in_memory"):
         raise unsupported("prompt_cache_retention", "the prefix cache is in memory only")
     if req.top_logprobs is not None:

@@ -2882,9 +2882,9 @@ def test_strict_tools_under_auto_are_refused_where_the_format_cannot_hold_them()
 def test_the_current_sdks_newer_fields_work_or_are_refused_by_name(client, fake):
     """SDK QA: safety_identifier / prompt_cache_key are metadata and hints (accepted, like user);
     what this server cannot do is refused by name: obfuscation padding, other cache retentions,
-    verbosity."""
+    a verbosity other than the default "medium"."""
     client.chat.completions.create(model=MODEL, messages=MESSAGES, safety_identifier="u-1", prompt_cache_key="k",
-                                   prompt_cache_retention="in_memory")
+                                   prompt_cache_retention="in_memory", verbosity="medium")
     for stream in (client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
                                                   stream_options={"include_obfuscation": False}),
                    client.completions.create(model=MODEL, prompt="x", stream=True,
@@ -2893,7 +2893,7 @@ def test_the_current_sdks_newer_fields_work_or_are_refused_by_name(client, fake)
     for kw, param in (({"stream": True, "stream_options": {"include_obfuscation": True}},
                        "stream_options.include_obfuscation"),
                       ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
-                      ({"verbosity": "low"}, "verbosity")):
+                      ({"verbosity": "low"}, "verbosity"), ({"verbosity": "high"}, "verbosity")):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, **kw)
         assert _error(err)["param"] == param, kw

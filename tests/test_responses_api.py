@@ -287,10 +287,11 @@ def test_text_format_and_reasoning_effort_become_the_chat_request_s(sdk, fake):
     for text, response_format in [
         ({"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}},
          {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}),
-        ({"format": {"type": "json_object"}}, {"type": "json_object"}),
+        ({"format": {"type": "json_object"}, "verbosity": "medium"}, {"type": "json_object"}),
     ]:
         r = sdk.responses.create(model=MODEL, input="json", text=text)
         assert json.loads(r.output_text) == {"a": 1} and r.text.format.type == text["format"]["type"]
+        assert r.text.verbosity == "medium"  # OpenAI's default, the only one honoured
         constrained = fake.requests[-1].sampling_params
         sdk.chat.completions.create(response_format=response_format, **chat)
         assert constrained == fake.requests[-1].sampling_params and "structural_tag" in constrained
@@ -381,6 +382,7 @@ def test_a_disconnected_stream_cancels_the_engine_request(sdk, fake):
     ({"include": ["file_search_call.results"]}, "include[0]"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"text": {"verbosity": "high"}}, "text.verbosity"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"stream_options": {"include_obfuscation": True}, "stream": True}, "stream_options.include_obfuscation"),
     ({"service_tier": "flex"}, "service_tier"),
