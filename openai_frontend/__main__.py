@@ -90,6 +90,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="/v1/responses kept for GET and previous_response_id (the N used last; 0: none)")
     p.add_argument("--responses-store-max-mb", type=int, default=256,
                    help="at most this many MiB of stored responses (the least recently used go first)")
+    p.add_argument("--conversations-store-size", type=int, default=4096,
+                   help="/v1/conversations kept (the N used last; 0: none). Their own store: responses "
+                        "never evict a conversation")
+    p.add_argument("--conversations-store-max-mb", type=int, default=256,
+                   help="at most this many MiB of conversations (the least recently used go first)")
     p.add_argument("--graceful-shutdown-timeout", type=shutdown_timeout_arg, default=DEFAULT_GRACEFUL_SHUTDOWN_S,
                    help="on SIGTERM/SIGINT, stop accepting and let in-flight requests and streams finish for at "
                         f"most this many seconds (default {DEFAULT_GRACEFUL_SHUTDOWN_S:g}); then the rest are "
@@ -182,6 +187,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         retry_after_s=args.retry_after,
         responses_store_size=max(0, args.responses_store_size),
         responses_store_max_mb=max(1, args.responses_store_max_mb),
+        conversations_store_size=max(0, args.conversations_store_size),
+        conversations_store_max_mb=max(1, args.conversations_store_max_mb),
     )
 
 

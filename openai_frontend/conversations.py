@@ -3,9 +3,11 @@ response created with `conversation` reads as its history, and adds its input an
 it has finished (completed, or cut by max_output_tokens).
 
 Its items are a response's input and output items (messages, function calls and their outputs,
-reasoning), each with an id. A conversation is one record of the responses' store (its
-"conv_" id, the same capacity and byte budget, the same directory for every --workers process),
-changed in place under the store's lock, so two workers adding to one conversation lose nothing.
+reasoning), each with an id. A conversation is one record (its "conv_" id) of a ResponseStore of
+its own: responses, however many, never evict one; past --conversations-store-size or its byte
+budget the least recently used conversation goes. With --workers the store is a directory every
+process shares, and a conversation is changed in place under the store's lock, so two workers
+adding to one conversation lose nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class Conversations:
 
     def create(self, items: Optional[list[dict[str, Any]]], metadata: Optional[dict[str, str]]) -> dict[str, Any]:
         if self.store.capacity <= 0:
-            raise bad_request("This server keeps no conversations (--responses-store-size 0)")
+            raise bad_request("This server keeps no conversations (--conversations-store-size 0)")
         conversation = {"id": new_id("conv"), "object": "conversation", "created_at": int(time.time()),
                         "metadata": metadata or {}}
         self.store.put(conversation["id"], {"conversation": conversation, "items": _new_items(items or [], [])})

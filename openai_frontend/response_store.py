@@ -14,8 +14,8 @@ stream (when it was created with `stream: true`, for GET ...?stream=true&startin
 replay and follow) and may have a cancel asked of it (by whichever worker got the POST .../cancel,
 for the worker running it to act on). Both go with the record: evicted, pruned or deleted with it.
 
-A conversation (the Conversations API, conversations.py) is a record too, under its "conv_" id,
-changed in place with update(); it shares the capacity and the byte budget.
+The Conversations API (conversations.py) keeps its conversations in a store of this kind of its
+own, one record under each "conv_" id, changed in place with update().
 """
 
 from __future__ import annotations

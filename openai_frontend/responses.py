@@ -281,12 +281,12 @@ class _Turn:
 
 
 class ResponsesHandler:
-    def __init__(self, ctx: Context, chat: ChatHandler, store: ResponseStore) -> None:
+    def __init__(self, ctx: Context, chat: ChatHandler, store: ResponseStore, conversations: Conversations) -> None:
         self.ctx = ctx
         self.chat = chat
         self.store = store
         self.runs = BackgroundRuns(store)
-        self.conversations = Conversations(store)
+        self.conversations = conversations
 
     async def __call__(self, req: ResponsesRequest, request_id: str) -> Response:
         if req.stream_options is not None and req.stream_options.include_obfuscation:

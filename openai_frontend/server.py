@@ -67,6 +67,7 @@ from openai_frontend.protocol import (
 )
 from openai_frontend import request_context
 from openai_frontend.reasoning import get_reasoning_format, split_reasoning
+from openai_frontend.conversations import Conversations
 from openai_frontend.response_store import ResponseStore
 from openai_frontend.responses import ResponsesHandler
 from openai_frontend.sampling import openai_param
@@ -304,10 +305,13 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     )
 
     chat = ChatHandler(ctx)
-    response_store = ResponseStore(settings.responses_store_size,
-                                   os.path.join(settings.metrics_dir, "responses") if settings.metrics_dir else None,
-                                   max_bytes=settings.responses_store_max_mb << 20)
-    responses = ResponsesHandler(ctx, chat, response_store)
+    def store(name: str, size: int, max_mb: int) -> ResponseStore:
+        return ResponseStore(size, os.path.join(settings.metrics_dir, name) if settings.metrics_dir else None,
+                             max_bytes=max_mb << 20)
+
+    responses = ResponsesHandler(
+        ctx, chat, store("responses", settings.responses_store_size, settings.responses_store_max_mb),
+        Conversations(store("conversations", settings.conversations_store_size, settings.conversations_store_max_mb)))
     completions = CompletionHandler(ctx)
     generate = GenerateHandler(ctx)
 

@@ -65,6 +65,10 @@ class Settings:
     # 0: none kept, and responses say "store": false.
     responses_store_size: int = 4096
     responses_store_max_mb: int = 256  # ... and at most this much of their JSON
+    # /v1/conversations: a store of their own, so that no number of responses evicts a
+    # conversation; the least recently used go first past this many or this much JSON.
+    conversations_store_size: int = 4096
+    conversations_store_max_mb: int = 256
 
     @property
     def triton_urls(self) -> list[str]:

@@ -199,3 +199,37 @@ def test_workers_sharing_a_store_add_to_one_conversation_without_losing_items(fa
         assert texts == sorted(f"{k}-{i}" for k in range(4) for i in range(10))
         sdks[1].responses.create(model=MODEL, input="last", conversation=conv.id)
         assert len(sdks[0].conversations.items.list(conv.id, limit=100).data) == 42
+
+
+@pytest.mark.parametrize("workers", [False, True])
+def test_conversations_have_a_store_of_their_own_that_responses_never_evict(fake, tmp_path, workers):
+    """OpenAI keeps a conversation however many responses follow; here a store of 2 responses
+    lets more go by (past a directory's pruning interval) and the conversation stays, while conversations evict each other past their own
+    size (the least recently used first), and a size of 0 keeps none."""
+    settings = Settings(model_name=MODEL, responses_store_size=2, conversations_store_size=2,
+                        metrics_dir=str(tmp_path) if workers else None)
+    with serve_in_thread(create_app(settings, client=fake)) as url:
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        first = sdk.conversations.create(items=[_user("keep me")])
+        ids = [sdk.responses.create(model=MODEL, input=f"q{i}").id for i in range(40 if workers else 6)]
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve(ids[0])  # the responses' store did evict
+        sdk.responses.create(model=MODEL, input="and now", conversation=first.id)
+        assert [i.content[0].text for i in sdk.conversations.items.list(first.id, order="asc").data] == \
+            ["keep me", "and now", "Sunny."]
+        with pytest.raises(openai.NotFoundError):
+            sdk.conversations.retrieve(ids[-1])  # a response's id is no conversation
+        second = sdk.conversations.create()
+        sdk.conversations.retrieve(first.id)  # used last: the second is now the older
+        sdk.conversations.create()
+        if workers:  # a directory is pruned every few writes; make this one count
+            for _ in range(32):
+                sdk.conversations.update(first.id, metadata={"n": "x"})
+        with pytest.raises(openai.NotFoundError):
+            sdk.conversations.retrieve(second.id)
+        assert sdk.conversations.retrieve(first.id).id == first.id
+    with serve_in_thread(create_app(Settings(model_name=MODEL, conversations_store_size=0), client=fake)) as url:
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="--conversations-store-size 0"):
+            sdk.conversations.create()
+        assert sdk.responses.retrieve(sdk.responses.create(model=MODEL, input="a").id).status == "completed"

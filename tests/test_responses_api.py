@@ -272,12 +272,14 @@ def test_a_server_that_keeps_no_responses_says_so(fake):
         assert r.store is False
         with pytest.raises(openai.NotFoundError):
             sdk.responses.retrieve(r.id)
-        # Nor background responses or conversations, which live in the same store.
+        # Nor background responses, which live in the same store.
         with pytest.raises(openai.BadRequestError) as info:
             sdk.responses.create(model=MODEL, input="a", background=True)
         assert info.value.body["param"] == "background" and "--responses-store-size 0" in info.value.body["message"]
-        with pytest.raises(openai.BadRequestError, match="keeps no conversations"):
-            sdk.conversations.create()
+        # Conversations have a store of their own: a response in one is added to it.
+        conv = sdk.conversations.create()
+        sdk.responses.create(model=MODEL, input="b", conversation=conv.id)
+        assert len(sdk.conversations.items.list(conv.id).data) == 2
 
 
 def test_text_format_and_reasoning_effort_become_the_chat_request_s(sdk, fake):
