@@ -398,20 +398,37 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
-        """SGLang's: 200 once one token went through the whole path (ensemble and engine)."""
-        probe = EngineRequest(sampling_params={"max_new_tokens": 1, "temperature": 0},
-                              input_ids=[0], request_id=f"health-{_request_id(request)}", stream=False)
+        """SGLang's: 200 once one token went through the whole path (ensemble and engine). With
+        several tritonservers each is probed at once, as routing would hide one that no longer
+        generates behind the others: 200 while any does (requests are served through it), with
+        each one's result in the body; 503 when none does."""
+        rid = _request_id(request)
+        urls = getattr(ctx.client, "server_urls", None) or []
 
-        async def one_token() -> None:
-            async for _ in ctx.client.generate(probe):
-                pass
+        async def one_token(index: Optional[int]) -> Optional[str]:
+            probe = EngineRequest(sampling_params={"max_new_tokens": 1, "temperature": 0}, input_ids=[0],
+                                  request_id=f"health-{rid}" + (f"-{index}" if index is not None else ""), stream=False)
 
-        try:
-            await asyncio.wait_for(one_token(), settings.health_generate_timeout)
-        except (APIError, TimeoutError) as exc:
-            reason = exc.message if isinstance(exc, APIError) else "no answer in time"
-            raise unavailable(f"the engine did not generate a token: {reason}") from None
-        return Response(status_code=200)
+            async def drain() -> None:
+                async for _ in ctx.client.generate(probe) if index is None else ctx.client.generate_at(index, probe):
+                    pass
+
+            try:
+                await asyncio.wait_for(drain(), settings.health_generate_timeout)
+            except APIError as exc:
+                return exc.message
+            except TimeoutError:
+                return "no answer in time"
+            return None
+
+        if len(urls) < 2:
+            if reason := await one_token(None):
+                raise unavailable(f"the engine did not generate a token: {reason}")
+            return Response(status_code=200)
+        reasons = await asyncio.gather(*(one_token(i) for i in range(len(urls))))
+        if all(reasons):
+            raise unavailable("no server generated a token: " + "; ".join(f"{u}: {r}" for u, r in zip(urls, reasons)))
+        return json_response({"servers": {u: r or "ok" for u, r in zip(urls, reasons)}})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -703,6 +703,16 @@ class TritonLLMClient:
         finally:
             self._stopping_watch = None
 
+    @property
+    def server_urls(self) -> list[str]:
+        """The tritonservers, in the router's numbering."""
+        return [s.url for s in self._servers]
+
+    def generate_at(self, index: int, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """`request` on server `index` of server_urls, wherever the router would send it, and
+        with no retry elsewhere: a probe of that one server (/health_generate)."""
+        return self._generate_on(self._servers[index], request)
+
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         """The ensemble's responses for `request` until the final one.
 

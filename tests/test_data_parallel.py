@@ -110,6 +110,8 @@ def test_each_chat_stays_where_its_prefix_is_cached(servers, base_url):
 
 def test_health_info_aborts_and_cache_resets_cover_both_servers(servers, base_url):
     assert httpx.get(f"{base_url}/health").status_code == 200
+    r = httpx.get(f"{base_url}/health_generate", timeout=60)  # a token from each server
+    assert r.status_code == 200 and r.json() == {"servers": {s.grpc_url: "ok" for s in servers}}, r.text
     info = httpx.get(f"{base_url}/get_server_info").json()["engine"]
     assert [d["url"] for d in info["data_parallel"]] == [s.grpc_url for s in servers]
     assert info["stats"]["num_kv_blocks"] == 512  # the two pools of 256, summed
@@ -218,6 +220,10 @@ def test_a_killed_server_s_chats_go_to_the_other_and_it_serves_again_once_restar
         assert len(_chat_turns(base_url, SYSTEMS[name], 2)) == 2
     assert httpx.get(f"{base_url}/health").status_code == 200
     assert _up(base_url, servers) == {servers[killed].grpc_url: 0, servers[1 - killed].grpc_url: 1}
+    # /health_generate still answers 200 (the other server generates), and says which is not.
+    r = httpx.get(f"{base_url}/health_generate", timeout=60)
+    assert r.status_code == 200 and r.json()["servers"][servers[1 - killed].grpc_url] == "ok", r.text
+    assert r.json()["servers"][servers[killed].grpc_url] != "ok", r.text
     streamed = _sdk(base_url).chat.completions.create(
         model=MODEL, stream=True, max_tokens=8, messages=[{"role": "system", "content": SYSTEMS["ledger"]},
                                                           {"role": "user", "content": "one more"}])

@@ -85,6 +85,41 @@ def test_health(base_url, fake):
         fake.ready = True
 
 
+class _TwoServers(FakeLLMClient):
+    """Two tritonservers, as TritonLLMClient shows them: `down` holds those that do not generate."""
+
+    server_urls = ["a:8001", "b:8001"]
+
+    def __init__(self) -> None:
+        super().__init__(script=lambda req: text_chunks(["x"]))
+        self.down: dict[int, APIError] = {}
+        self.at: list[int] = []
+
+    def generate_at(self, index: int, request):
+        self.at.append(index)
+        return self._fail(self.down[index]) if index in self.down else self.generate(request)
+
+    async def _fail(self, error: APIError):
+        raise error
+        yield  # pragma: no cover - an async generator that raises at once
+
+
+def test_health_generate_probes_every_server_and_fails_only_when_none_generates():
+    fake = _TwoServers()
+    with serve_in_thread(create_app(Settings(model_name=MODEL, health_generate_timeout=5), client=fake)) as url:
+        r = httpx.get(url + "/health_generate")
+        assert r.status_code == 200 and r.json() == {"servers": {"a:8001": "ok", "b:8001": "ok"}}
+        assert sorted(fake.at) == [0, 1] and len({q.request_id for q in fake.requests}) == 2
+        fake.down[1] = APIError(503, "Triton is not reachable")
+        r = httpx.get(url + "/health_generate")  # the frontend still serves, through a
+        assert r.status_code == 200 and r.json()["servers"] == {"a:8001": "ok", "b:8001": "Triton is not reachable"}
+        fake.down[0] = APIError(500, "stub crashed")
+        r = httpx.get(url + "/health_generate")
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == ("no server generated a token: a:8001: stub crashed; "
+                                                "b:8001: Triton is not reachable")
+
+
 def test_request_id_echoed_and_used(base_url, client):
     r = httpx.post(
         base_url + "/v1/chat/completions",
