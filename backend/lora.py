@@ -150,6 +150,10 @@ def load_adapter(name: str, path: str | Path, config: Any, device: torch.device,
                 raise LoraError(f"LoRA adapter '{name}': module {module!r} is not supported")
             if layer >= config.num_layers:
                 raise LoraError(f"LoRA adapter '{name}': layer {layer} is beyond the model's {config.num_layers}")
+            moe_layers = getattr(config, "moe_layers", ())
+            if spans[module][0] in ("gate_up", "down") and moe_layers and moe_layers[layer]:
+                raise LoraError(f"LoRA adapter '{name}': layer {layer} {module}: the layer's MLP is a mixture of "
+                                "experts, and LoRA on experts is not supported (attention and embeddings are)")
             pairs.setdefault((layer, module), {})[ab] = tensor.to(device=device, dtype=dtype)
     adapter = LoraAdapter(name, str(path), rank, scaling, [{} for _ in range(config.num_layers)])
     widths = {"qkv": q + 2 * kv, "o": config.hidden_size, "gate_up": 2 * inter, "down": config.hidden_size}

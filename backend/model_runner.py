@@ -1,4 +1,5 @@
-"""A torch forward pass for Llama/Qwen2/Qwen3-family decoders over a paged KV cache.
+"""A torch forward pass for Llama/Qwen2/Qwen3-family decoders over a paged KV cache, their
+mixture-of-experts variants (Qwen2-MoE, Qwen3-MoE, Mixtral) included.
 
 One step runs a ragged batch: each sequence contributes a chunk of new tokens (a prefill chunk
 or one decode token) on top of the context already in the cache. Projections and MLPs run on
@@ -30,7 +31,9 @@ from kernels import cpu_attention
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+# A mixture-of-experts model's attention and everything but its MLPs are its dense family's.
+_DENSE_FAMILY = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "mixtral": "mistral"}
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,17 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()
     # config.json's quantization_config: FP8 checkpoints load (backend/quantized_checkpoint.py).
     quantization: Optional[dict[str, Any]] = None
+    # Mixture-of-experts MLPs, in the layers moe_layers marks (Qwen's decoder_sparse_step and
+    # mlp_only_layers; every layer in Mixtral): a token's MLP output is the weighted sum of its
+    # num_experts_per_tok best experts (a softmax over the router's logits, renormalised over the
+    # chosen ones when norm_topk_prob), plus, in Qwen2-MoE, a shared expert scaled by a sigmoid
+    # gate. 0 experts: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
 
     # config.json's keys that the engine read from transformers' defaults, because config.json
     # leaves them out (a load error names them: a shape mismatch often comes from one).
@@ -77,6 +91,7 @@ class ModelConfig:
         # makes of it (Qwen3's head_dim 128, Qwen2's 32 KV heads, Mistral's 4096-token window,
         # each type's max_position_embeddings), not a guess of our own.
         defaults = _transformers_defaults(cfg, model_type)
+        family = _DENSE_FAMILY.get(model_type, model_type)
         default_theta = defaults.pop("rope_theta", 10000.0)
         defaulted = frozenset(k for k in _DEFAULTED_KEYS if k not in cfg)
         cfg = {**defaults, **cfg}
@@ -86,15 +101,17 @@ class ModelConfig:
         act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act '{act}'; supported: {', '.join(ACTIVATIONS)}")
-        window, sliding = _sliding_window(cfg, model_type)
+        window, sliding = _sliding_window(cfg, family)
         quantization = cfg.get("quantization_config") or None
         check_quantization(quantization)
         # As transformers' modeling code reads them: Llama's attention_bias biases q, k, v and o,
         # its mlp_bias the MLP; Qwen2 biases q, k, v (its config has no such key: an explicit
         # false drops them); Mistral and Qwen2/3 MLPs never have biases, nor Mistral's attention.
-        attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2")) and model_type != "mistral"
-        if model_type == "qwen3" and attention_bias:
-            raise ValueError("attention_bias is not supported for qwen3 models")
+        # Qwen2-MoE names its q, k, v bias qkv_bias (true unless false).
+        attention_bias = (bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe"
+                          else bool(cfg.get("attention_bias", family == "qwen2")) and family != "mistral")
+        if family == "qwen3" and attention_bias:
+            raise ValueError(f"attention_bias is not supported for {model_type} models")
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         if num_heads % num_kv_heads:
@@ -116,7 +133,7 @@ class ModelConfig:
             max_position_embeddings=cfg["max_position_embeddings"],
             tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
             attention_bias=attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=family == "qwen3",
             hidden_act=act,
             o_bias=attention_bias and model_type == "llama",
             mlp_bias=bool(cfg.get("mlp_bias", False)) and model_type == "llama",
@@ -124,7 +141,12 @@ class ModelConfig:
             sliding_layers=sliding,
             quantization=quantization,
             defaulted=defaulted,
+            **(_experts(cfg, model_type) if model_type in _DENSE_FAMILY else {}),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
 
     def describe(self, *fields: str) -> str:
         """'num_attention_heads 4 x head_dim 128': config.json's fields as the engine read them,
@@ -199,6 +221,34 @@ def _transformers_defaults(cfg: dict[str, Any], model_type: str) -> dict[str, An
     out = {k: getattr(hf, k) for k in missing if hasattr(hf, k)}
     out["rope_theta"] = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or 10000.0
     return out
+
+
+def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A mixture-of-experts config's ModelConfig fields, as transformers' modeling code reads it
+    (a key config.json leaves out is its config class's default)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(model_type)
+
+    def get(key: str) -> Any:
+        return cfg[key] if cfg.get(key) is not None else getattr(hf, key, None)
+
+    layers = cfg["num_hidden_layers"]
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or get("num_experts")
+                  or get("num_local_experts") or 0)
+    top_k = int(get("num_experts_per_tok") or 0)
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise ValueError(f"{model_type}: num_experts_per_tok {top_k} must be in 1..the number of experts ({experts})")
+    if model_type == "mixtral":  # every layer, the experts as wide as intermediate_size, always renormalised
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=cfg["intermediate_size"],
+                    norm_topk_prob=True, moe_layers=(True,) * layers)
+    step = int(get("decoder_sparse_step") or 1)
+    dense = set(get("mlp_only_layers") or ())
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(get("moe_intermediate_size")),
+                norm_topk_prob=bool(get("norm_topk_prob")),
+                shared_expert_intermediate_size=int(get("shared_expert_intermediate_size") or 0)
+                if model_type == "qwen2_moe" else 0,
+                moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
 
 
 def _defaulted_note(key: str, defaulted: frozenset[str]) -> str:
@@ -596,6 +646,8 @@ class ModelRunner:
     def enable_decode_graphs(self, capture: Optional[Capture] = None) -> Optional[str]:
         """Capture decode graphs for up to `graph_batch` sequences and check them against the
         eager pass. Returns None when they are in use, else why not (the runner stays eager)."""
+        if self.config.is_moe:
+            return "mixture-of-experts layers group their tokens by expert on the host"
         if self.graph_batch <= 0:
             return "no scratch blocks reserved (graph_batch=0)"
         try:
@@ -651,6 +703,18 @@ class ModelRunner:
             "inter_bias": ((c.intermediate_size,), d("intermediate_size")),
             "head_norm": ((c.head_dim,), d("head_dim")),
         }
+        if c.is_moe:
+            wide = "intermediate_size" if c.model_type == "mixtral" else "moe_intermediate_size"
+            shapes.update({
+                "router": ((c.num_experts, c.hidden_size), f"the number of experts {c.num_experts}, {hidden}"),
+                "expert_gate_up": ((c.moe_intermediate_size, c.hidden_size), f"{wide} {c.moe_intermediate_size}, {hidden}"),
+                "expert_down": ((c.hidden_size, c.moe_intermediate_size), f"{hidden}, {wide} {c.moe_intermediate_size}"),
+                "shared_gate_up": ((c.shared_expert_intermediate_size, c.hidden_size),
+                                   f"shared_expert_intermediate_size {c.shared_expert_intermediate_size}, {hidden}"),
+                "shared_down": ((c.hidden_size, c.shared_expert_intermediate_size),
+                                f"{hidden}, shared_expert_intermediate_size {c.shared_expert_intermediate_size}"),
+                "shared_gate": ((1, c.hidden_size), f"1, {hidden}"),
+            })
 
         def take(name: str, kind: str) -> torch.Tensor:
             try:
@@ -690,9 +754,13 @@ class ModelRunner:
                 "qkv": torch.cat([take(p + f"self_attn.{n}_proj.weight", "q_proj" if n == "q" else "kv_proj")
                                   for n in "qkv"]),
                 "o": take(p + "self_attn.o_proj.weight", "o_proj"),
-                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight", "gate_up"), take(p + "mlp.up_proj.weight", "gate_up")]),
-                "down": take(p + "mlp.down_proj.weight", "down"),
             }
+            if c.moe_layers and c.moe_layers[i]:
+                layer.update(self._take_experts(p, take))
+            else:
+                layer["gate_up"] = torch.cat([take(p + "mlp.gate_proj.weight", "gate_up"),
+                                              take(p + "mlp.up_proj.weight", "gate_up")])
+                layer["down"] = take(p + "mlp.down_proj.weight", "down")
             if c.attention_bias:
                 layer["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias", "q_bias" if n == "q" else "kv_bias")
                                                for n in "qkv"])
@@ -710,6 +778,63 @@ class ModelRunner:
         leftovers = [k for k in raw if "rotary_emb" not in k]
         if leftovers:
             raise ValueError(f"unexpected weights in {path}: {leftovers[:5]}")
+
+    def _take_experts(self, p: str, take: Any) -> dict[str, torch.Tensor]:
+        """A mixture-of-experts layer's weights, as checkpoints on the Hub name them (Qwen's
+        mlp.gate / mlp.experts.{e}.{gate,up,down}_proj, Mixtral's block_sparse_moe.gate /
+        .experts.{e}.w1 (gate), w3 (up), w2 (down)): each expert's gate and up fused, every
+        expert stacked, so that one expert is one index and two matmuls."""
+        c = self.config
+        if c.model_type == "mixtral":
+            m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+        else:
+            m, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        gate, up, down = names
+        out = {
+            "router": take(m + "gate.weight", "router"),
+            "experts_gate_up": torch.stack([
+                torch.cat([take(f"{m}experts.{e}.{gate}.weight", "expert_gate_up"),
+                           take(f"{m}experts.{e}.{up}.weight", "expert_gate_up")]) for e in range(c.num_experts)]),
+            "experts_down": torch.stack([take(f"{m}experts.{e}.{down}.weight", "expert_down")
+                                         for e in range(c.num_experts)]),
+        }
+        if c.shared_expert_intermediate_size:
+            out["shared_gate_up"] = torch.cat([take(m + "shared_expert.gate_proj.weight", "shared_gate_up"),
+                                               take(m + "shared_expert.up_proj.weight", "shared_gate_up")])
+            out["shared_down"] = take(m + "shared_expert.down_proj.weight", "shared_down")
+            out["shared_gate"] = take(m + "shared_expert_gate.weight", "shared_gate")
+        return out
+
+    def _moe(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A mixture-of-experts MLP over the packed tokens `x`, as transformers computes it: the
+        token-expert pairs grouped by expert, each expert one matmul pair over its tokens, their
+        outputs scaled by the routing weight and summed back in expert order. The grouping reads
+        the counts on the host, so these layers run eagerly (no decode graphs)."""
+        c = self.config
+        probs = torch.softmax(F.linear(x, layer["router"]), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype).flatten()
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)  # pairs by expert, each expert's tokens in order
+        counts = torch.bincount(flat, minlength=c.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            pairs = order[start : start + n]
+            start += n
+            tokens = pairs // c.num_experts_per_tok
+            gate, up = F.linear(x[tokens], layer["experts_gate_up"][e]).chunk(2, dim=-1)
+            y = F.linear(self._act(gate) * up, layer["experts_down"][e]) * weights[pairs, None]
+            out.index_add_(0, tokens, y)
+        if "shared_gate_up" in layer:
+            gate, up = F.linear(x, layer["shared_gate_up"]).chunk(2, dim=-1)
+            shared = F.linear(self._act(gate) * up, layer["shared_down"])
+            out = out + torch.sigmoid(F.linear(x, layer["shared_gate"])) * shared
+        return out
 
     def load_lora(self, name: str, path: str | Path) -> LoraAdapter:
         """Load a PEFT adapter that requests may then name (backend/lora.py). The dict is only
@@ -1087,6 +1212,9 @@ class ModelRunner:
             if not batch.lora:
                 h = h + F.linear(attn, layer["o"], layer.get("o_bias"))
                 x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
+                if "router" in layer:
+                    h = h + self._moe(x, layer)
+                    continue
                 gate, up = F.linear(x, layer["gate_up"], layer.get("gate_up_bias")).chunk(2, dim=-1)
                 h = h + F.linear(self._act(gate) * up, layer["down"], layer.get("down_bias"))
                 continue
@@ -1094,6 +1222,9 @@ class ModelRunner:
             apply_lora(o, attn, li, "o", batch.lora)
             h = h + o
             x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
+            if "router" in layer:  # adapters on experts are refused when loaded (backend/lora.py)
+                h = h + self._moe(x, layer)
+                continue
             gate_up = F.linear(x, layer["gate_up"], layer.get("gate_up_bias"))
             apply_lora(gate_up, x, li, "gate_up", batch.lora)
             gate, up = gate_up.chunk(2, dim=-1)

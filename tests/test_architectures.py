@@ -1,9 +1,10 @@
 """The engine against Hugging Face generate on the other supported architectures.
 
 The demo model is Qwen2 (biased QKV, tied embeddings). Llama (no QKV bias, llama3 rope scaling,
-untied head) and Qwen3 (per-head q/k RMSNorm) take other branches of the model runner; each
-gets a tiny random model here, with the demo tokenizer, and must match HF greedy token for token
-through the real step loop (batched prefill, then decodes on the paged kernel).
+untied head), Qwen3 (per-head q/k RMSNorm) and the mixture-of-experts models (Qwen2-MoE with its
+shared expert, Qwen3-MoE, Mixtral) take other branches of the model runner; each gets a tiny
+random model here, with the demo tokenizer, and must match HF greedy token for token through the
+real step loop (batched prefill, then decodes on the paged kernel).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ MAX_NEW = 12
 
 
 def _build(kind: str, demo_model_path, out_dir):
-    from transformers import (AutoConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (AutoConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     base = AutoConfig.from_pretrained(demo_model_path)
     common = dict(
@@ -51,6 +53,20 @@ def _build(kind: str, demo_model_path, out_dir):
         cfg = Qwen2Config(**common, sliding_window=32, use_sliding_window=True, max_window_layers=1,
                           tie_word_embeddings=True)
         model = Qwen2ForCausalLM(cfg)
+    elif kind == "qwen2_moe":
+        # 8 experts, 2 a token, not renormalised, a gated shared expert; layer 1 sparse, layer 0
+        # a dense MLP (mlp_only_layers).
+        cfg = Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                             shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[0],
+                             tie_word_embeddings=False)
+        model = Qwen2MoeForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                             norm_topk_prob=True, tie_word_embeddings=False)
+        model = Qwen3MoeForCausalLM(cfg)
+    elif kind == "mixtral":
+        cfg = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+        model = MixtralForCausalLM(cfg)
     elif kind == "llama_biased_gelu":
         # attention_bias biases o_proj too in Llama; mlp_bias gate/up/down; another activation.
         cfg = LlamaConfig(**common, attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh")
@@ -83,7 +99,9 @@ def _assert_hf_greedy(hf, prompts, outs, new: int) -> None:
                                                ("llama_biased_gelu", None, False), ("qwen2_yarn", None, False),
                                                ("mistral_swa", None, False), ("mistral_swa", 24, False),
                                                ("mistral_swa", 24, True), ("qwen2_mixed_swa", None, False),
-                                               ("qwen2_mixed_swa", 24, False), ("qwen2_mixed_swa", 24, True)])
+                                               ("qwen2_mixed_swa", 24, False), ("qwen2_mixed_swa", 24, True),
+                                               ("qwen2_moe", None, False), ("qwen3_moe", 24, False),
+                                               ("mixtral", 24, True)])
 def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path):
     from pathlib import Path
 
@@ -115,6 +133,10 @@ def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path):
             assert engine.model.windows == (32, 32) and engine.max_model_len == 512  # not capped at the window
         if kind == "qwen2_mixed_swa":
             assert engine.model.windows == (0, 32) and engine.max_model_len == 512
+        if kind.endswith("moe") or kind == "mixtral":
+            moe = engine.model.config.moe_layers
+            assert moe == ((False, True) if kind == "qwen2_moe" else (True, True)), moe
+            assert ["router" in layer for layer in engine.model.layers] == list(moe)
     finally:
         engine.shutdown()
 
@@ -329,3 +351,62 @@ def test_pytorch_bin_checkpoints_load_as_safetensors_do(demo_model_path, tmp_pat
         f.unlink()
     with pytest.raises(FileNotFoundError, match="neither \\*.safetensors nor pytorch_model\\*.bin"):
         LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64))
+
+
+def test_a_mixture_of_experts_model_runs_eagerly_and_takes_attention_adapters_only(demo_model_path, tmp_path):
+    """Its expert grouping reads counts on the host, which a CUDA graph cannot: decode graphs
+    stay off, saying why. LoRA on the attention of an MoE model loads and changes the output; on
+    an MoE layer's MLP it is refused, naming the layer (its weights are the experts')."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from backend.decode_graphs import eager_replay
+    from backend.lora import LoraError
+    from backend.model_runner import ModelRunner
+
+    model_dir = tmp_path / "model"
+    _build("qwen3_moe", Path(demo_model_path), model_dir)
+    runner = ModelRunner(str(model_dir), 64, 16, device="cpu", dtype=torch.float32, graph_batch=8)
+    assert runner.enable_decode_graphs(capture=eager_replay) == \
+        "mixture-of-experts layers group their tokens by expert on the host"
+    assert runner.graphs is None
+
+    def adapter(name: str, module: str) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        (out / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "target_modules": [module]}))
+        part = "self_attn" if module.endswith(("q_proj", "o_proj")) else "mlp"
+        g = torch.Generator().manual_seed(0)
+        rows = 64 if module == "q_proj" else 128
+        save_file({f"base_model.model.model.layers.0.{part}.{module}.lora_A.weight": torch.randn(2, 64, generator=g),
+                   f"base_model.model.model.layers.0.{part}.{module}.lora_B.weight": torch.randn(rows, 2, generator=g)},
+                  str(out / "adapter_model.safetensors"))
+        return out
+
+    with pytest.raises(LoraError, match=r"layer 0 gate_proj: the layer's MLP is a mixture of experts"):
+        runner.load_lora("mlp", adapter("mlp", "gate_proj"))
+    # A config that says other experts than the checkpoint holds is refused at load, naming them.
+    wrong = tmp_path / "wrong"
+    shutil.copytree(model_dir, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**cfg, "moe_intermediate_size": 32}))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight has shape \[48, 64\] .*"
+                                         r"moe_intermediate_size 32"):
+        ModelRunner(str(wrong), 64, 16, device="cpu", dtype=torch.float32)
+    (wrong / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 9}))
+    with pytest.raises(ValueError, match=r"num_experts_per_tok 9 must be in 1\.\.the number of experts \(8\)"):
+        ModelRunner(str(wrong), 64, 16, device="cpu", dtype=torch.float32)
+    engine = LLMEngine(EngineConfig(model_path=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=64,
+                                    block_size=16, sampling_defaults="openai",
+                                    lora_modules={"attn": str(adapter("attn", "q_proj"))}))
+    try:
+        prompt = [[11, 12, 13, 14, 15]]
+        base = engine.generate(prompt, engine.parse_params({"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}))
+        tuned = engine.generate(prompt, engine.parse_params({"temperature": 0, "max_new_tokens": 8, "ignore_eos": True,
+                                                             "lora_path": "attn"}))
+        assert base[0].new_token_ids != tuned[0].new_token_ids
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.shutdown()
