@@ -815,7 +815,8 @@ class ModelRunner:
         weights, chosen = torch.topk(probs, c.num_experts_per_tok, dim=-1)
         if c.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype).flatten()
+        # Qwen scales by weights in the model's dtype; Mixtral by the float32 ones, then rounds.
+        weights = (weights if c.model_type == "mixtral" else weights.to(x.dtype)).flatten()
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # pairs by expert, each expert's tokens in order
         counts = torch.bincount(flat, minlength=c.num_experts).tolist()
@@ -829,7 +830,7 @@ class ModelRunner:
             tokens = pairs // c.num_experts_per_tok
             gate, up = F.linear(x[tokens], layer["experts_gate_up"][e]).chunk(2, dim=-1)
             y = F.linear(self._act(gate) * up, layer["experts_down"][e]) * weights[pairs, None]
-            out.index_add_(0, tokens, y)
+            out.index_add_(0, tokens, y.to(x.dtype))
         if "shared_gate_up" in layer:
             gate, up = F.linear(x, layer["shared_gate_up"]).chunk(2, dim=-1)
             shared = F.linear(self._act(gate) * up, layer["shared_down"])

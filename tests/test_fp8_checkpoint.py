@@ -48,6 +48,29 @@ def base_dir(demo_model_path, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def moe_base_dir(demo_model_path, tmp_path_factory):
+    """A tiny random Qwen3-MoE: its experts' projections are FP8 in an "-FP8" release, its router
+    (mlp.gate) is not."""
+    from transformers import AutoConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    base = AutoConfig.from_pretrained(demo_model_path)
+    cfg = Qwen3MoeConfig(vocab_size=base.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                         bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(12)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    out = tmp_path_factory.mktemp("fp8_moe_base")
+    model.float().save_pretrained(out, safe_serialization=True)
+    _copy_tokenizer(demo_model_path, out)
+    return out
+
+
 def _copy_tokenizer(src, dst) -> None:
     for f in src.iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
@@ -154,6 +177,15 @@ def test_fp8_weights_load_as_their_dequantized_values(base_dir, tmp_path, scheme
     # e4m3 keeps 3 mantissa bits: measured 0.20-0.22 of the largest logit for every scheme here.
     assert (logits - original).abs().max() < 0.3 * original.abs().max()
     prompts = _prompts(4, seed=1)
+    assert _generate(fp8_dir, prompts) == _generate(ref_dir, prompts)
+
+
+def test_an_fp8_mixture_of_experts_checkpoint_loads_its_experts_dequantized(moe_base_dir, tmp_path):
+    fp8_dir, ref_dir = _fp8_pair(moe_base_dir, tmp_path, "block")
+    assert any(".experts.3.down_proj.weight_scale_inv" in k for k in load_file(str(fp8_dir / "model.safetensors")))
+    logits = mixed_step(_runner(fp8_dir))[1]
+    assert torch.equal(logits, mixed_step(_runner(ref_dir))[1])
+    prompts = _prompts(3, seed=2)
     assert _generate(fp8_dir, prompts) == _generate(ref_dir, prompts)
 
 
