@@ -251,6 +251,25 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
                 moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
 
 
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether F.grouped_mm runs here and agrees with a matmul per group (it needs a recent
+    torch, and on CUDA some architectures and dtypes only)."""
+    grouped_mm = getattr(F, "grouped_mm", None)
+    if grouped_mm is None:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(8, 16, generator=g).to(device=device, dtype=dtype)
+        b = torch.randn(3, 32, 16, generator=g).to(device=device, dtype=dtype)
+        offs = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
+        out = grouped_mm(a, b.transpose(-2, -1), offs=offs)
+        want = torch.cat([F.linear(a[:3], b[0]), F.linear(a[3:], b[2])])
+        return bool(torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2))
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        log.info("grouped_mm unavailable on %s %s (%s): MoE experts run one matmul pair each", device, dtype, exc)
+        return False
+
+
 def _defaulted_note(key: str, defaulted: frozenset[str]) -> str:
     return " (not in config.json: transformers' default)" if key in defaulted else ""
 
@@ -552,6 +571,9 @@ class ModelRunner:
         self.adapters: dict[str, LoraAdapter] = {}
         self._load_weights(Path(model_path))
         c = self.config
+        # An MoE layer's experts run as one grouped matmul where torch has one for this device
+        # and dtype (no host sync, so decode graphs can hold them), else one matmul pair each.
+        self.grouped_experts = c.is_moe and grouped_mm_works(self.device, self.dtype)
         # Blocks past the pool that no sequence owns: padding rows of a graph replay write
         # their K/V there. Enough of them for one block per block_size rows of the largest
         # bucket, which the capture check needs.
@@ -646,8 +668,8 @@ class ModelRunner:
     def enable_decode_graphs(self, capture: Optional[Capture] = None) -> Optional[str]:
         """Capture decode graphs for up to `graph_batch` sequences and check them against the
         eager pass. Returns None when they are in use, else why not (the runner stays eager)."""
-        if self.config.is_moe:
-            return "mixture-of-experts layers group their tokens by expert on the host"
+        if self.config.is_moe and not self.grouped_experts:
+            return "mixture-of-experts layers group their tokens by expert on the host (no grouped_mm here)"
         if self.graph_batch <= 0:
             return "no scratch blocks reserved (graph_batch=0)"
         try:
@@ -807,9 +829,11 @@ class ModelRunner:
 
     def _moe(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
         """A mixture-of-experts MLP over the packed tokens `x`, as transformers computes it: the
-        token-expert pairs grouped by expert, each expert one matmul pair over its tokens, their
-        outputs scaled by the routing weight and summed back in expert order. The grouping reads
-        the counts on the host, so these layers run eagerly (no decode graphs)."""
+        token-expert pairs grouped by expert, each expert's tokens through its gate/up and down
+        matmuls, scaled by the routing weight and added back to their tokens in expert order
+        (so each token's sum is transformers' to the bit in float32). With grouped_experts every
+        expert's matmul is one grouped_mm call over offsets computed on the device; else a
+        matmul pair per expert, whose counts are read on the host (no decode graphs then)."""
         c = self.config
         probs = torch.softmax(F.linear(x, layer["router"]), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, c.num_experts_per_tok, dim=-1)
@@ -819,18 +843,26 @@ class ModelRunner:
         weights = (weights if c.model_type == "mixtral" else weights.to(x.dtype)).flatten()
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # pairs by expert, each expert's tokens in order
-        counts = torch.bincount(flat, minlength=c.num_experts).tolist()
+        tokens = order // c.num_experts_per_tok
         out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            pairs = order[start : start + n]
-            start += n
-            tokens = pairs // c.num_experts_per_tok
-            gate, up = F.linear(x[tokens], layer["experts_gate_up"][e]).chunk(2, dim=-1)
-            y = F.linear(self._act(gate) * up, layer["experts_down"][e]) * weights[pairs, None]
-            out.index_add_(0, tokens, y.to(x.dtype))
+        if self.grouped_experts:
+            # Per-expert counts by index_add, not bincount: bincount sizes its output on the host.
+            counts = torch.zeros(c.num_experts, dtype=torch.int64, device=x.device)
+            counts.index_add_(0, flat, torch.ones_like(flat))
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            gate, up = F.grouped_mm(x[tokens], layer["experts_gate_up"].transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+            y = F.grouped_mm(self._act(gate) * up, layer["experts_down"].transpose(-2, -1), offs=offs)
+            out.index_add_(0, tokens, (y * weights[order, None]).to(x.dtype))
+        else:
+            start = 0
+            for e, n in enumerate(torch.bincount(flat, minlength=c.num_experts).tolist()):
+                if not n:
+                    continue
+                pairs, rows = order[start : start + n], tokens[start : start + n]
+                start += n
+                gate, up = F.linear(x[rows], layer["experts_gate_up"][e]).chunk(2, dim=-1)
+                y = F.linear(self._act(gate) * up, layer["experts_down"][e]) * weights[pairs, None]
+                out.index_add_(0, rows, y.to(x.dtype))
         if "shared_gate_up" in layer:
             gate, up = F.linear(x, layer["shared_gate_up"]).chunk(2, dim=-1)
             shared = F.linear(self._act(gate) * up, layer["shared_down"])

@@ -101,10 +101,16 @@ def _assert_hf_greedy(hf, prompts, outs, new: int) -> None:
                                                ("mistral_swa", 24, True), ("qwen2_mixed_swa", None, False),
                                                ("qwen2_mixed_swa", 24, False), ("qwen2_mixed_swa", 24, True),
                                                ("qwen2_moe", None, False), ("qwen3_moe", 24, False),
-                                               ("mixtral", 24, True)])
-def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path):
+                                               ("mixtral", 24, True), ("qwen3_moe_loop", None, False)])
+def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, monkeypatch):
     from pathlib import Path
 
+    import backend.model_runner
+
+    looped = kind.endswith("_loop")
+    if looped:  # experts one matmul pair each, as where torch has no grouped_mm
+        kind = kind[: -len("_loop")]
+        monkeypatch.setattr(backend.model_runner, "grouped_mm_works", lambda device, dtype: False)
     hf = _build(kind, Path(demo_model_path), tmp_path)
     # chunk: prefill in chunks of that many tokens, so a chunk starts past the sliding window;
     # flat: every step (at most `chunk` tokens) as paged-kernel queries, the window in the kernel
@@ -137,6 +143,7 @@ def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path):
             moe = engine.model.config.moe_layers
             assert moe == ((False, True) if kind == "qwen2_moe" else (True, True)), moe
             assert ["router" in layer for layer in engine.model.layers] == list(moe)
+            assert engine.model.grouped_experts is not looped  # torch 2.13's grouped_mm runs on the CPU
     finally:
         engine.shutdown()
 
@@ -354,8 +361,10 @@ def test_pytorch_bin_checkpoints_load_as_safetensors_do(demo_model_path, tmp_pat
 
 
 def test_a_mixture_of_experts_model_runs_eagerly_and_takes_attention_adapters_only(demo_model_path, tmp_path):
-    """Its expert grouping reads counts on the host, which a CUDA graph cannot: decode graphs
-    stay off, saying why. LoRA on the attention of an MoE model loads and changes the output; on
+    """Grouped into one grouped_mm per projection, computed on the device, the experts fit in a
+    decode graph; where torch has no grouped_mm they run a matmul pair each, whose counts are
+    read on the host, which a CUDA graph cannot: decode graphs stay off then, saying why. LoRA on
+    the attention of an MoE model loads and changes the output; on
     an MoE layer's MLP it is refused, naming the layer (its weights are the experts')."""
     import json
     from pathlib import Path
@@ -369,9 +378,10 @@ def test_a_mixture_of_experts_model_runs_eagerly_and_takes_attention_adapters_on
     model_dir = tmp_path / "model"
     _build("qwen3_moe", Path(demo_model_path), model_dir)
     runner = ModelRunner(str(model_dir), 64, 16, device="cpu", dtype=torch.float32, graph_batch=8)
+    assert runner.grouped_experts and runner.enable_decode_graphs(capture=eager_replay) is None
+    runner.grouped_experts = False
     assert runner.enable_decode_graphs(capture=eager_replay) == \
-        "mixture-of-experts layers group their tokens by expert on the host"
-    assert runner.graphs is None
+        "mixture-of-experts layers group their tokens by expert on the host (no grouped_mm here)"
 
     def adapter(name: str, module: str) -> Path:
         out = tmp_path / name
