@@ -14,6 +14,9 @@
 #   engine     the engine and sampling tests with the engine on CUDA (LLM_TEST_DEVICE=cuda)
 #   demo       engine vs HF generate on the demo model, with cuda_graphs_vs_eager -> engine_vs_hf_demo.json
 #   0.4b       the same on a random 0.4B Qwen2 (bench/make_random_model.py) -> engine_vs_hf_0.4b.json
+#   moe        the same on a random 1.2B Qwen3-MoE (64 experts, 8 a token, bench/make_random_model.py
+#              --experts): whether grouped_mm runs on this GPU and its decode graphs hold the MoE
+#              layers (cuda_graphs_vs_eager), the engine against HF -> engine_vs_hf_moe.json
 #   kernels    the sampling kernels against their torch references, batch 256, vocab 128k -> kernels_vs_torch.json
 #   serving_variants  the engine and the ensemble at c=8 and 64, one tritonserver per llm setting in
 #              SERVING_VARIANTS (default "engine_process=in_stub max_responses_per_step=16
@@ -272,6 +275,10 @@ run() {
       0.4b) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
             step 0.4b "$py" -m bench.engine_vs_hf --device cuda --model-path /tmp/model-0.4b --num-requests 64 \
               --skip-one-by-one --json "$OUT/engine_vs_hf_0.4b.json" ${DEMO_ARGS:-} ;;
+      moe) [ -f /tmp/model-moe/config.json ] || step make_moe "$py" -m bench.make_random_model --out /tmp/model-moe \
+             --hidden 1024 --layers 12 --heads 16 --kv-heads 4 --experts 64 --experts-per-tok 8 --moe-intermediate 512
+           step moe "$py" -m bench.engine_vs_hf --device cuda --model-path /tmp/model-moe --num-requests 64 \
+             --skip-one-by-one --json "$OUT/engine_vs_hf_moe.json" ;;
       decode) [ -f /tmp/model-0.4b/config.json ] || step make_0.4b "${make_cmd[@]}"
               step decode "$py" -m bench.decode_probe --device cuda --model-path /tmp/model-0.4b \
                 --json "$OUT/decode_probe_0.4b.json" ;;
