@@ -1,5 +1,5 @@
 """A torch forward pass for Llama/Qwen2/Qwen3-family decoders over a paged KV cache, their
-mixture-of-experts variants (Qwen2-MoE, Qwen3-MoE, Mixtral) included.
+mixture-of-experts variants (Qwen2-MoE, Qwen3-MoE, Mixtral) and Gemma 3's text models included.
 
 One step runs a ragged batch: each sequence contributes a chunk of new tokens (a prefill chunk
 or one decode token) on top of the context already in the cache. Projections and MLPs run on
@@ -9,6 +9,7 @@ one batched SDPA per layer, so there is no Python loop over sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ from kernels import cpu_attention
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3_text")
 # A mixture-of-experts model's attention and everything but its MLPs are its dense family's.
 _DENSE_FAMILY = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "mixtral": "mistral"}
 
@@ -76,6 +77,15 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
+    # Gemma 3: RMSNorms scale by (1 + weight) in float32 before rounding; the attention's and the
+    # MLP's outputs are normed too before their residual adds ("sandwich"); the embeddings are
+    # scaled by sqrt(hidden_size); the softmax scale is query_pre_attn_scalar^-1/2; sliding
+    # layers rotate by a rope of their own (local_rope_theta, no scaling); the logits may be
+    # soft-capped (cap * tanh(logits / cap)).
+    gemma_norms: bool = False
+    query_pre_attn_scalar: Optional[float] = None
+    local_rope_theta: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
     # config.json's keys that the engine read from transformers' defaults, because config.json
     # leaves them out (a load error names them: a shape mismatch often comes from one).
@@ -96,6 +106,9 @@ class ModelConfig:
         defaulted = frozenset(k for k in _DEFAULTED_KEYS if k not in cfg)
         cfg = {**defaults, **cfg}
         rope = cfg.get("rope_parameters") or {}
+        gemma: dict[str, Any] = {}
+        if model_type == "gemma3_text":
+            rope, gemma = _gemma3(cfg)
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         num_heads = cfg["num_attention_heads"]
         act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
@@ -110,7 +123,7 @@ class ModelConfig:
         # Qwen2-MoE names its q, k, v bias qkv_bias (true unless false).
         attention_bias = (bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe"
                           else bool(cfg.get("attention_bias", family == "qwen2")) and family != "mistral")
-        if family == "qwen3" and attention_bias:
+        if family in ("qwen3", "gemma3_text") and attention_bias:
             raise ValueError(f"attention_bias is not supported for {model_type} models")
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
@@ -133,7 +146,7 @@ class ModelConfig:
             max_position_embeddings=cfg["max_position_embeddings"],
             tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
             attention_bias=attention_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3_text"),
             hidden_act=act,
             o_bias=attention_bias and model_type == "llama",
             mlp_bias=bool(cfg.get("mlp_bias", False)) and model_type == "llama",
@@ -142,6 +155,7 @@ class ModelConfig:
             quantization=quantization,
             defaulted=defaulted,
             **(_experts(cfg, model_type) if model_type in _DENSE_FAMILY else {}),
+            **gemma,
         )
 
     @property
@@ -182,11 +196,13 @@ class ModelConfig:
         32768 with factor 4 for 131072)."""
         scaling, kind = self.rope_scaling or {}, self.rope_type
         factor = scaling.get("factor")
-        if kind == "linear" and factor:
-            return int(self.max_position_embeddings * factor)
         if kind == "yarn" and factor:
             base = scaling.get("original_max_position_embeddings") or self.max_position_embeddings
             return max(self.max_position_embeddings, int(base * factor))
+        # Gemma 3's linear factor stretches its global layers' rope to the context that
+        # max_position_embeddings already gives (131072), as vLLM reads it.
+        if kind == "linear" and factor and self.model_type != "gemma3_text":
+            return int(self.max_position_embeddings * factor)
         return self.max_position_embeddings
 
 
@@ -270,6 +286,27 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 3's global rope (as a rope_parameters dict the caller reads as any model's) and its
+    ModelConfig fields, from transformers 5's per-layer-type rope_parameters or the older
+    rope_theta / rope_scaling / rope_local_base_freq keys."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("gemma3_text: attn_logit_softcapping is not supported (the attention kernels do not cap)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("gemma3_text: use_bidirectional_attention (an embedding model's) is not supported")
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        rope, local = dict(params["full_attention"]), params.get("sliding_attention") or {}
+    else:
+        rope = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta") or 1_000_000.0}
+        local = {"rope_theta": cfg.get("rope_local_base_freq") or 10_000.0}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"gemma3_text: a sliding layers' rope of type '{local['rope_type']}' is not supported")
+    return rope, dict(gemma_norms=True, query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+                      local_rope_theta=float(local.get("rope_theta") or 10_000.0),
+                      final_logit_softcapping=cfg.get("final_logit_softcapping"))
+
+
 def _defaulted_note(key: str, defaulted: frozenset[str]) -> str:
     return " (not in config.json: transformers' default)" if key in defaulted else ""
 
@@ -277,7 +314,7 @@ def _defaulted_note(key: str, defaulted: frozenset[str]) -> str:
 def _sliding_window(cfg: dict[str, Any], model_type: str) -> tuple[Optional[int], tuple[bool, ...]]:
     """(the window, which layers slide) as transformers reads the config: its `layer_types` when
     given; Mistral slides in every layer; Qwen2/3 only with use_sliding_window, in the layers
-    from max_window_layers on; Llama never."""
+    from max_window_layers on; Gemma 3 in all but every sliding_window_pattern-th; Llama never."""
     window = cfg.get("sliding_window")
     if not window or model_type == "llama":
         return None, ()
@@ -290,6 +327,9 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> tuple[Optional[int]
             return None, ()  # Qwen configs carry a window they use only when told to
         first = cfg.get("max_window_layers", 28)
         sliding = [i >= first for i in range(layers)]
+    elif model_type == "gemma3_text":  # a config from before layer_types: every Nth layer global
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
     else:
         sliding = [True] * layers
     if len(sliding) != layers:
@@ -408,6 +448,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def _gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, `weight` already 1 + the checkpoint's, in float32: scaled before the
+    rounding to x's dtype, where Llama's rounds first."""
+    if x.dtype == torch.float32 and x.is_cpu:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # the same arithmetic, fused (see _rms_norm)
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -597,11 +646,20 @@ class ModelRunner:
         self._kv_max = torch.finfo(self.kv_dtype).max if fp8 else None
         inv_freq, self._rope_scale = _rope_inv_freq(c)
         self.inv_freq = inv_freq.to(self.device)
+        # Gemma 3's sliding layers rotate by a default rope of their own base: a second table.
+        self._local_inv_freq = None if c.local_rope_theta is None else _rope_inv_freq(
+            dataclasses.replace(c, rope_theta=c.local_rope_theta, rope_scaling=None))[0].to(self.device)
+        self._local_rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._uses_local_rope = [self._local_inv_freq is not None and w > 0 for w in self.windows]
         # cos/sin per position, computed once: evaluating them every step cost more than the
         # step's attention on CPU (large arguments take the slow range reduction).
         self._rope_cos = self._rope_sin = torch.empty(0, device=self.device)
         self._extend_rope(c.context_limit)
-        self.attn_scale = c.head_dim**-0.5
+        self.attn_scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self._norm = _gemma_rms_norm if c.gemma_norms else _rms_norm
+        # Gemma 3 scales the embeddings by sqrt(hidden_size), rounded to the model's dtype.
+        self._embed_scale = (torch.tensor(c.hidden_size**0.5, dtype=self.dtype, device=self.device)
+                             if c.gemma_norms else None)
         # An fp8 cache stores K / k_scale and V / v_scale: the checkpoint's calibrated scales
         # (backend/quantized_checkpoint.py), else 1.0. Every attention path reads the stored
         # rows as they are: k_scale is folded into the layer's softmax scale (q.(k8 s) =
@@ -693,6 +751,10 @@ class ModelRunner:
             cos, sin = cos * self._rope_scale, sin * self._rope_scale
         self._rope_cos = cos.to(self.dtype)
         self._rope_sin = sin.to(self.dtype)
+        if self._local_inv_freq is not None:
+            local = torch.arange(length, device=self.device, dtype=torch.float32)[:, None] * self._local_inv_freq[None, :]
+            emb = torch.cat((local, local), dim=-1)
+            self._local_rope = (emb.cos().to(self.dtype), emb.sin().to(self.dtype))
 
     # ---------------------------------------------------------------- weights
     def _load_weights(self, path: Path) -> None:
@@ -749,8 +811,12 @@ class ModelRunner:
                                  f"implies {list(shape)} ({why})")
             return t.to(device=self.device, dtype=self.dtype)
 
+        def norm(name: str, kind: str = "norm") -> torch.Tensor:
+            # Gemma's norms scale by 1 + weight, in float32 (_gemma_rms_norm).
+            return 1.0 + take(name, kind).float() if c.gemma_norms else take(name, kind)
+
         self.embed = take("model.embed_tokens.weight", "embed")
-        self.final_norm = take("model.norm.weight", "norm")
+        self.final_norm = norm("model.norm.weight")
         head = raw.get("lm_head.weight")
         if c.tie_word_embeddings and head is not None:
             # vLLM ties the head to the embeddings whenever the config says so; transformers 5
@@ -771,8 +837,11 @@ class ModelRunner:
             p = f"model.layers.{i}."
             # q, k, v and gate, up are fused so each becomes one matmul.
             layer = {
-                "in_norm": take(p + "input_layernorm.weight", "norm"),
-                "post_norm": take(p + "post_attention_layernorm.weight", "norm"),
+                "in_norm": norm(p + "input_layernorm.weight"),
+                # The norm before the MLP: Gemma's pre_feedforward_layernorm, as its
+                # post_attention_layernorm norms the attention's output (attn_out_norm).
+                "post_norm": norm(p + ("pre_feedforward_layernorm.weight" if c.gemma_norms
+                                       else "post_attention_layernorm.weight")),
                 "qkv": torch.cat([take(p + f"self_attn.{n}_proj.weight", "q_proj" if n == "q" else "kv_proj")
                                   for n in "qkv"]),
                 "o": take(p + "self_attn.o_proj.weight", "o_proj"),
@@ -793,8 +862,11 @@ class ModelRunner:
                                                    take(p + "mlp.up_proj.bias", "inter_bias")])
                 layer["down_bias"] = take(p + "mlp.down_proj.bias", "norm")
             if c.qk_norm:
-                layer["q_norm"] = take(p + "self_attn.q_norm.weight", "head_norm")
-                layer["k_norm"] = take(p + "self_attn.k_norm.weight", "head_norm")
+                layer["q_norm"] = norm(p + "self_attn.q_norm.weight", "head_norm")
+                layer["k_norm"] = norm(p + "self_attn.k_norm.weight", "head_norm")
+            if c.gemma_norms:
+                layer["attn_out_norm"] = norm(p + "post_attention_layernorm.weight")
+                layer["mlp_out_norm"] = norm(p + "post_feedforward_layernorm.weight")
             self.layers.append(layer)
         raw.pop("lm_head.weight", None)
         leftovers = [k for k in raw if "rotary_emb" not in k]
@@ -1184,8 +1256,14 @@ class ModelRunner:
             self._extend_rope(2 * (batch.max_position + 1))
         cos = self._rope_cos[batch.positions][:, None, :]
         sin = self._rope_sin[batch.positions][:, None, :]
+        ropes = {False: (cos, sin)}
+        if self._local_rope is not None:
+            ropes[True] = (self._local_rope[0][batch.positions][:, None, :], self._local_rope[1][batch.positions][:, None, :])
+        norm, sandwich = self._norm, c.gemma_norms
 
         h = self.embed[batch.input_ids]
+        if self._embed_scale is not None:
+            h = h * self._embed_scale
         if batch.lora:
             apply_lora_embedding(h, batch.input_ids, batch.lora)
         if batch.embeds is not None:
@@ -1196,16 +1274,17 @@ class ModelRunner:
         splits = [self._splits(g.num_tiles or g.num_seqs, g.block_tables.shape[1]) if g.block_tables is not None else 1
                   for g in batch.groups]
         for li, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer["in_norm"], c.rms_norm_eps)
+            x = norm(h, layer["in_norm"], c.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
             if batch.lora:
                 apply_lora(qkv, x, li, "qkv", batch.lora)
             v = qkv[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
             if c.qk_norm:
                 q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
-                q = _rms_norm(q.reshape(-1, c.num_heads, c.head_dim), layer["q_norm"], c.rms_norm_eps)
-                k = _rms_norm(k.reshape(-1, c.num_kv_heads, c.head_dim), layer["k_norm"], c.rms_norm_eps)
-                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                q = norm(q.reshape(-1, c.num_heads, c.head_dim), layer["q_norm"], c.rms_norm_eps)
+                k = norm(k.reshape(-1, c.num_kv_heads, c.head_dim), layer["k_norm"], c.rms_norm_eps)
+                lcos, lsin = ropes[self._uses_local_rope[li]]
+                q, k = _rotate(q, lcos, lsin), _rotate(k, lcos, lsin)
             else:
                 # Query and key heads rotate as one tensor: half the ops of rotating each (every
                 # op is a dispatch the small-model CPU step pays for), the same arithmetic.
@@ -1242,7 +1321,7 @@ class ModelRunner:
                 attn[g.token_index] = out.reshape(g.num_seqs * g.max_q, q_size)[g.query_slots]
             if self.kv_scales[li][1] != 1.0:
                 attn = attn * self.kv_scales[li][1]
-            if not batch.lora:
+            if not batch.lora and not sandwich:
                 h = h + F.linear(attn, layer["o"], layer.get("o_bias"))
                 x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
                 if "router" in layer:
@@ -1252,24 +1331,30 @@ class ModelRunner:
                 h = h + F.linear(self._act(gate) * up, layer["down"], layer.get("down_bias"))
                 continue
             o = F.linear(attn, layer["o"], layer.get("o_bias"))
-            apply_lora(o, attn, li, "o", batch.lora)
-            h = h + o
-            x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
+            if batch.lora:
+                apply_lora(o, attn, li, "o", batch.lora)
+            h = h + (norm(o, layer["attn_out_norm"], c.rms_norm_eps) if sandwich else o)
+            x = norm(h, layer["post_norm"], c.rms_norm_eps)
             if "router" in layer:  # adapters on experts are refused when loaded (backend/lora.py)
                 h = h + self._moe(x, layer)
                 continue
             gate_up = F.linear(x, layer["gate_up"], layer.get("gate_up_bias"))
-            apply_lora(gate_up, x, li, "gate_up", batch.lora)
+            if batch.lora:
+                apply_lora(gate_up, x, li, "gate_up", batch.lora)
             gate, up = gate_up.chunk(2, dim=-1)
             act = self._act(gate) * up
             down = F.linear(act, layer["down"], layer.get("down_bias"))
-            apply_lora(down, act, li, "down", batch.lora)
-            h = h + down
-        hidden = None if batch.hidden_index is None else _rms_norm(h[batch.hidden_index], self.final_norm, c.rms_norm_eps)
-        h = _rms_norm(h[batch.logits_index], self.final_norm, c.rms_norm_eps)
+            if batch.lora:
+                apply_lora(down, act, li, "down", batch.lora)
+            h = h + (norm(down, layer["mlp_out_norm"], c.rms_norm_eps) if sandwich else down)
+        hidden = None if batch.hidden_index is None else norm(h[batch.hidden_index], self.final_norm, c.rms_norm_eps)
+        h = norm(h[batch.logits_index], self.final_norm, c.rms_norm_eps)
         logits = F.linear(h, self.lm_head)
         if batch.lora:
             apply_lora_logits(logits, h, batch.lora, batch.lora_logit_rows)
+        if c.final_logit_softcapping:
+            cap = c.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
         return logits.float(), hidden
 
     def _attend_each(self, q: torch.Tensor, li: int, seqs: list[SeqChunk], attn: torch.Tensor) -> None:

@@ -1,8 +1,9 @@
 """The engine against Hugging Face generate on the other supported architectures.
 
 The demo model is Qwen2 (biased QKV, tied embeddings). Llama (no QKV bias, llama3 rope scaling,
-untied head), Qwen3 (per-head q/k RMSNorm) and the mixture-of-experts models (Qwen2-MoE with its
-shared expert, Qwen3-MoE, Mixtral) take other branches of the model runner; each gets a tiny
+untied head), Qwen3 (per-head q/k RMSNorm), Gemma 3 (its norms, scales, two ropes and soft cap)
+and the mixture-of-experts models (Qwen2-MoE with its shared expert, Qwen3-MoE, Mixtral) take
+other branches of the model runner; each gets a tiny
 random model here, with the demo tokenizer, and must match HF greedy token for token through the
 real step loop (batched prefill, then decodes on the paged kernel).
 """
@@ -67,6 +68,20 @@ def _build(kind: str, demo_model_path, out_dir):
     elif kind == "mixtral":
         cfg = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
         model = MixtralForCausalLM(cfg)
+    elif kind == "gemma3":
+        # Gemma 3: (1 + w) norms around both sublayers, scaled embeddings, GELU, q/k norms, a
+        # softmax scale of its own, sliding layers with a rope of their own base beside a global
+        # layer whose rope is linearly scaled, and soft-capped logits.
+        from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+        cfg = Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24,
+                               sliding_window=32, layer_types=["sliding_attention", "full_attention",
+                                                               "sliding_attention"],
+                               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                   "rope_theta": 10000.0}},
+                               final_logit_softcapping=3.0, tie_word_embeddings=True)
+        model = Gemma3ForCausalLM(cfg)
     elif kind == "llama_biased_gelu":
         # attention_bias biases o_proj too in Llama; mlp_bias gate/up/down; another activation.
         cfg = LlamaConfig(**common, attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh")
@@ -101,7 +116,8 @@ def _assert_hf_greedy(hf, prompts, outs, new: int) -> None:
                                                ("mistral_swa", 24, True), ("qwen2_mixed_swa", None, False),
                                                ("qwen2_mixed_swa", 24, False), ("qwen2_mixed_swa", 24, True),
                                                ("qwen2_moe", None, False), ("qwen3_moe", 24, False),
-                                               ("mixtral", 24, True), ("qwen3_moe_loop", None, False)])
+                                               ("mixtral", 24, True), ("qwen3_moe_loop", None, False),
+                                               ("gemma3", None, False), ("gemma3", 24, False), ("gemma3", 24, True)])
 def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, monkeypatch):
     from pathlib import Path
 
@@ -139,6 +155,9 @@ def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, 
             assert engine.model.windows == (32, 32) and engine.max_model_len == 512  # not capped at the window
         if kind == "qwen2_mixed_swa":
             assert engine.model.windows == (0, 32) and engine.max_model_len == 512
+        if kind == "gemma3":  # the linear factor does not stretch Gemma 3's context (vLLM's reading)
+            assert engine.model.windows == (32, 0, 32) and engine.max_model_len == 512
+            assert engine.model._uses_local_rope == [True, False, True]
         if kind.endswith("moe") or kind == "mixtral":
             moe = engine.model.config.moe_layers
             assert moe == ((False, True) if kind == "qwen2_moe" else (True, True)), moe
@@ -146,6 +165,21 @@ def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, 
             assert engine.model.grouped_experts is not looped  # torch 2.13's grouped_mm runs on the CPU
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_moe", "mixtral"])
+def test_one_mixed_step_gives_hf_logits(kind, demo_model_path, tmp_path):
+    """Logits, not only the argmax: a monotone change (Gemma's soft cap) or a small one (its
+    softmax scale) leaves greedy tokens alone. A prompt's first chunk, another's later chunk and
+    a decode in one step, against HF's logits at the same positions."""
+    from pathlib import Path
+
+    from backend.model_runner import ModelRunner
+    from tests.test_engine import mixed_step, mixed_step_hf_logits
+
+    hf = _build(kind, Path(demo_model_path), tmp_path)
+    _, logits = mixed_step(ModelRunner(str(tmp_path), 64, 16, device="cpu", dtype=torch.float32))
+    torch.testing.assert_close(logits, mixed_step_hf_logits(hf), atol=2e-4, rtol=1e-4)
 
 
 def test_sliding_window_model_runs_past_the_pool_on_released_blocks(demo_model_path, tmp_path):
@@ -420,3 +454,34 @@ def test_a_mixture_of_experts_model_runs_eagerly_and_takes_attention_adapters_on
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
         engine.shutdown()
+
+
+def test_a_gemma3_config_of_either_generation_reads_alike_and_gemma2_capping_is_refused(demo_model_path, tmp_path):
+    """transformers 5 writes Gemma 3's ropes per layer type (rope_parameters) and its layer
+    pattern as layer_types; configs on the Hub from before say rope_theta / rope_scaling /
+    rope_local_base_freq and sliding_window_pattern. Both give the same model."""
+    import json
+    from pathlib import Path
+
+    from backend.model_runner import ModelConfig, ModelRunner
+    from tests.test_engine import mixed_step
+
+    model_dir = tmp_path / "new"
+    _build("gemma3", Path(demo_model_path), model_dir)
+    old = tmp_path / "old"
+    shutil.copytree(model_dir, old)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types"):
+        cfg.pop(key)
+    cfg.update(rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_local_base_freq=100.0,
+               sliding_window_pattern=2)
+    (old / "config.json").write_text(json.dumps(cfg))
+    new_cfg, old_cfg = ModelConfig.from_model_dir(model_dir), ModelConfig.from_model_dir(old)
+    for field in ("rope_theta", "rope_type", "local_rope_theta", "layer_windows", "query_pre_attn_scalar",
+                  "final_logit_softcapping", "context_limit"):
+        assert getattr(new_cfg, field) == getattr(old_cfg, field), field
+    runners = [ModelRunner(str(d), 64, 16, device="cpu", dtype=torch.float32) for d in (model_dir, old)]
+    assert torch.equal(mixed_step(runners[0])[1], mixed_step(runners[1])[1])
+    (old / "config.json").write_text(json.dumps({**cfg, "attn_logit_softcapping": 50.0}))
+    with pytest.raises(ValueError, match="attn_logit_softcapping is not supported"):
+        ModelConfig.from_model_dir(old)
