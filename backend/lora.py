@@ -36,7 +36,9 @@ __all__ = ["LoraAdapter", "LoraError", "apply_lora", "apply_lora_embedding", "ap
            "parse_lora_modules", "TARGETS"]
 
 # PEFT module name -> (the runner's fused weight, which part of its output).
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
+# qkv_proj and gate_up_proj: Phi-3's fused projections, which the runner fuses in the same order.
+TARGETS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj",
+           "embed_tokens", "lm_head")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
 # PEFT saves an embedding's LoRA as parameters, without ".weight".
 _EMBED_KEY = re.compile(r"(?:^|\.)embed_tokens\.lora_embedding_([AB])(?:\.weight)?$")
@@ -125,7 +127,8 @@ def load_adapter(name: str, path: str | Path, config: Any, device: torch.device,
     inter = config.intermediate_size
     spans = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, q + kv), "v_proj": ("qkv", q + kv, q + 2 * kv),
              "o_proj": ("o", 0, config.hidden_size), "gate_proj": ("gate_up", 0, inter),
-             "up_proj": ("gate_up", inter, 2 * inter), "down_proj": ("down", 0, config.hidden_size)}
+             "up_proj": ("gate_up", inter, 2 * inter), "down_proj": ("down", 0, config.hidden_size),
+             "qkv_proj": ("qkv", 0, q + 2 * kv), "gate_up_proj": ("gate_up", 0, 2 * inter)}
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     edges: dict[str, dict[str, torch.Tensor]] = {}  # embed_tokens / lm_head -> {"A", "B"}
     for f in files:

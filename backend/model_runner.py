@@ -32,7 +32,11 @@ from kernels import cpu_attention
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "mixtral",
+                         "gemma3_text")
+# Checkpoints whose q, k, v and gate, up projections are stored fused (Phi-3's qkv_proj and
+# gate_up_proj), in the order the runner fuses them itself.
+_FUSED_CHECKPOINTS = ("phi3",)
 # A mixture-of-experts model's attention and everything but its MLPs are its dense family's.
 _DENSE_FAMILY = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "mixtral": "mistral"}
 
@@ -106,6 +110,9 @@ class ModelConfig:
         defaulted = frozenset(k for k in _DEFAULTED_KEYS if k not in cfg)
         cfg = {**defaults, **cfg}
         rope = cfg.get("rope_parameters") or {}
+        partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (every head dimension rotates here)")
         gemma: dict[str, Any] = {}
         if model_type == "gemma3_text":
             rope, gemma = _gemma3(cfg)
@@ -786,6 +793,9 @@ class ModelRunner:
             "down": ((c.hidden_size, c.intermediate_size), f"{hidden}, {d('intermediate_size')}"),
             "inter_bias": ((c.intermediate_size,), d("intermediate_size")),
             "head_norm": ((c.head_dim,), d("head_dim")),
+            "qkv_fused": (((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
+                          f"{q_rows} + 2 x {kv_rows}, {hidden}"),
+            "gate_up_fused": ((2 * c.intermediate_size, c.hidden_size), f"2 x {d('intermediate_size')}, {hidden}"),
         }
         if c.is_moe:
             wide = "intermediate_size" if c.model_type == "mixtral" else "moe_intermediate_size"
@@ -833,6 +843,7 @@ class ModelRunner:
                              "tie_word_embeddings false (the output head is a weight of its own)")
         self.lm_head = self.embed if c.tie_word_embeddings else take("lm_head.weight", "embed")
         self.layers: list[dict[str, torch.Tensor]] = []
+        fused = c.model_type in _FUSED_CHECKPOINTS
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             # q, k, v and gate, up are fused so each becomes one matmul.
@@ -842,15 +853,17 @@ class ModelRunner:
                 # post_attention_layernorm norms the attention's output (attn_out_norm).
                 "post_norm": norm(p + ("pre_feedforward_layernorm.weight" if c.gemma_norms
                                        else "post_attention_layernorm.weight")),
-                "qkv": torch.cat([take(p + f"self_attn.{n}_proj.weight", "q_proj" if n == "q" else "kv_proj")
-                                  for n in "qkv"]),
+                "qkv": (take(p + "self_attn.qkv_proj.weight", "qkv_fused") if fused else
+                        torch.cat([take(p + f"self_attn.{n}_proj.weight", "q_proj" if n == "q" else "kv_proj")
+                                   for n in "qkv"])),
                 "o": take(p + "self_attn.o_proj.weight", "o_proj"),
             }
             if c.moe_layers and c.moe_layers[i]:
                 layer.update(self._take_experts(p, take))
             else:
-                layer["gate_up"] = torch.cat([take(p + "mlp.gate_proj.weight", "gate_up"),
-                                              take(p + "mlp.up_proj.weight", "gate_up")])
+                layer["gate_up"] = (take(p + "mlp.gate_up_proj.weight", "gate_up_fused") if fused else
+                                    torch.cat([take(p + "mlp.gate_proj.weight", "gate_up"),
+                                               take(p + "mlp.up_proj.weight", "gate_up")]))
                 layer["down"] = take(p + "mlp.down_proj.weight", "down")
             if c.attention_bias:
                 layer["qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias", "q_bias" if n == "q" else "kv_bias")

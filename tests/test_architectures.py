@@ -82,6 +82,12 @@ def _build(kind: str, demo_model_path, out_dir):
                                                                    "rope_theta": 10000.0}},
                                final_logit_softcapping=3.0, tie_word_embeddings=True)
         model = Gemma3ForCausalLM(cfg)
+    elif kind == "phi3":
+        # Phi-3 / Phi-4: q, k, v and gate, up stored fused; a sliding window in every layer.
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        cfg = Phi3Config(**common, sliding_window=32, tie_word_embeddings=False, pad_token_id=0)
+        model = Phi3ForCausalLM(cfg)
     elif kind == "llama_biased_gelu":
         # attention_bias biases o_proj too in Llama; mlp_bias gate/up/down; another activation.
         cfg = LlamaConfig(**common, attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh")
@@ -117,7 +123,8 @@ def _assert_hf_greedy(hf, prompts, outs, new: int) -> None:
                                                ("qwen2_mixed_swa", 24, False), ("qwen2_mixed_swa", 24, True),
                                                ("qwen2_moe", None, False), ("qwen3_moe", 24, False),
                                                ("mixtral", 24, True), ("qwen3_moe_loop", None, False),
-                                               ("gemma3", None, False), ("gemma3", 24, False), ("gemma3", 24, True)])
+                                               ("gemma3", None, False), ("gemma3", 24, False), ("gemma3", 24, True),
+                                               ("phi3", None, False), ("phi3", 24, True)])
 def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, monkeypatch):
     from pathlib import Path
 
@@ -155,6 +162,8 @@ def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, 
             assert engine.model.windows == (32, 32) and engine.max_model_len == 512  # not capped at the window
         if kind == "qwen2_mixed_swa":
             assert engine.model.windows == (0, 32) and engine.max_model_len == 512
+        if kind == "phi3":
+            assert engine.model.windows == (32, 32)
         if kind == "gemma3":  # the linear factor does not stretch Gemma 3's context (vLLM's reading)
             assert engine.model.windows == (32, 0, 32) and engine.max_model_len == 512
             assert engine.model._uses_local_rope == [True, False, True]
@@ -167,7 +176,7 @@ def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, 
         engine.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_moe", "mixtral", "phi3"])
 def test_one_mixed_step_gives_hf_logits(kind, demo_model_path, tmp_path):
     """Logits, not only the argmax: a monotone change (Gemma's soft cap) or a small one (its
     softmax scale) leaves greedy tokens alone. A prompt's first chunk, another's later chunk and
@@ -485,3 +494,22 @@ def test_a_gemma3_config_of_either_generation_reads_alike_and_gemma2_capping_is_
     (old / "config.json").write_text(json.dumps({**cfg, "attn_logit_softcapping": 50.0}))
     with pytest.raises(ValueError, match="attn_logit_softcapping is not supported"):
         ModelConfig.from_model_dir(old)
+
+
+def test_phi3_refuses_what_it_cannot_run_by_name(demo_model_path, tmp_path):
+    """Phi-4-mini's partial rotary and Phi-3.5's longrope (short and long factors picked by
+    length) are refused at load, saying which, rather than run wrong."""
+    import json
+    from pathlib import Path
+
+    from backend.model_runner import ModelRunner
+
+    _build("phi3", Path(demo_model_path), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for change, message in [({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
+                            ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                               "long_factor": [2.0] * 8}},
+                             "unsupported rope scaling type 'longrope'")]:
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=message):
+            ModelRunner(str(tmp_path), 64, 16, device="cpu", dtype=torch.float32)

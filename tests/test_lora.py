@@ -19,6 +19,8 @@ from backend.lora import LoraError, parse_lora_modules
 
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Phi-3's fused projections, which its adapters target.
+FUSED_MODULES = {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 
 
 def make_adapter(model_path: Path, out: Path, seed: int, rank: int = 4, alpha: float = 8.0,
@@ -30,7 +32,8 @@ def make_adapter(model_path: Path, out: Path, seed: int, rank: int = 4, alpha: f
     head_dim = cfg.get("head_dim") or hidden // heads
     shapes = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
               "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
-              "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+              "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
+              "qkv_proj": ((heads + 2 * kv_heads) * head_dim, hidden), "gate_up_proj": (2 * inter, hidden)}
     g = torch.Generator().manual_seed(seed)
     tensors, deltas = {}, {}
     vocab = cfg["vocab_size"]
@@ -47,13 +50,14 @@ def make_adapter(model_path: Path, out: Path, seed: int, rank: int = 4, alpha: f
         tensors["base_model.model.lm_head.lora_B.weight"] = b
         deltas["lm_head.weight"] = (alpha / rank) * (b @ a)
     for layer in range(cfg["num_hidden_layers"]):
-        for module in (t for t in targets if t in MODULES):
+        for module in (t for t in targets if t in MODULES or t in FUSED_MODULES):
             out_f, in_f = shapes[module]
             a = torch.randn(rank, in_f, generator=g) * 0.3
             b = torch.randn(out_f, rank, generator=g) * 0.3
-            key = f"base_model.model.model.layers.{layer}.{MODULES[module]}.{module}"
+            part = MODULES.get(module) or FUSED_MODULES[module]
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
-            deltas[f"model.layers.{layer}.{MODULES[module]}.{module}.weight"] = (alpha / rank) * (b @ a)
+            deltas[f"model.layers.{layer}.{part}.{module}.weight"] = (alpha / rank) * (b @ a)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(
@@ -141,6 +145,24 @@ def test_embed_tokens_and_lm_head_adapters_match_merged_weights(demo_model_path,
     try:
         check_mixed_batch_matches_merged(eng, demo_model_path, made, ["edges", None, "embed", "head", "edges"],
                                          seed=1, max_new=8, alone=(0, 4))
+    finally:
+        eng.shutdown()
+
+
+def test_phi3_adapters_on_its_fused_projections_match_merged_weights(demo_model_path, tmp_path):
+    """Phi-3's PEFT adapters target qkv_proj and gate_up_proj, the projections its checkpoint
+    stores fused (and which the runner fuses in the same order for every model)."""
+    from tests.test_architectures import _build
+
+    model_dir = tmp_path / "phi3"
+    _build("phi3", Path(demo_model_path), model_dir)
+    deltas = make_adapter(model_dir, tmp_path / "fused", seed=5, targets=("qkv_proj", "o_proj", "gate_up_proj",
+                                                                           "down_proj"))
+    eng = LLMEngine(EngineConfig(model_path=str(model_dir), device="cpu", dtype="float32", num_kv_blocks=128,
+                                 block_size=16, lora_modules={"fused": str(tmp_path / "fused")}))
+    try:
+        check_mixed_batch_matches_merged(eng, model_dir, {"fused": deltas}, ["fused", None, "fused"], seed=6,
+                                         max_new=6, alone=(0, 2))
     finally:
         eng.shutdown()
 
