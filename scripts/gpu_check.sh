@@ -257,7 +257,7 @@ run() {
   local engine_cmd=(env LLM_TEST_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider tests/test_engine.py
                     tests/test_engine_sampling.py tests/test_hidden_states.py tests/test_input_embeds.py
                     tests/test_kv_cache_dtype.py tests/test_fp8_checkpoint.py tests/test_speculative.py
-                    tests/test_predicted_outputs.py tests/test_draft_model.py)
+                    tests/test_predicted_outputs.py tests/test_draft_model.py tests/test_architectures.py)
   local make_cmd=("$py" -m bench.make_random_model --out /tmp/model-0.4b)
   for s in "${steps[@]}"; do
     case "$s" in

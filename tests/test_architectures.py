@@ -5,7 +5,8 @@ untied head), Qwen3 (per-head q/k RMSNorm), Gemma 3 (its norms, scales, two rope
 and the mixture-of-experts models (Qwen2-MoE with its shared expert, Qwen3-MoE, Mixtral) take
 other branches of the model runner; each gets a tiny
 random model here, with the demo tokenizer, and must match HF greedy token for token through the
-real step loop (batched prefill, then decodes on the paged kernel).
+real step loop (batched prefill, then decodes on the paged kernel); the greedy and logits tests
+run on LLM_TEST_DEVICE (scripts/gpu_check.sh's engine step: cuda).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from tests.test_engine import TEST_DEVICE
 
 MAX_NEW = 12
 
@@ -137,7 +139,7 @@ def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, 
     hf = _build(kind, Path(demo_model_path), tmp_path)
     # chunk: prefill in chunks of that many tokens, so a chunk starts past the sliding window;
     # flat: every step (at most `chunk` tokens) as paged-kernel queries, the window in the kernel
-    engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=64,
+    engine = LLMEngine(EngineConfig(model_path=str(tmp_path), device=TEST_DEVICE, dtype="float32", num_kv_blocks=64,
                                     block_size=16, sampling_defaults="openai",
                                     **({"max_num_batched_tokens": chunk, "max_prefill_tokens_while_decoding": chunk}
                                        if chunk else {}),
@@ -171,7 +173,8 @@ def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, 
             moe = engine.model.config.moe_layers
             assert moe == ((False, True) if kind == "qwen2_moe" else (True, True)), moe
             assert ["router" in layer for layer in engine.model.layers] == list(moe)
-            assert engine.model.grouped_experts is not looped  # torch 2.13's grouped_mm runs on the CPU
+            if TEST_DEVICE == "cpu":  # torch 2.13's grouped_mm runs there (on CUDA: bf16 on Hopper)
+                assert engine.model.grouped_experts is not looped
     finally:
         engine.shutdown()
 
@@ -187,7 +190,7 @@ def test_one_mixed_step_gives_hf_logits(kind, demo_model_path, tmp_path):
     from tests.test_engine import mixed_step, mixed_step_hf_logits
 
     hf = _build(kind, Path(demo_model_path), tmp_path)
-    _, logits = mixed_step(ModelRunner(str(tmp_path), 64, 16, device="cpu", dtype=torch.float32))
+    _, logits = mixed_step(ModelRunner(str(tmp_path), 64, 16, device=TEST_DEVICE, dtype=torch.float32))
     torch.testing.assert_close(logits, mixed_step_hf_logits(hf), atol=2e-4, rtol=1e-4)
 
 
