@@ -14,6 +14,7 @@ from .llama3 import Llama3ToolParser
 from .mistral import MistralToolParser
 from .pythonic import PythonicToolParser
 from .qwen25 import Qwen25ToolParser
+from .qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[BaseToolParser]] = {
     "qwen25": Qwen25ToolParser,
@@ -25,6 +26,7 @@ TOOL_PARSERS: dict[str, type[BaseToolParser]] = {
     "mistral": MistralToolParser,
     "deepseekv3": DeepSeekV3ToolParser,
     "deepseek_v3": DeepSeekV3ToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
 }
 
 
@@ -46,6 +48,7 @@ __all__ = [
     "ParseResult",
     "PythonicToolParser",
     "Qwen25ToolParser",
+    "Qwen3CoderToolParser",
     "StreamingParseResult",
     "StructureInfo",
     "TOOL_PARSERS",
