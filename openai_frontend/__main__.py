@@ -54,7 +54,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_FRONTEND_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env OPENAI_FRONTEND_API_KEY)")
     p.add_argument("--tool-call-parser", default=None,
-                   help="tool-call format of the model: qwen25/hermes, llama3, pythonic, mistral, deepseekv3")
+                   help="tool-call format of the model: qwen25/hermes, llama3, pythonic, mistral, deepseekv3, qwen3_coder")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="leave the tools out of the prompt when tool_choice is none (vLLM's flag; SGLang always "
                         "does); by default the model sees them and does not call them, as OpenAI's none means")
