@@ -36,13 +36,18 @@ def base_dir(demo_model_path, tmp_path_factory):
     cfg = Qwen2Config(vocab_size=base.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id, tie_word_embeddings=True)
-    torch.manual_seed(11)
-    model = Qwen2ForCausalLM(cfg)
+    return _random_checkpoint(lambda: Qwen2ForCausalLM(cfg), 11, demo_model_path, tmp_path_factory.mktemp("fp8_base"))
+
+
+def _random_checkpoint(make_model, seed: int, demo_model_path, out):
+    """A model whose weights are large enough that float32 rounding cannot flip a greedy token,
+    saved with the demo tokenizer."""
+    torch.manual_seed(seed)
+    model = make_model()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
-    out = tmp_path_factory.mktemp("fp8_base")
     model.float().save_pretrained(out, safe_serialization=True)
     _copy_tokenizer(demo_model_path, out)
     return out
@@ -59,16 +64,7 @@ def moe_base_dir(demo_model_path, tmp_path_factory):
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
                          bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id, tie_word_embeddings=True)
-    torch.manual_seed(12)
-    model = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    out = tmp_path_factory.mktemp("fp8_moe_base")
-    model.float().save_pretrained(out, safe_serialization=True)
-    _copy_tokenizer(demo_model_path, out)
-    return out
+    return _random_checkpoint(lambda: Qwen3MoeForCausalLM(cfg), 12, demo_model_path, tmp_path_factory.mktemp("fp8_moe"))
 
 
 def _copy_tokenizer(src, dst) -> None:

@@ -1,6 +1,7 @@
 """The Qwen3-Coder tool-call parser (openai_frontend/tool_parsers/qwen3_coder.py): its XML calls
 typed by the tools' schemas, the same result streamed in any chunking as parsed whole, and through
-the frontend the same calls streaming and not. The harness is test_tool_parsers.py's."""
+the frontend the same calls streaming and not. The harness is test_tool_parsers.py's, whose
+test_cut_output_parses_as_its_stream_ends covers this format too."""
 
 from __future__ import annotations
 
@@ -185,29 +186,6 @@ def test_fuzz_a_broken_call_streams_the_same_in_every_chunking():
         for chunks in chunkings(text, hash(text) & 0xFFFF, 3, all_splits=len(text) < 200):
             assert run_stream(FMT, chunks, TOOLS) == one_chunk, chunks
     assert broken > 20
-
-
-def test_a_cut_output_parses_as_its_stream_ends():
-    """The frontend's non-streaming answer for an output max_tokens cut anywhere is what a stream
-    of it ends with, in any chunking; a call cut after its name is a call in both."""
-    from openai_frontend.tools import ToolCallStreamer, get_parser, parse_as_streamed
-
-    text = "Checking. " + call("get_weather", ("city", "Paris"), ("days", "2"))
-    rng = random.Random(5)
-    partial = 0
-    for cut in range(len("Checking. "), len(text) + 1):
-        piece = text[:cut]
-        normal, calls = parse_as_streamed(get_parser(FMT), piece, TOOLS)
-        partial += bool(calls) and calls[0].arguments != '{"city": "Paris", "days": 2}'
-        streamer = ToolCallStreamer(get_parser(FMT), TOOLS)
-        streamed, i = "", 0
-        while i < len(piece):
-            j = i + rng.randint(1, 6)
-            streamed += streamer.feed(piece[i:j])[0]
-            i = j
-        streamed += streamer.finish()[0]
-        assert (streamed, streamer.calls) == (normal, calls), piece
-    assert partial > 0
 
 
 # -- through the frontend ------------------------------------------------------------------------

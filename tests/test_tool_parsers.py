@@ -795,7 +795,7 @@ def test_sglang_doc_example():
     assert_stream_matches("qwen25", text, tools, n_random=2)
 
 
-@pytest.mark.parametrize("name", ["qwen25", "llama3", "mistral", "pythonic", "deepseekv3"])
+@pytest.mark.parametrize("name", ["qwen25", "llama3", "mistral", "pythonic", "deepseekv3", "qwen3_coder"])
 def test_cut_output_parses_as_its_stream_ends(name):
     # The frontend's non-streaming answer for output that max_tokens cut (openai_frontend.tools
     # .parse_as_streamed) is what a stream of it, fed in any chunking, ends with; for uncut output it is
@@ -807,6 +807,8 @@ def test_cut_output_parses_as_its_stream_ends(name):
         complete = '[get_time(zone="UTC")]'
     elif name == "llama3":
         complete = '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    elif name == "qwen3_coder":  # XML, each parameter sent once its closing tag is read
+        complete = "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>"
     else:
         info = parser.structure_info("get_time")
         complete = info.begin + '{"zone": "UTC"}' + info.end
