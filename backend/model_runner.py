@@ -1,5 +1,6 @@
-"""A torch forward pass for Llama/Qwen2/Qwen3-family decoders over a paged KV cache, their
-mixture-of-experts variants (Qwen2-MoE, Qwen3-MoE, Mixtral) and Gemma 3's text models included.
+"""A torch forward pass for Llama/Qwen2/Qwen3-family decoders over a paged KV cache: Mistral,
+Phi-3 and Granite among them, the mixture-of-experts variants (Qwen2-MoE, Qwen3-MoE, Mixtral) and
+Gemma 3's text models.
 
 One step runs a ragged batch: each sequence contributes a chunk of new tokens (a prefill chunk
 or one decode token) on top of the context already in the cache. Projections and MLPs run on
@@ -32,8 +33,8 @@ from kernels import cpu_attention
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "mixtral",
-                         "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "qwen2_moe", "qwen3_moe",
+                         "mixtral", "gemma3_text")
 # Checkpoints whose q, k, v and gate, up projections are stored fused (Phi-3's qkv_proj and
 # gate_up_proj), in the order the runner fuses them itself.
 _FUSED_CHECKPOINTS = ("phi3",)
@@ -90,6 +91,14 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None
     local_rope_theta: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
+    # Granite: Llama with its scales as config fields: the embeddings times
+    # embedding_multiplier, the softmax scale attention_multiplier (not head_dim^-1/2), each
+    # sublayer's output times residual_multiplier before its residual add, the logits divided
+    # by logits_scaling.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: Optional[float] = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     # config.json's keys that the engine read from transformers' defaults, because config.json
     # leaves them out (a load error names them: a shape mismatch often comes from one).
@@ -155,14 +164,15 @@ class ModelConfig:
             attention_bias=attention_bias,
             qk_norm=family in ("qwen3", "gemma3_text"),
             hidden_act=act,
-            o_bias=attention_bias and model_type == "llama",
-            mlp_bias=bool(cfg.get("mlp_bias", False)) and model_type == "llama",
+            o_bias=attention_bias and model_type in ("llama", "granite"),
+            mlp_bias=bool(cfg.get("mlp_bias", False)) and model_type in ("llama", "granite"),
             sliding_window=window,
             sliding_layers=sliding,
             quantization=quantization,
             defaulted=defaulted,
             **(_experts(cfg, model_type) if model_type in _DENSE_FAMILY else {}),
             **gemma,
+            **(_granite(cfg) if model_type == "granite" else {}),
         )
 
     @property
@@ -291,6 +301,18 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         log.info("grouped_mm unavailable on %s %s (%s): MoE experts run one matmul pair each", device, dtype, exc)
         return False
+
+
+def _granite(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's scales (transformers' defaults, 1.0, where config.json leaves one out)."""
+    def scale(key: str) -> float:
+        value = float(cfg.get(key) if cfg.get(key) is not None else 1.0)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"granite: {key} must be a positive number, got {cfg.get(key)!r}")
+        return value
+
+    return dict(embedding_multiplier=scale("embedding_multiplier"), attention_multiplier=scale("attention_multiplier"),
+                residual_multiplier=scale("residual_multiplier"), logits_scaling=scale("logits_scaling"))
 
 
 def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -662,11 +684,16 @@ class ModelRunner:
         # step's attention on CPU (large arguments take the slow range reduction).
         self._rope_cos = self._rope_sin = torch.empty(0, device=self.device)
         self._extend_rope(c.context_limit)
-        self.attn_scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+        self.attn_scale = c.attention_multiplier or (c.query_pre_attn_scalar or c.head_dim) ** -0.5
         self._norm = _gemma_rms_norm if c.gemma_norms else _rms_norm
-        # Gemma 3 scales the embeddings by sqrt(hidden_size), rounded to the model's dtype.
-        self._embed_scale = (torch.tensor(c.hidden_size**0.5, dtype=self.dtype, device=self.device)
-                             if c.gemma_norms else None)
+        # Gemma 3 scales the embeddings by sqrt(hidden_size), rounded to the model's dtype;
+        # Granite by its embedding_multiplier.
+        self._embed_scale: Optional[torch.Tensor | float] = (
+            torch.tensor(c.hidden_size**0.5, dtype=self.dtype, device=self.device) if c.gemma_norms
+            else c.embedding_multiplier if c.embedding_multiplier != 1.0 else None)
+        # Layers that are only norm, attention, norm, MLP and plain residual adds take the
+        # shortest path in _eager.
+        self._plain_layers = not c.gemma_norms and c.residual_multiplier == 1.0
         # An fp8 cache stores K / k_scale and V / v_scale: the checkpoint's calibrated scales
         # (backend/quantized_checkpoint.py), else 1.0. Every attention path reads the stored
         # rows as they are: k_scale is folded into the layer's softmax scale (q.(k8 s) =
@@ -1272,7 +1299,7 @@ class ModelRunner:
         ropes = {False: (cos, sin)}
         if self._local_rope is not None:
             ropes[True] = (self._local_rope[0][batch.positions][:, None, :], self._local_rope[1][batch.positions][:, None, :])
-        norm, sandwich = self._norm, c.gemma_norms
+        norm, sandwich, residual = self._norm, c.gemma_norms, c.residual_multiplier
 
         h = self.embed[batch.input_ids]
         if self._embed_scale is not None:
@@ -1334,7 +1361,7 @@ class ModelRunner:
                 attn[g.token_index] = out.reshape(g.num_seqs * g.max_q, q_size)[g.query_slots]
             if self.kv_scales[li][1] != 1.0:
                 attn = attn * self.kv_scales[li][1]
-            if not batch.lora and not sandwich:
+            if not batch.lora and self._plain_layers:
                 h = h + F.linear(attn, layer["o"], layer.get("o_bias"))
                 x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
                 if "router" in layer:
@@ -1346,10 +1373,13 @@ class ModelRunner:
             o = F.linear(attn, layer["o"], layer.get("o_bias"))
             if batch.lora:
                 apply_lora(o, attn, li, "o", batch.lora)
-            h = h + (norm(o, layer["attn_out_norm"], c.rms_norm_eps) if sandwich else o)
+            if sandwich:
+                o = norm(o, layer["attn_out_norm"], c.rms_norm_eps)
+            h = h + (o * residual if residual != 1.0 else o)
             x = norm(h, layer["post_norm"], c.rms_norm_eps)
             if "router" in layer:  # adapters on experts are refused when loaded (backend/lora.py)
-                h = h + self._moe(x, layer)
+                out = self._moe(x, layer)
+                h = h + (out * residual if residual != 1.0 else out)
                 continue
             gate_up = F.linear(x, layer["gate_up"], layer.get("gate_up_bias"))
             if batch.lora:
@@ -1359,7 +1389,9 @@ class ModelRunner:
             down = F.linear(act, layer["down"], layer.get("down_bias"))
             if batch.lora:
                 apply_lora(down, act, li, "down", batch.lora)
-            h = h + (norm(down, layer["mlp_out_norm"], c.rms_norm_eps) if sandwich else down)
+            if sandwich:
+                down = norm(down, layer["mlp_out_norm"], c.rms_norm_eps)
+            h = h + (down * residual if residual != 1.0 else down)
         hidden = None if batch.hidden_index is None else norm(h[batch.hidden_index], self.final_norm, c.rms_norm_eps)
         h = norm(h[batch.logits_index], self.final_norm, c.rms_norm_eps)
         logits = F.linear(h, self.lm_head)
@@ -1368,6 +1400,8 @@ class ModelRunner:
         if c.final_logit_softcapping:
             cap = c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
+        if c.logits_scaling != 1.0:
+            logits = logits / c.logits_scaling
         return logits.float(), hidden
 
     def _attend_each(self, q: torch.Tensor, li: int, seqs: list[SeqChunk], attn: torch.Tensor) -> None:

@@ -84,6 +84,13 @@ def _build(kind: str, demo_model_path, out_dir):
                                                                    "rope_theta": 10000.0}},
                                final_logit_softcapping=3.0, tie_word_embeddings=True)
         model = Gemma3ForCausalLM(cfg)
+    elif kind == "granite":
+        # Granite: Llama with its embedding, softmax, residual and logit scales in the config.
+        from transformers import GraniteConfig, GraniteForCausalLM
+
+        cfg = GraniteConfig(**common, embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.6,
+                            logits_scaling=2.5, tie_word_embeddings=True)
+        model = GraniteForCausalLM(cfg)
     elif kind == "phi3":
         # Phi-3 / Phi-4: q, k, v and gate, up stored fused; a sliding window in every layer.
         from transformers import Phi3Config, Phi3ForCausalLM
@@ -126,7 +133,7 @@ def _assert_hf_greedy(hf, prompts, outs, new: int) -> None:
                                                ("qwen2_moe", None, False), ("qwen3_moe", 24, False),
                                                ("mixtral", 24, True), ("qwen3_moe_loop", None, False),
                                                ("gemma3", None, False), ("gemma3", 24, False), ("gemma3", 24, True),
-                                               ("phi3", None, False), ("phi3", 24, True)])
+                                               ("phi3", None, False), ("phi3", 24, True), ("granite", 24, False)])
 def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, monkeypatch):
     from pathlib import Path
 
@@ -179,7 +186,7 @@ def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, 
         engine.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen2_moe", "mixtral", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_moe", "mixtral", "phi3", "granite"])
 def test_one_mixed_step_gives_hf_logits(kind, demo_model_path, tmp_path):
     """Logits, not only the argmax: a monotone change (Gemma's soft cap) or a small one (its
     softmax scale) leaves greedy tokens alone. A prompt's first chunk, another's later chunk and
