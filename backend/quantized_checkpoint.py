@@ -1,4 +1,5 @@
-"""FP8 checkpoints: their weights in the model's dtype, and their KV-cache scales.
+"""FP8 checkpoints: their weights in the model's dtype, and their KV-cache scales (GPTQ and AWQ
+checkpoints are read by backend/int_quantized.py, through the same two calls).
 
 FP8 exports (llm-compressor / compressed-tensors, ModelOpt, AutoFP8, the block-wise format of
 DeepSeek's and Qwen's "-FP8" releases) store each linear's weight as float8 with a scale:
@@ -22,6 +23,8 @@ from typing import Any, Optional
 
 import torch
 
+from backend.int_quantized import INT_METHODS, check_int_quantization, dequantize_int_weights
+
 # quantization_config.quant_method values whose checkpoints are FP8 weights with scales.
 FP8_METHODS = ("fp8", "compressed-tensors", "modelopt")
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -41,9 +44,12 @@ def check_quantization(quant: Optional[dict[str, Any]]) -> None:
     if not quant:
         return
     method = quant.get("quant_method", "")
+    if method in INT_METHODS:
+        check_int_quantization(quant)
+        return
     if method not in FP8_METHODS:
-        raise ValueError(f"quantization_config.quant_method '{method}' is not supported; FP8 checkpoints are "
-                         f"({', '.join(FP8_METHODS)}), their weights dequantized at load")
+        raise ValueError(f"quantization_config.quant_method '{method}' is not supported; FP8 ({', '.join(FP8_METHODS)}) "
+                         f"and integer ({', '.join(INT_METHODS)}) checkpoints are, their weights dequantized at load")
     if method == "compressed-tensors":
         for name, group in (quant.get("config_groups") or {}).items():
             weights = group.get("weights") or {}
@@ -91,7 +97,10 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[
 
 def dequantize_weights(raw: dict[str, torch.Tensor], quant: Optional[dict[str, Any]]) -> int:
     """Replace every FP8 `*.weight` in `raw` by its dequantized float32 value and drop the scales
-    that went with it (and the activation scales). Returns how many weights were dequantized."""
+    that went with it (and the activation scales); GPTQ's and AWQ's packed weights likewise
+    (backend/int_quantized.py). Returns how many weights were dequantized."""
+    if quant and quant.get("quant_method") in INT_METHODS:
+        return dequantize_int_weights(raw, quant)
     block = block_size(quant)
     count = 0
     for name in [n for n, t in raw.items() if n.endswith(".weight") and t.dtype in _FP8_DTYPES]:

@@ -30,13 +30,18 @@ BLOCK = (24, 24)  # tiles the 64- and 128-wide weights with partial last blocks
 
 @pytest.fixture(scope="module")
 def base_dir(demo_model_path, tmp_path_factory):
+    return tiny_qwen2(demo_model_path, tmp_path_factory.mktemp("fp8_base"))
+
+
+def tiny_qwen2(demo_model_path, out):
+    """The tiny random Qwen2 the quantized checkpoints here (and in test_int_quantized.py) are made from."""
     from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
 
     base = AutoConfig.from_pretrained(demo_model_path)
     cfg = Qwen2Config(vocab_size=base.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id, tie_word_embeddings=True)
-    return _random_checkpoint(lambda: Qwen2ForCausalLM(cfg), 11, demo_model_path, tmp_path_factory.mktemp("fp8_base"))
+    return _random_checkpoint(lambda: Qwen2ForCausalLM(cfg), 11, demo_model_path, out)
 
 
 def _random_checkpoint(make_model, seed: int, demo_model_path, out):
@@ -203,7 +208,7 @@ def test_the_loader_broadcasts_each_scale_layout():
 
 
 def test_unsupported_quantization_is_refused_by_name(base_dir, tmp_path):
-    for quant, match in (({"quant_method": "awq", "bits": 4}, "'awq' is not supported"),
+    for quant, match in (({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not supported"),
                          ({"quant_method": "compressed-tensors", "config_groups": {"g": {
                              "weights": {"type": "int", "num_bits": 4}}}}, "int4")):
         _write(base_dir, tmp_path / "q", load_file(str(base_dir / "model.safetensors")), quant)
