@@ -909,7 +909,8 @@ class ModelRunner:
                 layer["mlp_out_norm"] = norm(p + "post_feedforward_layernorm.weight")
             self.layers.append(layer)
         raw.pop("lm_head.weight", None)
-        leftovers = [k for k in raw if "rotary_emb" not in k]
+        # AutoGPTQ saves a bias for every linear, zeros where the model has none (vLLM skips them).
+        leftovers = [k for k in raw if "rotary_emb" not in k and not (k.endswith(".bias") and not raw[k].any())]
         if leftovers:
             raise ValueError(f"unexpected weights in {path}: {leftovers[:5]}")
 

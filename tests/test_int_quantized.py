@@ -102,6 +102,8 @@ def _int_pair(base_dir, tmp_path, scheme: str):
             packed[stem + "qweight"], packed[stem + "qzeros"] = _pack_gptq(q.numpy(), zeros.numpy(), bits, spec["v2"])
             if spec["act_order"]:
                 packed[stem + "g_idx"] = g_idx.to(torch.int32)
+            if stem + "bias" not in packed:  # AutoGPTQ saves a zero bias where the model has none
+                packed[stem + "bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
         else:
             packed[stem + "qweight"], packed[stem + "qzeros"] = _pack_awq(q.numpy()), _pack_awq(zeros.numpy())
         packed[stem + "scales"] = scales
