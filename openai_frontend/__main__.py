@@ -90,6 +90,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="/v1/responses kept for GET and previous_response_id (the N used last; 0: none)")
     p.add_argument("--responses-store-max-mb", type=int, default=256,
                    help="at most this many MiB of stored responses (the least recently used go first)")
+    p.add_argument("--embeddings-pooling", choices=("off", "last", "mean"), default="off",
+                   help="serve /v1/embeddings from the model's final-norm hidden states, pooled over the prompt: "
+                        "last (its last token, as decoder embedders like Qwen3-Embedding are trained) or mean; "
+                        "off (default): a 400, as a chat model is no embedder")
     p.add_argument("--conversations-store-size", type=int, default=4096,
                    help="/v1/conversations kept (the N used last; 0: none). Their own store: responses "
                         "never evict a conversation")
@@ -188,6 +192,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         responses_store_size=max(0, args.responses_store_size),
         responses_store_max_mb=max(1, args.responses_store_max_mb),
         conversations_store_size=max(0, args.conversations_store_size),
+        embeddings_pooling=args.embeddings_pooling,
         conversations_store_max_mb=max(1, args.conversations_store_max_mb),
     )
 

@@ -40,7 +40,7 @@ from openai_frontend.processes import process_alive
 # Paths reported under their own name; anything else is "other" (bounded label cardinality).
 # Every route of server.py (tests/test_frontend_unit.py checks).
 ENDPOINTS = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/input_tokens",
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/responses/input_tokens",
     "/v1/conversations", "/generate", "/parse_function_call", "/separate_reasoning",
     "/v1/models", "/health", "/ping", "/health_generate", "/get_model_info", "/get_server_info", "/server_info", "/metrics",
     "/openapi.json", "/tokenize", "/detokenize", "/abort_request", "/flush_cache", "/reset_prefix_cache",

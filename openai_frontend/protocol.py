@@ -557,6 +557,16 @@ class ResponsesInputTokensRequest(_Body):
     personality: Optional[str] = None  # refused when set (responses.py)
 
 
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings (OpenAI's): `input` is a text, texts, token ids or lists of them."""
+
+    model: Optional[str] = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+
+
 class ConversationCreateRequest(_Body):
     """POST /v1/conversations: its first items (as a response's input items), and metadata."""
 

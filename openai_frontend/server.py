@@ -52,6 +52,7 @@ from openai_frontend.protocol import (
     ConversationCreateRequest,
     ConversationItemsRequest,
     ConversationUpdateRequest,
+    EmbeddingRequest,
     ResponsesInputTokensRequest,
     AbortRequest,
     ChatCompletionRequest,
@@ -68,6 +69,7 @@ from openai_frontend.protocol import (
 from openai_frontend import request_context
 from openai_frontend.reasoning import get_reasoning_format, split_reasoning
 from openai_frontend.conversations import Conversations
+from openai_frontend.embeddings import EmbeddingsHandler
 from openai_frontend.response_store import ResponseStore
 from openai_frontend.responses import ResponsesHandler
 from openai_frontend.sampling import openai_param
@@ -313,6 +315,7 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
         ctx, chat, store("responses", settings.responses_store_size, settings.responses_store_max_mb),
         Conversations(store("conversations", settings.conversations_store_size, settings.conversations_store_max_mb)))
     completions = CompletionHandler(ctx)
+    embeddings = EmbeddingsHandler(ctx)
     generate = GenerateHandler(ctx)
 
     # -- errors ------------------------------------------------------------------------------
@@ -528,6 +531,10 @@ def create_app(settings: Settings, client: Optional[EngineClient] = None) -> Fas
     @app.delete("/v1/conversations/{conversation_id}/items/{item_id}")
     async def delete_conversation_item(conversation_id: str, item_id: str) -> Response:
         return json_response(conversations.delete_item(conversation_id, item_id))
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, embeddings(body, _request_id(request)))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

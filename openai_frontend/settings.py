@@ -68,6 +68,9 @@ class Settings:
     # /v1/conversations: a store of their own, so that no number of responses evicts a
     # conversation; the least recently used go first past this many or this much JSON.
     conversations_store_size: int = 4096
+    # /v1/embeddings: how the prompt's final-norm hidden rows are pooled ("last", "mean"); "off"
+    # refuses the route (openai_frontend/embeddings.py).
+    embeddings_pooling: str = "off"
     conversations_store_max_mb: int = 256
 
     @property

@@ -692,7 +692,7 @@ def test_logits_processors(client, tok):
         "logits_processors": [{"qualname": f"{examples}.CountUp", "args": [300], "kwargs": {"step": 1}}]})
     want = tok.decode([300, 301, 302, 303])
     assert [c.message.content for c in counted.choices] == [want, want]
-    for extra, message in [([f"os.system"], "does not match the server's logits_processor_pattern"),
+    for extra, message in [(["os.system"], "does not match the server's logits_processor_pattern"),
                            ([f"{examples}.nope"], "cannot be loaded")]:
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"logits_processors": extra})
@@ -1274,3 +1274,29 @@ def test_responses_truncation_auto_fits_a_history_past_the_context(client):
     assert r.usage.input_tokens <= count(model=MODEL, input=kwargs["input"], truncation="auto").input_tokens < 1024
     tools = dict(model=MODEL, instructions="Be brief.", input="Weather in Paris?", tools=RESPONSES_TOOLS)
     assert count(**tools).input_tokens == client.responses.create(max_output_tokens=2, **tools).usage.input_tokens
+
+
+def test_embeddings_are_the_model_s_normalized_hidden_states(triton, tok, demo_model_path):
+    """/v1/embeddings on tritonserver (--embeddings-pooling): the last prompt token's final-norm
+    hidden state, or the prompt's mean, L2-normalized, equal to Hugging Face's; a batch in order,
+    `dimensions` cut and normalized again; the prefix cache does not change an embedding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(demo_model_path, dtype=torch.float32).eval()
+    texts = ["Embeddings from a decoder", "a second, longer input: 中文 and 🙂"]
+    with torch.no_grad():
+        states = [hf(torch.tensor([tok(t).input_ids]), output_hidden_states=True).hidden_states[-1][0] for t in texts]
+    for pooling in ("last", "mean"):
+        settings = Settings(triton_url=triton.grpc_url, model_name=MODEL, embeddings_pooling=pooling)
+        with serve_in_thread(create_app(settings)) as url:
+            sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            for _ in range(2):  # the second time the prompts are in the prefix cache
+                r = sdk.embeddings.create(model=MODEL, input=texts)
+                assert r.usage.prompt_tokens == sum(len(tok(t).input_ids) for t in texts)
+                for d, h in zip(r.data, states):
+                    want = h[-1] if pooling == "last" else h.mean(0)
+                    torch.testing.assert_close(torch.tensor(d.embedding), want / want.norm(), atol=2e-5, rtol=1e-4)
+            cut = sdk.embeddings.create(model=MODEL, input=texts[0], dimensions=32).data[0].embedding
+            want = (states[0][-1] if pooling == "last" else states[0].mean(0))[:32]
+            torch.testing.assert_close(torch.tensor(cut), want / want.norm(), atol=2e-5, rtol=1e-4)
