@@ -1,5 +1,5 @@
 """A torch forward pass for Llama/Qwen2/Qwen3-family decoders over a paged KV cache: Mistral,
-Phi-3 and Granite among them, the mixture-of-experts variants (Qwen2-MoE, Qwen3-MoE, Mixtral) and
+Phi-3, Granite and OLMo 2 among them, the mixture-of-experts variants (Qwen2-MoE, Qwen3-MoE, Mixtral) and
 Gemma 3's text models.
 
 One step runs a ragged batch: each sequence contributes a chunk of new tokens (a prefill chunk
@@ -33,7 +33,7 @@ from kernels import cpu_attention
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "qwen2_moe", "qwen3_moe",
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "olmo2", "qwen2_moe", "qwen3_moe",
                          "mixtral", "gemma3_text")
 # Checkpoints whose q, k, v and gate, up projections are stored fused (Phi-3's qkv_proj and
 # gate_up_proj), in the order the runner fuses them itself.
@@ -82,12 +82,20 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
-    # Gemma 3: RMSNorms scale by (1 + weight) in float32 before rounding; the attention's and the
-    # MLP's outputs are normed too before their residual adds ("sandwich"); the embeddings are
-    # scaled by sqrt(hidden_size); the softmax scale is query_pre_attn_scalar^-1/2; sliding
-    # layers rotate by a rope of their own (local_rope_theta, no scaling); the logits may be
-    # soft-capped (cap * tanh(logits / cap)).
-    gemma_norms: bool = False
+    # Where the norms sit and how they round. Llama's: before each sublayer (pre_norms), the
+    # weight applied after rounding to the model's dtype. Gemma 3 and OLMo 2 norm each
+    # sublayer's output before its residual add (post_norms) and apply the weight in float32
+    # before rounding (norms_in_float); Gemma's weight is 1 + the checkpoint's (norm_offset);
+    # OLMo 2 has no pre-norms, and norms q and k over all their heads at once (qk_norm_whole).
+    pre_norms: bool = True
+    post_norms: bool = False
+    norms_in_float: bool = False
+    norm_offset: float = 0.0
+    qk_norm_whole: bool = False
+    # Gemma 3: the embeddings scaled by sqrt(hidden_size); the softmax scale is
+    # query_pre_attn_scalar^-1/2; sliding layers rotate by a rope of their own
+    # (local_rope_theta, no scaling); the logits may be soft-capped (cap * tanh(logits / cap)).
+    embed_sqrt_hidden: bool = False
     query_pre_attn_scalar: Optional[float] = None
     local_rope_theta: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
@@ -139,7 +147,7 @@ class ModelConfig:
         # Qwen2-MoE names its q, k, v bias qkv_bias (true unless false).
         attention_bias = (bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe"
                           else bool(cfg.get("attention_bias", family == "qwen2")) and family != "mistral")
-        if family in ("qwen3", "gemma3_text") and attention_bias:
+        if family in ("qwen3", "gemma3_text", "olmo2") and attention_bias:
             raise ValueError(f"attention_bias is not supported for {model_type} models")
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
@@ -162,7 +170,7 @@ class ModelConfig:
             max_position_embeddings=cfg["max_position_embeddings"],
             tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
             attention_bias=attention_bias,
-            qk_norm=family in ("qwen3", "gemma3_text"),
+            qk_norm=family in ("qwen3", "gemma3_text", "olmo2"),
             hidden_act=act,
             o_bias=attention_bias and model_type in ("llama", "granite"),
             mlp_bias=bool(cfg.get("mlp_bias", False)) and model_type in ("llama", "granite"),
@@ -173,6 +181,8 @@ class ModelConfig:
             **(_experts(cfg, model_type) if model_type in _DENSE_FAMILY else {}),
             **gemma,
             **(_granite(cfg) if model_type == "granite" else {}),
+            **(dict(pre_norms=False, post_norms=True, norms_in_float=True, qk_norm_whole=True)
+               if model_type == "olmo2" else {}),
         )
 
     @property
@@ -331,7 +341,8 @@ def _gemma3(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         local = {"rope_theta": cfg.get("rope_local_base_freq") or 10_000.0}
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"gemma3_text: a sliding layers' rope of type '{local['rope_type']}' is not supported")
-    return rope, dict(gemma_norms=True, query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+    return rope, dict(post_norms=True, norms_in_float=True, norm_offset=1.0, embed_sqrt_hidden=True,
+                      query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
                       local_rope_theta=float(local.get("rope_theta") or 10_000.0),
                       final_logit_softcapping=cfg.get("final_logit_softcapping"))
 
@@ -479,9 +490,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x.to(dtype)
 
 
-def _gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm, `weight` already 1 + the checkpoint's, in float32: scaled before the
-    rounding to x's dtype, where Llama's rounds first."""
+def _float_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's and OLMo 2's RMSNorm, `weight` in float32 (Gemma's already 1 + the checkpoint's):
+    scaled before the rounding to x's dtype, where Llama's rounds first."""
     if x.dtype == torch.float32 and x.is_cpu:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # the same arithmetic, fused (see _rms_norm)
     y = x.float()
@@ -685,15 +696,15 @@ class ModelRunner:
         self._rope_cos = self._rope_sin = torch.empty(0, device=self.device)
         self._extend_rope(c.context_limit)
         self.attn_scale = c.attention_multiplier or (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-        self._norm = _gemma_rms_norm if c.gemma_norms else _rms_norm
+        self._norm = _float_rms_norm if c.norms_in_float else _rms_norm
         # Gemma 3 scales the embeddings by sqrt(hidden_size), rounded to the model's dtype;
         # Granite by its embedding_multiplier.
         self._embed_scale: Optional[torch.Tensor | float] = (
-            torch.tensor(c.hidden_size**0.5, dtype=self.dtype, device=self.device) if c.gemma_norms
+            torch.tensor(c.hidden_size**0.5, dtype=self.dtype, device=self.device) if c.embed_sqrt_hidden
             else c.embedding_multiplier if c.embedding_multiplier != 1.0 else None)
         # Layers that are only norm, attention, norm, MLP and plain residual adds take the
         # shortest path in _eager.
-        self._plain_layers = not c.gemma_norms and c.residual_multiplier == 1.0
+        self._plain_layers = c.pre_norms and not c.post_norms and c.residual_multiplier == 1.0
         # An fp8 cache stores K / k_scale and V / v_scale: the checkpoint's calibrated scales
         # (backend/quantized_checkpoint.py), else 1.0. Every attention path reads the stored
         # rows as they are: k_scale is folded into the layer's softmax scale (q.(k8 s) =
@@ -849,8 +860,8 @@ class ModelRunner:
             return t.to(device=self.device, dtype=self.dtype)
 
         def norm(name: str, kind: str = "norm") -> torch.Tensor:
-            # Gemma's norms scale by 1 + weight, in float32 (_gemma_rms_norm).
-            return 1.0 + take(name, kind).float() if c.gemma_norms else take(name, kind)
+            # Gemma's and OLMo 2's norms scale in float32 (_float_rms_norm), Gemma's by 1 + weight.
+            return c.norm_offset + take(name, kind).float() if c.norms_in_float else take(name, kind)
 
         self.embed = take("model.embed_tokens.weight", "embed")
         self.final_norm = norm("model.norm.weight")
@@ -875,16 +886,17 @@ class ModelRunner:
             p = f"model.layers.{i}."
             # q, k, v and gate, up are fused so each becomes one matmul.
             layer = {
-                "in_norm": norm(p + "input_layernorm.weight"),
-                # The norm before the MLP: Gemma's pre_feedforward_layernorm, as its
-                # post_attention_layernorm norms the attention's output (attn_out_norm).
-                "post_norm": norm(p + ("pre_feedforward_layernorm.weight" if c.gemma_norms
-                                       else "post_attention_layernorm.weight")),
                 "qkv": (take(p + "self_attn.qkv_proj.weight", "qkv_fused") if fused else
                         torch.cat([take(p + f"self_attn.{n}_proj.weight", "q_proj" if n == "q" else "kv_proj")
                                    for n in "qkv"])),
                 "o": take(p + "self_attn.o_proj.weight", "o_proj"),
             }
+            if c.pre_norms:
+                layer["in_norm"] = norm(p + "input_layernorm.weight")
+                # The norm before the MLP: Gemma's pre_feedforward_layernorm, as its
+                # post_attention_layernorm norms the attention's output (attn_out_norm).
+                layer["post_norm"] = norm(p + ("pre_feedforward_layernorm.weight" if c.post_norms
+                                               else "post_attention_layernorm.weight"))
             if c.moe_layers and c.moe_layers[i]:
                 layer.update(self._take_experts(p, take))
             else:
@@ -902,9 +914,9 @@ class ModelRunner:
                                                    take(p + "mlp.up_proj.bias", "inter_bias")])
                 layer["down_bias"] = take(p + "mlp.down_proj.bias", "norm")
             if c.qk_norm:
-                layer["q_norm"] = norm(p + "self_attn.q_norm.weight", "head_norm")
-                layer["k_norm"] = norm(p + "self_attn.k_norm.weight", "head_norm")
-            if c.gemma_norms:
+                layer["q_norm"] = norm(p + "self_attn.q_norm.weight", "q_bias" if c.qk_norm_whole else "head_norm")
+                layer["k_norm"] = norm(p + "self_attn.k_norm.weight", "kv_bias" if c.qk_norm_whole else "head_norm")
+            if c.post_norms:
                 layer["attn_out_norm"] = norm(p + "post_attention_layernorm.weight")
                 layer["mlp_out_norm"] = norm(p + "post_feedforward_layernorm.weight")
             self.layers.append(layer)
@@ -1300,7 +1312,7 @@ class ModelRunner:
         ropes = {False: (cos, sin)}
         if self._local_rope is not None:
             ropes[True] = (self._local_rope[0][batch.positions][:, None, :], self._local_rope[1][batch.positions][:, None, :])
-        norm, sandwich, residual = self._norm, c.gemma_norms, c.residual_multiplier
+        norm, pre, sandwich, residual = self._norm, c.pre_norms, c.post_norms, c.residual_multiplier
 
         h = self.embed[batch.input_ids]
         if self._embed_scale is not None:
@@ -1315,15 +1327,19 @@ class ModelRunner:
         splits = [self._splits(g.num_tiles or g.num_seqs, g.block_tables.shape[1]) if g.block_tables is not None else 1
                   for g in batch.groups]
         for li, layer in enumerate(self.layers):
-            x = norm(h, layer["in_norm"], c.rms_norm_eps)
+            x = norm(h, layer["in_norm"], c.rms_norm_eps) if pre else h
             qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
             if batch.lora:
                 apply_lora(qkv, x, li, "qkv", batch.lora)
             v = qkv[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
             if c.qk_norm:
                 q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
-                q = norm(q.reshape(-1, c.num_heads, c.head_dim), layer["q_norm"], c.rms_norm_eps)
-                k = norm(k.reshape(-1, c.num_kv_heads, c.head_dim), layer["k_norm"], c.rms_norm_eps)
+                if c.qk_norm_whole:  # OLMo 2: each token's q (and k) normed across all its heads
+                    q, k = norm(q, layer["q_norm"], c.rms_norm_eps), norm(k, layer["k_norm"], c.rms_norm_eps)
+                q = q.reshape(-1, c.num_heads, c.head_dim)
+                k = k.reshape(-1, c.num_kv_heads, c.head_dim)
+                if not c.qk_norm_whole:
+                    q, k = norm(q, layer["q_norm"], c.rms_norm_eps), norm(k, layer["k_norm"], c.rms_norm_eps)
                 lcos, lsin = ropes[self._uses_local_rope[li]]
                 q, k = _rotate(q, lcos, lsin), _rotate(k, lcos, lsin)
             else:
@@ -1377,7 +1393,7 @@ class ModelRunner:
             if sandwich:
                 o = norm(o, layer["attn_out_norm"], c.rms_norm_eps)
             h = h + (o * residual if residual != 1.0 else o)
-            x = norm(h, layer["post_norm"], c.rms_norm_eps)
+            x = norm(h, layer["post_norm"], c.rms_norm_eps) if pre else h
             if "router" in layer:  # adapters on experts are refused when loaded (backend/lora.py)
                 out = self._moe(x, layer)
                 h = h + (out * residual if residual != 1.0 else out)

@@ -91,6 +91,13 @@ def _build(kind: str, demo_model_path, out_dir):
         cfg = GraniteConfig(**common, embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.6,
                             logits_scaling=2.5, tie_word_embeddings=True)
         model = GraniteForCausalLM(cfg)
+    elif kind == "olmo2":
+        # OLMo 2: no pre-norms, each sublayer's output normed before its residual add, q and k
+        # normed across all their heads.
+        from transformers import Olmo2Config, Olmo2ForCausalLM
+
+        cfg = Olmo2Config(**common, tie_word_embeddings=False, pad_token_id=0)
+        model = Olmo2ForCausalLM(cfg)
     elif kind == "phi3":
         # Phi-3 / Phi-4: q, k, v and gate, up stored fused; a sliding window in every layer.
         from transformers import Phi3Config, Phi3ForCausalLM
@@ -133,7 +140,8 @@ def _assert_hf_greedy(hf, prompts, outs, new: int) -> None:
                                                ("qwen2_moe", None, False), ("qwen3_moe", 24, False),
                                                ("mixtral", 24, True), ("qwen3_moe_loop", None, False),
                                                ("gemma3", None, False), ("gemma3", 24, False), ("gemma3", 24, True),
-                                               ("phi3", None, False), ("phi3", 24, True), ("granite", 24, False)])
+                                               ("phi3", None, False), ("phi3", 24, True), ("granite", 24, False),
+                                               ("olmo2", 24, False)])
 def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, monkeypatch):
     from pathlib import Path
 
@@ -186,7 +194,7 @@ def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, 
         engine.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen2_moe", "mixtral", "phi3", "granite"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_moe", "mixtral", "phi3", "granite", "olmo2"])
 def test_one_mixed_step_gives_hf_logits(kind, demo_model_path, tmp_path):
     """Logits, not only the argmax: a monotone change (Gemma's soft cap) or a small one (its
     softmax scale) leaves greedy tokens alone. A prompt's first chunk, another's later chunk and
