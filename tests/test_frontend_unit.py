@@ -3135,3 +3135,35 @@ def test_triton_url_takes_grpc_endpoints_not_an_http_url(capsys):
         with pytest.raises(SystemExit):
             parse_args(["--triton-url", url])
         assert f"Triton's gRPC endpoint as host:port (8001 by default), not a URL: '{url}'" in capsys.readouterr().err
+
+
+def test_qwen3_coder_calls_are_the_same_streamed_and_not_and_strict_tools_are_refused():
+    """The qwen3_coder parser through the frontend (its parsing alone: test_tool_parser_qwen3_coder.py)."""
+    from tests.test_tool_parser_qwen3_coder import TOOLS, call
+
+    fake = FakeLLMClient()
+    output = "Let me look.\n" + call("get_weather", ("city", "Paris"), ("days", "3")) + call("get_time")
+    pieces = [output[i:i + 7] for i in range(0, len(output), 7)]
+    fake.script = lambda req: text_chunks(pieces)
+    messages = [{"role": "user", "content": "weather?"}]
+    with serve_in_thread(create_app(Settings(model_name=MODEL, tool_call_parser="qwen3_coder"), client=fake)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+        assert calls == [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", "{}")]
+        assert r.choices[0].message.content == "Let me look." and r.choices[0].finish_reason == "tool_calls"
+        streamed: dict[int, list[str]] = {}
+        text = ""
+        for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, stream=True):
+            delta = chunk.choices[0].delta
+            text += delta.content or ""
+            for tc in delta.tool_calls or ():
+                entry = streamed.setdefault(tc.index, ["", ""])
+                entry[0] += tc.function.name or ""
+                entry[1] += tc.function.arguments or ""
+        assert text == "Let me look." and [tuple(v) for _, v in sorted(streamed.items())] == calls
+        # Strict tools under auto need JSON arguments to constrain: refused by name.
+        strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=messages, tools=strict)
+        assert err.value.body["param"] == "tools[0].function.strict"

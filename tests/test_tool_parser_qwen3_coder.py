@@ -1,6 +1,7 @@
 """The Qwen3-Coder tool-call parser (openai_frontend/tool_parsers/qwen3_coder.py): its XML calls
 typed by the tools' schemas, the same result streamed in any chunking as parsed whole, and through
-the frontend the same calls streaming and not. The harness is test_tool_parsers.py's, whose
+the frontend the same calls streaming and not (test_frontend_unit.py, which serves the frontend;
+this module stays in the unit lane). The harness is test_tool_parsers.py's, whose
 test_cut_output_parses_as_its_stream_ends covers this format too."""
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 
-import openai
 import pytest
 
 from openai_frontend.tool_parsers import Qwen3CoderToolParser, get_tool_parser
@@ -186,46 +186,3 @@ def test_fuzz_a_broken_call_streams_the_same_in_every_chunking():
         for chunks in chunkings(text, hash(text) & 0xFFFF, 3, all_splits=len(text) < 200):
             assert run_stream(FMT, chunks, TOOLS) == one_chunk, chunks
     assert broken > 20
-
-
-# -- through the frontend ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sdk():
-    from openai_frontend.server import create_app
-    from openai_frontend.settings import Settings
-    from openai_frontend.testing import FakeLLMClient, serve_in_thread
-
-    fake = FakeLLMClient()
-    with serve_in_thread(create_app(Settings(model_name="m", tool_call_parser=FMT), client=fake)) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0), fake
-
-
-def test_the_frontend_gives_the_same_calls_streamed_and_not(sdk):
-    from openai_frontend.testing import text_chunks
-
-    client, fake = sdk
-    output = "Let me look.\n" + call("get_weather", ("city", "Paris"), ("days", "3")) + call("get_time")
-    pieces = [output[i:i + 7] for i in range(0, len(output), 7)]
-    fake.script = lambda req: text_chunks(pieces)
-    messages = [{"role": "user", "content": "weather?"}]
-    r = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
-    calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
-    assert calls == [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", "{}")]
-    assert r.choices[0].message.content == "Let me look." and r.choices[0].finish_reason == "tool_calls"
-    streamed: dict[int, list[str]] = {}
-    text = ""
-    for chunk in client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True):
-        delta = chunk.choices[0].delta
-        text += delta.content or ""
-        for tc in delta.tool_calls or ():
-            entry = streamed.setdefault(tc.index, ["", ""])
-            entry[0] += tc.function.name or ""
-            entry[1] += tc.function.arguments or ""
-    assert text == "Let me look." and [tuple(v) for _, v in sorted(streamed.items())] == calls
-    # Strict tools under auto need JSON arguments to constrain: refused by name.
-    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="m", messages=messages, tools=strict)
-    assert err.value.body["param"] == "tools[0].function.strict"
