@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import kernels
+from backend import moe
 from backend.decode_graphs import Capture, DecodeGraphs, capture_cuda_graph, graph_buckets
 from backend.host_tensors import host_tensor, on_device, page_aligned_zeros
 from backend.lora import LoraAdapter, apply_lora, apply_lora_embedding, apply_lora_logits, load_adapter
@@ -75,7 +76,7 @@ class ModelConfig:
     # mlp_only_layers; every layer in Mixtral): a token's MLP output is the weighted sum of its
     # num_experts_per_tok best experts (a softmax over the router's logits, renormalised over the
     # chosen ones when norm_topk_prob), plus, in Qwen2-MoE, a shared expert scaled by a sigmoid
-    # gate. 0 experts: a dense model.
+    # gate (backend/moe.py). 0 experts: a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -178,7 +179,7 @@ class ModelConfig:
             sliding_layers=sliding,
             quantization=quantization,
             defaulted=defaulted,
-            **(_experts(cfg, model_type) if model_type in _DENSE_FAMILY else {}),
+            **(moe.config_fields(cfg, model_type) if model_type in _DENSE_FAMILY else {}),
             **gemma,
             **(_granite(cfg) if model_type == "granite" else {}),
             **(dict(pre_norms=False, post_norms=True, norms_in_float=True, qk_norm_whole=True)
@@ -264,53 +265,6 @@ def _transformers_defaults(cfg: dict[str, Any], model_type: str) -> dict[str, An
     out = {k: getattr(hf, k) for k in missing if hasattr(hf, k)}
     out["rope_theta"] = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or 10000.0
     return out
-
-
-def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """A mixture-of-experts config's ModelConfig fields, as transformers' modeling code reads it
-    (a key config.json leaves out is its config class's default)."""
-    from transformers import AutoConfig
-
-    hf = AutoConfig.for_model(model_type)
-
-    def get(key: str) -> Any:
-        return cfg[key] if cfg.get(key) is not None else getattr(hf, key, None)
-
-    layers = cfg["num_hidden_layers"]
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or get("num_experts")
-                  or get("num_local_experts") or 0)
-    top_k = int(get("num_experts_per_tok") or 0)
-    if experts <= 0 or not 0 < top_k <= experts:
-        raise ValueError(f"{model_type}: num_experts_per_tok {top_k} must be in 1..the number of experts ({experts})")
-    if model_type == "mixtral":  # every layer, the experts as wide as intermediate_size, always renormalised
-        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=cfg["intermediate_size"],
-                    norm_topk_prob=True, moe_layers=(True,) * layers)
-    step = int(get("decoder_sparse_step") or 1)
-    dense = set(get("mlp_only_layers") or ())
-    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(get("moe_intermediate_size")),
-                norm_topk_prob=bool(get("norm_topk_prob")),
-                shared_expert_intermediate_size=int(get("shared_expert_intermediate_size") or 0)
-                if model_type == "qwen2_moe" else 0,
-                moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
-
-
-def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether F.grouped_mm runs here and agrees with a matmul per group (it needs a recent
-    torch, and on CUDA some architectures and dtypes only)."""
-    grouped_mm = getattr(F, "grouped_mm", None)
-    if grouped_mm is None:
-        return False
-    try:
-        g = torch.Generator().manual_seed(0)
-        a = torch.randn(8, 16, generator=g).to(device=device, dtype=dtype)
-        b = torch.randn(3, 32, 16, generator=g).to(device=device, dtype=dtype)
-        offs = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
-        out = grouped_mm(a, b.transpose(-2, -1), offs=offs)
-        want = torch.cat([F.linear(a[:3], b[0]), F.linear(a[3:], b[2])])
-        return bool(torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2))
-    except (RuntimeError, NotImplementedError, TypeError) as exc:
-        log.info("grouped_mm unavailable on %s %s (%s): MoE experts run one matmul pair each", device, dtype, exc)
-        return False
 
 
 def _granite(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -662,7 +616,7 @@ class ModelRunner:
         c = self.config
         # An MoE layer's experts run as one grouped matmul where torch has one for this device
         # and dtype (no host sync, so decode graphs can hold them), else one matmul pair each.
-        self.grouped_experts = c.is_moe and grouped_mm_works(self.device, self.dtype)
+        self.grouped_experts = c.is_moe and moe.grouped_mm_works(self.device, self.dtype)
         # Blocks past the pool that no sequence owns: padding rows of a graph replay write
         # their K/V there. Enough of them for one block per block_size rows of the largest
         # bucket, which the capture check needs.
@@ -898,7 +852,7 @@ class ModelRunner:
                 layer["post_norm"] = norm(p + ("pre_feedforward_layernorm.weight" if c.post_norms
                                                else "post_attention_layernorm.weight"))
             if c.moe_layers and c.moe_layers[i]:
-                layer.update(self._take_experts(p, take))
+                layer.update(moe.take_experts(c, p, take))
             else:
                 layer["gate_up"] = (take(p + "mlp.gate_up_proj.weight", "gate_up_fused") if fused else
                                     torch.cat([take(p + "mlp.gate_proj.weight", "gate_up"),
@@ -925,74 +879,6 @@ class ModelRunner:
         leftovers = [k for k in raw if "rotary_emb" not in k and not (k.endswith(".bias") and not raw[k].any())]
         if leftovers:
             raise ValueError(f"unexpected weights in {path}: {leftovers[:5]}")
-
-    def _take_experts(self, p: str, take: Any) -> dict[str, torch.Tensor]:
-        """A mixture-of-experts layer's weights, as checkpoints on the Hub name them (Qwen's
-        mlp.gate / mlp.experts.{e}.{gate,up,down}_proj, Mixtral's block_sparse_moe.gate /
-        .experts.{e}.w1 (gate), w3 (up), w2 (down)): each expert's gate and up fused, every
-        expert stacked, so that one expert is one index and two matmuls."""
-        c = self.config
-        if c.model_type == "mixtral":
-            m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
-        else:
-            m, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
-        gate, up, down = names
-        out = {
-            "router": take(m + "gate.weight", "router"),
-            "experts_gate_up": torch.stack([
-                torch.cat([take(f"{m}experts.{e}.{gate}.weight", "expert_gate_up"),
-                           take(f"{m}experts.{e}.{up}.weight", "expert_gate_up")]) for e in range(c.num_experts)]),
-            "experts_down": torch.stack([take(f"{m}experts.{e}.{down}.weight", "expert_down")
-                                         for e in range(c.num_experts)]),
-        }
-        if c.shared_expert_intermediate_size:
-            out["shared_gate_up"] = torch.cat([take(m + "shared_expert.gate_proj.weight", "shared_gate_up"),
-                                               take(m + "shared_expert.up_proj.weight", "shared_gate_up")])
-            out["shared_down"] = take(m + "shared_expert.down_proj.weight", "shared_down")
-            out["shared_gate"] = take(m + "shared_expert_gate.weight", "shared_gate")
-        return out
-
-    def _moe(self, x: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A mixture-of-experts MLP over the packed tokens `x`, as transformers computes it: the
-        token-expert pairs grouped by expert, each expert's tokens through its gate/up and down
-        matmuls, scaled by the routing weight and added back to their tokens in expert order
-        (so each token's sum is transformers' to the bit in float32). With grouped_experts every
-        expert's matmul is one grouped_mm call over offsets computed on the device; else a
-        matmul pair per expert, whose counts are read on the host (no decode graphs then)."""
-        c = self.config
-        probs = torch.softmax(F.linear(x, layer["router"]), dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, c.num_experts_per_tok, dim=-1)
-        if c.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        # Qwen scales by weights in the model's dtype; Mixtral by the float32 ones, then rounds.
-        weights = (weights if c.model_type == "mixtral" else weights.to(x.dtype)).flatten()
-        flat = chosen.flatten()
-        order = torch.argsort(flat, stable=True)  # pairs by expert, each expert's tokens in order
-        tokens = order // c.num_experts_per_tok
-        out = torch.zeros_like(x)
-        if self.grouped_experts:
-            # Per-expert counts by index_add, not bincount: bincount sizes its output on the host.
-            counts = torch.zeros(c.num_experts, dtype=torch.int64, device=x.device)
-            counts.index_add_(0, flat, torch.ones_like(flat))
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            gate, up = F.grouped_mm(x[tokens], layer["experts_gate_up"].transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-            y = F.grouped_mm(self._act(gate) * up, layer["experts_down"].transpose(-2, -1), offs=offs)
-            out.index_add_(0, tokens, (y * weights[order, None]).to(x.dtype))
-        else:
-            start = 0
-            for e, n in enumerate(torch.bincount(flat, minlength=c.num_experts).tolist()):
-                if not n:
-                    continue
-                pairs, rows = order[start : start + n], tokens[start : start + n]
-                start += n
-                gate, up = F.linear(x[rows], layer["experts_gate_up"][e]).chunk(2, dim=-1)
-                y = F.linear(self._act(gate) * up, layer["experts_down"][e]) * weights[pairs, None]
-                out.index_add_(0, rows, y.to(x.dtype))
-        if "shared_gate_up" in layer:
-            gate, up = F.linear(x, layer["shared_gate_up"]).chunk(2, dim=-1)
-            shared = F.linear(self._act(gate) * up, layer["shared_down"])
-            out = out + torch.sigmoid(F.linear(x, layer["shared_gate"])) * shared
-        return out
 
     def load_lora(self, name: str, path: str | Path) -> LoraAdapter:
         """Load a PEFT adapter that requests may then name (backend/lora.py). The dict is only
@@ -1382,7 +1268,7 @@ class ModelRunner:
                 h = h + F.linear(attn, layer["o"], layer.get("o_bias"))
                 x = _rms_norm(h, layer["post_norm"], c.rms_norm_eps)
                 if "router" in layer:
-                    h = h + self._moe(x, layer)
+                    h = h + moe.forward(c, x, layer, self._act, self.grouped_experts)
                     continue
                 gate, up = F.linear(x, layer["gate_up"], layer.get("gate_up_bias")).chunk(2, dim=-1)
                 h = h + F.linear(self._act(gate) * up, layer["down"], layer.get("down_bias"))
@@ -1395,7 +1281,7 @@ class ModelRunner:
             h = h + (o * residual if residual != 1.0 else o)
             x = norm(h, layer["post_norm"], c.rms_norm_eps) if pre else h
             if "router" in layer:  # adapters on experts are refused when loaded (backend/lora.py)
-                out = self._moe(x, layer)
+                out = moe.forward(c, x, layer, self._act, self.grouped_experts)
                 h = h + (out * residual if residual != 1.0 else out)
                 continue
             gate_up = F.linear(x, layer["gate_up"], layer.get("gate_up_bias"))

@@ -145,12 +145,12 @@ def _assert_hf_greedy(hf, prompts, outs, new: int) -> None:
 def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, monkeypatch):
     from pathlib import Path
 
-    import backend.model_runner
+    import backend.moe
 
     looped = kind.endswith("_loop")
     if looped:  # experts one matmul pair each, as where torch has no grouped_mm
         kind = kind[: -len("_loop")]
-        monkeypatch.setattr(backend.model_runner, "grouped_mm_works", lambda device, dtype: False)
+        monkeypatch.setattr(backend.moe, "grouped_mm_works", lambda device, dtype: False)
     hf = _build(kind, Path(demo_model_path), tmp_path)
     # chunk: prefill in chunks of that many tokens, so a chunk starts past the sliding window;
     # flat: every step (at most `chunk` tokens) as paged-kernel queries, the window in the kernel
