@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.model_runner import _DEFAULTED_KEYS, ModelConfig, ModelRunner
+from backend.model_config import _DEFAULTED_KEYS
+from backend.model_runner import ModelConfig, ModelRunner
 
 TINY = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
