@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import math
 import struct
 from typing import Any, Union
 
+import numpy as np
 from starlette.responses import Response
 
 from openai_frontend.common import Context, json_response
@@ -53,15 +53,15 @@ def split_inputs(value: Any) -> list[Input]:
 
 
 def pooled(rows: list[list[float]], pooling: str, dimensions: Union[int, None]) -> list[float]:
-    """The rows pooled, cut to `dimensions`, L2-normalized."""
-    if pooling == "last":
-        vector = list(rows[-1])
-    else:
-        vector = [sum(column) / len(rows) for column in zip(*rows)]
+    """The rows pooled, cut to `dimensions`, L2-normalized (in float64: a long prompt's mean is
+    thousands of rows)."""
+    vector = np.asarray(rows[-1] if pooling == "last" else rows, dtype=np.float64)
+    if pooling != "last":
+        vector = vector.mean(axis=0)
     if dimensions is not None:
         vector = vector[:dimensions]
-    norm = math.sqrt(sum(x * x for x in vector))
-    return [x / norm for x in vector] if norm > 0 else vector
+    norm = float(np.linalg.norm(vector))
+    return (vector / norm if norm > 0 else vector).tolist()
 
 
 def encoded(vector: list[float], encoding_format: str) -> Union[list[float], str]:

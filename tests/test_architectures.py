@@ -194,7 +194,7 @@ def test_engine_matches_hf_greedy(kind, chunk, flat, demo_model_path, tmp_path, 
         engine.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen2_moe", "mixtral", "phi3", "granite", "olmo2"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "granite", "olmo2"])
 def test_one_mixed_step_gives_hf_logits(kind, demo_model_path, tmp_path):
     """Logits, not only the argmax: a monotone change (Gemma's soft cap) or a small one (its
     softmax scale) leaves greedy tokens alone. A prompt's first chunk, another's later chunk and

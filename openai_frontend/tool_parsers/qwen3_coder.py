@@ -152,23 +152,28 @@ class Qwen3CoderToolParser(BaseToolParser):
     def reset(self) -> None:
         super().reset()
         self._schemas: Optional[dict[str, dict[str, Any]]] = None
+        self._schemas_of: Any = _KEEP_TOOLS  # the tools _schemas was read from
         self._state = "text"  # text | head | args | after | skip
         self._call: Optional[int] = None  # the committed call's index; None: a dropped function
         self._function = ""
         self._first = True
 
     # -- the tools' schemas travel with their names ----------------------------------------------
+    def _read_schemas(self, tools: Optional[Sequence[Any]]) -> None:
+        if tools is not self._schemas_of:  # a stream passes the same list with every chunk
+            self._schemas, self._schemas_of = _schemas(tools), tools
+
     def detect_and_parse(self, text: str, tools: Optional[Sequence[Any]]) -> ParseResult:
-        self._schemas = _schemas(tools)
+        self._read_schemas(tools)
         return super().detect_and_parse(text, tools)
 
     def parse_streaming_increment(self, new_text: str, tools: Optional[Sequence[Any]]) -> StreamingParseResult:
-        self._schemas = _schemas(tools)
+        self._read_schemas(tools)
         return super().parse_streaming_increment(new_text, tools)
 
     def finish(self, tools: Optional[Sequence[Any]] = _KEEP_TOOLS) -> StreamingParseResult:
         if tools is not _KEEP_TOOLS:
-            self._schemas = _schemas(tools)
+            self._read_schemas(tools)
         return super().finish(tools)
 
     flush = finish
