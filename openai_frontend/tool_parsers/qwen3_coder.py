@@ -209,19 +209,24 @@ class Qwen3CoderToolParser(BaseToolParser):
         """The functions of the block whose trigger ends at `pos`, and where the block ends; None
         when its first function is malformed. A function the text ends inside is dropped."""
         found: list[tuple[str, str]] = []
+
+        def malformed() -> tuple[Optional[list[tuple[str, str]]], int]:
+            # The block ends after its last good function; with none, the trigger is text.
+            return found or None, pos
+
         while True:
             q = _skip_ws(text, pos)
             if found and text.startswith(CLOSE, q):
                 return found, q + len(CLOSE)
-            if q == len(text) or _is_prefix(text[q:], FUNC, CLOSE if found else FUNC):
+            if q == len(text) or _is_prefix(text[q:], FUNC, *((CLOSE,) if found else ())):
                 return found, len(text)  # cut before a function's name was complete: dropped
             if not text.startswith(FUNC, q):
-                return (found, pos) if found else (None, pos)
+                return malformed()
             status, name, r = _tag_name(text, q + len(FUNC))
             if status == "more":
                 return found, len(text)
             if status == "bad":
-                return (found, pos) if found else (None, pos)
+                return malformed()
             parts: list[str] = []
             while True:
                 s = _skip_ws(text, r)
@@ -231,12 +236,12 @@ class Qwen3CoderToolParser(BaseToolParser):
                 if s == len(text) or _is_prefix(text[s:], FUNC_END, PARAM):
                     return found, len(text)
                 if not text.startswith(PARAM, s):
-                    return (found, pos) if found else (None, pos)
+                    return malformed()
                 status, key, v = _tag_name(text, s + len(PARAM))
                 if status == "more":
                     return found, len(text)
                 if status == "bad":
-                    return (found, pos) if found else (None, pos)
+                    return malformed()
                 e = text.find(PARAM_END, v)
                 if e < 0:
                     return found, len(text)
